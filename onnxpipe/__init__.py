@@ -1,0 +1,32 @@
+"""onnxpipe: split ONNX models into stages, build them, and run them as a pipeline.
+
+The top-level package stays light (no onnx, onnxruntime or numpy import) so that the CLI's
+``--help`` and the runtime's import firewall stay cheap. Use the sub-packages:
+
+- :mod:`onnxpipe.splitter` -- cut a model into stage models,
+- :mod:`onnxpipe.builder` -- the :class:`~onnxpipe.builder.PipelineConfig` authoring object,
+- :mod:`onnxpipe.runtime` -- the bundle spec and the executor (numpy + onnxruntime only).
+"""
+
+from onnxpipe._errors import (
+    BuildError,
+    BundleError,
+    ConfigError,
+    InputError,
+    OnnxpipeError,
+    SplitError,
+    StageError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BuildError",
+    "BundleError",
+    "ConfigError",
+    "InputError",
+    "OnnxpipeError",
+    "SplitError",
+    "StageError",
+    "__version__",
+]

@@ -1,0 +1,72 @@
+"""The one exception family of onnxpipe.
+
+User errors (a bad cut, an unknown tensor, a broken bundle, a wrong input) raise a subclass of
+:class:`OnnxpipeError` whose message names the offending thing and the valid choices. Bugs stay
+plain Python exceptions with their tracebacks.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "BuildError",
+    "BundleError",
+    "ConfigError",
+    "InputError",
+    "OnnxpipeError",
+    "SplitError",
+    "StageError",
+    "closest",
+]
+
+
+class OnnxpipeError(Exception):
+    """Base class of every error onnxpipe raises on purpose for bad user input."""
+
+
+class SplitError(OnnxpipeError):
+    """A model cannot be split as asked (unknown name, bad cut, empty stage, ...)."""
+
+
+class ConfigError(OnnxpipeError):
+    """A pipeline wiring is invalid (unbound input, dtype mismatch, cycle, ...)."""
+
+
+class BuildError(OnnxpipeError):
+    """A stage cannot be built for its target."""
+
+
+class BundleError(OnnxpipeError):
+    """A bundle is missing, broken, or refused as unsafe."""
+
+
+class StageError(OnnxpipeError):
+    """A stage failed while running a request."""
+
+
+class InputError(OnnxpipeError):
+    """Inputs given to a pipeline or a model do not match what it declares."""
+
+
+def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
+    """Format the valid names closest to ``name`` for an error message.
+
+    Args:
+        name: The name the user gave.
+        choices: Every valid name.
+        n: How many names to show at most.
+
+    Returns:
+        ``"closest: 'a', 'b'"``, or a short listing of valid names when none is close.
+    """
+    pool = sorted(set(choices))
+    near = difflib.get_close_matches(name, pool, n=n, cutoff=0.5)
+    if near:
+        return "closest: " + ", ".join(repr(c) for c in near)
+    if not pool:
+        return "there are none"
+    shown = ", ".join(repr(c) for c in pool[:n])
+    more = f" (and {len(pool) - n} more)" if len(pool) > n else ""
+    return f"valid: {shown}{more}"

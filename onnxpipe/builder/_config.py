@@ -1,0 +1,342 @@
+"""PipelineConfig: the one authoring object for pipelines.
+
+Stages come from .onnx files or in-memory models; ports are connected TVM-style::
+
+    config = PipelineConfig()
+    s0 = config.add_stage("stage0.onnx")
+    s1 = config.add_stage(model1, name="head")
+    config.input("data").connect(s0.input("data"))
+    s0.output("features").connect(s1.input("features"))
+    s1.output("prob").connect(config.output("prob"))
+
+A global input or output that is connected before it was declared takes the dtype and shape of the
+stage port it is connected to. Every connect is checked at once (direction, self-links, dtype and
+shape); :meth:`PipelineConfig.to_spec` checks the whole (every input fed once, acyclic) and lists the
+stages in pipeline order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import ModelProto
+
+from onnxpipe._errors import ConfigError, closest
+from onnxpipe.builder._modules import io_specs, save_model
+from onnxpipe.runtime import Endpoint, Link, PipelineSpec, StageSpec, TensorSpec
+from onnxpipe.runtime._spec import find_tensor
+
+__all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "Stage"]
+
+#: Name of the wiring file inside a split or config folder.
+CONFIG_FILE = "pipeline.json"
+
+
+@dataclass
+class Stage:
+    """A stage of a :class:`PipelineConfig`: its module and its boundary.
+
+    Attributes:
+        name: Unique name in the config.
+        model: The module in memory, or ``None`` when it is only a file.
+        path: The module file, or ``None`` until an in-memory module is saved.
+        source_dir: Folder that the in-memory model's external-data references are relative to.
+        inputs: Inputs the stage must be fed.
+        outputs: Outputs the stage produces.
+    """
+
+    config: PipelineConfig
+    name: str
+    model: ModelProto | None
+    path: Path | None
+    source_dir: Path | None
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def input(self, name: str) -> Port:
+        """The port of the stage input ``name``."""
+        find_tensor(self.inputs, name, f"stage '{self.name}' has no input")
+        return Port(self.config, Endpoint(self.name, name), is_source=False)
+
+    def output(self, name: str) -> Port:
+        """The port of the stage output ``name``."""
+        find_tensor(self.outputs, name, f"stage '{self.name}' has no output")
+        return Port(self.config, Endpoint(self.name, name), is_source=True)
+
+
+@dataclass(frozen=True)
+class Port:
+    """A connectable end: a global input, a stage output (sources), a stage input or a global output."""
+
+    config: PipelineConfig
+    endpoint: Endpoint
+    is_source: bool
+
+    def connect(self, other: Port) -> Port:
+        """Connect this source to ``other`` (a destination); returns ``other`` for chaining."""
+        self.config.connect(self, other)
+        return other
+
+    def __str__(self) -> str:
+        return str(self.endpoint)
+
+
+class PipelineConfig:
+    """Stages, global inputs and outputs, and the links between them.
+
+    Args:
+        name: A name for the pipeline, kept in the spec's metadata.
+    """
+
+    def __init__(self, name: str = "pipeline") -> None:
+        self.name = name
+        self.metadata: dict[str, str] = {}
+        self._stages: dict[str, Stage] = {}
+        self._inputs: dict[str, TensorSpec] = {}
+        self._outputs: dict[str, TensorSpec] = {}
+        self._links: dict[Endpoint, Link] = {}  # by destination: each is fed once
+
+    # -- building up -------------------------------------------------------------------------------
+
+    def add_stage(self, model: ModelProto | str | os.PathLike[str], name: str | None = None, *, source_dir: str | os.PathLike[str] | None = None) -> Stage:
+        """Add a stage from a ModelProto or an .onnx file.
+
+        Args:
+            model: The stage module, in memory or as a path.
+            name: Unique stage name (default ``stage<N>``).
+            source_dir: For an in-memory model with external-data references: their folder.
+
+        Returns:
+            The stage, whose :meth:`Stage.input` / :meth:`Stage.output` give connectable ports.
+
+        Raises:
+            ConfigError: duplicate name, unreadable file, or a boundary value that is not a tensor.
+        """
+        name = name if name is not None else f"stage{len(self._stages)}"
+        if name in self._stages:
+            raise ConfigError(f"duplicate stage name '{name}'; taken: {', '.join(self._stages)}")
+        path = None
+        if not isinstance(model, ModelProto):
+            path = Path(model)
+            try:
+                model = onnx.load(path, load_external_data=False)
+            except (OSError, DecodeError) as e:
+                raise ConfigError(f"cannot read stage module '{path}': {e}") from e
+            source_dir = path.parent
+        inputs, outputs = io_specs(model)
+        stage = Stage(self, name, model if path is None else None, path, Path(source_dir) if source_dir else None, inputs, outputs)
+        self._stages[name] = stage
+        return stage
+
+    def add_input(self, spec: TensorSpec) -> Port:
+        """Declare a global input; returns its port."""
+        return self._declare(self._inputs, spec, "pipeline input", is_source=True)
+
+    def add_output(self, spec: TensorSpec) -> Port:
+        """Declare a global output; returns its port."""
+        return self._declare(self._outputs, spec, "pipeline output", is_source=False)
+
+    def _declare(self, table: dict[str, TensorSpec], spec: TensorSpec, what: str, is_source: bool) -> Port:
+        if spec.name in table and table[spec.name] != spec:
+            raise ConfigError(f"{what} '{spec.name}' is already declared as {table[spec.name]}")
+        table[spec.name] = spec
+        return Port(self, Endpoint(None, spec.name), is_source)
+
+    def stage(self, name: str) -> Stage:
+        """The stage named ``name``."""
+        try:
+            return self._stages[name]
+        except KeyError:
+            raise ConfigError(f"no stage '{name}'; {closest(name, self._stages)}") from None
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """Stages in the order they were added."""
+        return tuple(self._stages.values())
+
+    def input(self, name: str) -> Port:
+        """The port of global input ``name`` (declared on first connect if new)."""
+        return Port(self, Endpoint(None, name), is_source=True)
+
+    def output(self, name: str) -> Port:
+        """The port of global output ``name`` (declared on first connect if new)."""
+        return Port(self, Endpoint(None, name), is_source=False)
+
+    def connect(self, src: Port, dst: Port) -> None:
+        """Link a source (global input or stage output) to a destination (stage input or global output).
+
+        Raises:
+            ConfigError: wrong direction, self-link, incompatible dtype or shape, or the destination
+                is already fed.
+        """
+        if not src.is_source:
+            raise ConfigError(f"cannot connect from {src}: a link starts at a pipeline input or a stage output")
+        if dst.is_source:
+            raise ConfigError(f"cannot connect to {dst}: a link ends at a stage input or a pipeline output")
+        if src.endpoint.stage is None and dst.endpoint.stage is None:
+            pass  # a pipeline input handed straight back as an output: allowed
+        elif src.endpoint.stage is not None and src.endpoint.stage == dst.endpoint.stage:
+            raise ConfigError(f"cannot connect {src} to {dst}: a stage cannot feed itself")
+        if dst.endpoint in self._links:
+            raise ConfigError(f"{dst} is already fed by {self._links[dst.endpoint].src}")
+        src_spec = self._spec_of(src)
+        dst_spec = self._spec_of(dst)
+        if src_spec is None and dst_spec is None:
+            raise ConfigError(f"cannot connect {src} to {dst}: declare one of them with add_input/add_output first")
+        if src_spec is None:
+            assert dst_spec is not None
+            src_spec = self._inputs[src.endpoint.tensor] = TensorSpec(src.endpoint.tensor, dst_spec.dtype, dst_spec.shape)
+        if dst_spec is None:
+            dst_spec = self._outputs[dst.endpoint.tensor] = TensorSpec(dst.endpoint.tensor, src_spec.dtype, src_spec.shape)
+        reason = src_spec.mismatch(dst_spec)
+        if reason:
+            raise ConfigError(f"cannot connect {src} to {dst}: {reason}")
+        self._links[dst.endpoint] = Link(src.endpoint, dst.endpoint)
+
+    def _spec_of(self, port: Port) -> TensorSpec | None:
+        ep = port.endpoint
+        if ep.stage is None:
+            return (self._inputs if port.is_source else self._outputs).get(ep.tensor)
+        stage = self.stage(ep.stage)
+        return find_tensor(stage.outputs if port.is_source else stage.inputs, ep.tensor, f"stage '{stage.name}' has no {'output' if port.is_source else 'input'}")
+
+    # -- the spec and files ------------------------------------------------------------------------
+
+    def to_spec(self, modules: dict[str, str] | None = None) -> PipelineSpec:
+        """The validated :class:`PipelineSpec`, stages in pipeline (topological) order.
+
+        Args:
+            modules: Module path per stage name, relative to where the spec will live (default: the
+                stage's file path, or ``<name>.onnx`` for in-memory stages).
+
+        Raises:
+            ConfigError: the wiring is incomplete or cyclic (the message says where).
+        """
+        modules = modules or {}
+        order = self._topological_order()
+        stages = tuple(
+            StageSpec(
+                name=s.name,
+                module=modules.get(s.name) or (s.path.as_posix() if s.path else f"{s.name}.onnx"),
+                inputs=s.inputs,
+                outputs=s.outputs,
+            )
+            for s in order
+        )
+        spec = PipelineSpec(
+            inputs=tuple(self._inputs.values()),
+            outputs=tuple(self._outputs.values()),
+            stages=stages,
+            links=tuple(self._links.values()),
+            metadata={"name": self.name, **self.metadata},
+        )
+        spec.validate()
+        return spec
+
+    def _topological_order(self) -> list[Stage]:
+        # Kahn's algorithm, ties broken by insertion order so the order is stable.
+        deps: dict[str, set[str]] = {n: set() for n in self._stages}
+        for link in self._links.values():
+            if link.src.stage is not None and link.dst.stage is not None:
+                deps[link.dst.stage].add(link.src.stage)
+        order: list[Stage] = []
+        done: set[str] = set()
+        while len(order) < len(self._stages):
+            ready = [n for n in self._stages if n not in done and deps[n] <= done]
+            if not ready:
+                # Leave the cycle's description to the spec's validation.
+                order.extend(s for n, s in self._stages.items() if n not in done)
+                break
+            done.add(ready[0])
+            order.append(self._stages[ready[0]])
+        return order
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the wiring (``pipeline.json``) and every in-memory stage module into ``directory``.
+
+        File stages are referred to by a path relative to ``directory``.
+
+        Returns:
+            The path of the wiring file.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        modules: dict[str, str] = {}
+        for s in self._stages.values():
+            if s.model is not None:
+                save_model(s.model, directory / f"{s.name}.onnx", s.source_dir)
+                modules[s.name] = f"{s.name}.onnx"
+            else:
+                assert s.path is not None
+                modules[s.name] = Path(os.path.relpath(s.path.resolve(), directory.resolve())).as_posix()
+        spec = self.to_spec(modules)
+        out = directory / CONFIG_FILE
+        out.write_text(spec.to_json())
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PipelineConfig:
+        """Read a config folder (or its ``pipeline.json``) written by :meth:`save` or the splitter."""
+        path = Path(path)
+        file = path / CONFIG_FILE if path.is_dir() else path
+        try:
+            text = file.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read pipeline config '{file}': {e.strerror}") from e
+        return cls.from_spec(PipelineSpec.from_json(text), file.parent)
+
+    @classmethod
+    def from_spec(cls, spec: PipelineSpec, base_dir: str | os.PathLike[str]) -> PipelineConfig:
+        """A config with the spec's stages (as files under ``base_dir``) and links."""
+        spec.validate()
+        config = cls(spec.metadata.get("name", "pipeline"))
+        config.metadata = {k: v for k, v in spec.metadata.items() if k != "name"}
+        for t in spec.inputs:
+            config.add_input(t)
+        for t in spec.outputs:
+            config.add_output(t)
+        for s in spec.stages:
+            stage = config.add_stage(Path(base_dir) / s.module, s.name)
+            if (stage.inputs, stage.outputs) != (s.inputs, s.outputs):
+                raise ConfigError(f"stage '{s.name}': module '{s.module}' does not match the boundary in the config")
+        for link in spec.links:
+            config._links[link.dst] = link
+        return config
+
+    # -- display -----------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Stage]:
+        return iter(self._stages.values())
+
+    def __repr__(self) -> str:
+        return f"PipelineConfig({self.name!r}, stages={list(self._stages)}, links={len(self._links)})"
+
+    def __str__(self) -> str:
+        lines = [f"pipeline '{self.name}'"]
+        lines.append("  inputs:  " + ", ".join(str(t) for t in self._inputs.values()))
+        lines.append("  outputs: " + ", ".join(str(t) for t in self._outputs.values()))
+        by_src: dict[Endpoint, list[Endpoint]] = {}
+        for link in self._links.values():
+            by_src.setdefault(link.src, []).append(link.dst)
+        for s in self._topological_order():
+            lines.append(f"  stage '{s.name}' ({s.path.name if s.path else 'in memory'})")
+            for t in s.inputs:
+                link = self._links.get(Endpoint(s.name, t.name))
+                lines.append(f"    in  {t}  <- {link.src if link else 'UNBOUND'}")
+            for t in s.outputs:
+                targets = by_src.get(Endpoint(s.name, t.name), [])
+                lines.append(f"    out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")
+        direct = [lk for lk in self._links.values() if lk.src.stage is None and lk.dst.stage is None]
+        lines.extend(f"  {lk}" for lk in direct)
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The wiring as JSON (module paths as :meth:`to_spec` gives them)."""
+        return json.dumps(self.to_spec().to_dict(), indent=2)
+

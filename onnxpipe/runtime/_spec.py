@@ -1,0 +1,401 @@
+"""The pipeline spec: stages, their boundary tensors and the wiring between them.
+
+Plain dataclasses and their JSON form, in one place. The builder writes a :class:`PipelineSpec`, the
+runtime reads it; neither needs onnx to do so.
+
+Note: wiring model.
+    A pipeline has global inputs, global outputs and stages. Each stage declares its input and output
+    tensors. A :class:`Link` connects a *source* -- a global input or a stage output -- to a
+    *destination* -- a stage input or a global output. One source may feed many destinations (fan-out,
+    also two inputs of one stage); every destination is fed by exactly one link. Stages are listed in
+    an order where every link goes forward, so a tensor made by stage 0 and used by stage 2 is linked
+    straight from 0 to 2 (a skip edge), never relayed through stage 1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from onnxpipe._errors import ConfigError, closest
+from onnxpipe.runtime._dtypes import DTYPES, itemsize
+
+__all__ = [
+    "SPEC_FORMAT",
+    "SPEC_VERSION",
+    "Dim",
+    "Endpoint",
+    "Link",
+    "PipelineSpec",
+    "StageSpec",
+    "TensorSpec",
+    "find_tensor",
+]
+
+SPEC_FORMAT = "onnxpipe.pipeline"
+SPEC_VERSION = 1
+
+#: One dimension of a shape: a size, a symbolic name (``"batch"``), or ``None`` when unknown.
+Dim = int | str | None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named tensor with its element type and shape.
+
+    Attributes:
+        name: The tensor's name, as in the original model.
+        dtype: Element type name (see :data:`onnxpipe.runtime._dtypes.DTYPES`), e.g. ``"float32"``.
+        shape: One entry per dimension, or ``None`` when even the rank is unknown.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...] | None = None
+
+    def mismatch(self, other: TensorSpec) -> str | None:
+        """Why a value of this spec cannot feed ``other``, or ``None`` when it can.
+
+        Symbolic and unknown dimensions match any size; two different fixed sizes do not.
+        """
+        if self.dtype != other.dtype:
+            return f"dtype {self.dtype} != {other.dtype}"
+        if self.shape is None or other.shape is None:
+            return None
+        if len(self.shape) != len(other.shape):
+            return f"rank {len(self.shape)} != {len(other.shape)} ({_shape(self.shape)} vs {_shape(other.shape)})"
+        for i, (a, b) in enumerate(zip(self.shape, other.shape)):
+            if isinstance(a, int) and isinstance(b, int) and a != b:
+                return f"dim {i}: {a} != {b} ({_shape(self.shape)} vs {_shape(other.shape)})"
+        return None
+
+    def nbytes(self, dims: Mapping[str, int] | None = None, default: int | None = None) -> int | None:
+        """Size in bytes, with symbolic dims taken from ``dims`` (else ``default``).
+
+        Returns:
+            The size, or ``None`` when the rank or a dimension stays unknown.
+        """
+        if self.shape is None:
+            return None
+        count = itemsize(self.dtype)
+        for d in self.shape:
+            size = d if isinstance(d, int) else (dims or {}).get(d, default) if isinstance(d, str) else default
+            if size is None:
+                return None
+            count *= size
+        return count
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.dtype}{_shape(self.shape)}"
+
+
+def _shape(shape: tuple[Dim, ...] | None) -> str:
+    if shape is None:
+        return "[?]"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One end of a link: a stage's tensor, or (``stage is None``) a global input or output."""
+
+    stage: str | None
+    tensor: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}.{self.tensor}" if self.stage is not None else f"pipeline.{self.tensor}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A source (global input or stage output) feeding a destination (stage input or global output)."""
+
+    src: Endpoint
+    dst: Endpoint
+
+    def __str__(self) -> str:
+        return f"{self.src} -> {self.dst}"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What one stage needs to run: its module and the tensors at its boundary.
+
+    Attributes:
+        name: Unique stage name.
+        module: Path of the stage's .onnx module, relative to the folder holding the spec.
+        inputs: The stage's input tensors, in the module's order.
+        outputs: The stage's output tensors, in the module's order.
+        settings: Per-stage session settings (filled by the builder; free-form here).
+    """
+
+    name: str
+    module: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def input(self, name: str) -> TensorSpec:
+        """The input named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
+        return find_tensor(self.inputs, name, f"stage '{self.name}' has no input")
+
+    def output(self, name: str) -> TensorSpec:
+        """The output named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
+        return find_tensor(self.outputs, name, f"stage '{self.name}' has no output")
+
+
+def find_tensor(specs: Iterable[TensorSpec], name: str, what: str) -> TensorSpec:
+    """The spec named ``name`` in ``specs``, or a :class:`ConfigError` starting with ``what``."""
+    specs = tuple(specs)
+    for spec in specs:
+        if spec.name == name:
+            return spec
+    raise ConfigError(f"{what} '{name}'; {closest(name, (s.name for s in specs))}")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """A whole pipeline: global inputs and outputs, stages in pipeline order, and the links.
+
+    Build one through :class:`onnxpipe.builder.PipelineConfig`; :meth:`validate` checks the
+    invariants the runtime relies on.
+    """
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    stages: tuple[StageSpec, ...]
+    links: tuple[Link, ...]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def stage(self, name: str) -> StageSpec:
+        """The stage named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise ConfigError(f"no stage '{name}'; {closest(name, (s.name for s in self.stages))}")
+
+    def source_of(self, dst: Endpoint) -> Endpoint:
+        """The endpoint that feeds ``dst`` (a stage input or a global output)."""
+        try:
+            return self._sources[dst]
+        except KeyError:
+            raise ConfigError(f"nothing feeds {dst}") from None
+
+    @cached_property
+    def _sources(self) -> dict[Endpoint, Endpoint]:
+        return {link.dst: link.src for link in self.links}
+
+    def validate(self) -> None:
+        """Check the wiring; raise one :class:`ConfigError` describing the first problem found.
+
+        Checked: unique names, known dtypes, links between existing endpoints going the right way,
+        matching dtypes and shapes, every stage input and global output fed exactly once, and stages
+        listed so that every link goes forward (which also rules out cycles).
+        """
+        _unique("stage", (s.name for s in self.stages))
+        _unique("pipeline input", (t.name for t in self.inputs))
+        _unique("pipeline output", (t.name for t in self.outputs))
+        for stage in self.stages:
+            _unique(f"input of stage '{stage.name}'", (t.name for t in stage.inputs))
+            _unique(f"output of stage '{stage.name}'", (t.name for t in stage.outputs))
+        for spec in self._all_tensors():
+            if spec.dtype not in DTYPES:
+                raise ConfigError(f"tensor '{spec.name}' has unknown dtype '{spec.dtype}'; valid: {', '.join(DTYPES)}")
+        position = {s.name: i for i, s in enumerate(self.stages)}
+        fed: dict[Endpoint, Link] = {}
+        for link in self.links:
+            src = self._source_spec(link.src)
+            dst = self._destination_spec(link.dst)
+            if link.dst in fed:
+                raise ConfigError(f"{link.dst} is fed twice: by {fed[link.dst].src} and by {link.src}")
+            fed[link.dst] = link
+            if link.src.stage is not None and link.src.stage == link.dst.stage:
+                raise ConfigError(f"link {link} connects stage '{link.src.stage}' to itself")
+            if link.src.stage is not None and link.dst.stage is not None:
+                if position[link.src.stage] > position[link.dst.stage]:
+                    raise ConfigError(self._backward(link, position))
+            reason = src.mismatch(dst)
+            if reason:
+                raise ConfigError(f"link {link}: {reason}")
+        for stage in self.stages:
+            for t in stage.inputs:
+                if Endpoint(stage.name, t.name) not in fed:
+                    raise ConfigError(f"input '{t.name}' of stage '{stage.name}' is not fed by any link")
+        for t in self.outputs:
+            if Endpoint(None, t.name) not in fed:
+                raise ConfigError(f"pipeline output '{t.name}' is not fed by any link")
+
+    def _backward(self, link: Link, position: dict[str, int]) -> str:
+        # Tell a cycle apart from a mere listing order: the first is a wiring bug, the second is not
+        # possible for a spec built by PipelineConfig, which lists stages in topological order.
+        edges: dict[str, set[str]] = {s.name: set() for s in self.stages}
+        for lk in self.links:
+            if lk.src.stage is not None and lk.dst.stage is not None:
+                edges[lk.src.stage].add(lk.dst.stage)
+        cycle = _find_cycle(edges)
+        if cycle:
+            return "stages form a cycle: " + " -> ".join(cycle)
+        return (
+            f"link {link} goes backwards: stage '{link.src.stage}' is listed after "
+            f"'{link.dst.stage}'; stages must be listed in pipeline order"
+        )
+
+    def _source_spec(self, ep: Endpoint) -> TensorSpec:
+        if ep.stage is None:
+            return find_tensor(self.inputs, ep.tensor, "a link starts at unknown pipeline input")
+        return self._stage_for(ep).output(ep.tensor)
+
+    def _destination_spec(self, ep: Endpoint) -> TensorSpec:
+        if ep.stage is None:
+            return find_tensor(self.outputs, ep.tensor, "a link ends at unknown pipeline output")
+        return self._stage_for(ep).input(ep.tensor)
+
+    def _stage_for(self, ep: Endpoint) -> StageSpec:
+        assert ep.stage is not None
+        try:
+            return self.stage(ep.stage)
+        except ConfigError as e:
+            raise ConfigError(f"link endpoint {ep}: {e}") from None
+
+    def _all_tensors(self) -> Iterable[TensorSpec]:
+        yield from self.inputs
+        yield from self.outputs
+        for stage in self.stages:
+            yield from stage.inputs
+            yield from stage.outputs
+
+    # -- JSON --------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form (see docs/bundle-format.md)."""
+        return {
+            "format": SPEC_FORMAT,
+            "version": SPEC_VERSION,
+            "metadata": dict(self.metadata),
+            "inputs": [_tensor_to_dict(t) for t in self.inputs],
+            "outputs": [_tensor_to_dict(t) for t in self.outputs],
+            "stages": [
+                {
+                    "name": s.name,
+                    "module": s.module,
+                    "inputs": [_tensor_to_dict(t) for t in s.inputs],
+                    "outputs": [_tensor_to_dict(t) for t in s.outputs],
+                    "settings": dict(s.settings),
+                }
+                for s in self.stages
+            ],
+            "links": [{"from": _endpoint_to_dict(lk.src, "input"), "to": _endpoint_to_dict(lk.dst, "output")} for lk in self.links],
+        }
+
+    def to_json(self) -> str:
+        """The spec as indented JSON text."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PipelineSpec:
+        """Read the JSON form; :class:`ConfigError` on any structural problem (not validated)."""
+        try:
+            return _from_dict(data)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"malformed pipeline spec: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelineSpec:
+        """Parse and read JSON text; :class:`ConfigError` if it is not a pipeline spec."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"pipeline spec is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+
+def _unique(what: str, names: Iterable[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ConfigError(f"duplicate {what} '{name}'")
+        seen.add(name)
+
+
+def _find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in edges:
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def _tensor_to_dict(t: TensorSpec) -> dict[str, Any]:
+    return {"name": t.name, "dtype": t.dtype, "shape": None if t.shape is None else list(t.shape)}
+
+
+def _tensor_from_dict(d: Mapping[str, Any]) -> TensorSpec:
+    shape = d.get("shape")
+    if shape is not None:
+        if not isinstance(shape, list) or not all(x is None or isinstance(x, (int, str)) and not isinstance(x, bool) for x in shape):
+            raise ConfigError(f"tensor '{d.get('name')}': shape must be a list of ints, names or nulls, got {shape!r}")
+        shape = tuple(shape)
+    name, dtype = d["name"], d["dtype"]
+    if not isinstance(name, str) or not isinstance(dtype, str):
+        raise ConfigError(f"tensor entry needs string 'name' and 'dtype', got {dict(d)!r}")
+    return TensorSpec(name, dtype, shape)
+
+
+def _endpoint_to_dict(ep: Endpoint, global_key: str) -> dict[str, str]:
+    return {global_key: ep.tensor} if ep.stage is None else {"stage": ep.stage, "tensor": ep.tensor}
+
+
+def _endpoint_from_dict(d: Mapping[str, Any], global_key: str) -> Endpoint:
+    if set(d) == {global_key}:
+        return Endpoint(None, str(d[global_key]))
+    if set(d) == {"stage", "tensor"}:
+        return Endpoint(str(d["stage"]), str(d["tensor"]))
+    raise ConfigError(f"link endpoint must be {{'{global_key}': name}} or {{'stage': s, 'tensor': t}}, got {dict(d)!r}")
+
+
+def _from_dict(data: Any) -> PipelineSpec:
+    if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT:
+        raise ConfigError(f"not a pipeline spec: expected \"format\": \"{SPEC_FORMAT}\"")
+    version = data.get("version")
+    if version != SPEC_VERSION:
+        raise ConfigError(f"pipeline spec version {version!r} is not supported; this onnxpipe reads version {SPEC_VERSION}")
+    stages = tuple(
+        StageSpec(
+            name=str(s["name"]),
+            module=str(s["module"]),
+            inputs=tuple(_tensor_from_dict(t) for t in s["inputs"]),
+            outputs=tuple(_tensor_from_dict(t) for t in s["outputs"]),
+            settings=dict(s.get("settings", {})),
+        )
+        for s in data["stages"]
+    )
+    return PipelineSpec(
+        inputs=tuple(_tensor_from_dict(t) for t in data["inputs"]),
+        outputs=tuple(_tensor_from_dict(t) for t in data["outputs"]),
+        stages=stages,
+        links=tuple(Link(_endpoint_from_dict(lk["from"], "input"), _endpoint_from_dict(lk["to"], "output")) for lk in data["links"]),
+        metadata={str(k): str(v) for k, v in dict(data.get("metadata", {})).items()},
+    )

@@ -1,0 +1,241 @@
+"""split(): the splitter's entry point, and SplitPlan, what it returns."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import ModelProto
+
+from onnxpipe._errors import SplitError
+from onnxpipe.builder import CONFIG_FILE, PipelineConfig, tensor_spec, weights_bytes
+from onnxpipe.builder._modules import PROTOBUF_LIMIT
+from onnxpipe.runtime import PipelineSpec, TensorSpec
+from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
+from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types
+from onnxpipe.splitter._graph import GraphIndex
+
+__all__ = ["SplitPlan", "SplitStage", "load_model", "split"]
+
+
+@dataclass
+class SplitStage:
+    """One stage of a split: its model and the numbers a user picks cuts by.
+
+    Attributes:
+        index: Position in the pipeline, from 0.
+        name: Stage name in the wiring (``stage<index>``).
+        model: The stage's ONNX model (weights may still be external references).
+        nodes: Compute nodes in the stage.
+        weight_nodes: Weight nodes carried along (Constant, ConstantOfShape, ...).
+        weights_bytes: Bytes of initializers the stage stores.
+        inputs: Boundary inputs (pipeline inputs and tensors from earlier stages).
+        outputs: Boundary outputs (tensors for later stages and pipeline outputs).
+        bytes_in: Bytes received from earlier stages per request (``None`` if a dim is unknown).
+        bytes_out: Bytes handed to later stages per request (pipeline outputs not counted).
+    """
+
+    index: int
+    name: str
+    model: ModelProto
+    nodes: int
+    weight_nodes: int
+    weights_bytes: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    bytes_in: int | None
+    bytes_out: int | None
+
+
+@dataclass
+class SplitPlan:
+    """The result of :func:`split`: stage models plus the wiring as a :class:`PipelineConfig`.
+
+    Attributes:
+        stages: The stages in pipeline order.
+        config: The wiring, ready for the builder.
+        dropped: Labels of dead nodes (they contribute to no output) left out of every stage.
+        notes: Things the user should know (IR upgrades, shape inference trouble, ...).
+        source_dir: Folder the stage models' external-data references are relative to.
+    """
+
+    stages: list[SplitStage]
+    config: PipelineConfig
+    dropped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    source_dir: Path | None = None
+
+    @property
+    def spec(self) -> PipelineSpec:
+        """The wiring as a validated :class:`PipelineSpec`."""
+        return self.config.to_spec()
+
+    def save(self, directory: str | os.PathLike[str], overwrite: bool = False) -> Path:
+        """Write ``stage<i>.onnx`` (+ ``stage<i>.onnx.data`` when needed) and ``pipeline.json``.
+
+        The folder is written whole or not at all: files go to a temporary folder beside it first.
+
+        Args:
+            directory: Folder to create.
+            overwrite: Replace the folder if it exists and is not empty.
+
+        Returns:
+            The folder.
+
+        Raises:
+            SplitError: the folder exists, is not empty, and ``overwrite`` is false.
+        """
+        directory = Path(directory)
+        if directory.exists() and (not directory.is_dir() or any(directory.iterdir())) and not overwrite:
+            raise SplitError(f"output folder '{directory}' exists and is not empty; choose another or overwrite it")
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            self.config.save(tmp)
+            if directory.exists():
+                old = tmp.with_name(tmp.name + ".old")
+                directory.rename(old)
+                tmp.rename(directory)
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+            else:
+                tmp.rename(directory)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        return directory
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.stages)} stages"]
+        for s in self.stages:
+            lines.append(
+                f"  {s.name}: {s.nodes} nodes, {s.weights_bytes} weight bytes, "
+                f"in [{', '.join(t.name for t in s.inputs)}] out [{', '.join(t.name for t in s.outputs)}]"
+            )
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def load_model(model: ModelProto | str | os.PathLike[str]) -> tuple[ModelProto, Path | None]:
+    """A model and the folder its external data lives in; weights stay on disk when external.
+
+    Raises:
+        SplitError: the file cannot be read as an ONNX model.
+    """
+    if isinstance(model, ModelProto):
+        return model, None
+    path = Path(model)
+    try:
+        return onnx.load(path, load_external_data=False), path.parent
+    except FileNotFoundError:
+        raise SplitError(f"model file '{path}' does not exist") from None
+    except (OSError, DecodeError) as e:
+        raise SplitError(f"cannot read '{path}' as an ONNX model: {e}") from e
+
+
+def split(
+    model: ModelProto | str | os.PathLike[str],
+    cuts: Sequence[object] | None = None,
+    *,
+    assignment: Mapping[str, int] | None = None,
+    source_dir: str | os.PathLike[str] | None = None,
+    check: bool = True,
+) -> SplitPlan:
+    """Split a model into stages at hand-picked cuts, or by an explicit node -> stage assignment.
+
+    See :mod:`onnxpipe.splitter._cuts` for what a cut means; ``docs/splitting.md`` has examples.
+
+    Args:
+        model: A ModelProto or the path of an .onnx file (external data is not loaded: stages refer
+            to it and copy only their own weights when saved).
+        cuts: Cut points in pipeline order: tensor names, node names, lists of tensor names,
+            ``(op_type, index)`` pairs, or :class:`TensorCut` / :class:`NodeCut` / :class:`OpCut`.
+        assignment: Instead of cuts: stage index per node name.
+        source_dir: For an in-memory model with external data: the folder its data files are in.
+        check: Run ``onnx.checker`` on every stage model.
+
+    Returns:
+        The :class:`SplitPlan`.
+
+    Raises:
+        SplitError: the cuts or the assignment are invalid; the message says which and why.
+    """
+    if (cuts is None) == (assignment is None):
+        raise SplitError("give either cuts or an assignment, not both" if cuts is not None else "give cuts or an assignment")
+    proto, folder = load_model(model)
+    folder = Path(source_dir) if source_dir is not None else folder
+    index = GraphIndex(proto)
+    if cuts is not None and isinstance(cuts, (str, bytes)):
+        cuts = [cuts]
+    stage_of = assign_by_cuts(index, list(cuts)) if cuts is not None else assign_explicit(index, assignment or {})
+    boundary = compute_boundary(index, stage_of)
+    types, problem = infer_types(proto)
+    notes = [problem] if problem else []
+    ir_version = proto.ir_version
+    has_external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+    if ir_version < 4 and (has_external or weights_bytes(proto) >= PROTOBUF_LIMIT):
+        notes.append(f"IR version {ir_version} -> 4 in every stage: external data needs IR version 4 or later")
+        ir_version = 4
+    models = build_stage_models(index, boundary, types, ir_version)
+    if check:
+        for i, m in enumerate(models):
+            _check(m, i)
+    config = PipelineConfig(proto.graph.name or "pipeline")
+    config.metadata["source"] = Path(model).name if not isinstance(model, ModelProto) else proto.graph.name
+    stages = []
+    for i, m in enumerate(models):
+        config.add_stage(m, f"stage{i}", source_dir=folder)
+    for name in index.inputs:
+        config.add_input(tensor_spec(types[name]))
+    for name in index.outputs:
+        config.add_output(tensor_spec(types[name]))
+    for s, names in enumerate(boundary.inputs):
+        for t in names:
+            src = boundary.sources[t]
+            source = config.input(t) if src is None else config.stage(f"stage{src}").output(t)
+            source.connect(config.stage(f"stage{s}").input(t))
+    for name, src in boundary.global_sources.items():
+        source = config.input(name) if src is None else config.stage(f"stage{src}").output(name)
+        source.connect(config.output(name))
+    for i, m in enumerate(models):
+        stage = config.stage(f"stage{i}")
+        stages.append(
+            SplitStage(
+                index=i,
+                name=stage.name,
+                model=m,
+                nodes=len(boundary.members[i]),
+                weight_nodes=len(m.graph.node) - len(boundary.members[i]),
+                weights_bytes=weights_bytes(m),
+                inputs=stage.inputs,
+                outputs=stage.outputs,
+                bytes_in=_sum_bytes(t for t in stage.inputs if boundary.sources[t.name] is not None),
+                bytes_out=_sum_bytes(t for t in stage.outputs if boundary.sources.get(t.name) == i),
+            )
+        )
+    dropped = [index.label(i) for i in index.order if not index.live[i] and not index.is_weight[i]]
+    if dropped:
+        notes.append(f"{len(dropped)} dead node(s) left out (they contribute to no output): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}")
+    return SplitPlan(stages=stages, config=config, dropped=dropped, notes=notes, source_dir=folder)
+
+
+def _sum_bytes(specs: Iterable[TensorSpec]) -> int | None:
+    total = 0
+    for t in specs:
+        size = t.nbytes()
+        if size is None:
+            return None
+        total += size
+    return total
+
+
+def _check(model: ModelProto, i: int) -> None:
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        # A bug of the splitter rather than of the user's input, but name the stage.
+        raise AssertionError(f"stage {i} is not a valid ONNX model: {e}") from e

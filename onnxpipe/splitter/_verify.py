@@ -1,0 +1,231 @@
+"""verify(): prove a split right by running the chained stages and the whole model on the same inputs.
+
+Both run in onnxruntime (CPU, default optimizations). Every pipeline output is compared, and by
+default every tensor that crosses a stage boundary too, against the same tensor of the whole model
+(exposed as an extra output). Values match when ``|split - whole| <= atol + rtol * |whole|`` for
+every element (numpy's ``allclose``, NaN equal to NaN); integer and boolean tensors must be equal.
+The defaults, ``rtol=1e-4`` and ``atol=1e-5``, allow for the different kernel fusions onnxruntime
+applies on either side of a cut, which reorder float sums.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import ModelProto
+
+from onnxpipe._errors import InputError, SplitError
+from onnxpipe.builder import CONFIG_FILE
+from onnxpipe.runtime import Endpoint, PipelineSpec, SequentialPipeline, TensorSpec, numpy_dtype
+from onnxpipe.splitter._plan import SplitPlan, load_model
+
+__all__ = ["Comparison", "VerifyReport", "random_inputs", "verify"]
+
+DEFAULT_RTOL = 1e-4
+DEFAULT_ATOL = 1e-5
+
+
+@dataclass
+class Comparison:
+    """One tensor compared between the chained stages and the whole model."""
+
+    tensor: str
+    kind: str  # "output" or "boundary"
+    shape: tuple[int, ...]
+    max_abs: float
+    max_rel: float
+    ok: bool
+    problem: str = ""
+
+
+@dataclass
+class VerifyReport:
+    """The comparisons of one :func:`verify` call.
+
+    Attributes:
+        rows: One row per tensor, the worst error over all samples.
+        rtol: Relative tolerance used.
+        atol: Absolute tolerance used.
+        samples: How many input sets were run.
+        notes: What the user should know (symbolic dims defaulted, boundaries not compared, ...).
+    """
+
+    rows: list[Comparison]
+    rtol: float
+    atol: float
+    samples: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every compared tensor is within tolerance."""
+        return all(r.ok for r in self.rows)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form."""
+        return {
+            "ok": self.ok,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "samples": self.samples,
+            "notes": self.notes,
+            "tensors": [r.__dict__ | {"shape": list(r.shape)} for r in self.rows],
+        }
+
+
+def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Random arrays matching declared inputs; symbolic or unknown dims not in ``dims`` become 1.
+
+    Floats are standard normal, integers are drawn from 0..3 (valid as small indices), booleans
+    are fair coins.
+
+    Returns:
+        The arrays by name, and notes on the dims that were defaulted.
+    """
+    rng = np.random.default_rng(seed)
+    dims = dict(dims or {})
+    notes: list[str] = []
+    feeds: dict[str, np.ndarray] = {}
+    for spec in specs:
+        if spec.shape is None:
+            raise InputError(f"input '{spec.name}' has no known rank; pass its value explicitly")
+        shape = []
+        for d in spec.shape:
+            if isinstance(d, int):
+                shape.append(d)
+                continue
+            if d not in dims:
+                notes.append(f"input '{spec.name}': dim {d or '?'} not given, using 1")
+            shape.append(dims.get(d, 1) if d else 1)
+        dtype = numpy_dtype(spec.dtype)
+        if dtype.kind == "f":
+            feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind in "iu":
+            feeds[spec.name] = rng.integers(0, 4, size=shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[spec.name] = rng.integers(0, 2, size=shape).astype(bool)
+        else:
+            raise InputError(f"input '{spec.name}' of dtype {spec.dtype}: cannot make random values; pass its value explicitly")
+    return feeds, notes
+
+
+def verify(
+    split: SplitPlan | str | os.PathLike[str],
+    model: ModelProto | str | os.PathLike[str],
+    *,
+    inputs: Sequence[Mapping[str, np.ndarray]] | None = None,
+    dims: Mapping[str, int] | None = None,
+    samples: int = 1,
+    seed: int = 0,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+    boundaries: bool = True,
+) -> VerifyReport:
+    """Run the chained stages and the whole model on the same inputs and compare.
+
+    Args:
+        split: A :class:`SplitPlan`, or a folder written by ``SplitPlan.save`` / ``onnxpipe split``.
+        model: The whole model (ModelProto or path).
+        inputs: Input sets to use; default ``samples`` random sets (see :func:`random_inputs`).
+        dims: Sizes of symbolic dims for random inputs.
+        samples: How many random input sets.
+        seed: Seed of the first random set.
+        rtol: Relative tolerance.
+        atol: Absolute tolerance.
+        boundaries: Also compare every tensor crossing a stage boundary.
+
+    Returns:
+        The :class:`VerifyReport`; ``report.ok`` says whether everything matched.
+    """
+    with tempfile.TemporaryDirectory(prefix="onnxpipe-verify-") as tmp:
+        if isinstance(split, SplitPlan):
+            folder = split.save(Path(tmp) / "split")
+        else:
+            folder = Path(split)
+        spec = _read_spec(folder)
+        pipeline = SequentialPipeline(spec, folder)
+        proto, model_dir = load_model(model)
+        crossing = _crossing(spec) if boundaries else []
+        notes: list[str] = []
+        if crossing and any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+            notes.append("boundary tensors not compared: the model keeps its weights in external data")
+            crossing = []
+        whole = _whole_session(model, proto, model_dir, crossing)
+        if inputs is None:
+            inputs = []
+            for k in range(samples):
+                feeds, dim_notes = random_inputs(spec.inputs, dims, seed + k)
+                inputs.append(feeds)
+                notes.extend(n for n in dim_notes if n not in notes)
+        rows: dict[str, Comparison] = {}
+        for feeds in inputs:
+            values = pipeline.run_all(feeds)
+            expected = dict(zip([o.name for o in whole.get_outputs()], whole.run(None, dict(feeds))))
+            for t in spec.outputs:
+                _merge(rows, _compare(t.name, "output", values[spec.source_of(Endpoint(None, t.name))], expected[t.name], rtol, atol))
+            for ep in crossing:
+                _merge(rows, _compare(ep.tensor, "boundary", values[ep], expected[ep.tensor], rtol, atol))
+    return VerifyReport(list(rows.values()), rtol, atol, len(inputs), notes)
+
+
+def _read_spec(folder: Path) -> PipelineSpec:
+    file = folder / CONFIG_FILE
+    if not file.is_file():
+        raise SplitError(f"'{folder}' is not a split folder: it has no {CONFIG_FILE}")
+    return PipelineSpec.from_json(file.read_text())
+
+
+def _crossing(spec: PipelineSpec) -> list[Endpoint]:
+    """Stage outputs that feed another stage and are not pipeline outputs already."""
+    outputs = {t.name for t in spec.outputs}
+    seen: dict[Endpoint, None] = {}
+    for link in spec.links:
+        if link.src.stage is not None and link.dst.stage is not None and link.src.tensor not in outputs:
+            seen[link.src] = None
+    return list(seen)
+
+
+def _whole_session(model: ModelProto | str | os.PathLike[str], proto: ModelProto, model_dir: Path | None, crossing: list[Endpoint]) -> ort.InferenceSession:
+    if not crossing and not isinstance(model, ModelProto):
+        return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    augmented = ModelProto()
+    augmented.CopyFrom(proto)
+    declared = {v.name for v in augmented.graph.output}
+    for ep in crossing:
+        if ep.tensor not in declared:
+            augmented.graph.output.add(name=ep.tensor)  # untyped: onnxruntime infers it
+    return ort.InferenceSession(augmented.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _compare(name: str, kind: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> Comparison:
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return Comparison(name, kind, tuple(want.shape), np.inf, np.inf, False, f"got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}")
+    if want.size == 0:
+        return Comparison(name, kind, tuple(want.shape), 0.0, 0.0, True)
+    if want.dtype.kind not in "fc":
+        equal = bool(np.array_equal(got, want))
+        return Comparison(name, kind, tuple(want.shape), 0.0 if equal else np.inf, 0.0 if equal else np.inf, equal)
+    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    both_nan = np.isnan(got) & np.isnan(want)
+    diff = np.where(both_nan, 0.0, diff)
+    rel = diff / np.maximum(np.abs(want.astype(np.float64)), atol)
+    ok = bool(np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True))
+    return Comparison(name, kind, tuple(want.shape), float(np.nanmax(diff)), float(np.nanmax(rel)), ok)
+
+
+def _merge(rows: dict[str, Comparison], new: Comparison) -> None:
+    old = rows.get(new.tensor)
+    if old is None:
+        rows[new.tensor] = new
+        return
+    old.max_abs, old.max_rel = max(old.max_abs, new.max_abs), max(old.max_rel, new.max_rel)
+    old.ok = old.ok and new.ok
+    old.problem = old.problem or new.problem
