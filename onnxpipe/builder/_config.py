@@ -204,7 +204,9 @@ class PipelineConfig:
         if ep.stage is None:
             return (self._inputs if port.is_source else self._outputs).get(ep.tensor)
         stage = self.stage(ep.stage)
-        return find_tensor(stage.outputs if port.is_source else stage.inputs, ep.tensor, f"stage '{stage.name}' has no {'output' if port.is_source else 'input'}")
+        if port.is_source:
+            return find_tensor(stage.outputs, ep.tensor, f"stage '{stage.name}' has no output")
+        return find_tensor(stage.inputs, ep.tensor, f"stage '{stage.name}' has no input")
 
     # -- the spec and files ------------------------------------------------------------------------
 
@@ -327,8 +329,8 @@ class PipelineConfig:
         for s in self._topological_order():
             lines.append(f"  stage '{s.name}' ({s.path.name if s.path else 'in memory'})")
             for t in s.inputs:
-                link = self._links.get(Endpoint(s.name, t.name))
-                lines.append(f"    in  {t}  <- {link.src if link else 'UNBOUND'}")
+                feed = self._links.get(Endpoint(s.name, t.name))
+                lines.append(f"    in  {t}  <- {feed.src if feed else 'UNBOUND'}")
             for t in s.outputs:
                 targets = by_src.get(Endpoint(s.name, t.name), [])
                 lines.append(f"    out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")

@@ -77,6 +77,6 @@ class SequentialPipeline:
                 results = self._sessions[stage.name].run([t.name for t in stage.outputs], stage_feeds)
             except Exception as e:  # onnxruntime raises several unrelated types
                 raise StageError(f"stage '{stage.name}' failed: {e}") from e
-            for t, value in zip(stage.outputs, results):
+            for t, value in zip(stage.outputs, results, strict=True):
                 values[Endpoint(stage.name, t.name)] = value
         return values

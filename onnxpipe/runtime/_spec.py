@@ -67,7 +67,7 @@ class TensorSpec:
             return None
         if len(self.shape) != len(other.shape):
             return f"rank {len(self.shape)} != {len(other.shape)} ({_shape(self.shape)} vs {_shape(other.shape)})"
-        for i, (a, b) in enumerate(zip(self.shape, other.shape)):
+        for i, (a, b) in enumerate(zip(self.shape, other.shape, strict=True)):
             if isinstance(a, int) and isinstance(b, int) and a != b:
                 return f"dim {i}: {a} != {b} ({_shape(self.shape)} vs {_shape(other.shape)})"
         return None
@@ -331,7 +331,7 @@ def _find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt) :] + [nxt]
+                return [*path[path.index(nxt):], nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -355,7 +355,7 @@ def _tensor_to_dict(t: TensorSpec) -> dict[str, Any]:
 def _tensor_from_dict(d: Mapping[str, Any]) -> TensorSpec:
     shape = d.get("shape")
     if shape is not None:
-        if not isinstance(shape, list) or not all(x is None or isinstance(x, (int, str)) and not isinstance(x, bool) for x in shape):
+        if not isinstance(shape, list) or not all(x is None or (isinstance(x, (int, str)) and not isinstance(x, bool)) for x in shape):
             raise ConfigError(f"tensor '{d.get('name')}': shape must be a list of ints, names or nulls, got {shape!r}")
         shape = tuple(shape)
     name, dtype = d["name"], d["dtype"]

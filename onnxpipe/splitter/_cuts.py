@@ -91,7 +91,10 @@ def _tensor_producers(cut: TensorCut | NodeCut | OpCut, index: GraphIndex) -> tu
             ops = {n.op_type for n in index.nodes}
             raise SplitError(f"no node of op type '{cut.op_type}'; {closest(cut.op_type, ops)}")
         if not 0 <= cut.index < len(matching):
-            raise SplitError(f"op cut {cut.op_type}:{cut.index} is out of range: the model has {len(matching)} {cut.op_type} node(s), indices 0..{len(matching) - 1}")
+            raise SplitError(
+                f"op cut {cut.op_type}:{cut.index} is out of range: the model has {len(matching)} {cut.op_type} node(s), "
+                f"indices 0..{len(matching) - 1}"
+            )
         return _after_node(matching[cut.index], index, f"{cut.op_type}:{cut.index}")
     producers = []
     for name in cut.tensors:
@@ -122,7 +125,10 @@ def _tensor_producer(name: str, index: GraphIndex) -> int:
         raise SplitError(f"unknown tensor '{name}'; {closest(name, index.tensor_names())}")
     p = index.producer[name]
     if index.is_weight[p]:
-        raise SplitError(f"cannot cut at '{name}': it is a weight computed by node {index.label(p)} from constants alone; weights go with the stages that read them")
+        raise SplitError(
+            f"cannot cut at '{name}': it is a weight computed by node {index.label(p)} from constants alone; "
+            "weights go with the stages that read them"
+        )
     if not index.live[p]:
         raise SplitError(f"cannot cut at '{name}': it contributes to no model output (node {index.label(p)} is dead)")
     return p
@@ -154,9 +160,9 @@ def assign_by_cuts(index: GraphIndex, cuts: Sequence[object]) -> dict[int, int]:
                 continue
             stage_of[i] = k
             for name in index.node_inputs[i]:
-                p = index.producer.get(name)
-                if p is not None and p not in stage_of and not index.is_weight[p]:
-                    stack.append(p)
+                q = index.producer.get(name)
+                if q is not None and q not in stage_of and not index.is_weight[q]:
+                    stack.append(q)
         previous = what
     last = len(cuts)
     rest = [i for i in index.compute_nodes() if i not in stage_of]

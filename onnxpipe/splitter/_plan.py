@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from onnx import ModelProto
 
 from onnxpipe._errors import SplitError
-from onnxpipe.builder import CONFIG_FILE, PipelineConfig, tensor_spec, weights_bytes
+from onnxpipe.builder import PipelineConfig, tensor_nbytes, tensor_spec, weights_bytes, without_initializers
 from onnxpipe.builder._modules import PROTOBUF_LIMIT
 from onnxpipe.runtime import PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
@@ -34,7 +34,8 @@ class SplitStage:
         model: The stage's ONNX model (weights may still be external references).
         nodes: Compute nodes in the stage.
         weight_nodes: Weight nodes carried along (Constant, ConstantOfShape, ...).
-        weights_bytes: Bytes of initializers the stage stores.
+        weights_bytes: Bytes of the weights the stage's compute nodes read: initializers, and
+            tensors that weight nodes compute (``ConstantOfShape`` weights, say).
         inputs: Boundary inputs (pipeline inputs and tensors from earlier stages).
         outputs: Boundary outputs (tensors for later stages and pipeline outputs).
         bytes_in: Bytes received from earlier stages per request (``None`` if a dim is unknown).
@@ -210,7 +211,7 @@ def split(
                 model=m,
                 nodes=len(boundary.members[i]),
                 weight_nodes=len(m.graph.node) - len(boundary.members[i]),
-                weights_bytes=weights_bytes(m),
+                weights_bytes=_weights_read(boundary.weights[i], proto, types),
                 inputs=stage.inputs,
                 outputs=stage.outputs,
                 bytes_in=_sum_bytes(t for t in stage.inputs if boundary.sources[t.name] is not None),
@@ -233,9 +234,40 @@ def _sum_bytes(specs: Iterable[TensorSpec]) -> int | None:
     return total
 
 
+def _weights_read(names: set[str], proto: ModelProto, types: dict[str, onnx.ValueInfoProto]) -> int:
+    stored = {t.name: t for t in proto.graph.initializer}
+    total = 0
+    for name in names:
+        if name in stored:
+            total += tensor_nbytes(stored[name])
+        elif name in types:
+            total += tensor_spec(types[name]).nbytes(default=1) or 0
+    return total
+
+
 def _check(model: ModelProto, i: int) -> None:
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(_without_external(model))
     except onnx.checker.ValidationError as e:
         # A bug of the splitter rather than of the user's input, but name the stage.
         raise AssertionError(f"stage {i} is not a valid ONNX model: {e}") from e
+
+
+def _without_external(model: ModelProto) -> ModelProto:
+    """``model``, or a copy whose external-data weights are typed graph inputs instead.
+
+    Note: the checker resolves an in-memory model's external-data locations against the working
+    directory, not the model's folder, so a stage of a model loaded from another folder would fail
+    the check; the references themselves are checked when :func:`save_model` copies the weights.
+    """
+    external = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    if not external:
+        return model
+    light = without_initializers(model)
+    listed = {v.name for v in light.graph.input}
+    for t in model.graph.initializer:
+        if t.name not in external:
+            light.graph.initializer.append(t)
+        elif t.name not in listed:
+            light.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return light

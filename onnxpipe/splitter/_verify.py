@@ -159,15 +159,16 @@ def verify(
             crossing = []
         whole = _whole_session(model, proto, model_dir, crossing)
         if inputs is None:
-            inputs = []
+            generated: list[Mapping[str, np.ndarray]] = []
             for k in range(samples):
-                feeds, dim_notes = random_inputs(spec.inputs, dims, seed + k)
-                inputs.append(feeds)
+                sample, dim_notes = random_inputs(spec.inputs, dims, seed + k)
+                generated.append(sample)
                 notes.extend(n for n in dim_notes if n not in notes)
+            inputs = generated
         rows: dict[str, Comparison] = {}
         for feeds in inputs:
             values = pipeline.run_all(feeds)
-            expected = dict(zip([o.name for o in whole.get_outputs()], whole.run(None, dict(feeds))))
+            expected = dict(zip([o.name for o in whole.get_outputs()], whole.run(None, dict(feeds)), strict=True))
             for t in spec.outputs:
                 _merge(rows, _compare(t.name, "output", values[spec.source_of(Endpoint(None, t.name))], expected[t.name], rtol, atol))
             for ep in crossing:

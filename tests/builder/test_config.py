@@ -1,0 +1,124 @@
+"""PipelineConfig by hand: connect checks, pipeline order, save/load, and a sequential run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+
+from onnxpipe import ConfigError
+from onnxpipe.builder import PipelineConfig
+from onnxpipe.runtime import SequentialPipeline, TensorSpec
+
+
+def _model(text: str) -> onnx.ModelProto:
+    model = onnx.parser.parse_model('<ir_version: 8, opset_import: ["" : 17]>\n' + text)
+    onnx.checker.check_model(model)
+    return model
+
+
+HEAD = _model("head (float[N, 4] x) => (float[N, 4] h, float[N, 4] g) { h = Relu(x) \n g = Neg(x) }")
+TWIN = _model("twin (float[N, 4] p, float[N, 4] q) => (float[N, 4] s) { s = Add(p, q) }")
+TAIL = _model("tail (float[N, 4] s, float[N, 4] g, float[N, 4] x) => (float[N, 4] y) { t = Mul(s, g) \n y = Sub(t, x) }")
+
+
+def _three_stage() -> PipelineConfig:
+    """Skip edges (x into tail, g from head to tail), and one output feeding two inputs of twin."""
+    config = PipelineConfig("demo")
+    tail = config.add_stage(TAIL, "tail")  # added first: to_spec must still order it last
+    head = config.add_stage(HEAD, "head")
+    twin = config.add_stage(TWIN, "twin")
+    config.input("x").connect(head.input("x"))
+    config.input("x").connect(tail.input("x"))
+    head.output("h").connect(twin.input("p"))
+    head.output("h").connect(twin.input("q"))
+    head.output("g").connect(tail.input("g"))
+    twin.output("s").connect(tail.input("s"))
+    tail.output("y").connect(config.output("y"))
+    return config
+
+
+def _expected(x: np.ndarray) -> np.ndarray:
+    h = np.maximum(x, 0)
+    return (h + h) * -x - x
+
+
+def test_config_orders_stages_and_runs_like_the_math(tmp_path: Path) -> None:
+    config = _three_stage()
+    spec = config.to_spec()
+    assert [s.name for s in spec.stages] == ["head", "twin", "tail"]
+    assert spec.inputs == (TensorSpec("x", "float32", ("N", 4)),)  # declared from the stage port
+    config.save(tmp_path / "cfg")
+    loaded = PipelineConfig.load(tmp_path / "cfg")
+    assert loaded.to_spec() == PipelineConfig.load(tmp_path / "cfg" / "pipeline.json").to_spec()
+    assert loaded.to_spec().links == spec.links
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    out = SequentialPipeline(loaded.to_spec(), tmp_path / "cfg").run({"x": x})
+    np.testing.assert_allclose(out["y"], _expected(x), rtol=1e-6)
+
+
+def test_str_shows_the_wiring() -> None:
+    text = str(_three_stage())
+    assert "stage 'twin'" in text
+    assert "in  p: float32[N, 4]  <- head.h" in text
+    assert "out h: float32[N, 4]  -> twin.p, twin.q" in text
+
+
+def test_connect_refuses_bad_links() -> None:
+    config = PipelineConfig()
+    head = config.add_stage(HEAD, "head")
+    twin = config.add_stage(TWIN, "twin")
+    with pytest.raises(ConfigError, match="a link starts at a pipeline input or a stage output"):
+        config.connect(twin.input("p"), head.input("x"))
+    with pytest.raises(ConfigError, match="a link ends at a stage input or a pipeline output"):
+        head.output("h").connect(twin.output("s"))
+    with pytest.raises(ConfigError, match="a stage cannot feed itself"):
+        twin.output("s").connect(twin.input("p"))
+    with pytest.raises(ConfigError, match="stage 'head' has no output 'hh'; closest: 'h'"):
+        head.output("hh")
+    head.output("h").connect(twin.input("p"))
+    with pytest.raises(ConfigError, match=r"twin\.p is already fed by head\.h"):
+        head.output("g").connect(twin.input("p"))
+    config.add_input(TensorSpec("i", "int64", ("N", 4)))
+    with pytest.raises(ConfigError, match="dtype int64 != float32"):
+        config.input("i").connect(head.input("x"))
+    config.add_input(TensorSpec("w", "float32", (2, 5)))
+    with pytest.raises(ConfigError, match=r"dim 1: 5 != 4"):
+        config.input("w").connect(head.input("x"))
+    with pytest.raises(ConfigError, match="duplicate stage name 'head'"):
+        config.add_stage(HEAD, "head")
+
+
+def test_incomplete_or_cyclic_wiring_is_refused_on_to_spec() -> None:
+    config = PipelineConfig()
+    head = config.add_stage(HEAD, "head")
+    twin = config.add_stage(TWIN, "twin")
+    config.input("x").connect(head.input("x"))
+    head.output("h").connect(twin.input("p"))
+    with pytest.raises(ConfigError, match="input 'q' of stage 'twin' is not fed by any link"):
+        config.to_spec()
+    loop = PipelineConfig()
+    a = loop.add_stage(TWIN, "a")
+    b = loop.add_stage(TWIN, "b")
+    a.output("s").connect(b.input("p"))
+    b.output("s").connect(a.input("p"))
+    loop.input("x").connect(a.input("q"))
+    loop.input("x").connect(b.input("q"))
+    with pytest.raises(ConfigError, match="stages form a cycle: a -> b -> a"):
+        loop.to_spec()
+
+
+def test_add_stage_from_file_and_unreadable_file(tmp_path: Path) -> None:
+    path = tmp_path / "head.onnx"
+    onnx.save(HEAD, path)
+    config = PipelineConfig()
+    stage = config.add_stage(path)
+    assert stage.name == "stage0" and stage.path == path
+    (tmp_path / "bad.onnx").write_bytes(b"not a model")
+    with pytest.raises(ConfigError, match="cannot read stage module"):
+        config.add_stage(tmp_path / "bad.onnx")
+    with pytest.raises(ConfigError, match="cannot read pipeline config"):
+        PipelineConfig.load(tmp_path / "nowhere")
