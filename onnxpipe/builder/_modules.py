@@ -11,6 +11,7 @@ Note: external data.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -111,6 +112,7 @@ def save_model(model: ModelProto, path: str | Path, source_dir: str | Path | Non
     out.CopyFrom(without_initializers(model))
     if out.ir_version < 4:
         # TensorProto.data_location and external data came with IR version 4.
+        warnings.warn(f"{path.name}: IR version {out.ir_version} -> 4, as external data needs", stacklevel=2)
         out.ir_version = 4
     with open(path.parent / data_name, "wb") as data:
         for t in model.graph.initializer:
