@@ -18,9 +18,16 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@ $(VENV)/.installed
 
-# Split a real model (resnet50 from the onnx wheel), check the stages against the whole model.
+LIGHT_MODEL = $(BIN)/python -c 'import onnx, os; print(os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", "light_$(1).onnx"))'
+
+# A real model (resnet50 from the onnx wheel, no download): where to cut, a 3-stage split, and a
+# check that the chained stages give the whole model's outputs and intermediate tensors.
 demo: $(VENV)/.installed
-	$(BIN)/python -m onnxpipe.cli demo --out $(DEMO_OUT)
+	@set -e; model=$$($(call LIGHT_MODEL,resnet50)); \
+	echo "== onnxpipe inspect $$model"; $(BIN)/onnxpipe inspect "$$model" --top 5; \
+	echo; echo "== onnxpipe split (3 stages; the second cut is named by two tensors)"; \
+	$(BIN)/onnxpipe split "$$model" -o $(DEMO_OUT)/split --at r35 --at r88,r90 --overwrite; \
+	echo; echo "== onnxpipe verify"; $(BIN)/onnxpipe verify $(DEMO_OUT)/split --model "$$model" --samples 2
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -n 2 -q

@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 from onnx import ModelProto
 
-from onnxpipe._errors import InputError, SplitError
+from onnxpipe._errors import InputError, SplitError, closest
 from onnxpipe.builder import CONFIG_FILE
 from onnxpipe.runtime import Endpoint, PipelineSpec, SequentialPipeline, TensorSpec, numpy_dtype
 from onnxpipe.splitter._plan import SplitPlan, load_model
@@ -76,8 +76,15 @@ class VerifyReport:
             "atol": self.atol,
             "samples": self.samples,
             "notes": self.notes,
-            "tensors": [r.__dict__ | {"shape": list(r.shape)} for r in self.rows],
+            "tensors": [
+                r.__dict__ | {"shape": list(r.shape), "max_abs": _finite(r.max_abs), "max_rel": _finite(r.max_rel)} for r in self.rows
+            ],
         }
+
+
+def _finite(x: float) -> float | None:
+    # Strict JSON has no Infinity or NaN: a shape or dtype mismatch is reported as null.
+    return x if np.isfinite(x) else None
 
 
 def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -86,11 +93,18 @@ def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
     Floats are standard normal, integers are drawn from 0..3 (valid as small indices), booleans
     are fair coins.
 
+    Raises:
+        InputError: ``dims`` names a dim no input has, or an input's rank or dtype is unknown.
+
     Returns:
         The arrays by name, and notes on the dims that were defaulted.
     """
     rng = np.random.default_rng(seed)
     dims = dict(dims or {})
+    symbolic = {d for spec in specs for d in (spec.shape or ()) if isinstance(d, str)}
+    for name in dims:
+        if name not in symbolic:
+            raise InputError(f"no input has a dim named '{name}'; {closest(name, symbolic)}")
     notes: list[str] = []
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:

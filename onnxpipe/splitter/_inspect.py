@@ -1,0 +1,269 @@
+"""inspect_model(): what a model holds, and where it is cheap to cut it.
+
+Note: cut candidates.
+    Number the live compute nodes ``c_0 .. c_(n-1)`` in topological order. Position ``p`` (``0 < p <
+    n``) is the cut between ``c_(p-1)`` and ``c_p``: stage 0 runs the first ``p`` nodes. A tensor made
+    by ``c_i`` and last read by a compute node ``c_j`` with ``j > i`` is live across every position in
+    ``(i, j]``; one sweep over a difference array adds up, per position, the bytes live across it.
+    Pipeline inputs and weights are never counted (every stage gets the inputs it reads and carries
+    its own weights), nor are pipeline outputs that no later node reads.
+
+    A candidate's ``at`` is the ``--at`` argument that makes exactly this cut: the crossing tensors,
+    plus any pipeline output made before the position that no later node reads (without it the
+    splitter's ancestor-closure semantic, see :mod:`onnxpipe.splitter._cuts`, would move that
+    output's producer to the later stage). The crossing bytes are then what stage 0 hands on.
+    Positions where a sequence or an untyped tensor would cross are skipped: no split can cut there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from onnx import ModelProto, ValueInfoProto
+
+from onnxpipe._errors import ConfigError, InputError, closest
+from onnxpipe.builder import tensor_nbytes, tensor_spec
+from onnxpipe.runtime import TensorSpec
+from onnxpipe.splitter._extract import infer_types
+from onnxpipe.splitter._graph import GraphIndex
+from onnxpipe.splitter._plan import load_model
+
+__all__ = ["CutCandidate", "ModelSummary", "inspect_model"]
+
+_EDGE = 0.05  # share of positions at either end never proposed: so small a stage is rarely worth one
+
+
+@dataclass
+class CutCandidate:
+    """A place where few bytes cross: cut here with ``split(model, [tensors])`` or ``--at <at>``.
+
+    Attributes:
+        position: Compute nodes before the cut (stage 0 runs that many).
+        fraction: ``position`` over the number of compute nodes.
+        bytes: Bytes crossing the cut per request (symbolic dims sized as the summary says).
+        tensors: The tensors crossing the cut, in the order they are made.
+        at: The cut as the CLI's ``--at`` takes it (see Note: cut candidates).
+    """
+
+    position: int
+    fraction: float
+    bytes: int
+    tensors: tuple[str, ...]
+    at: str
+
+
+@dataclass
+class ModelSummary:
+    """What :func:`inspect_model` found.
+
+    Attributes:
+        name: The graph's name.
+        ir_version: The model's IR version.
+        opsets: Opset version per domain (``ai.onnx`` for the default domain).
+        inputs: Inputs a caller feeds (initializers listed as inputs left out).
+        outputs: The model's outputs.
+        nodes: All top-level nodes.
+        compute_nodes: Live compute nodes (what a split assigns to stages).
+        weight_nodes: Nodes that compute weights from constants alone.
+        dead_nodes: Compute nodes that contribute to no output (a split drops them).
+        ops: Node count per op type, most frequent first (all nodes, as ``--at-op`` counts them).
+        weights_bytes: Bytes of the weights compute nodes read, stored or computed: what the stages
+            of any split hold together when no weight is shared (see ``SplitStage.weights_bytes``).
+        computed_weight_bytes: The part of ``weights_bytes`` that weight nodes make
+            (``ConstantOfShape`` outputs, say), sized from inferred shapes.
+        initializer_bytes: Bytes of every initializer the file stores (used, feeding weight nodes,
+            or unused).
+        candidates: The best cut positions, sorted by position.
+        notes: Assumptions made (dims defaulted, shape inference trouble, ...).
+    """
+
+    name: str
+    ir_version: int
+    opsets: dict[str, int]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    nodes: int
+    compute_nodes: int
+    weight_nodes: int
+    dead_nodes: int
+    ops: dict[str, int]
+    weights_bytes: int
+    computed_weight_bytes: int
+    initializer_bytes: int
+    candidates: list[CutCandidate] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        data = asdict(self)
+        data["inputs"] = [_spec_dict(t) for t in self.inputs]
+        data["outputs"] = [_spec_dict(t) for t in self.outputs]
+        for c in data["candidates"]:
+            c["tensors"] = list(c["tensors"])
+        return data
+
+
+def _spec_dict(t: TensorSpec) -> dict[str, Any]:
+    return {"name": t.name, "dtype": t.dtype, "shape": None if t.shape is None else list(t.shape)}
+
+
+def inspect_model(
+    model_or_path: ModelProto | str | os.PathLike[str],
+    dims: Mapping[str, int] | None = None,
+    top: int = 8,
+) -> ModelSummary:
+    """Summarise a model and propose the cut positions with the least bytes crossing.
+
+    Args:
+        model_or_path: A ModelProto or the path of an .onnx file (external data is not loaded).
+        dims: Sizes of symbolic dims, for byte counts; others count as 1.
+        top: How many cut candidates to propose at most (spread over the model).
+
+    Returns:
+        The :class:`ModelSummary`.
+
+    Raises:
+        SplitError: the file cannot be read or the graph is not valid (cycle, undefined tensor).
+        InputError: ``dims`` names a dim the model does not have, or sizes it below 1.
+    """
+    proto, _ = load_model(model_or_path)
+    index = GraphIndex(proto)
+    types, problem = infer_types(proto)
+    notes = [problem] if problem else []
+    dims = dict(dims or {})
+    _check_dims(dims, types)
+    sizer = _Sizer(types, dims)
+    compute = index.compute_nodes()
+    read = {x for i in compute for x in index.node_inputs[i] if index.is_weight_tensor(x)}
+    read.update(o for o in index.outputs if index.is_weight_tensor(o))
+    stored = {t.name: tensor_nbytes(t) for t in proto.graph.initializer} | {t.values.name: tensor_nbytes(t.values) for t in proto.graph.sparse_initializer}
+    computed = sum(sizer.size(name) or 0 for name in sorted(read - stored.keys()))
+    candidates = _candidates(index, compute, sizer, max(top, 0))
+    notes.extend(sizer.notes())
+    g = proto.graph
+    return ModelSummary(
+        name=g.name,
+        ir_version=proto.ir_version,
+        opsets={(o.domain or "ai.onnx"): o.version for o in proto.opset_import},
+        inputs=tuple(_spec(types, v) for v in g.input if v.name in index.inputs),
+        outputs=tuple(_spec(types, v) for v in g.output),
+        nodes=len(index.nodes),
+        compute_nodes=len(compute),
+        weight_nodes=sum(index.is_weight),
+        dead_nodes=sum(1 for i in range(len(index.nodes)) if not index.live[i] and not index.is_weight[i]),
+        ops=dict(Counter(n.op_type for n in index.nodes).most_common()),
+        weights_bytes=computed + sum(stored[name] for name in read & stored.keys()),
+        computed_weight_bytes=computed,
+        initializer_bytes=sum(stored.values()),
+        candidates=candidates,
+        notes=notes,
+    )
+
+
+def _spec(types: dict[str, ValueInfoProto], declared: ValueInfoProto) -> TensorSpec:
+    try:
+        return tensor_spec(types.get(declared.name, declared))
+    except ConfigError:
+        return TensorSpec(declared.name, "unknown", None)
+
+
+def _check_dims(dims: Mapping[str, int], types: dict[str, ValueInfoProto]) -> None:
+    known = {d.dim_param for v in types.values() if v.type.HasField("tensor_type") for d in v.type.tensor_type.shape.dim if d.dim_param}
+    for name, size in dims.items():
+        if name not in known:
+            raise InputError(f"the model has no symbolic dim '{name}'; {closest(name, known)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InputError(f"dim '{name}' must be an integer >= 1, got {size!r}")
+
+
+class _Sizer:
+    """Bytes of tensors by name; remembers which dims it had to guess."""
+
+    def __init__(self, types: dict[str, ValueInfoProto], dims: dict[str, int]) -> None:
+        self.types, self.dims = types, dims
+        self.defaulted: set[str] = set()
+        self.unknown_dims = False
+        self.unsized: list[str] = []
+
+    def spec(self, name: str) -> TensorSpec | None:
+        """The tensor's spec, or ``None`` when it is no typed tensor (it cannot cross a boundary)."""
+        v = self.types.get(name)
+        if v is None:
+            return None
+        try:
+            return tensor_spec(v)
+        except (ConfigError, ValueError):
+            return None
+
+    def size(self, name: str) -> int | None:
+        spec = self.spec(name)
+        if spec is None:
+            return None
+        if spec.shape is None:
+            self.unsized.append(name)
+            return 0
+        for d in spec.shape:
+            if isinstance(d, str) and d not in self.dims:
+                self.defaulted.add(d)
+            elif d is None:
+                self.unknown_dims = True
+        return spec.nbytes(self.dims, default=1)
+
+    def notes(self) -> list[str]:
+        out = []
+        if self.defaulted:
+            out.append(f"symbolic dim(s) {', '.join(sorted(self.defaulted))} counted as 1; give sizes with dims / --dim NAME=VALUE")
+        if self.unknown_dims:
+            out.append("some tensors have dims shape inference could not tell; counted as 1")
+        if self.unsized:
+            out.append(f"{len(self.unsized)} tensor(s) of unknown rank counted as 0 bytes, e.g. '{self.unsized[0]}'")
+        return out
+
+
+def _candidates(index: GraphIndex, compute: list[int], sizer: _Sizer, top: int) -> list[CutCandidate]:
+    """The ``top`` positions with the least crossing bytes, spread out (see Note: cut candidates)."""
+    n = len(compute)
+    if n < 2 or top == 0:
+        return []
+    pos = {node: p for p, node in enumerate(compute)}
+    # live[t] = (made at, last read at) for each tensor a later compute node reads.
+    live: dict[str, tuple[int, int]] = {}
+    for j, node in enumerate(compute):
+        for name in index.node_inputs[node]:
+            p = index.producer.get(name)
+            if p is not None and p in pos and pos[p] < j:
+                live[name] = (pos[p], j)
+    diff = [0] * (n + 1)
+    blocked = [0] * (n + 1)
+    for name, (i, j) in live.items():
+        size = sizer.size(name)
+        target = blocked if size is None else diff
+        target[i + 1] += 1 if size is None else size
+        target[j + 1] -= 1 if size is None else size
+    crossing = [0] * (n + 1)
+    open_blocks = [0] * (n + 1)
+    for p in range(1, n + 1):
+        crossing[p] = crossing[p - 1] + diff[p]
+        open_blocks[p] = open_blocks[p - 1] + blocked[p]
+    edge = max(1, round(_EDGE * n))
+    positions = [p for p in range(edge, n - edge + 1) if 0 < p < n and not open_blocks[p]]
+    spacing = max(1, n // (2 * top))
+    chosen: list[int] = []
+    for p in sorted(positions, key=lambda p: (crossing[p], p)):
+        if all(abs(p - q) >= spacing for q in chosen):
+            chosen.append(p)
+            if len(chosen) == top:
+                break
+    return [_candidate(p, n, crossing[p], live, index, compute) for p in sorted(chosen)]
+
+
+def _candidate(p: int, n: int, nbytes: int, live: dict[str, tuple[int, int]], index: GraphIndex, compute: list[int]) -> CutCandidate:
+    tensors = sorted((name for name, (i, j) in live.items() if i < p <= j), key=lambda t: (live[t][0], t))
+    before = {o for node in compute[:p] for o in index.nodes[node].output if o}
+    side_outputs = [o for o in index.outputs if o in before and o not in live]
+    at = ",".join(dict.fromkeys(tensors + side_outputs))
+    return CutCandidate(position=p, fraction=p / n, bytes=nbytes, tensors=tuple(tensors), at=at)
