@@ -7,14 +7,14 @@ the spec says.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from onnxpipe._errors import InputError, StageError, closest
+from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 
 __all__ = ["SequentialPipeline"]
@@ -26,24 +26,14 @@ class SequentialPipeline:
     Args:
         spec: A validated pipeline spec.
         base_dir: Folder that stage module paths are relative to.
-        providers: onnxruntime execution providers for every stage (default: CPU).
-        sess_options: Optional session options shared by every stage.
+        target: Run every stage on this target instead of its own (e.g. ``"cpu"``).
     """
 
-    def __init__(
-        self,
-        spec: PipelineSpec,
-        base_dir: str | Path,
-        providers: Sequence[str] = ("CPUExecutionProvider",),
-        sess_options: ort.SessionOptions | None = None,
-    ) -> None:
+    def __init__(self, spec: PipelineSpec, base_dir: str | Path, target: str | None = None) -> None:
         spec.validate()
         self.spec = spec
         base = Path(base_dir)
-        self._sessions = {
-            s.name: ort.InferenceSession(str(base / s.module), sess_options=sess_options, providers=list(providers))
-            for s in spec.stages
-        }
+        self._sessions = {s.name: make_session(base / s.module, s, target) for s in spec.stages}
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run one request through every stage.

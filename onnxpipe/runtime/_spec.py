@@ -22,6 +22,7 @@ from typing import Any
 
 from onnxpipe._errors import ConfigError, closest
 from onnxpipe.runtime._dtypes import DTYPES, itemsize
+from onnxpipe.runtime._settings import StageSettings
 
 __all__ = [
     "SPEC_FORMAT",
@@ -29,6 +30,7 @@ __all__ = [
     "Dim",
     "Endpoint",
     "Link",
+    "ParamGroup",
     "PipelineSpec",
     "StageSpec",
     "TensorSpec",
@@ -129,14 +131,17 @@ class StageSpec:
         module: Path of the stage's .onnx module, relative to the folder holding the spec.
         inputs: The stage's input tensors, in the module's order.
         outputs: The stage's output tensors, in the module's order.
-        settings: Per-stage session settings (filled by the builder; free-form here).
+        settings: How the stage's session is made (target, threads, affinity, ...).
+        build: What the builder did to the module (free-form strings and numbers, e.g. which
+            provider it was optimized for and whether the target still optimizes it at load).
     """
 
     name: str
     module: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    settings: Mapping[str, Any] = field(default_factory=dict)
+    settings: StageSettings = field(default_factory=StageSettings)
+    build: Mapping[str, Any] = field(default_factory=dict)
 
     def input(self, name: str) -> TensorSpec:
         """The input named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
@@ -157,6 +162,21 @@ def find_tensor(specs: Iterable[TensorSpec], name: str, what: str) -> TensorSpec
 
 
 @dataclass(frozen=True)
+class ParamGroup:
+    """Weights of one stage that a user may swap at run time, under one name (TVM's param group).
+
+    Attributes:
+        name: The group's name, as ``set_params`` takes it.
+        stage: The stage whose initializers these are.
+        params: The initializers, with their dtypes and shapes.
+    """
+
+    name: str
+    stage: str
+    params: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     """A whole pipeline: global inputs and outputs, stages in pipeline order, and the links.
 
@@ -169,6 +189,7 @@ class PipelineSpec:
     stages: tuple[StageSpec, ...]
     links: tuple[Link, ...]
     metadata: Mapping[str, str] = field(default_factory=dict)
+    param_groups: tuple[ParamGroup, ...] = ()
 
     def stage(self, name: str) -> StageSpec:
         """The stage named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
@@ -198,6 +219,10 @@ class PipelineSpec:
         _unique("stage", (s.name for s in self.stages))
         _unique("pipeline input", (t.name for t in self.inputs))
         _unique("pipeline output", (t.name for t in self.outputs))
+        _unique("param group", (g.name for g in self.param_groups))
+        for group in self.param_groups:
+            self.stage(group.stage)
+            _unique(f"parameter of group '{group.name}'", (t.name for t in group.params))
         for stage in self.stages:
             _unique(f"input of stage '{stage.name}'", (t.name for t in stage.inputs))
             _unique(f"output of stage '{stage.name}'", (t.name for t in stage.outputs))
@@ -283,9 +308,13 @@ class PipelineSpec:
                     "module": s.module,
                     "inputs": [_tensor_to_dict(t) for t in s.inputs],
                     "outputs": [_tensor_to_dict(t) for t in s.outputs],
-                    "settings": dict(s.settings),
+                    "settings": s.settings.to_dict(),
+                    "build": dict(s.build),
                 }
                 for s in self.stages
+            ],
+            "param_groups": [
+                {"name": g.name, "stage": g.stage, "params": [_tensor_to_dict(t) for t in g.params]} for g in self.param_groups
             ],
             "links": [{"from": _endpoint_to_dict(lk.src, "input"), "to": _endpoint_to_dict(lk.dst, "output")} for lk in self.links],
         }
@@ -388,9 +417,13 @@ def _from_dict(data: Any) -> PipelineSpec:
             module=str(s["module"]),
             inputs=tuple(_tensor_from_dict(t) for t in s["inputs"]),
             outputs=tuple(_tensor_from_dict(t) for t in s["outputs"]),
-            settings=dict(s.get("settings", {})),
+            settings=StageSettings.from_dict(s.get("settings", {})),
+            build=dict(s.get("build", {})),
         )
         for s in data["stages"]
+    )
+    groups = tuple(
+        ParamGroup(str(g["name"]), str(g["stage"]), tuple(_tensor_from_dict(t) for t in g["params"])) for g in data.get("param_groups", [])
     )
     return PipelineSpec(
         inputs=tuple(_tensor_from_dict(t) for t in data["inputs"]),
@@ -398,4 +431,5 @@ def _from_dict(data: Any) -> PipelineSpec:
         stages=stages,
         links=tuple(Link(_endpoint_from_dict(lk["from"], "input"), _endpoint_from_dict(lk["to"], "output")) for lk in data["links"]),
         metadata={str(k): str(v) for k, v in dict(data.get("metadata", {})).items()},
+        param_groups=groups,
     )

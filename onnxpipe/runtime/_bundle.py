@@ -1,0 +1,403 @@
+"""Bundles: a folder or a single archive holding a pipeline's config, stage modules and manifest.
+
+Layout (the same inside an archive)::
+
+    pipeline.json          the PipelineSpec (stages, settings, wiring, param groups)
+    manifest.json          sha256 + size of every other file, versions, opsets, providers
+    stages/stage0.onnx     one module per stage (+ stage0.onnx.data when weights are external)
+    reference/inputs-0.npz optional reference inputs and outputs for self-checks
+
+Note: loading is checked before anything runs.
+    :func:`read_bundle` accepts a bundle only when every one of these holds, and otherwise raises
+    one :class:`BundleError` naming the problem: no symbolic or hard links; every path relative,
+    normalized and inside the bundle; every file listed in the manifest with the right size and
+    sha256, and no file that is not listed; sizes and counts within :class:`Limits`; a known
+    schema version; a wiring that validates; stage modules and the external-data files they name
+    (found by a wire scan, see ``_protoscan``) listed in the manifest. An archive is unpacked into a
+    private temporary folder, member by member, and nothing is ever written outside it. No pickle is
+    read anywhere (numpy files are loaded with ``allow_pickle=False``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import shutil
+import stat
+import tempfile
+import weakref
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onnxpipe._errors import BundleError, ConfigError
+from onnxpipe.runtime._protoscan import external_locations
+from onnxpipe.runtime._spec import PipelineSpec, StageSpec
+
+__all__ = [
+    "ARCHIVE_SUFFIX",
+    "CONFIG_NAME",
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "Bundle",
+    "FileEntry",
+    "Limits",
+    "Manifest",
+    "check_relative",
+    "read_bundle",
+    "sha256_file",
+    "write_manifest",
+]
+
+CONFIG_NAME = "pipeline.json"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "onnxpipe.manifest"
+MANIFEST_VERSION = 1
+#: A bundle written as one file is a zip archive with this suffix.
+ARCHIVE_SUFFIX = ".onnxpipe"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a bundle may declare at most; anything larger is refused before it is read.
+
+    Attributes:
+        max_files: Files in the bundle.
+        max_file_bytes: Size of one file.
+        max_total_bytes: Size of all files together.
+        max_json_bytes: Size of the config and of the manifest.
+    """
+
+    max_files: int = 10_000
+    max_file_bytes: int = 64 << 30
+    max_total_bytes: int = 256 << 30
+    max_json_bytes: int = 16 << 20
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a bundle as the manifest records it."""
+
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """The manifest: every file's size and hash, and what the bundle needs to run.
+
+    Attributes:
+        files: Relative path (``/``-separated) -> size and sha256, for every file but the manifest.
+        versions: Versions of the tools that built the bundle (``onnx``, ``onnxruntime``, ``onnxpipe``).
+        opsets: Opset domain -> highest version any stage imports (``""`` is the default domain).
+        providers: Execution providers the stages target.
+        reference: Pairs of reference input / output files (relative paths), possibly empty.
+        created: ISO 8601 time of export.
+    """
+
+    files: dict[str, FileEntry]
+    versions: dict[str, str] = field(default_factory=dict)
+    opsets: dict[str, int] = field(default_factory=dict)
+    providers: list[str] = field(default_factory=list)
+    reference: list[tuple[str, str]] = field(default_factory=list)
+    created: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "created": self.created,
+            "versions": dict(self.versions),
+            "opsets": dict(self.opsets),
+            "providers": list(self.providers),
+            "reference": [{"inputs": i, "outputs": o} for i, o in self.reference],
+            "files": {p: {"size": e.size, "sha256": e.sha256} for p, e in sorted(self.files.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, limits: Limits) -> Manifest:
+        """Read and check the JSON form.
+
+        Raises:
+            BundleError: wrong format or version, malformed entries, bad paths, oversize declarations.
+        """
+        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+            raise BundleError(f"{MANIFEST_NAME} is not an onnxpipe manifest (expected \"format\": \"{MANIFEST_FORMAT}\")")
+        if data.get("version") != MANIFEST_VERSION:
+            raise BundleError(f"manifest version {data.get('version')!r} is not supported; this onnxpipe reads version {MANIFEST_VERSION}")
+        files = data.get("files")
+        if not isinstance(files, dict):
+            raise BundleError(f"{MANIFEST_NAME} has no 'files' table")
+        if len(files) > limits.max_files:
+            raise BundleError(f"manifest lists {len(files)} files; the limit is {limits.max_files}")
+        entries: dict[str, FileEntry] = {}
+        total = 0
+        for path, entry in files.items():
+            check_relative(path, "manifest entry")
+            if path == MANIFEST_NAME:
+                raise BundleError(f"manifest lists itself ('{path}')")
+            size, digest = (entry or {}).get("size"), (entry or {}).get("sha256")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise BundleError(f"manifest entry '{path}': size must be an integer >= 0, got {size!r}")
+            if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise BundleError(f"manifest entry '{path}': sha256 must be 64 lowercase hex digits")
+            if size > limits.max_file_bytes:
+                raise BundleError(f"manifest entry '{path}' declares {size} bytes; the limit for one file is {limits.max_file_bytes}")
+            total += size
+            entries[path] = FileEntry(size, digest)
+        if total > limits.max_total_bytes:
+            raise BundleError(f"manifest declares {total} bytes in all; the limit is {limits.max_total_bytes}")
+        reference = []
+        for pair in data.get("reference", []):
+            if not isinstance(pair, dict):
+                raise BundleError("manifest 'reference' entries must be objects with 'inputs' and 'outputs'")
+            reference.append((str(pair.get("inputs")), str(pair.get("outputs"))))
+        return cls(
+            files=entries,
+            versions={str(k): str(v) for k, v in dict(data.get("versions", {})).items()},
+            opsets={str(k): int(v) for k, v in dict(data.get("opsets", {})).items()},
+            providers=[str(p) for p in data.get("providers", [])],
+            reference=reference,
+            created=str(data.get("created", "")),
+        )
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_relative(path: str, what: str) -> str:
+    """Refuse a bundle path that is absolute, not normalized, or leaves the bundle.
+
+    Returns:
+        The path, unchanged.
+
+    Raises:
+        BundleError: naming the path and why.
+    """
+    if not isinstance(path, str) or not path:
+        raise BundleError(f"{what}: empty or non-string path {path!r}")
+    if "\\" in path or "\0" in path:
+        raise BundleError(f"{what} '{path}': backslashes and NUL are not allowed in bundle paths")
+    if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
+        raise BundleError(f"{what} '{path}' is absolute; bundle paths are relative to the bundle")
+    if posixpath.normpath(path) != path or path.split("/")[0] == ".." or "/../" in f"/{path}/":
+        raise BundleError(f"{what} '{path}' is not a normalized path inside the bundle")
+    return path
+
+
+class Bundle:
+    """A checked bundle on disk: its spec, its manifest, and where its files are.
+
+    Use :func:`read_bundle` to get one. A bundle read from an archive lives in a private temporary
+    folder, removed by :meth:`close` (or when the object is collected).
+    """
+
+    def __init__(self, root: Path, spec: PipelineSpec, manifest: Manifest, tmp: Path | None = None) -> None:
+        self.root = root
+        self.spec = spec
+        self.manifest = manifest
+        self._cleanup = weakref.finalize(self, shutil.rmtree, tmp, True) if tmp else None
+
+    def module_path(self, stage: str | StageSpec) -> Path:
+        """Where a stage's module is on disk."""
+        spec = self.spec.stage(stage) if isinstance(stage, str) else stage
+        return self.root / spec.module
+
+    def reference(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
+        """The reference (inputs, outputs) pairs stored in the bundle, possibly none."""
+        return [(_load_npz(self.root / i), _load_npz(self.root / o)) for i, o in self.manifest.reference]
+
+    def close(self) -> None:
+        """Remove the temporary folder of an unpacked archive (nothing for a folder bundle)."""
+        if self._cleanup is not None:
+            self._cleanup()
+
+    def __enter__(self) -> Bundle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Bundle({str(self.root)!r}, stages={[s.name for s in self.spec.stages]})"
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as e:
+        raise BundleError(f"cannot read '{path.name}' as an .npz of arrays: {e}") from e
+
+
+def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> Bundle:
+    """Open a bundle folder or archive and check all of it (see the note above).
+
+    Args:
+        path: A bundle folder, or an archive file (zip, normally named ``*.onnxpipe``).
+        limits: Size and count limits (default :class:`Limits`).
+
+    Returns:
+        The checked :class:`Bundle`.
+
+    Raises:
+        BundleError: anything missing, broken, or unsafe; nothing is left behind on failure.
+    """
+    limits = limits or Limits()
+    path = Path(path)
+    if not path.exists():
+        raise BundleError(f"bundle '{path}' does not exist")
+    if path.is_dir() and not path.is_symlink():
+        return _check_folder(path, limits, None)
+    if not path.is_file():
+        raise BundleError(f"bundle '{path}' is neither a folder nor an archive file")
+    tmp = Path(tempfile.mkdtemp(prefix="onnxpipe-bundle-"))
+    try:
+        _unpack(path, tmp, limits)
+        return _check_folder(tmp, limits, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _unpack(archive: Path, dest: Path, limits: Limits) -> None:
+    if not zipfile.is_zipfile(archive):
+        raise BundleError(f"'{archive}' is not a bundle: not a folder and not a zip archive")
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            members = zf.infolist()
+            if len(members) > limits.max_files + 1:
+                raise BundleError(f"archive has {len(members)} members; the limit is {limits.max_files}")
+            total = sum(m.file_size for m in members)
+            if total > limits.max_total_bytes:
+                raise BundleError(f"archive declares {total} bytes unpacked; the limit is {limits.max_total_bytes}")
+            seen: set[str] = set()
+            for m in members:
+                name = m.filename.rstrip("/") if m.is_dir() else m.filename
+                check_relative(name, "archive member")
+                mode = m.external_attr >> 16
+                if stat.S_ISLNK(mode):
+                    raise BundleError(f"archive member '{m.filename}' is a symbolic link; bundles hold regular files only")
+                if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    raise BundleError(f"archive member '{m.filename}' is not a regular file")
+                if name in seen:
+                    raise BundleError(f"archive member '{name}' appears twice")
+                seen.add(name)
+                if m.file_size > limits.max_file_bytes:
+                    raise BundleError(f"archive member '{name}' declares {m.file_size} bytes; the limit for one file is {limits.max_file_bytes}")
+                target = dest / name
+                if m.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _extract(zf, m, target)
+    except zipfile.BadZipFile as e:
+        raise BundleError(f"archive '{archive}' is damaged: {e}") from e
+
+
+def _extract(zf: zipfile.ZipFile, member: zipfile.ZipInfo, target: Path) -> None:
+    written = 0
+    # O_EXCL: never follow or overwrite anything; the folder is ours and fresh.
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out, zf.open(member) as src:
+        while chunk := src.read(_CHUNK):
+            written += len(chunk)
+            if written > member.file_size:
+                raise BundleError(f"archive member '{member.filename}' holds more bytes than it declares")
+            out.write(chunk)
+
+
+def _walk_files(root: Path, limits: Limits) -> Iterator[str]:
+    """Relative paths of the regular files under root; refuses links and special files."""
+    count = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                raise BundleError(f"bundle entry '{rel}' is a symbolic link; bundles hold regular files only")
+            if name in filenames:
+                if not stat.S_ISREG(st.st_mode):
+                    raise BundleError(f"bundle entry '{rel}' is not a regular file")
+                if st.st_nlink > 1:
+                    raise BundleError(f"bundle entry '{rel}' is a hard link ({st.st_nlink} links); bundles hold independent files only")
+                count += 1
+                if count > limits.max_files + 1:
+                    raise BundleError(f"bundle has more than {limits.max_files} files")
+                yield rel
+
+
+def _read_json(path: Path, limits: Limits, what: str) -> Any:
+    if path.stat().st_size > limits.max_json_bytes:
+        raise BundleError(f"{what} is {path.stat().st_size} bytes; the limit is {limits.max_json_bytes}")
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{what} is not valid JSON: {e}") from e
+
+
+def _check_folder(root: Path, limits: Limits, tmp: Path | None) -> Bundle:
+    present = set(_walk_files(root, limits))
+    if MANIFEST_NAME not in present:
+        raise BundleError(f"'{root}' is not a bundle: it has no {MANIFEST_NAME}")
+    manifest = Manifest.from_dict(_read_json(root / MANIFEST_NAME, limits, MANIFEST_NAME), limits)
+    present.discard(MANIFEST_NAME)
+    missing = sorted(set(manifest.files) - present)
+    if missing:
+        raise BundleError(f"bundle file '{missing[0]}' is listed in the manifest but missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(present - set(manifest.files))
+    if extra:
+        raise BundleError(f"bundle file '{extra[0]}' is not listed in the manifest; a bundle holds exactly what its manifest lists")
+    if CONFIG_NAME not in manifest.files:
+        raise BundleError(f"manifest does not list the config '{CONFIG_NAME}'")
+    for rel, entry in sorted(manifest.files.items()):
+        size = (root / rel).stat().st_size
+        if size != entry.size:
+            raise BundleError(f"bundle file '{rel}' is {size} bytes; the manifest says {entry.size} (truncated or altered)")
+    for rel, entry in sorted(manifest.files.items()):
+        if sha256_file(root / rel) != entry.sha256:
+            raise BundleError(f"bundle file '{rel}' does not match its sha256 in the manifest (altered or corrupted)")
+    try:
+        spec = PipelineSpec.from_dict(_read_json(root / CONFIG_NAME, limits, CONFIG_NAME))
+        spec.validate()
+    except ConfigError as e:
+        raise BundleError(f"{CONFIG_NAME}: {e}") from e
+    for stage in spec.stages:
+        module = check_relative(stage.module, f"module of stage '{stage.name}'")
+        if module not in manifest.files:
+            raise BundleError(f"stage '{stage.name}' names module '{module}', which the bundle does not hold")
+        folder = posixpath.dirname(module)
+        for location in external_locations(root / module):
+            target = posixpath.normpath(posixpath.join(folder, location))
+            check_relative(location, f"external data of stage '{stage.name}'")
+            if target not in manifest.files:
+                raise BundleError(f"stage '{stage.name}' module refers to external data '{location}', which the bundle does not hold")
+    for i, o in manifest.reference:
+        for rel in (i, o):
+            check_relative(rel, "reference file")
+            if rel not in manifest.files:
+                raise BundleError(f"reference file '{rel}' is not in the bundle")
+    return Bundle(root, spec, manifest, tmp)
+
+
+def write_manifest(root: Path, manifest_fields: Mapping[str, Any]) -> Manifest:
+    """Hash every file under ``root`` and write ``manifest.json``; used by the builder's export."""
+    files = {rel: FileEntry((root / rel).stat().st_size, sha256_file(root / rel)) for rel in sorted(_walk_files(root, Limits())) if rel != MANIFEST_NAME}
+    manifest = Manifest(files=files, **manifest_fields)
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
+    return manifest

@@ -1,0 +1,53 @@
+"""Making a stage's onnxruntime session from its module, settings and build record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+
+from onnxpipe._errors import BundleError
+from onnxpipe.runtime._settings import StageSettings
+from onnxpipe.runtime._spec import StageSpec
+
+__all__ = ["load_optimization", "make_session"]
+
+
+def load_optimization(stage: StageSpec, settings: StageSettings) -> str:
+    """The optimization level to load a module with.
+
+    A module the builder already optimized offline for this very provider at the settings' level is
+    loaded without optimizing it again (that would only cost start-up time); any other module (a
+    portable one from a cross-target build, or one whose target changed) is optimized at load.
+    """
+    done_for = stage.build.get("optimized_for")
+    if done_for == settings.provider and stage.build.get("optimization") == settings.optimization:
+        return "disable"
+    return settings.optimization
+
+
+def make_session(module: Path, stage: StageSpec, target: str | None = None) -> ort.InferenceSession:
+    """The session of one stage.
+
+    Args:
+        module: The stage module file.
+        stage: The stage's spec (settings and build record).
+        target: Run on this target instead of the stage's own (e.g. ``"cpu"`` to check a bundle
+            built for a GPU on a host without one).
+
+    Raises:
+        BundleError: the target's provider is not available on this host, or onnxruntime refuses
+            the module.
+    """
+    settings = stage.settings if target is None else stage.settings.replace(target=target, provider_options={})
+    available = ort.get_available_providers()
+    if settings.provider not in available:
+        raise BundleError(
+            f"stage '{stage.name}' targets {settings.provider}, which this host's onnxruntime does not have; "
+            f"available: {', '.join(available)} (load with target='cpu' to run it on the CPU)"
+        )
+    options = settings.session_options(load_optimization(stage, settings))
+    try:
+        return ort.InferenceSession(str(module), sess_options=options, providers=settings.providers())
+    except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/RuntimeException types
+        raise BundleError(f"stage '{stage.name}': onnxruntime cannot load module '{module.name}': {e}") from e

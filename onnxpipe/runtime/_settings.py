@@ -1,0 +1,229 @@
+"""Per-stage session settings: target, threads, affinity, optimization; and how they become an
+onnxruntime session.
+
+Note: threads and affinity.
+    A stage runs on its own worker thread, which is also onnxruntime's first intra-op thread (it
+    runs the op itself while the pool helps). With ``affinity=[c0, c1, ...]`` and ``T`` intra-op
+    threads, the worker is pinned to ``c0`` and onnxruntime's intra-op thread ``i`` (``1 <= i < T``)
+    to ``c(i)`` through ``session.intra_op_thread_affinities`` (whose processor ids count from 1:
+    core ``c`` is written ``c + 1``). With fewer cores than threads, every thread may run on any of
+    the listed cores. Spinning is off by default: a spinning pool steals cores from the other stages
+    of a pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import onnxruntime as ort
+
+from onnxpipe._errors import ConfigError, closest
+
+__all__ = ["OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "resolve_provider"]
+
+#: Short names for execution providers; any full name onnxruntime knows is accepted too.
+PROVIDER_ALIASES: dict[str, str] = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+    "trt": "TensorrtExecutionProvider",
+    "openvino": "OpenVINOExecutionProvider",
+    "dnnl": "DnnlExecutionProvider",
+    "rocm": "ROCMExecutionProvider",
+    "migraphx": "MIGraphXExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+    "directml": "DmlExecutionProvider",
+    "dml": "DmlExecutionProvider",
+    "qnn": "QNNExecutionProvider",
+    "xnnpack": "XnnpackExecutionProvider",
+    "nnapi": "NnapiExecutionProvider",
+    "webgpu": "WebGpuExecutionProvider",
+    "cann": "CANNExecutionProvider",
+    "vitisai": "VitisAIExecutionProvider",
+    "acl": "ACLExecutionProvider",
+    "armnn": "ArmNNExecutionProvider",
+    "azure": "AzureExecutionProvider",
+}
+
+OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+_PROVIDERS_WITH_DEVICE = {"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider",
+                          "DmlExecutionProvider", "CANNExecutionProvider"}
+
+
+def resolve_provider(name: str) -> tuple[str, int | None]:
+    """Full provider name and device id of a target such as ``cpu``, ``cuda:1``, ``DnnlExecutionProvider``.
+
+    Raises:
+        ConfigError: onnxruntime knows no such provider (the message lists the known ones).
+    """
+    base, _, device = name.partition(":")
+    device_id = None
+    if device:
+        if not device.isdigit():
+            raise ConfigError(f"target '{name}': the device after ':' must be a number, e.g. 'cuda:1'")
+        device_id = int(device)
+    full = PROVIDER_ALIASES.get(base.lower(), base)
+    known = set(ort.get_all_providers()) | set(PROVIDER_ALIASES.values())
+    if full not in known:
+        raise ConfigError(f"unknown execution provider '{base}'; {closest(base, [*PROVIDER_ALIASES, *sorted(known)])}")
+    return full, device_id
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """How one stage's session is made.
+
+    Attributes:
+        target: Execution provider, short (``cpu``, ``cuda:1``, ``tensorrt``, ``openvino``, ``dnnl``, ...)
+            or full (``CUDAExecutionProvider``); ``:N`` selects a device.
+        provider_options: Options passed to the provider (strings).
+        fallback: Allow nodes the provider cannot run to fall back to the CPU provider; when false
+            the session fails instead (``session.disable_cpu_ep_fallback``).
+        intra_op_threads: Threads for one op (onnxruntime's ``intra_op_num_threads``; 0 = its default,
+            all physical cores, rarely right in a pipeline).
+        inter_op_threads: Threads across ops, used with ``execution_mode="parallel"``.
+        execution_mode: ``sequential`` or ``parallel``.
+        spinning: Let idle onnxruntime threads spin (off: they would steal the other stages' cores).
+        affinity: Cores (0-based) to pin the stage's worker and intra-op threads to; see the note above.
+        optimization: Graph optimization level: ``disable``, ``basic``, ``extended``, ``all``.
+        session_config: Extra ``add_session_config_entry`` keys and values.
+        replicas: Workers running this stage, each with its own session.
+    """
+
+    target: str = "cpu"
+    provider_options: Mapping[str, str] = field(default_factory=dict)
+    fallback: bool = True
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    execution_mode: str = "sequential"
+    spinning: bool = False
+    affinity: tuple[int, ...] | None = None
+    optimization: str = "all"
+    session_config: Mapping[str, str] = field(default_factory=dict)
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        resolve_provider(self.target)
+        for name in ("intra_op_threads", "inter_op_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ConfigError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if self.execution_mode not in ("sequential", "parallel"):
+            raise ConfigError(f"execution_mode must be 'sequential' or 'parallel', got {self.execution_mode!r}")
+        if self.optimization not in OPTIMIZATION_LEVELS:
+            raise ConfigError(f"unknown optimization level {self.optimization!r}; valid: {', '.join(OPTIMIZATION_LEVELS)}")
+        if self.affinity is not None:
+            cores = tuple(self.affinity)
+            if not cores or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores):
+                raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
+            object.__setattr__(self, "affinity", cores)
+        for key, value in (*self.provider_options.items(), *self.session_config.items()):
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ConfigError(f"provider options and session config take string keys and values, got {key!r}: {value!r}")
+
+    @property
+    def provider(self) -> str:
+        """The full execution provider name."""
+        return resolve_provider(self.target)[0]
+
+    @property
+    def device_id(self) -> int | None:
+        """The device number given with ``:N``, if any."""
+        return resolve_provider(self.target)[1]
+
+    def replace(self, **changes: Any) -> StageSettings:
+        """A copy with some fields changed (checked again)."""
+        return StageSettings(**{**asdict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        data = asdict(self)
+        data["provider_options"] = dict(self.provider_options)
+        data["session_config"] = dict(self.session_config)
+        data["affinity"] = list(self.affinity) if self.affinity is not None else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StageSettings:
+        """Read the JSON form; unknown keys are a :class:`ConfigError` naming the valid ones."""
+        names = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in names:
+                raise ConfigError(f"unknown stage setting '{key}'; {closest(key, names)}")
+        values = dict(data)
+        if values.get("affinity") is not None:
+            values["affinity"] = tuple(values["affinity"])
+        return cls(**values)
+
+    def thread_affinities(self) -> str | None:
+        """The ``session.intra_op_thread_affinities`` value for the pool threads, or None."""
+        if self.affinity is None or self.intra_op_threads <= 1:
+            return None
+        cores = self.affinity
+        if len(cores) >= self.intra_op_threads:
+            groups = [str(c + 1) for c in cores[1 : self.intra_op_threads]]
+        else:
+            groups = [",".join(str(c + 1) for c in cores)] * (self.intra_op_threads - 1)
+        return ";".join(groups)
+
+    def session_options(self, optimization: str | None = None) -> ort.SessionOptions:
+        """onnxruntime session options for these settings.
+
+        Args:
+            optimization: Override the graph optimization level (the builder saves optimized modules
+                and loads them with less optimization).
+
+        Raises:
+            ConfigError: an affinity names a core this process may not use.
+        """
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = self.intra_op_threads
+        opts.inter_op_num_threads = self.inter_op_threads
+        opts.execution_mode = ort.ExecutionMode.ORT_PARALLEL if self.execution_mode == "parallel" else ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = OPTIMIZATION_LEVELS[optimization or self.optimization]
+        spin = "1" if self.spinning else "0"
+        opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
+        if not self.fallback:
+            opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        if self.affinity is not None:
+            check_cores(self.affinity)
+            value = self.thread_affinities()
+            if value:
+                opts.add_session_config_entry("session.intra_op_thread_affinities", value)
+        for key, value in self.session_config.items():
+            opts.add_session_config_entry(key, value)
+        return opts
+
+    def providers(self) -> list[tuple[str, dict[str, str]]]:
+        """The provider list for ``InferenceSession`` (with CPU after it when fallback is allowed)."""
+        name, device = self.provider, self.device_id
+        options = dict(self.provider_options)
+        if device is not None and name in _PROVIDERS_WITH_DEVICE:
+            options.setdefault("device_id", str(device))
+        chain = [(name, options)]
+        if name != "CPUExecutionProvider" and self.fallback:
+            chain.append(("CPUExecutionProvider", {}))
+        return chain
+
+
+def check_cores(cores: Sequence[int]) -> None:
+    """Refuse cores this process may not run on, naming the ones it may.
+
+    Raises:
+        ConfigError: a core is outside the process's allowed set.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    bad = [c for c in cores if c not in allowed]
+    if bad:
+        raise ConfigError(f"affinity names core(s) {bad} this process may not use; allowed cores: {allowed}")
