@@ -1,13 +1,19 @@
 """The builder: PipelineConfig (the authoring object) and stage modules as files."""
 
+from onnxpipe.builder._build import BuildResult, StageReport, build
 from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Port, Stage
+from onnxpipe.builder._export import export
 from onnxpipe.builder._modules import io_specs, save_model, tensor_nbytes, tensor_spec, weights_bytes, without_initializers
 
 __all__ = [
     "CONFIG_FILE",
+    "BuildResult",
     "PipelineConfig",
     "Port",
     "Stage",
+    "StageReport",
+    "build",
+    "export",
     "io_specs",
     "save_model",
     "tensor_spec",

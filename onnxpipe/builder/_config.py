@@ -20,16 +20,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx
 from google.protobuf.message import DecodeError
 from onnx import ModelProto
 
 from onnxpipe._errors import ConfigError, closest
-from onnxpipe.builder._modules import io_specs, save_model
-from onnxpipe.runtime import Endpoint, Link, PipelineSpec, StageSpec, TensorSpec
+from onnxpipe.builder._modules import io_specs, save_model, weight_specs
+from onnxpipe.runtime import Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, TensorSpec
 from onnxpipe.runtime._spec import find_tensor
 
 __all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "Stage"]
@@ -49,6 +50,9 @@ class Stage:
         source_dir: Folder that the in-memory model's external-data references are relative to.
         inputs: Inputs the stage must be fed.
         outputs: Outputs the stage produces.
+        weights: The module's initializers (name -> spec): what a parameter group may name.
+        settings: How the stage's session is made (see :class:`StageSettings`).
+        build: What the builder did to the module (empty until built).
     """
 
     config: PipelineConfig
@@ -58,6 +62,25 @@ class Stage:
     source_dir: Path | None
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    weights: dict[str, TensorSpec] = field(default_factory=dict)
+    settings: StageSettings = field(default_factory=StageSettings)
+    build: dict[str, Any] = field(default_factory=dict)
+
+    def configure(self, **changes: Any) -> Stage:
+        """Change some settings (``target``, ``intra_op_threads``, ``affinity``, ...); returns the stage.
+
+        Raises:
+            ConfigError: an unknown setting or a bad value, named.
+        """
+        self.settings = StageSettings.from_dict({**self.settings.to_dict(), **changes})
+        return self
+
+    def load_model(self) -> ModelProto:
+        """The module (weights left in external files, if any)."""
+        if self.model is not None:
+            return self.model
+        assert self.path is not None
+        return onnx.load(self.path, load_external_data=False)
 
     def input(self, name: str) -> Port:
         """The port of the stage input ``name``."""
@@ -101,15 +124,24 @@ class PipelineConfig:
         self._inputs: dict[str, TensorSpec] = {}
         self._outputs: dict[str, TensorSpec] = {}
         self._links: dict[Endpoint, Link] = {}  # by destination: each is fed once
+        self._groups: dict[str, ParamGroup] = {}
 
     # -- building up -------------------------------------------------------------------------------
 
-    def add_stage(self, model: ModelProto | str | os.PathLike[str], name: str | None = None, *, source_dir: str | os.PathLike[str] | None = None) -> Stage:
+    def add_stage(
+        self,
+        model: ModelProto | str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        settings: StageSettings | None = None,
+        source_dir: str | os.PathLike[str] | None = None,
+    ) -> Stage:
         """Add a stage from a ModelProto or an .onnx file.
 
         Args:
             model: The stage module, in memory or as a path.
             name: Unique stage name (default ``stage<N>``).
+            settings: Session settings (default :class:`StageSettings`: CPU, 1 thread, no spinning).
             source_dir: For an in-memory model with external-data references: their folder.
 
         Returns:
@@ -130,7 +162,17 @@ class PipelineConfig:
                 raise ConfigError(f"cannot read stage module '{path}': {e}") from e
             source_dir = path.parent
         inputs, outputs = io_specs(model)
-        stage = Stage(self, name, model if path is None else None, path, Path(source_dir) if source_dir else None, inputs, outputs)
+        stage = Stage(
+            self,
+            name,
+            model if path is None else None,
+            path,
+            Path(source_dir) if source_dir else None,
+            inputs,
+            outputs,
+            weights=weight_specs(model),
+            settings=settings or StageSettings(),
+        )
         self._stages[name] = stage
         return stage
 
@@ -141,6 +183,38 @@ class PipelineConfig:
     def add_output(self, spec: TensorSpec) -> Port:
         """Declare a global output; returns its port."""
         return self._declare(self._outputs, spec, "pipeline output", is_source=False)
+
+    def add_param_group(self, name: str, stage: Stage | str, params: list[str] | None = None) -> ParamGroup:
+        """Name some of a stage's initializers as weights a user may swap at run time (``set_params``).
+
+        The builder lists them as graph inputs of the module, which makes them onnxruntime
+        *overridable initializers*: their stored values are the defaults, and a request may feed
+        others. onnxruntime does not constant-fold overridable initializers, so a group costs the
+        optimizations that would have folded them (Conv + BatchNormalization fusion, say).
+
+        Args:
+            name: The group's name.
+            stage: The stage (or its name) whose initializers these are.
+            params: Initializer names (default: all of the stage's initializers).
+
+        Raises:
+            ConfigError: duplicate group, unknown initializer (with the closest names), a stage with
+                no initializers.
+        """
+        target = stage if isinstance(stage, Stage) else self.stage(stage)
+        if name in self._groups:
+            raise ConfigError(f"duplicate param group '{name}'")
+        names = list(target.weights) if params is None else list(params)
+        if not names:
+            raise ConfigError(f"stage '{target.name}' has no initializers to put in param group '{name}'")
+        specs = tuple(find_tensor(target.weights.values(), n, f"stage '{target.name}' has no initializer") for n in names)
+        group = self._groups[name] = ParamGroup(name, target.name, specs)
+        return group
+
+    @property
+    def param_groups(self) -> tuple[ParamGroup, ...]:
+        """The parameter groups, in the order they were added."""
+        return tuple(self._groups.values())
 
     def _declare(self, table: dict[str, TensorSpec], spec: TensorSpec, what: str, is_source: bool) -> Port:
         if spec.name in table and table[spec.name] != spec:
@@ -228,6 +302,8 @@ class PipelineConfig:
                 module=modules.get(s.name) or (s.path.as_posix() if s.path else f"{s.name}.onnx"),
                 inputs=s.inputs,
                 outputs=s.outputs,
+                settings=s.settings,
+                build=dict(s.build),
             )
             for s in order
         )
@@ -237,6 +313,7 @@ class PipelineConfig:
             stages=stages,
             links=tuple(self._links.values()),
             metadata={"name": self.name, **self.metadata},
+            param_groups=tuple(self._groups.values()),
         )
         spec.validate()
         return spec
@@ -304,11 +381,14 @@ class PipelineConfig:
         for t in spec.outputs:
             config.add_output(t)
         for s in spec.stages:
-            stage = config.add_stage(Path(base_dir) / s.module, s.name)
+            stage = config.add_stage(Path(base_dir) / s.module, s.name, settings=s.settings)
+            stage.build = dict(s.build)
             if (stage.inputs, stage.outputs) != (s.inputs, s.outputs):
                 raise ConfigError(f"stage '{s.name}': module '{s.module}' does not match the boundary in the config")
         for link in spec.links:
             config._links[link.dst] = link
+        for group in spec.param_groups:
+            config.add_param_group(group.name, group.stage, [t.name for t in group.params])
         return config
 
     # -- display -----------------------------------------------------------------------------------
@@ -327,7 +407,7 @@ class PipelineConfig:
         for link in self._links.values():
             by_src.setdefault(link.src, []).append(link.dst)
         for s in self._topological_order():
-            lines.append(f"  stage '{s.name}' ({s.path.name if s.path else 'in memory'})")
+            lines.append(f"  stage '{s.name}' ({s.path.name if s.path else 'in memory'}; {_describe(s.settings)})")
             for t in s.inputs:
                 feed = self._links.get(Endpoint(s.name, t.name))
                 lines.append(f"    in  {t}  <- {feed.src if feed else 'UNBOUND'}")
@@ -336,9 +416,18 @@ class PipelineConfig:
                 lines.append(f"    out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")
         direct = [lk for lk in self._links.values() if lk.src.stage is None and lk.dst.stage is None]
         lines.extend(f"  {lk}" for lk in direct)
+        lines.extend(f"  param group '{g.name}' -> stage '{g.stage}': {', '.join(t.name for t in g.params)}" for g in self._groups.values())
         return "\n".join(lines)
 
     def to_json(self) -> str:
         """The wiring as JSON (module paths as :meth:`to_spec` gives them)."""
         return json.dumps(self.to_spec().to_dict(), indent=2)
 
+
+def _describe(settings: StageSettings) -> str:
+    parts = [settings.target, f"{settings.intra_op_threads} thread{'s' if settings.intra_op_threads != 1 else ''}"]
+    if settings.affinity is not None:
+        parts.append(f"cores {','.join(map(str, settings.affinity))}")
+    if settings.replicas > 1:
+        parts.append(f"x{settings.replicas}")
+    return ", ".join(parts)

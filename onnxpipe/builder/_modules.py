@@ -22,7 +22,16 @@ from onnx import ModelProto, TensorProto
 from onnxpipe._errors import ConfigError, SplitError
 from onnxpipe.runtime import TensorSpec, dtype_from_onnx
 
-__all__ = ["PROTOBUF_LIMIT", "io_specs", "save_model", "tensor_nbytes", "tensor_spec", "weights_bytes", "without_initializers"]
+__all__ = [
+    "PROTOBUF_LIMIT",
+    "io_specs",
+    "save_model",
+    "tensor_nbytes",
+    "tensor_spec",
+    "weight_specs",
+    "weights_bytes",
+    "without_initializers",
+]
 
 #: Serialized protobuf messages cannot exceed 2 GiB; stay clearly below it.
 PROTOBUF_LIMIT = 2**31 - 2**26
@@ -55,6 +64,11 @@ def io_specs(model: ModelProto) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpe
     inputs = tuple(tensor_spec(v) for v in model.graph.input if v.name not in weights)
     outputs = tuple(tensor_spec(v) for v in model.graph.output)
     return inputs, outputs
+
+
+def weight_specs(model: ModelProto) -> dict[str, TensorSpec]:
+    """The model's top-level initializers as specs, by name (no weight bytes are read)."""
+    return {t.name: TensorSpec(t.name, dtype_from_onnx(t.data_type), tuple(t.dims)) for t in model.graph.initializer}
 
 
 def tensor_nbytes(t: TensorProto) -> int:

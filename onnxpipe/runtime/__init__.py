@@ -1,19 +1,38 @@
-"""The runtime: the pipeline spec and the executors. Imports only stdlib, numpy and onnxruntime."""
+"""The runtime: the pipeline spec, bundles and the executors. Imports only stdlib, numpy and onnxruntime."""
 
+from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, read_bundle
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
+from onnxpipe.runtime._inputs import check_inputs
+from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._sequential import SequentialPipeline
-from onnxpipe.runtime._spec import SPEC_VERSION, Endpoint, Link, PipelineSpec, StageSpec, TensorSpec
+from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
+from onnxpipe.runtime._spec import SPEC_VERSION, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, TensorSpec
 
 __all__ = [
+    "ARCHIVE_SUFFIX",
     "DTYPES",
+    "PROVIDER_ALIASES",
     "SPEC_VERSION",
+    "Bundle",
     "Endpoint",
+    "FileEntry",
+    "Limits",
     "Link",
+    "Manifest",
+    "ParamGroup",
+    "Pipeline",
     "PipelineSpec",
+    "ReferenceCheck",
     "SequentialPipeline",
+    "StageSettings",
     "StageSpec",
     "TensorSpec",
+    "check_inputs",
     "dtype_from_onnx",
     "dtype_from_ort",
+    "is_bundle",
+    "load",
     "numpy_dtype",
+    "read_bundle",
+    "resolve_provider",
 ]

@@ -50,6 +50,7 @@ __all__ = [
     "Limits",
     "Manifest",
     "check_relative",
+    "is_bundle",
     "read_bundle",
     "sha256_file",
     "write_manifest",
@@ -244,6 +245,14 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
         raise BundleError(f"cannot read '{path.name}' as an .npz of arrays: {e}") from e
 
 
+def is_bundle(path: object) -> bool:
+    """True for a path that looks like a bundle: a folder with a manifest, or a zip archive."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    p = Path(path)
+    return (p.is_dir() and (p / MANIFEST_NAME).is_file()) or (p.is_file() and zipfile.is_zipfile(p))
+
+
 def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> Bundle:
     """Open a bundle folder or archive and check all of it (see the note above).
 
@@ -292,7 +301,7 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> None:
                 mode = m.external_attr >> 16
                 if stat.S_ISLNK(mode):
                     raise BundleError(f"archive member '{m.filename}' is a symbolic link; bundles hold regular files only")
-                if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                if stat.S_IFMT(mode) not in (0, stat.S_IFREG, stat.S_IFDIR):  # 0: no Unix type recorded
                     raise BundleError(f"archive member '{m.filename}' is not a regular file")
                 if name in seen:
                     raise BundleError(f"archive member '{name}' appears twice")
@@ -381,8 +390,12 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None) -> Bundle:
         module = check_relative(stage.module, f"module of stage '{stage.name}'")
         if module not in manifest.files:
             raise BundleError(f"stage '{stage.name}' names module '{module}', which the bundle does not hold")
+        if module.endswith(".ort"):
+            continue  # onnxruntime's ORT format holds its weights inline: nothing outside to check
+        if not module.endswith(".onnx"):
+            raise BundleError(f"stage '{stage.name}' module '{module}' is neither an .onnx nor an .ort file")
         folder = posixpath.dirname(module)
-        for location in external_locations(root / module):
+        for location in external_locations(root / module, module):
             target = posixpath.normpath(posixpath.join(folder, location))
             check_relative(location, f"external data of stage '{stage.name}'")
             if target not in manifest.files:

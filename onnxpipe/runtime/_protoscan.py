@@ -92,23 +92,28 @@ def _walk(buf: memoryview, kind: str, pos: int, end: int, depth: int, found: lis
             _walk(buf, child, start, stop, depth + 1, found)
 
 
-def external_locations(path: str | Path) -> list[str]:
+def external_locations(path: str | Path, label: str | None = None) -> list[str]:
     """Every external-data ``location`` named by tensors in an .onnx file, in file order.
+
+    Args:
+        path: The file.
+        label: How messages name the file (default: its path).
 
     Raises:
         BundleError: the file is not a well-formed protobuf message.
     """
     found: list[str] = []
+    label = label or str(path)
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         if size == 0:
-            raise BundleError(f"module '{path}' is empty")
+            raise BundleError(f"module '{label}' is empty")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             buf = memoryview(mm)
             try:
                 _walk(buf, "model", 0, size, 0, found)
             except ValueError as e:
-                raise BundleError(f"module '{path}' is not a valid ONNX file: {e}") from None
+                raise BundleError(f"module '{label}' is not a valid ONNX file: {e}") from None
             finally:
                 buf.release()
     return found

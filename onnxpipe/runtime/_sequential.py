@@ -35,11 +35,12 @@ class SequentialPipeline:
         base = Path(base_dir)
         self._sessions = {s.name: make_session(base / s.module, s, target) for s in spec.stages}
 
-    def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def run(self, feeds: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, np.ndarray]:
         """Run one request through every stage.
 
         Args:
             feeds: One array per pipeline input, by name.
+            params: Initializer values to use instead of the stored ones, per stage name.
 
         Returns:
             One array per pipeline output, by name, in the spec's output order.
@@ -48,10 +49,10 @@ class SequentialPipeline:
             InputError: an input is missing or unknown.
             StageError: a stage's session failed.
         """
-        values = self.run_all(feeds)
+        values = self.run_all(feeds, params)
         return {t.name: values[self.spec.source_of(Endpoint(None, t.name))] for t in self.spec.outputs}
 
-    def run_all(self, feeds: Mapping[str, Any]) -> dict[Endpoint, Any]:
+    def run_all(self, feeds: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]] | None = None) -> dict[Endpoint, Any]:
         """Like :meth:`run`, but return every value: pipeline inputs and every stage output."""
         names = [t.name for t in self.spec.inputs]
         for name in feeds:
@@ -63,6 +64,8 @@ class SequentialPipeline:
         values: dict[Endpoint, Any] = {Endpoint(None, n): feeds[n] for n in names}
         for stage in self.spec.stages:
             stage_feeds = {t.name: values[self.spec.source_of(Endpoint(stage.name, t.name))] for t in stage.inputs}
+            if params and stage.name in params:
+                stage_feeds.update(params[stage.name])
             try:
                 results = self._sessions[stage.name].run([t.name for t in stage.outputs], stage_feeds)
             except Exception as e:  # onnxruntime raises several unrelated types

@@ -10,6 +10,7 @@ applies on either side of a cut, which reorder float sums.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ from onnx import ModelProto
 
 from onnxpipe._errors import InputError, SplitError, closest
 from onnxpipe.builder import CONFIG_FILE
-from onnxpipe.runtime import Endpoint, PipelineSpec, SequentialPipeline, TensorSpec, numpy_dtype
+from onnxpipe.runtime import Endpoint, PipelineSpec, SequentialPipeline, TensorSpec, is_bundle, numpy_dtype, read_bundle
 from onnxpipe.splitter._plan import SplitPlan, load_model
 
 __all__ = ["Comparison", "VerifyReport", "random_inputs", "verify"]
@@ -141,11 +142,13 @@ def verify(
     rtol: float = DEFAULT_RTOL,
     atol: float = DEFAULT_ATOL,
     boundaries: bool = True,
+    target: str | None = None,
 ) -> VerifyReport:
     """Run the chained stages and the whole model on the same inputs and compare.
 
     Args:
-        split: A :class:`SplitPlan`, or a folder written by ``SplitPlan.save`` / ``onnxpipe split``.
+        split: A :class:`SplitPlan`, a folder written by ``SplitPlan.save`` / ``onnxpipe split``, or a
+            bundle (folder or archive, checked as the runtime checks it).
         model: The whole model (ModelProto or path).
         inputs: Input sets to use; default ``samples`` random sets (see :func:`random_inputs`).
         dims: Sizes of symbolic dims for random inputs.
@@ -154,17 +157,23 @@ def verify(
         rtol: Relative tolerance.
         atol: Absolute tolerance.
         boundaries: Also compare every tensor crossing a stage boundary.
+        target: Run every stage on this target instead of its own (e.g. ``"cpu"`` for a bundle
+            built for a provider this host lacks).
 
     Returns:
         The :class:`VerifyReport`; ``report.ok`` says whether everything matched.
     """
-    with tempfile.TemporaryDirectory(prefix="onnxpipe-verify-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="onnxpipe-verify-") as tmp, contextlib.ExitStack() as stack:
         if isinstance(split, SplitPlan):
             folder = split.save(Path(tmp) / "split")
+            spec = _read_spec(folder)
+        elif is_bundle(split):
+            bundle = stack.enter_context(read_bundle(split))
+            folder, spec = bundle.root, bundle.spec
         else:
             folder = Path(split)
-        spec = _read_spec(folder)
-        pipeline = SequentialPipeline(spec, folder)
+            spec = _read_spec(folder)
+        pipeline = SequentialPipeline(spec, folder, target=target)
         proto, model_dir = load_model(model)
         crossing = _crossing(spec) if boundaries else []
         notes: list[str] = []

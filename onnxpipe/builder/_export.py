@@ -1,0 +1,173 @@
+"""export(): a built pipeline as a relocatable bundle, a folder or a single archive.
+
+The bundle layout and the checks the runtime makes when it loads one are in
+``onnxpipe/runtime/_bundle.py`` and docs/bundle-format.md; this module writes exactly that, through
+the runtime's own :class:`~onnxpipe.runtime.Manifest`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import onnxpipe
+from onnxpipe._errors import BuildError, ConfigError
+from onnxpipe.builder._config import CONFIG_FILE
+from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
+from onnxpipe.runtime._bundle import MANIFEST_NAME, write_manifest
+from onnxpipe.runtime._protoscan import external_locations
+
+__all__ = ["export"]
+
+_STORED = (".onnx", ".data", ".ort", ".npz")  # already dense: not worth compressing
+
+
+def export(
+    build_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    reference_inputs: Sequence[Mapping[str, np.ndarray]] = (),
+    reference_outputs: Sequence[Mapping[str, np.ndarray]] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the bundle of a built pipeline.
+
+    Args:
+        build_dir: A folder written by :func:`~onnxpipe.builder.build`.
+        out: The bundle: a folder, or a single archive when the name ends with ``.onnxpipe``.
+        reference_inputs: Inputs to store in the bundle for self-checks on the deployment host.
+        reference_outputs: Their expected outputs (e.g. from the whole model); by default the
+            pipeline's own outputs on this host.
+        overwrite: Replace ``out`` if it exists.
+
+    Returns:
+        The bundle's path.
+
+    Raises:
+        BuildError: ``build_dir`` is not a build folder, or ``out`` exists.
+    """
+    src = Path(build_dir)
+    out = Path(out)
+    try:
+        spec = PipelineSpec.from_json((src / CONFIG_FILE).read_text())
+    except OSError as e:
+        raise BuildError(f"'{src}' is not a build folder: cannot read {CONFIG_FILE} ({e.strerror})") from e
+    except ConfigError as e:
+        raise BuildError(f"'{src}' is not a build folder: {e}") from e
+    if any(not s.build for s in spec.stages):
+        raise BuildError(f"'{src}' holds a pipeline that was not built; run build first (onnxpipe build)")
+    if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
+        raise BuildError(f"'{out}' exists; choose another name or overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _copy_files(src, staging, spec)
+        reference = _write_reference(staging, spec, reference_inputs, reference_outputs)
+        write_manifest(staging, _manifest_fields(staging, spec, reference))
+        staging.chmod(0o777 & ~_umask())  # mkdtemp made it private; a bundle is an ordinary folder
+        if out.name.endswith(ARCHIVE_SUFFIX):
+            _write_archive(staging, out)
+        else:
+            if out.exists():
+                shutil.rmtree(out) if out.is_dir() else out.unlink()
+            staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _copy_files(src: Path, dest: Path, spec: PipelineSpec) -> None:
+    shutil.copyfile(src / CONFIG_FILE, dest / CONFIG_FILE)
+    for stage in spec.stages:
+        files = [stage.module]
+        if stage.module.endswith(".onnx"):
+            folder = os.path.dirname(stage.module)
+            files += [os.path.normpath(os.path.join(folder, loc)) for loc in external_locations(src / stage.module)]
+        for rel in dict.fromkeys(files):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            if not (src / rel).is_file():
+                raise BuildError(f"build folder '{src}' lacks '{rel}' of stage '{stage.name}'")
+            shutil.copyfile(src / rel, dest / rel)
+
+
+def _write_reference(
+    root: Path,
+    spec: PipelineSpec,
+    inputs: Sequence[Mapping[str, np.ndarray]],
+    outputs: Sequence[Mapping[str, np.ndarray]] | None,
+) -> list[tuple[str, str]]:
+    if not inputs:
+        return []
+    if outputs is None:
+        # On a build host without a stage's provider, the CPU computes the reference instead.
+        missing = any(s.settings.provider not in ort.get_available_providers() for s in spec.stages)
+        runner = SequentialPipeline(spec, root, target="cpu" if missing else None)
+        outputs = [runner.run(feeds) for feeds in inputs]
+    if len(outputs) != len(inputs):
+        raise BuildError(f"{len(inputs)} reference input set(s) but {len(outputs)} output set(s)")
+    (root / "reference").mkdir()
+    pairs = []
+    for i, (feeds, expected) in enumerate(zip(inputs, outputs, strict=True)):
+        pair = (f"reference/inputs-{i}.npz", f"reference/outputs-{i}.npz")
+        _save_npz(root / pair[0], feeds)
+        _save_npz(root / pair[1], expected)
+        pairs.append(pair)
+    return pairs
+
+
+def _save_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    data = {k: np.asarray(v) for k, v in arrays.items()}
+    np.savez(path, allow_pickle=False, **data)
+
+
+def _used_opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """Opset versions of the domains the model's nodes use (in subgraphs and functions too)."""
+    imported = {op.domain: op.version for op in model.opset_import}
+    used: set[str] = set()
+    stack = [*model.graph.node, *(n for f in model.functions for n in f.node)]
+    while stack:
+        node = stack.pop()
+        used.add(node.domain)
+        for attr in node.attribute:
+            stack.extend(n for g in [attr.g, *attr.graphs] for n in g.node)
+    return {d: imported[d] for d in used if d in imported}
+
+
+def _manifest_fields(root: Path, spec: PipelineSpec, reference: list[tuple[str, str]]) -> dict[str, object]:
+    opsets: dict[str, int] = {}
+    for stage in spec.stages:
+        if stage.module.endswith(".onnx"):
+            for domain, version in _used_opsets(onnx.load(root / stage.module, load_external_data=False)).items():
+                opsets[domain] = max(opsets.get(domain, 0), version)
+    return {
+        "versions": {"onnxpipe": onnxpipe.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__},
+        "opsets": opsets,
+        "providers": sorted({s.settings.provider for s in spec.stages}),
+        "reference": reference,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _write_archive(staging: Path, out: Path) -> None:
+    tmp = out.with_name(f".{out.name}.tmp")
+    with zipfile.ZipFile(tmp, "w") as zf:
+        zf.write(staging / MANIFEST_NAME, MANIFEST_NAME, compress_type=zipfile.ZIP_DEFLATED)
+        for path in sorted(p for p in staging.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
+            rel = path.relative_to(staging).as_posix()
+            zf.write(path, rel, compress_type=zipfile.ZIP_STORED if rel.endswith(_STORED) else zipfile.ZIP_DEFLATED)
+    os.replace(tmp, out)

@@ -1,0 +1,422 @@
+"""The registry of tiny test models: each function returns a fresh ModelProto (or writes one).
+
+Models are written in ONNX text syntax (``onnx.parser``) where it can say what the test needs, and
+with ``onnx.helper`` otherwise. Every docstring draws the graph and names the cuts the tests use, so
+a test reads against the picture. Nodes carry names so tests can cut by node and assign by name.
+Unless a model says otherwise it is IR 8, opset 17, float32 ``[1, 4]`` tensors.
+
+The real light models of the onnx wheel (IR 3, weights made by ConstantOfShape, initializers listed
+as inputs) are reached through :func:`light_model_path`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.parser
+from onnx import ModelProto, TensorProto, helper, numpy_helper
+
+__all__ = [
+    "EXTERNAL_WEIGHT_BYTES",
+    "LIGHT_MODELS",
+    "branchy",
+    "chain",
+    "constants_shared",
+    "dead_nodes",
+    "external_data",
+    "functions",
+    "ir3_initializer_inputs",
+    "light_model_path",
+    "outer_scope",
+    "sequence_boundary",
+    "symbolic_batch",
+    "two_inputs",
+    "two_outputs",
+]
+
+_HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
+
+LIGHT_MODELS = ("bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50", "shufflenet", "squeezenet", "vgg19", "zfnet512")
+
+
+def light_model_path(name: str) -> Path:
+    """The path of ``light_<name>.onnx`` bundled with the onnx wheel (IR 3, opset 8-9)."""
+    path = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light" / f"light_{name}.onnx"
+    if not path.is_file():
+        raise FileNotFoundError(f"onnx wheel has no light model '{name}'; bundled: {', '.join(LIGHT_MODELS)}")
+    return path
+
+
+def _parse(text: str) -> ModelProto:
+    model = onnx.parser.parse_model(text)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def chain() -> ModelProto:
+    """X -relu0-> a -add1(W)-> b -sig2-> c -mul3(c, c)-> Y.
+
+    Four compute nodes in a line, one initializer ``W`` read by ``add1``.
+    """
+    return _parse(
+        _HEADER
+        + """
+        chain (float[1,4] X) => (float[1,4] Y) <float[1,4] W = {0.5, -1.0, 2.0, 0.25}> {
+            [relu0] a = Relu(X)
+            [add1] b = Add(a, W)
+            [sig2] c = Sigmoid(b)
+            [mul3] Y = Mul(c, c)
+        }
+        """
+    )
+
+
+def branchy() -> ModelProto:
+    """A DAG with fan-out, a skip edge and a cut crossed by two tensors.
+
+    ::
+
+        X -n0 Relu-> a -+-n1 Sigmoid-> b -+
+                        |                 +-n3 Add-> d -n4 Mul(W)-> e -+
+                        +-n2 Tanh----> c -+                            +-n5 Add-> f -n6 Relu-> Y
+                        +------------------------ (skip) --------------+
+
+    With cuts ``["a", ["b", "c"], "e"]`` the stages are {n0}, {n1, n2}, {n3, n4}, {n5, n6}: ``a``
+    fans out to stages 1 and 3 (the edge to 3 skips two stages), and ``b`` and ``c`` both cross the
+    middle cut.
+    """
+    return _parse(
+        _HEADER
+        + """
+        branchy (float[1,4] X) => (float[1,4] Y) <float[1,4] W = {1.5, -0.5, 0.75, 2.0}> {
+            [n0] a = Relu(X)
+            [n1] b = Sigmoid(a)
+            [n2] c = Tanh(a)
+            [n3] d = Add(b, c)
+            [n4] e = Mul(d, W)
+            [n5] f = Add(e, a)
+            [n6] Y = Relu(f)
+        }
+        """
+    )
+
+
+def two_inputs() -> ModelProto:
+    """Two graph inputs; ``Z`` is read only by the last node.
+
+    ``X -r0 Relu-> a -s1 Sigmoid-> b -add2(b, Z)-> Y``. A cut at ``a`` or ``b`` feeds ``Z`` to the
+    last stage straight from the pipeline input.
+    """
+    return _parse(
+        _HEADER
+        + """
+        two_inputs (float[1,4] X, float[1,4] Z) => (float[1,4] Y) {
+            [r0] a = Relu(X)
+            [s1] b = Sigmoid(a)
+            [add2] Y = Add(b, Z)
+        }
+        """
+    )
+
+
+def two_outputs() -> ModelProto:
+    """Two graph outputs; ``M`` is made by a middle node and also read downstream.
+
+    ``X -r0 Relu-> a -s1 Sigmoid-> M -t2 Tanh-> c -add3(c, a)-> Y``; outputs ``(M, Y)``. With cuts
+    ``["a", "M"]``, stage 1 makes ``M``, which is both a pipeline output and an input of stage 2.
+    """
+    return _parse(
+        _HEADER
+        + """
+        two_outputs (float[1,4] X) => (float[1,4] M, float[1,4] Y) {
+            [r0] a = Relu(X)
+            [s1] M = Sigmoid(a)
+            [t2] c = Tanh(M)
+            [add3] Y = Add(c, a)
+        }
+        """
+    )
+
+
+def dead_nodes() -> ModelProto:
+    """``X -r0 Relu-> a -s1 Sigmoid-> b -t2 Tanh-> Y`` plus dead nodes that reach no output.
+
+    Dead: ``dead_neg`` (reads the live ``a``), ``dead_exp`` (reads ``dead_neg``'s output) and
+    ``dead_x`` (reads the input ``X``); ``dead_w`` is a dead *weight* node (reads only ``K``), which
+    is not reported as dropped since weight nodes are never assigned. ``K`` is read only by dead
+    nodes, so no stage carries it.
+    """
+    return _parse(
+        _HEADER
+        + """
+        dead_nodes (float[1,4] X) => (float[1,4] Y) <float[1,4] K = {1, 2, 3, 4}> {
+            [r0] a = Relu(X)
+            [dead_neg] na = Neg(a)
+            [s1] b = Sigmoid(a)
+            [dead_exp] ea = Exp(na)
+            [dead_x] nx = Add(X, K)
+            [dead_w] kk = Mul(K, K)
+            [t2] Y = Tanh(b)
+        }
+        """
+    )
+
+
+def ir3_initializer_inputs() -> ModelProto:
+    """IR 3, opset 9: initializers ``W`` and ``V`` are also listed as graph inputs (IR 3 requires it).
+
+    ``X -add0(X, W)-> a -r1 Relu-> b -mul2(b, W)-> c -add3(c, V)-> Y``. ``W`` is read on both sides
+    of a cut at ``a`` or ``b``, ``V`` only by the last node.
+    """
+    w = numpy_helper.from_array(np.array([[0.5, -1.0, 2.0, 0.25]], np.float32), "W")
+    v = numpy_helper.from_array(np.array([[1.0, 2.0, -3.0, 0.5]], np.float32), "V")
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4]) for n in ("X", "W", "V", "Y")]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["X", "W"], ["a"], name="add0"),
+            helper.make_node("Relu", ["a"], ["b"], name="r1"),
+            helper.make_node("Mul", ["b", "W"], ["c"], name="mul2"),
+            helper.make_node("Add", ["c", "V"], ["Y"], name="add3"),
+        ],
+        "ir3",
+        info[:3],
+        info[3:],
+        initializer=[w, v],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=3)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def constants_shared() -> ModelProto:
+    """Weights made by nodes (``Constant``, ``ConstantOfShape``), each read in several stages.
+
+    ::
+
+        cC   = Constant [1,4]              (weight node)
+        cS   = Constant int64 [1,4]        (weight node, the shape)
+        cK   = ConstantOfShape(S) = 0.5    (weight node)
+        n0: a = Add(X, C)        -- stage 0 with cut "a"
+        n1: b = Mul(a, K)        -- stage 1 with cut "b"
+        n2: c = Add(b, C)        -- stage 2
+        n3: Y = Sub(c, K)        -- stage 2
+
+    So stage 0 carries {cC}, stage 1 {cS, cK}, stage 2 all three.
+    """
+    return _parse(
+        _HEADER
+        + """
+        constants_shared (float[1,4] X) => (float[1,4] Y) {
+            [cC] C = Constant<value = float[1,4] {0.5, -1.0, 2.0, 0.25}>()
+            [cS] S = Constant<value = int64[2] {1, 4}>()
+            [cK] K = ConstantOfShape<value = float[1] {0.5}>(S)
+            [n0] a = Add(X, C)
+            [n1] b = Mul(a, K)
+            [n2] c = Add(b, C)
+            [n3] Y = Sub(c, K)
+        }
+        """
+    )
+
+
+def outer_scope() -> ModelProto:
+    """An ``If`` and a ``Loop`` whose bodies read tensors of the enclosing graph.
+
+    ::
+
+        relu0: a = Relu(X)
+        sig1:  b = Sigmoid(a)
+        sum2:  r = ReduceSum(X)                    (scalar)
+        gt3:   cond = Greater(r, zero)             (zero: initializer)
+        if4:   i = If(cond)  then: t_then = Add(b, W)   else: t_else = Mul(b, W)
+                             (outer reads: compute tensor b, initializer W)
+        loop5: Y = Loop(M, "", i)  body: v_out = Add(v, a)   (outer read: a, made two stages back)
+
+    With cuts ``["b", "i"]`` the stages are {relu0, sig1}, {sum2, gt3, if4}, {loop5}; stage 1 reads
+    ``b`` only through the If's branches, stage 2 reads ``a`` only through the Loop's body.
+    """
+    return _parse(
+        _HEADER
+        + """
+        outer_scope (float[1,4] X) => (float[1,4] Y)
+            <float[1,4] W = {1.0, -2.0, 0.5, 3.0}, int64 M = {3}, float zero = {0.0}> {
+            [relu0] a = Relu(X)
+            [sig1] b = Sigmoid(a)
+            [sum2] r = ReduceSum<keepdims = 0>(X)
+            [gt3] cond = Greater(r, zero)
+            [if4] i = If(cond) <
+                then_branch = then_g () => (float[1,4] t_then) { [then_add] t_then = Add(b, W) },
+                else_branch = else_g () => (float[1,4] t_else) { [else_mul] t_else = Mul(b, W) }
+            >
+            [loop5] Y = Loop(M, "", i) <
+                body = body_g (int64 it, bool c_in, float[1,4] v) => (bool c_out, float[1,4] v_out) {
+                    [body_id] c_out = Identity(c_in)
+                    [body_add] v_out = Add(v, a)
+                }
+            >
+        }
+        """
+    )
+
+
+def functions() -> ModelProto:
+    """Local functions: one at top level, one used only inside an If branch, one calling another.
+
+    ::
+
+        f0:   a = local.AddOne(X)          -- AddOne (holds a Constant node)
+        sum1: r = ReduceSum(a)             (scalar)
+        gt2:  cond = Greater(r, zero)
+        if3:  i = If(cond)  then: local.Twice(a)  else: Neg(a)   -- Twice used only in the branch
+        f4:   Y = local.Wrap(i)            -- Wrap calls local.Inner
+
+    With cuts ``["a", "i"]``: stage 0 carries {AddOne}, stage 1 {Twice}, stage 2 {Wrap, Inner}.
+    """
+    return _parse(
+        """
+        <ir_version: 8, opset_import: ["" : 17, "local" : 1]>
+        functions (float[1,4] X) => (float[1,4] Y) <float zero = {0.0}> {
+            [f0] a = local.AddOne(X)
+            [sum1] r = ReduceSum<keepdims = 0>(a)
+            [gt2] cond = Greater(r, zero)
+            [if3] i = If(cond) <
+                then_branch = then_g () => (float[1,4] t_then) { [then_twice] t_then = local.Twice(a) },
+                else_branch = else_g () => (float[1,4] t_else) { [else_neg] t_else = Neg(a) }
+            >
+            [f4] Y = local.Wrap(i)
+        }
+        <domain: "local", opset_import: ["" : 17]>
+        AddOne (x) => (y) {
+            one = Constant<value = float {1.0}>()
+            y = Add(x, one)
+        }
+        <domain: "local", opset_import: ["" : 17]>
+        Twice (x) => (y) {
+            y = Add(x, x)
+        }
+        <domain: "local", opset_import: ["" : 17, "local" : 1]>
+        Wrap (x) => (y) {
+            s = local.Inner(x)
+            y = Relu(s)
+        }
+        <domain: "local", opset_import: ["" : 17]>
+        Inner (x) => (y) {
+            y = Sigmoid(x)
+        }
+        """
+    )
+
+
+def sequence_boundary() -> ModelProto:
+    """A sequence value in the middle: ``X -r0-> a -mk1-> s (sequence) -at2(s, zero)-> Y``.
+
+    Only tensors can cross a stage boundary, so a cut at ``s`` is refused; a cut at ``a`` is fine.
+    """
+    return _parse(
+        _HEADER
+        + """
+        sequence_boundary (float[1,4] X) => (float[1,4] Y) <int64 zero = {0}> {
+            [r0] a = Relu(X)
+            [mk1] s = SequenceConstruct(a, a)
+            [at2] Y = SequenceAt(s, zero)
+        }
+        """
+    )
+
+
+def symbolic_batch() -> ModelProto:
+    """A symbolic batch dim: ``X[N,4] -mm0(W[4,3])-> a[N,3] -r1 Relu-> b -add2(B)-> Y[N,3]``."""
+    return _parse(
+        _HEADER
+        + """
+        symbolic_batch (float[N,4] X) => (float[N,3] Y)
+            <float[4,3] W = {1, 0, -1, 0.5, 2, 1, -1, 0, 0.25, 1, 1, 1}, float[3] B = {0.1, -0.2, 0.3}> {
+            [mm0] a = MatMul(X, W)
+            [r1] b = Relu(a)
+            [add2] Y = Add(b, B)
+        }
+        """
+    )
+
+
+#: Bytes of each weight of :func:`external_data` (float32).
+EXTERNAL_WEIGHT_BYTES = {"W0": 256 * 4, "Wsh": 256 * 4, "W1": 256 * 4 * 4, "W2": 4 * 4}
+
+
+def external_data(folder: str | os.PathLike[str], ir_version: int = 8) -> Path:
+    """Write a model whose weights all live in one external file ``w.data``; returns the .onnx path.
+
+    ::
+
+        mul0: a = Mul(X, W0)       W0  [1,256]
+        add1: b = Add(a, Wsh)      Wsh [1,256]  (shared with mul4)
+        mm2:  c = MatMul(b, W1)    W1  [256,4]
+        add3: Y = Add(c, W2)       W2  [1,4]    (16 bytes: small, still external in the source)
+        mul4: Z = Mul(b, Wsh)
+
+    Outputs ``(Y, Z)``, input ``X[1,256]``. With cuts ``["b", "c"]`` stage 0 holds {W0, Wsh}, stage 1
+    {W1} and stage 2 {W2, Wsh}; ``b`` skips from stage 0 to stage 2. ``ir_version=3`` (opset 9)
+    writes the same graph with an IR version that predates external data.
+    """
+    rng = np.random.default_rng(7)
+    shapes = {"W0": (1, 256), "Wsh": (1, 256), "W1": (256, 4), "W2": (1, 4)}
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name) for name, shape in shapes.items()]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["X", "W0"], ["a"], name="mul0"),
+            helper.make_node("Add", ["a", "Wsh"], ["b"], name="add1"),
+            helper.make_node("MatMul", ["b", "W1"], ["c"], name="mm2"),
+            helper.make_node("Add", ["c", "W2"], ["Y"], name="add3"),
+            helper.make_node("Mul", ["b", "Wsh"], ["Z"], name="mul4"),
+        ],
+        "external_data",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 256])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 4]), helper.make_tensor_value_info("Z", TensorProto.FLOAT, [1, 256])],
+        initializer=inits,
+    )
+    if ir_version < 4:
+        graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits)
+    opset = 17 if ir_version >= 8 else 9
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="w.data", size_threshold=0)
+    return path
+
+
+# -- Stage modules for hand-wired pipelines (builder and runtime tests) ------------------------------
+
+_STAGE_HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
+
+
+def stage_head() -> ModelProto:
+    """x[N,4] -> h = Relu(x), g = Neg(x)."""
+    return _parse(_STAGE_HEADER + "\nhead (float[N, 4] x) => (float[N, 4] h, float[N, 4] g) { h = Relu(x) \n g = Neg(x) }")
+
+
+def stage_twin() -> ModelProto:
+    """p, q -> s = p + q (fed twice by the same tensor in the hand-wired pipeline)."""
+    return _parse(_STAGE_HEADER + "\ntwin (float[N, 4] p, float[N, 4] q) => (float[N, 4] s) { s = Add(p, q) }")
+
+
+def stage_tail() -> ModelProto:
+    """s, g, x -> y = (s * g - x) * scale, with initializer scale = [1, 1, 1, 1] (a param group)."""
+    return _parse(
+        _STAGE_HEADER
+        + "\ntail (float[N, 4] s, float[N, 4] g, float[N, 4] x) => (float[N, 4] y)"
+        + " <float[4] scale = {1.0, 1.0, 1.0, 1.0}> { t = Mul(s, g) \n u = Sub(t, x) \n y = Mul(u, scale) }"
+    )
+
+
+def stages_whole() -> ModelProto:
+    """The three stages above as one model: y = ((relu(x) + relu(x)) * -x - x) * scale, with scale
+    also a graph input (overridable), so the reference can be run with another scale."""
+    return _parse(
+        _STAGE_HEADER
+        + "\nwhole (float[N, 4] x, float[4] scale) => (float[N, 4] y) <float[4] scale = {1.0, 1.0, 1.0, 1.0}>"
+        + " { h = Relu(x) \n g = Neg(x) \n s = Add(h, h) \n t = Mul(s, g) \n u = Sub(t, x) \n y = Mul(u, scale) }"
+    )

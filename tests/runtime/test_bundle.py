@@ -1,0 +1,262 @@
+"""Bundle loading on the deployment host: hostile and broken bundles are refused with one clear
+error, and nothing is written outside the loader's own temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxpipe import BundleError
+from onnxpipe.builder import PipelineConfig, build, export
+from onnxpipe.runtime import Limits, load, read_bundle
+from onnxpipe.runtime._bundle import MANIFEST_NAME, Manifest, write_manifest
+from onnxpipe.runtime._protoscan import external_locations
+from tests import models
+
+
+@pytest.fixture(scope="module")
+def good_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-stage bundle folder whose second stage keeps its weights in external data."""
+    root = tmp_path_factory.mktemp("good")
+    config = PipelineConfig("two")
+    head = config.add_stage(models.stage_head(), "head")
+    tail = config.add_stage(_big_tail(), "tail")
+    config.input("x").connect(head.input("x"))
+    head.output("h").connect(tail.input("h"))
+    tail.output("y").connect(config.output("y"))
+    x = np.ones((2, 4), np.float32)
+    return export(build(config, root / "built").path, root / "bundle", reference_inputs=[{"x": x}])
+
+
+def _big_tail() -> onnx.ModelProto:
+    """h[N,4] -> y = h @ w, with w [4, 2**18] (4 MiB): large enough for an external .data file."""
+    w = onnx.numpy_helper.from_array(np.full((4, 1 << 18), 0.5, np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["h", "w"], ["y"])],
+        "tail",
+        [onnx.helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, ["N", 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1 << 18])],
+        initializer=[w],
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+@pytest.fixture()
+def bundle(good_bundle: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "bundle"
+    shutil.copytree(good_bundle, copy)
+    return copy
+
+
+@pytest.fixture()
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Route tempfile into a folder of our own, to see what the loader leaves behind."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    assert list(folder.iterdir()) == [], "the loader left files in its temporary folder"
+
+
+def _rehash(root: Path) -> None:
+    """Rewrite the manifest so that only the tampering under test is wrong."""
+    old = json.loads((root / MANIFEST_NAME).read_text())
+    m = Manifest.from_dict(old, Limits())
+    write_manifest(root, {"versions": m.versions, "opsets": m.opsets, "providers": m.providers, "reference": m.reference, "created": m.created})
+
+
+def _edit_config(root: Path, change: object) -> None:
+    data = json.loads((root / "pipeline.json").read_text())
+    change(data)  # type: ignore[operator]
+    (root / "pipeline.json").write_text(json.dumps(data))
+    _rehash(root)
+
+
+def _zip(path: Path, members: dict[str, bytes], modes: dict[str, int] | None = None) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (modes or {}).get(name, stat.S_IFREG | 0o644) << 16
+            zf.writestr(info, data)
+    return path
+
+
+def _zip_of(folder: Path, out: Path, extra: dict[str, bytes] | None = None, modes: dict[str, int] | None = None) -> Path:
+    members = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return _zip(out, {**members, **(extra or {})}, modes)
+
+
+def test_good_bundle_loads_as_folder_and_archive(bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
+    assert "stages/tail.onnx.data" in read_bundle(bundle).manifest.files
+    archive = _zip_of(bundle, tmp_path / "b.onnxpipe")
+    with load(archive) as pipe:
+        assert all(r.ok for r in pipe.check())
+        unpacked = pipe.bundle.root
+        assert unpacked.parent == private_tmp
+    assert not unpacked.exists()  # close() removed the unpacked copy
+
+
+def test_protoscan_finds_the_same_locations_as_onnx(bundle: Path) -> None:
+    module = bundle / "stages" / "tail.onnx"
+    proto = onnx.load(module, load_external_data=False)
+    want = [e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"]
+    assert external_locations(module) == want == ["tail.onnx.data"]
+
+
+@pytest.mark.parametrize(
+    ("member", "message"),
+    [
+        ("../evil.txt", "archive member '../evil.txt' is not a normalized path inside the bundle"),
+        ("stages/../../evil.txt", "is not a normalized path inside the bundle"),
+        ("/tmp/onnxpipe-evil.txt", "archive member '/tmp/onnxpipe-evil.txt' is absolute"),
+        ("C:/evil.txt", "is absolute"),
+        ("stages\\..\\evil.txt", "backslashes"),
+    ],
+)
+def test_archive_members_outside_the_bundle_are_refused(bundle: Path, tmp_path: Path, private_tmp: Path, member: str, message: str) -> None:
+    archive = _zip_of(bundle, tmp_path / "b.onnxpipe", extra={member: b"owned"})
+    with pytest.raises(BundleError, match=message.replace("\\", "\\\\")):
+        load(archive)
+    assert not (tmp_path / "evil.txt").exists() and not Path("/tmp/onnxpipe-evil.txt").exists()
+
+
+def test_archive_symlink_and_duplicate_members_are_refused(bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
+    link = _zip_of(bundle, tmp_path / "l.onnxpipe", extra={"stages/link": b"/etc/passwd"}, modes={"stages/link": stat.S_IFLNK | 0o777})
+    with pytest.raises(BundleError, match="archive member 'stages/link' is a symbolic link"):
+        load(link)
+    members = {p.relative_to(bundle).as_posix(): p.read_bytes() for p in bundle.rglob("*") if p.is_file()}
+    dup = tmp_path / "d.onnxpipe"
+    with zipfile.ZipFile(dup, "w") as zf, pytest.warns(UserWarning, match="Duplicate name"):
+        for name, data in members.items():
+            zf.writestr(name, data)
+        zf.writestr("pipeline.json", b"{}")
+    with pytest.raises(BundleError, match="archive member 'pipeline.json' appears twice"):
+        load(dup)
+
+
+def test_folder_links_are_refused(bundle: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"x" * 10)
+    os.symlink(secret, bundle / "stages" / "evil")
+    with pytest.raises(BundleError, match="bundle entry 'stages/evil' is a symbolic link"):
+        load(bundle)
+    (bundle / "stages" / "evil").unlink()
+    os.link(bundle / "stages" / "head.onnx", tmp_path / "hard")
+    with pytest.raises(BundleError, match="bundle entry 'stages/head.onnx' is a hard link"):
+        load(bundle)
+
+
+def test_config_naming_a_module_outside_is_refused(bundle: Path, tmp_path: Path) -> None:
+    shutil.copy(bundle / "stages" / "head.onnx", tmp_path / "outside.onnx")
+    _edit_config(bundle, lambda d: d["stages"][0].update(module="../outside.onnx"))
+    with pytest.raises(BundleError, match="module of stage 'head' '../outside.onnx' is not a normalized path inside the bundle"):
+        load(bundle)
+
+
+def test_external_data_outside_the_bundle_is_refused(bundle: Path, tmp_path: Path) -> None:
+    module = bundle / "stages" / "tail.onnx"
+    proto = onnx.load(module, load_external_data=False)
+    for t in proto.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../../secret.bin"
+    onnx.save(proto, module)
+    _rehash(bundle)
+    with pytest.raises(BundleError, match="external data of stage 'tail' '../../secret.bin' is not a normalized path inside the bundle"):
+        load(bundle)
+
+
+def test_hash_mismatch_truncation_missing_and_extra_files(bundle: Path) -> None:
+    module = bundle / "stages" / "head.onnx"
+    data = bytearray(module.read_bytes())
+    data[-1] ^= 0xFF
+    module.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="bundle file 'stages/head.onnx' does not match its sha256"):
+        load(bundle)
+    module.write_bytes(bytes(data[:-10]))
+    with pytest.raises(BundleError, match="bundle file 'stages/head.onnx' is .* bytes; the manifest says .* \\(truncated or altered\\)"):
+        load(bundle)
+    module.unlink()
+    with pytest.raises(BundleError, match="bundle file 'stages/head.onnx' is listed in the manifest but missing"):
+        load(bundle)
+    (bundle / "stages" / "head.onnx").write_bytes(bytes(data))
+    (bundle / "stages" / "extra.onnx").write_bytes(b"x")
+    with pytest.raises(BundleError, match="bundle file 'stages/extra.onnx' is not listed in the manifest"):
+        load(bundle)
+
+
+def test_unknown_versions_are_refused(bundle: Path) -> None:
+    _edit_config(bundle, lambda d: d.update(version=99))
+    with pytest.raises(BundleError, match="pipeline spec version 99 is not supported; this onnxpipe reads version 1"):
+        load(bundle)
+    manifest = json.loads((bundle / MANIFEST_NAME).read_text())
+    manifest["version"] = 7
+    (bundle / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="manifest version 7 is not supported"):
+        load(bundle)
+
+
+def test_cyclic_and_dangling_wiring_are_refused(bundle: Path) -> None:
+    def cycle(d: dict) -> None:  # type: ignore[type-arg]
+        d["stages"][0]["inputs"].append({"name": "y", "dtype": "float32", "shape": None})
+        d["links"].append({"from": {"stage": "tail", "tensor": "y"}, "to": {"stage": "head", "tensor": "y"}})
+
+    _edit_config(bundle, cycle)
+    with pytest.raises(BundleError, match="stages form a cycle: head -> tail -> head"):
+        load(bundle)
+
+
+def test_dangling_link_is_refused(bundle: Path) -> None:
+    _edit_config(bundle, lambda d: d["links"].append({"from": {"stage": "ghost", "tensor": "h"}, "to": {"output": "y"}}))
+    with pytest.raises(BundleError, match="link endpoint ghost.h: no stage 'ghost'"):
+        load(bundle)
+
+
+def test_oversize_declarations_are_refused_before_reading(bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
+    manifest = json.loads((bundle / MANIFEST_NAME).read_text())
+    manifest["files"]["stages/head.onnx"]["size"] = 1 << 50
+    (bundle / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="manifest entry 'stages/head.onnx' declares 1125899906842624 bytes; the limit for one file is"):
+        load(bundle)
+    archive = _zip(tmp_path / "big.onnxpipe", {"a.bin": b"\0" * 5000})
+    with pytest.raises(BundleError, match="archive declares 5000 bytes unpacked; the limit is 1000"):
+        load(archive, limits=Limits(max_total_bytes=1000))
+    with pytest.raises(BundleError, match="archive member 'a.bin' declares 5000 bytes; the limit for one file is 100"):
+        load(archive, limits=Limits(max_file_bytes=100))
+
+
+def test_not_a_bundle(tmp_path: Path, private_tmp: Path) -> None:
+    (tmp_path / "junk.onnxpipe").write_bytes(b"not a zip")
+    with pytest.raises(BundleError, match="is not a bundle: not a folder and not a zip archive"):
+        load(tmp_path / "junk.onnxpipe")
+    with pytest.raises(BundleError, match="does not exist"):
+        load(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BundleError, match="it has no manifest.json"):
+        load(tmp_path / "empty")
+
+
+def test_loading_needs_only_numpy_and_onnxruntime(good_bundle: Path, tmp_path: Path) -> None:
+    archive = _zip_of(good_bundle, tmp_path / "b.onnxpipe")
+    code = (
+        "import sys\n"
+        "import onnxpipe.runtime as rt\n"
+        f"pipe = rt.load({str(archive)!r})\n"
+        "assert all(r.ok for r in pipe.check())\n"
+        "pipe.close()\n"
+        "print(','.join(m for m in ('onnx', 'networkx', 'click', 'rich', 'onnxpipe.builder', 'onnxpipe.splitter') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
