@@ -98,7 +98,7 @@ def build(config: PipelineConfig, out_dir: str | os.PathLike[str], *, ort_format
         ConfigError: the wiring or a setting is invalid.
         BuildError: onnxruntime cannot load a stage for its target, or the folder is not empty.
     """
-    spec = config.to_spec()  # validates the wiring before any work
+    config.to_spec()  # validates the wiring before any work
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise BuildError(f"output folder '{out}' exists and is not empty; choose another or overwrite it")

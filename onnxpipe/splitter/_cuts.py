@@ -70,6 +70,8 @@ def _normalize(cut: object, index: GraphIndex) -> TensorCut | NodeCut | OpCut:
             return TensorCut((cut,))
         if cut in index.by_name:
             return NodeCut(cut)
+        if cut in index.inner_nodes:
+            raise index.unknown_node(cut)
         names = list(index.tensor_names()) + list(index.by_name)
         raise SplitError(f"unknown tensor or node '{cut}'; {closest(cut, names)}")
     if isinstance(cut, tuple) and len(cut) == 2 and isinstance(cut[0], str) and isinstance(cut[1], int):
@@ -83,7 +85,7 @@ def _tensor_producers(cut: TensorCut | NodeCut | OpCut, index: GraphIndex) -> tu
     """The cut's description for messages and the compute nodes producing its tensors."""
     if isinstance(cut, NodeCut):
         if cut.node not in index.by_name:
-            raise SplitError(f"unknown node '{cut.node}'; {closest(cut.node, index.by_name)}")
+            raise index.unknown_node(cut.node)
         return _after_node(index.by_name[cut.node], index, f"node '{cut.node}'")
     if isinstance(cut, OpCut):
         matching = [i for i in index.order if index.nodes[i].op_type == cut.op_type]
@@ -190,7 +192,7 @@ def assign_explicit(index: GraphIndex, assignment: Mapping[str, int]) -> dict[in
         if i is None and key in index.producer and not index.nodes[index.producer[key]].name:
             i = index.producer[key]
         if i is None:
-            raise SplitError(f"assignment names unknown node '{key}'; {closest(key, index.by_name)}")
+            raise index.unknown_node(key, "assignment names unknown node")
         if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
             raise SplitError(f"assignment of node '{key}': stage must be an integer >= 0, got {stage!r}")
         if index.is_compute(i):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto
 
-from onnxpipe._errors import SplitError
+from onnxpipe._errors import SplitError, closest
 
 __all__ = ["GraphIndex", "node_label", "subgraphs"]
 
@@ -48,6 +48,15 @@ def node_label(node: NodeProto, index: int) -> str:
         return node.name
     first = next((o for o in node.output if o), "")
     return f"#{index} {node.op_type} -> '{first}'"
+
+
+def _node_names(node: NodeProto) -> Iterator[str]:
+    """Names of the nodes inside a node's subgraphs, at any depth."""
+    for sub in subgraphs(node):
+        for inner in sub.node:
+            if inner.name:
+                yield inner.name
+            yield from _node_names(inner)
 
 
 def _outer_refs(graph: GraphProto, inner: dict[str, None]) -> set[str]:
@@ -84,6 +93,7 @@ class GraphIndex:
     is_weight: list[bool] = field(init=False)
     live: list[bool] = field(init=False)
     inner_owner: dict[str, int] = field(init=False)
+    inner_nodes: dict[str, int] = field(init=False)
     by_name: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,7 +107,7 @@ class GraphIndex:
         self._classify()
 
     def _index_nodes(self) -> None:
-        self.producer, self.consumers, self.inner_owner, self.by_name = {}, {}, {}, {}
+        self.producer, self.consumers, self.inner_owner, self.inner_nodes, self.by_name = {}, {}, {}, {}, {}
         self.node_inputs = []
         for i, node in enumerate(self.nodes):
             names = [x for x in node.input if x]
@@ -106,6 +116,8 @@ class GraphIndex:
                 names.extend(sorted(_outer_refs(sub, inner)))
             for name in inner:
                 self.inner_owner.setdefault(name, i)
+            for name in _node_names(node):
+                self.inner_nodes.setdefault(name, i)
             deps = tuple(dict.fromkeys(names))
             self.node_inputs.append(deps)
             for name in deps:
@@ -188,6 +200,16 @@ class GraphIndex:
         """The node's name for messages, quoted."""
         node = self.nodes[i]
         return f"'{node.name}'" if node.name else node_label(node, i)
+
+    def unknown_node(self, name: str, what: str = "unknown node") -> SplitError:
+        """The error for a node name that is not a top-level node (inside a subgraph, or nowhere)."""
+        owner = self.inner_nodes.get(name)
+        if owner is not None:
+            return SplitError(
+                f"node '{name}' is inside a subgraph of node {self.label(owner)} ({self.nodes[owner].op_type}); "
+                "only top-level nodes can be cut after or assigned, e.g. that node"
+            )
+        return SplitError(f"{what} '{name}'; {closest(name, self.by_name)}")
 
     def tensor_names(self) -> Iterable[str]:
         """Every top-level tensor name (for 'closest name' suggestions)."""

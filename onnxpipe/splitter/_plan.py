@@ -93,7 +93,9 @@ class SplitPlan:
             SplitError: the folder exists, is not empty, and ``overwrite`` is false.
         """
         directory = Path(directory)
-        if directory.exists() and (not directory.is_dir() or any(directory.iterdir())) and not overwrite:
+        if directory.exists() and not directory.is_dir():
+            raise SplitError(f"output folder '{directory}' is a file; choose another name")
+        if directory.exists() and any(directory.iterdir()) and not overwrite:
             raise SplitError(f"output folder '{directory}' exists and is not empty; choose another or overwrite it")
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ import onnxruntime as ort
 from onnx import ModelProto
 
 from onnxpipe._errors import InputError, SplitError, closest
-from onnxpipe.builder import CONFIG_FILE
+from onnxpipe.builder import CONFIG_FILE, save_model
 from onnxpipe.runtime import Endpoint, PipelineSpec, SequentialPipeline, TensorSpec, is_bundle, numpy_dtype, read_bundle
 from onnxpipe.splitter._plan import SplitPlan, load_model
 
@@ -177,10 +178,7 @@ def verify(
         proto, model_dir = load_model(model)
         crossing = _crossing(spec) if boundaries else []
         notes: list[str] = []
-        if crossing and any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
-            notes.append("boundary tensors not compared: the model keeps its weights in external data")
-            crossing = []
-        whole = _whole_session(model, proto, model_dir, crossing)
+        whole = _whole_session(proto, model_dir, crossing, Path(tmp))
         if inputs is None:
             generated: list[Mapping[str, np.ndarray]] = []
             for k in range(samples):
@@ -216,16 +214,28 @@ def _crossing(spec: PipelineSpec) -> list[Endpoint]:
     return list(seen)
 
 
-def _whole_session(model: ModelProto | str | os.PathLike[str], proto: ModelProto, model_dir: Path | None, crossing: list[Endpoint]) -> ort.InferenceSession:
-    if not crossing and not isinstance(model, ModelProto):
-        return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+def _whole_session(proto: ModelProto, model_dir: Path | None, crossing: list[Endpoint], tmp: Path) -> ort.InferenceSession:
+    """The whole model with every boundary tensor as an extra output.
+
+    A model with external data is written to ``tmp`` with its own copy of the weights (streamed,
+    see :func:`~onnxpipe.builder.save_model`), since onnxruntime finds external data only next to
+    the model file it opens.
+    """
     augmented = ModelProto()
     augmented.CopyFrom(proto)
     declared = {v.name for v in augmented.graph.output}
     for ep in crossing:
         if ep.tensor not in declared:
             augmented.graph.output.add(name=ep.tensor)  # untyped: onnxruntime infers it
-    return ort.InferenceSession(augmented.SerializeToString(), providers=["CPUExecutionProvider"])
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+        return ort.InferenceSession(augmented.SerializeToString(), providers=["CPUExecutionProvider"])
+    if model_dir is None:
+        raise SplitError("the model keeps its weights in external data: pass its path rather than a loaded ModelProto")
+    path = tmp / "whole.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # an IR bump of this private copy is no news to the user
+        save_model(augmented, path, model_dir)
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 def _compare(name: str, kind: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> Comparison:
