@@ -420,3 +420,36 @@ def stages_whole() -> ModelProto:
         + "\nwhole (float[N, 4] x, float[4] scale) => (float[N, 4] y) <float[4] scale = {1.0, 1.0, 1.0, 1.0}>"
         + " { h = Relu(x) \n g = Neg(x) \n s = Add(h, h) \n t = Mul(s, g) \n u = Sub(t, x) \n y = Mul(u, scale) }"
     )
+
+
+def failing_pair() -> tuple[ModelProto, ModelProto]:
+    """Two stages that fail only for some data: ``head`` is h = Relu(x) for x[N,4]; ``reshape``
+    reshapes h to [2,4], which onnxruntime refuses for any N other than 2."""
+    head = _parse(_STAGE_HEADER + "\nhead (float[N, 4] x) => (float[N, 4] h) { h = Relu(x) }")
+    tail = _parse(
+        _STAGE_HEADER + "\nreshape (float[N, 4] h) => (float[2, 4] y) <int64[2] shape = {2, 4}> { y = Reshape(h, shape) }"
+    )
+    return head, tail
+
+
+def slow_stage(size: int = 768) -> ModelProto:
+    """x[1, size] -> y: two MatMuls with [size, size] weights; tens of milliseconds per run on one
+    core with ``batch`` = 256 rows: x is [256, size]."""
+    w = numpy_helper.from_array(np.full((size, size), 1.0 / size, np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])],
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, size])],
+        initializer=[w],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def bundle_of(config: object, folder: str | os.PathLike[str]) -> Path:
+    """Build and export a PipelineConfig (or a SplitPlan's config) into ``folder/bundle``."""
+    from onnxpipe.builder import build, export
+
+    config = getattr(config, "config", config)
+    folder = Path(folder)
+    return export(build(config, folder / "built").path, folder / "bundle")  # type: ignore[arg-type]

@@ -1,21 +1,46 @@
-"""load(): a bundle on the deployment host, checked and ready to run."""
+"""load() and Pipeline: a bundle on the deployment host, its stages working concurrently.
+
+Each stage (each replica) runs on its own worker; a request moves from stage to stage through
+bounded queues, so stage 0 works on request n+1 while stage 1 works on request n. The API is TVM's
+pipeline executor's (``set_input`` / ``set_params`` / ``run`` / ``get_output``) plus what Python
+users expect (``submit`` -> Future, ``map``, calling the pipeline, a context manager).
+
+Note: ordering and failures.
+    Every request gets a future when it is submitted. Results are delivered through the futures,
+    so ``get_output`` and ``map`` return them in submission order even when replicas finish out of
+    order. A stage that raises fails only that request: its future raises :class:`StageError`
+    naming the stage and the request, later stages let it pass untouched, and other requests go on.
+"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
-from onnxpipe._errors import InputError, closest
+from onnxpipe._errors import InputError, StageError, closest
 from onnxpipe.runtime._bundle import Bundle, Limits, read_bundle
+from onnxpipe.runtime._channel import Closed
+from onnxpipe.runtime._engine import Engine, ThreadEngine
 from onnxpipe.runtime._inputs import check_inputs
-from onnxpipe.runtime._sequential import SequentialPipeline
-from onnxpipe.runtime._spec import PipelineSpec
+from onnxpipe.runtime._session import make_session
+from onnxpipe.runtime._spec import Endpoint, PipelineSpec
+from onnxpipe.runtime._stage import Request, StagePlan, plan_stages
+from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, write_trace
 
 __all__ = ["Pipeline", "ReferenceCheck", "load"]
+
+Outputs = dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -29,50 +54,231 @@ class ReferenceCheck:
 
 
 class Pipeline:
-    """A loaded bundle with one onnxruntime session per stage.
+    """A loaded bundle, its stages running concurrently.
 
     Args:
         bundle: A checked bundle (see :func:`read_bundle`).
         target: Run every stage on this target instead of its own (e.g. ``"cpu"``).
+        queue_depth: Requests that may wait in front of each stage; a full queue blocks the
+            stage before it, and a full first queue blocks :meth:`submit` (backpressure).
+        trace: Record every stage run, for :meth:`save_trace`.
     """
 
-    def __init__(self, bundle: Bundle, target: str | None = None) -> None:
+    def __init__(self, bundle: Bundle, target: str | None = None, queue_depth: int = 2, trace: bool = False) -> None:
         self.bundle = bundle
-        self._runner = SequentialPipeline(bundle.spec, bundle.root, target)
-        # Replaced, never mutated: a request takes the mapping current when it starts.
-        self._params: dict[str, dict[str, np.ndarray]] = {}
+        self._target = target
+        plans, self._finals = plan_stages(bundle.spec)
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._in_flight = 0
+        self._futures: dict[int, Future[Outputs]] = {}
+        self._params: dict[str, dict[str, np.ndarray]] = {}  # replaced, never mutated: see set_params
+        self._staged: dict[str, Any] = {}
+        self._run_queue: collections.deque[Future[Outputs]] = collections.deque()
+        self._requests = RequestRecorder()
+        self._origin = time.perf_counter()
+        self._closed = False
+        self._engine: Engine = ThreadEngine(plans, self._make_session, queue_depth, trace)
+        self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
+
+    def _make_session(self, plan: StagePlan, replica: int) -> ort.InferenceSession:
+        stage = plan.stage
+        settings = stage.settings.for_replica(replica)
+        return make_session(self.bundle.root / stage.module, dataclasses.replace(stage, settings=settings), self._target)
+
+    # -- what the pipeline looks like ------------------------------------------------------------
 
     @property
     def spec(self) -> PipelineSpec:
         """The pipeline's wiring and settings."""
         return self.bundle.spec
 
-    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Run one request and return its outputs by name.
+    @property
+    def num_inputs(self) -> int:
+        """How many global inputs a request has."""
+        return len(self.spec.inputs)
+
+    @property
+    def num_outputs(self) -> int:
+        """How many global outputs a request gives."""
+        return len(self.spec.outputs)
+
+    @property
+    def num_executing_pipeline(self) -> int:
+        """Requests submitted and not finished yet."""
+        return self._in_flight
+
+    def get_input_pipeline_map(self, name: str) -> list[tuple[str, str]]:
+        """The (stage, input) pairs a global input feeds.
 
         Raises:
-            InputError: an input is unknown, missing, or of the wrong dtype or shape.
-            StageError: a stage failed on this request.
+            InputError: no such input.
         """
-        return self._runner.run(check_inputs(self.spec.inputs, inputs), self._params)
+        if name not in {t.name for t in self.spec.inputs}:
+            raise InputError(f"unknown input '{name}'; {closest(name, (t.name for t in self.spec.inputs))}")
+        return [(lk.dst.stage, lk.dst.tensor) for lk in self.spec.links if lk.src == Endpoint(None, name) and lk.dst.stage is not None]
+
+    def get_params_group_pipeline_map(self, group: str) -> str:
+        """The stage a parameter group belongs to.
+
+        Raises:
+            InputError: no such group.
+        """
+        return self._group(group).stage
+
+    # -- TVM-style protocol -----------------------------------------------------------------------
+
+    def set_input(self, name: str, value: Any) -> None:
+        """Stage one input of the next :meth:`run`.
+
+        Raises:
+            InputError: no such input, or a value of the wrong dtype or shape.
+        """
+        spec = next((t for t in self.spec.inputs if t.name == name), None)
+        if spec is None:
+            raise InputError(f"unknown input '{name}'; {closest(name, (t.name for t in self.spec.inputs))}")
+        self._staged[name] = check_inputs([spec], {name: value})[name]
+
+    def run(self) -> int:
+        """Submit the inputs given with :meth:`set_input` as one request; its outputs come from
+        :meth:`get_output`, in order. Returns at once unless the pipeline is full (backpressure).
+
+        Returns:
+            The request's number.
+
+        Raises:
+            InputError: an input was not set.
+        """
+        staged, self._staged = self._staged, {}
+        rid, future = self._submit(staged)
+        self._run_queue.append(future)
+        return rid
+
+    def get_output(self, block: bool = True, timeout: float | None = None) -> Outputs | None:
+        """The outputs of the oldest request submitted with :meth:`run` and not collected yet.
+
+        Args:
+            block: Wait for it; when false, return ``None`` if it is not finished.
+            timeout: Wait at most this many seconds, then return ``None``.
+
+        Returns:
+            Its outputs by name, or ``None`` when nothing is ready (or nothing was run).
+
+        Raises:
+            StageError: that request failed; it is consumed, the next call moves on.
+        """
+        if not self._run_queue:
+            return None
+        future = self._run_queue[0]
+        if not block and not future.done():
+            return None
+        try:
+            result = future.result(timeout=timeout if block else 0)
+        except TimeoutError:
+            return None
+        except BaseException:
+            self._run_queue.popleft()
+            raise
+        self._run_queue.popleft()
+        return result
 
     def set_params(self, group: str, values: Mapping[str, Any]) -> None:
-        """Use new values for some of a parameter group's weights in every later request.
+        """Use new values for some of a parameter group's weights in every request submitted after
+        this call; requests already submitted finish with the values they started with.
 
         Raises:
             InputError: unknown group or parameter, or a value of the wrong dtype or shape.
         """
-        spec = next((g for g in self.spec.param_groups if g.name == group), None)
-        if spec is None:
-            raise InputError(f"unknown param group '{group}'; {closest(group, (g.name for g in self.spec.param_groups))}")
+        spec = self._group(group)
         names = {t.name for t in spec.params}
         for name in values:
             if name not in names:
                 raise InputError(f"param group '{group}' has no parameter '{name}'; {closest(name, names)}")
         checked = check_inputs([t for t in spec.params if t.name in values], values, what="parameter")
-        stage = dict(self._params.get(spec.stage, {}))
-        stage.update(checked)
-        self._params = {**self._params, spec.stage: stage}
+        with self._lock:
+            stage = {**self._params.get(spec.stage, {}), **checked}
+            self._params = {**self._params, spec.stage: stage}
+
+    def _group(self, group: str) -> Any:
+        spec = next((g for g in self.spec.param_groups if g.name == group), None)
+        if spec is None:
+            raise InputError(f"unknown param group '{group}'; {closest(group, (g.name for g in self.spec.param_groups))}")
+        return spec
+
+    # -- Pythonic API -----------------------------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, Any]) -> Future[Outputs]:
+        """Submit one request; returns a future of its outputs by name.
+
+        Blocks only while the first stage's queue is full.
+
+        Raises:
+            InputError: an input is unknown, missing, or of the wrong dtype or shape (the pipeline
+                stays usable).
+            StageError: the pipeline is closed.
+        """
+        return self._submit(inputs)[1]
+
+    def _submit(self, inputs: Mapping[str, Any]) -> tuple[int, Future[Outputs]]:
+        arrays = check_inputs(self.spec.inputs, inputs)
+        future: Future[Outputs] = Future()
+        with self._lock:
+            if self._closed:
+                raise StageError("the pipeline is closed")
+            request = Request(self._next_id, {Endpoint(None, n): a for n, a in arrays.items()}, self._params, time.perf_counter(), done=self._finish)
+            self._next_id += 1
+            self._in_flight += 1
+            self._futures[request.id] = future
+        future.set_running_or_notify_cancel()
+        self._requests.submitted(request.submitted)
+        try:
+            self._engine.submit(request)
+        except Closed:
+            self._fail(request, StageError(f"the pipeline was closed before request {request.id} started"))
+        return request.id, future
+
+    def _finish(self, request: Request) -> None:
+        if request.error is None:
+            outputs: Outputs = {name: request.values[key] for name, key in self._finals.items()}
+        self._requests.finished(request.submitted, time.perf_counter(), request.error is None)
+        with self._lock:
+            future = self._futures.pop(request.id, None)
+            self._in_flight -= 1
+        if future is None:
+            return
+        try:
+            if request.error is None:
+                future.set_result(outputs)
+            else:
+                future.set_exception(request.error)
+        except InvalidStateError:
+            pass  # cancelled by its owner meanwhile
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        request.error = request.error or error
+        self._finish(request)
+
+    def map(self, inputs: Iterable[Mapping[str, Any]], max_in_flight: int | None = None) -> Iterator[Outputs]:
+        """Stream requests through the pipeline; yield their outputs in order.
+
+        At most ``max_in_flight`` requests (default: what the queues and workers hold) are in
+        the pipeline at once, so an endless iterable runs in bounded memory.
+
+        Raises:
+            StageError: when the failed request's turn comes; the requests after it still run.
+        """
+        limit = max_in_flight or self.capacity
+        window: collections.deque[Future[Outputs]] = collections.deque()
+        for item in inputs:
+            window.append(self.submit(item))
+            if len(window) >= limit:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+    def __call__(self, inputs: Mapping[str, Any]) -> Outputs:
+        """Run one request and wait for its outputs."""
+        return self.submit(inputs).result()
 
     def check(self, rtol: float = 1e-4, atol: float = 1e-5) -> list[ReferenceCheck]:
         """Run the bundle's reference inputs and compare with its reference outputs.
@@ -80,8 +286,8 @@ class Pipeline:
         Values match when ``|got - want| <= atol + rtol * |want|`` everywhere (NaN equals NaN).
         """
         rows = []
-        for i, (inputs, expected) in enumerate(self.bundle.reference()):
-            got = self(inputs)
+        samples = self.bundle.reference()
+        for i, ((_, expected), got) in enumerate(zip(samples, self.map(s[0] for s in samples), strict=True)):
             for name, want in expected.items():
                 value = got.get(name)
                 if value is None or value.shape != want.shape or value.dtype != want.dtype:
@@ -91,9 +297,49 @@ class Pipeline:
                 rows.append(ReferenceCheck(i, name, diff, bool(np.allclose(value, want, rtol=rtol, atol=atol, equal_nan=True))))
         return rows
 
+    # -- observability ----------------------------------------------------------------------------
+
+    def stats(self) -> PipelineStats:
+        """Throughput, latency, and per-stage utilization and queues since load or :meth:`reset_stats`."""
+        rows = [(p[0].stage, p, q[0], q[1], q[2]) for p, q in zip(self._engine.recorders(), self._engine.queues(), strict=True)]
+        return summarize(rows, self._requests, self._in_flight)
+
+    def reset_stats(self) -> None:
+        """Start a new measurement window (e.g. after warm-up)."""
+        for recorders in self._engine.recorders():
+            for r in recorders:
+                r.reset()
+        self._requests.reset()
+
+    def save_trace(self, path: str | os.PathLike[str]) -> Path:
+        """Write a Chrome-trace / Perfetto JSON timeline, one track per stage worker.
+
+        Raises:
+            StageError: the pipeline was loaded without ``trace=True``.
+        """
+        recorders = [r for rs in self._engine.recorders() for r in rs]
+        if any(r.events is None for r in recorders):
+            raise StageError("no timeline was recorded: load the pipeline with trace=True")
+        return write_trace(path, recorders, self._origin)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
     def close(self) -> None:
-        """Release the sessions and the bundle's temporary files."""
-        self._runner = None  # type: ignore[assignment]
+        """Stop the workers promptly, fail the requests still in flight, remove temporary files.
+
+        Requests that did not finish raise :class:`StageError` from their futures.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for request in self._engine.close():
+            self._fail(request, StageError(f"the pipeline was closed before request {request.id} finished"))
+        with self._lock:
+            stranded = list(self._futures.items())
+        for rid, future in stranded:
+            if not future.done():
+                future.set_exception(StageError(f"the pipeline was closed before request {rid} finished"))
         self.bundle.close()
 
     def __enter__(self) -> Pipeline:
@@ -106,23 +352,33 @@ class Pipeline:
         return f"Pipeline(stages={[s.name for s in self.spec.stages]}, inputs={[t.name for t in self.spec.inputs]})"
 
 
-def load(path: str | os.PathLike[str], *, target: str | None = None, limits: Limits | None = None) -> Pipeline:
-    """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime.
+def load(
+    path: str | os.PathLike[str],
+    *,
+    target: str | None = None,
+    queue_depth: int = 2,
+    trace: bool = False,
+    limits: Limits | None = None,
+) -> Pipeline:
+    """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime, and start it.
 
     Every file is checked (see ``read_bundle``) before any session is created.
 
     Args:
         path: The bundle.
         target: Run every stage on this target instead of its own (e.g. ``"cpu"``).
+        queue_depth: Requests that may wait in front of each stage.
+        trace: Record a timeline of every stage run (see :meth:`Pipeline.save_trace`).
         limits: Size and count limits for the bundle.
 
     Raises:
         BundleError: the bundle is missing, broken or refused as unsafe, or a stage's provider is
             not available here.
+        ConfigError: the OS refused a stage's CPU affinity.
     """
     bundle = read_bundle(path, limits)
     try:
-        return Pipeline(bundle, target)
+        return Pipeline(bundle, target, queue_depth, trace)
     except BaseException:
         bundle.close()
         raise

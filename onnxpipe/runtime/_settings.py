@@ -165,6 +165,23 @@ class StageSettings:
             values["affinity"] = tuple(values["affinity"])
         return cls(**values)
 
+    def for_replica(self, replica: int) -> StageSettings:
+        """The settings of one replica: with enough cores, each replica gets its own slice of
+        ``affinity`` (``intra_op_threads`` cores each, in order); otherwise all share the list."""
+        cores = self.affinity
+        threads = max(self.intra_op_threads, 1)
+        if cores is None or len(cores) < self.replicas * threads:
+            return self
+        return self.replace(affinity=cores[replica * threads : (replica + 1) * threads])
+
+    def worker_cores(self) -> set[int] | None:
+        """Cores for the stage's worker thread (which is also onnxruntime's first intra-op thread)."""
+        if self.affinity is None:
+            return None
+        if len(self.affinity) >= max(self.intra_op_threads, 1):
+            return {self.affinity[0]}
+        return set(self.affinity)
+
     def thread_affinities(self) -> str | None:
         """The ``session.intra_op_thread_affinities`` value for the pool threads, or None."""
         if self.affinity is None or self.intra_op_threads <= 1:

@@ -1,0 +1,174 @@
+"""Engines: where stage workers live. The thread engine runs each stage replica on a thread of this
+process (onnxruntime releases the GIL while it runs, so stages compute at the same time).
+
+Note: the engine boundary.
+    An engine receives the stage plans and a session factory, takes requests with :meth:`submit`,
+    and hands each finished request to ``request.done``. It knows nothing of futures, ordering,
+    inputs or parameters: those live in the pipeline, and what a stage does lives in
+    :class:`~onnxpipe.runtime._stage.StageRunner`. Another engine (processes, Ray actors) implements
+    the same four methods and reuses the runners, the plans and the statistics.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import onnxruntime as ort
+
+from onnxpipe._errors import ConfigError, StageError
+from onnxpipe.runtime._channel import Channel, Closed
+from onnxpipe.runtime._stage import Request, StagePlan, StageRunner
+from onnxpipe.runtime._stats import StageRecorder
+
+__all__ = ["Engine", "SessionFactory", "ThreadEngine"]
+
+#: Makes the session of one replica of one stage.
+SessionFactory = Callable[[StagePlan, int], ort.InferenceSession]
+
+_JOIN_TIMEOUT_S = 5.0
+
+
+class Engine(Protocol):
+    """What the pipeline needs from an engine."""
+
+    def submit(self, request: Request) -> None:
+        """Enqueue a request for the first stage; block while the pipeline is full.
+
+        Raises:
+            Closed: the engine is closed.
+        """
+
+    def close(self) -> list[Request]:
+        """Stop every worker promptly; return the requests that did not finish."""
+
+    def recorders(self) -> list[list[StageRecorder]]:
+        """Each stage's replicas' recorders, in pipeline order."""
+
+    def queues(self) -> list[tuple[int, int, int]]:
+        """Each stage's input queue: depth now, high water, capacity."""
+
+
+class ThreadEngine:
+    """One thread per stage replica, bounded channels between consecutive stages.
+
+    Args:
+        plans: The stage plans, in pipeline order.
+        factory: Makes each replica's session.
+        queue_depth: Requests that may wait in front of each stage.
+        trace: Record every stage run for a timeline.
+
+    Raises:
+        ConfigError: the OS refused a stage's CPU affinity.
+        BundleError: a session could not be created.
+    """
+
+    def __init__(self, plans: Sequence[StagePlan], factory: SessionFactory, queue_depth: int = 2, trace: bool = False) -> None:
+        if queue_depth < 1:
+            raise ConfigError(f"queue_depth must be at least 1, got {queue_depth}")
+        self._plans = list(plans)
+        self._runners = [[StageRunner(p, factory(p, r)) for r in range(p.stage.settings.replicas)] for p in self._plans]
+        self._recorders = [[StageRecorder(p.stage.name, r, trace) for r in range(p.stage.settings.replicas)] for p in self._plans]
+        self._channels: list[Channel[Request]] = [Channel(queue_depth) for _ in self._plans]
+        self._active: dict[int, Request] = {}  # requests a worker holds, by thread id
+        self._orphans: list[Request] = []
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        self._start()
+
+    def _start(self) -> None:
+        ready = threading.Barrier(sum(len(rs) for rs in self._runners) + 1)
+        errors: list[BaseException] = []
+        for i, runners in enumerate(self._runners):
+            for r, runner in enumerate(runners):
+                cores = self._plans[i].stage.settings.for_replica(r).worker_cores()
+                t = threading.Thread(target=self._work, args=(i, r, runner, cores, ready, errors), name=f"onnxpipe-{runner.name}-{r}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        ready.wait()
+        if errors:
+            self.close()
+            raise errors[0]
+
+    def _work(self, i: int, r: int, runner: StageRunner, cores: set[int] | None, ready: threading.Barrier, errors: list[BaseException]) -> None:
+        try:
+            if cores is not None:
+                os.sched_setaffinity(0, cores)  # 0: this thread, on Linux
+        except OSError as e:
+            errors.append(ConfigError(f"stage '{runner.name}': the OS refused CPU affinity {sorted(cores or ())}: {e.strerror}"))
+            self._channels[i].close()
+        recorder = self._recorders[i][r]
+        recorder.thread_id = threading.get_ident()
+        ready.wait()
+        inbox = self._channels[i]
+        outbox = self._channels[i + 1] if i + 1 < len(self._channels) else None
+        me = threading.get_ident()
+        while True:
+            try:
+                request = inbox.get()
+            except Closed:
+                return
+            self._active[me] = request
+            if request.error is None:
+                start = time.perf_counter()
+                try:
+                    runner(request)
+                except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
+                    if self._closing:
+                        request.error = StageError(f"the pipeline was closed before request {request.id} finished")
+                    else:
+                        request.error = StageError(f"stage '{runner.name}' failed on request {request.id}: {e}")
+                recorder.record(request.id, start, time.perf_counter(), request.error is None)
+            try:
+                if outbox is None:
+                    assert request.done is not None
+                    request.done(request)
+                else:
+                    outbox.put(request)
+            except Closed:
+                with self._lock:
+                    self._orphans.append(request)
+                return
+            finally:
+                self._active.pop(me, None)
+
+    def submit(self, request: Request) -> None:
+        """Enqueue for the first stage; blocks while its queue is full."""
+        self._channels[0].put(request)
+
+    def close(self) -> list[Request]:
+        """Close the channels, cancel runs in progress, join the workers."""
+        self._closing = True
+        left: list[Request] = []
+        for channel in self._channels:
+            left.extend(channel.close())
+        for runners in self._runners:
+            for runner in runners:
+                runner.cancel()
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join(_JOIN_TIMEOUT_S)
+        with self._lock:
+            left.extend(self._orphans)
+            self._orphans.clear()
+        left.extend(self._active.values())
+        self._active.clear()
+        return left
+
+    def recorders(self) -> list[list[StageRecorder]]:
+        """Each stage's replicas' recorders."""
+        return self._recorders
+
+    def queues(self) -> list[tuple[int, int, int]]:
+        """Each stage's input queue: depth now, high water, capacity."""
+        return [(len(c), c.high_water, c.capacity) for c in self._channels]
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads (for tests and diagnostics)."""
+        return list(self._threads)

@@ -1,0 +1,253 @@
+"""Statistics and timelines of a running pipeline.
+
+Workers record each stage run (start, end, request) into a :class:`StageRecorder`; the pipeline
+records each finished request. Recording is a few appends under no lock (each recorder has one
+writer, its worker thread; CPython's deque appends are atomic), so it stays on for every request.
+Latencies keep the most recent ``window`` values, enough for stable p99 without unbounded memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["PipelineStats", "StageRecorder", "StageStats", "write_trace"]
+
+_WINDOW = 10_000
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+class StageRecorder:
+    """What one worker (a stage replica) did; written by that worker only."""
+
+    def __init__(self, stage: str, replica: int, trace: bool, window: int = _WINDOW) -> None:
+        self.stage = stage
+        self.replica = replica
+        self.count = 0
+        self.failed = 0
+        self.busy = 0.0
+        self.latencies: deque[float] = deque(maxlen=window)
+        self.events: deque[tuple[int, float, float, bool]] | None = deque(maxlen=100_000) if trace else None
+        self.thread_id = 0
+
+    def record(self, request: int, start: float, end: float, ok: bool) -> None:
+        """One run of the stage, timed with ``time.perf_counter()``."""
+        self.count += 1
+        self.failed += not ok
+        self.busy += end - start
+        self.latencies.append(end - start)
+        if self.events is not None:
+            self.events.append((request, start, end, ok))
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        self.count = self.failed = 0
+        self.busy = 0.0
+        self.latencies.clear()
+        if self.events is not None:
+            self.events.clear()
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage over the measured window (all its replicas together).
+
+    Attributes:
+        stage: Stage name.
+        replicas: Workers running it.
+        count: Runs completed (failed ones included).
+        failed: Runs that raised.
+        busy_s: Seconds spent running, summed over replicas.
+        utilization: ``busy_s / (elapsed_s * replicas)``: 1.0 means never idle.
+        mean_ms, p50_ms, p99_ms: Time of one run.
+        queue_depth: Requests waiting for the stage now.
+        queue_high_water: The most that ever waited.
+        queue_capacity: How many may wait before the stage before it blocks.
+    """
+
+    stage: str
+    replicas: int
+    count: int
+    failed: int
+    busy_s: float
+    utilization: float
+    mean_ms: float
+    p50_ms: float
+    p99_ms: float
+    queue_depth: int
+    queue_high_water: int
+    queue_capacity: int
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """The pipeline over the measured window (since load or the last ``reset_stats``).
+
+    Attributes:
+        elapsed_s: Length of the window.
+        completed: Requests finished (failed ones included).
+        failed: Requests that failed.
+        in_flight: Requests submitted and not finished.
+        throughput: Finished requests per second, from the first submission to the last finish.
+        latency_mean_ms, latency_p50_ms, latency_p99_ms: Submission-to-finish time.
+        bottleneck: The stage with the highest utilization: the one that limits throughput.
+        stages: Per-stage numbers, in pipeline order.
+    """
+
+    elapsed_s: float
+    completed: int
+    failed: int
+    in_flight: int
+    throughput: float
+    latency_mean_ms: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    bottleneck: str
+    stages: tuple[StageStats, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.completed} requests ({self.failed} failed) in {self.elapsed_s:.2f} s: {self.throughput:.1f} req/s, "
+            f"latency mean {self.latency_mean_ms:.2f} ms, p50 {self.latency_p50_ms:.2f} ms, p99 {self.latency_p99_ms:.2f} ms; "
+            f"bottleneck: {self.bottleneck}"
+        ]
+        for s in self.stages:
+            lines.append(
+                f"  {s.stage:<12} x{s.replicas} runs {s.count:>6}  util {s.utilization:6.1%}  mean {s.mean_ms:7.2f} ms  "
+                f"p99 {s.p99_ms:7.2f} ms  queue {s.queue_depth}/{s.queue_capacity} (max {s.queue_high_water})"
+            )
+        return "\n".join(lines)
+
+
+class RequestRecorder:
+    """End-to-end numbers; written by whichever worker finishes a request, hence the lock."""
+
+    def __init__(self, window: int = _WINDOW) -> None:
+        self._lock = threading.Lock()
+        self.latencies: deque[float] = deque(maxlen=window)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window now."""
+        with self._lock:
+            self.started = time.perf_counter()
+            self.first_submit: float | None = None
+            self.last_done: float | None = None
+            self.completed = self.failed = 0
+            self.latencies.clear()
+
+    def submitted(self, at: float) -> None:
+        """A request entered the pipeline at ``at``."""
+        if self.first_submit is None:
+            with self._lock:
+                if self.first_submit is None:
+                    self.first_submit = at
+
+    def finished(self, submitted: float, at: float, ok: bool) -> None:
+        """A request left the pipeline at ``at``."""
+        with self._lock:
+            self.completed += 1
+            self.failed += not ok
+            self.last_done = at
+            self.latencies.append(at - submitted)
+
+
+def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int]], requests: RequestRecorder, in_flight: int) -> PipelineStats:
+    """Combine the recorders into a :class:`PipelineStats`.
+
+    Args:
+        stages: Per stage: name, its replicas' recorders, queue depth, high water, capacity.
+        requests: The end-to-end recorder.
+        in_flight: Requests submitted and not finished.
+    """
+    now = time.perf_counter()
+    elapsed = max(now - requests.started, 1e-9)
+    rows = []
+    for name, recorders, depth, high, capacity in stages:
+        latencies = [x for r in recorders for x in r.latencies]
+        busy = sum(r.busy for r in recorders)
+        count = sum(r.count for r in recorders)
+        rows.append(
+            StageStats(
+                stage=name,
+                replicas=len(recorders),
+                count=count,
+                failed=sum(r.failed for r in recorders),
+                busy_s=busy,
+                utilization=busy / (elapsed * len(recorders)),
+                mean_ms=1e3 * sum(latencies) / len(latencies) if latencies else 0.0,
+                p50_ms=1e3 * _percentile(latencies, 50),
+                p99_ms=1e3 * _percentile(latencies, 99),
+                queue_depth=depth,
+                queue_high_water=high,
+                queue_capacity=capacity,
+            )
+        )
+    with requests._lock:
+        lat = list(requests.latencies)
+        span = (requests.last_done - requests.first_submit) if requests.first_submit is not None and requests.last_done is not None else 0.0
+        completed, failed = requests.completed, requests.failed
+    bottleneck = max(rows, key=lambda r: r.utilization).stage if rows else ""
+    return PipelineStats(
+        elapsed_s=elapsed,
+        completed=completed,
+        failed=failed,
+        in_flight=in_flight,
+        throughput=completed / span if span > 0 else 0.0,
+        latency_mean_ms=1e3 * sum(lat) / len(lat) if lat else 0.0,
+        latency_p50_ms=1e3 * _percentile(lat, 50),
+        latency_p99_ms=1e3 * _percentile(lat, 99),
+        bottleneck=bottleneck,
+        stages=tuple(rows),
+    )
+
+
+def write_trace(path: str | os.PathLike[str], recorders: Sequence[StageRecorder], origin: float) -> Path:
+    """Write a Chrome-trace / Perfetto JSON timeline: one track per stage worker.
+
+    Open it in ``chrome://tracing`` or https://ui.perfetto.dev. Each slice is one stage run, named
+    by its request; failed runs are marked.
+
+    Args:
+        path: The .json file to write.
+        recorders: The workers' recorders (their ``events`` must be enabled).
+        origin: ``time.perf_counter()`` value that becomes time 0.
+    """
+    events: list[dict[str, object]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "onnxpipe"}}]
+    for tid, rec in enumerate(recorders):
+        label = f"{rec.stage}" + (f" #{rec.replica}" if rec.replica else "")
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": label}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
+        for request, start, end, ok in list(rec.events or ()):
+            events.append(
+                {
+                    "name": f"request {request}" + ("" if ok else " (failed)"),
+                    "cat": rec.stage,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": tid,
+                    "ts": round((start - origin) * 1e6, 3),
+                    "dur": round((end - start) * 1e6, 3),
+                    "args": {"request": request, "stage": rec.stage, "replica": rec.replica, "ok": ok},
+                }
+            )
+    out = Path(path)
+    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return out

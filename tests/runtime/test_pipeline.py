@@ -1,0 +1,311 @@
+"""The concurrent pipeline: many requests in flight, order kept, the TVM protocol, parameters,
+bad inputs, failing requests, close() with work in flight, a soak, statistics and timelines."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from onnxpipe import ConfigError, InputError, StageError
+from onnxpipe.builder import PipelineConfig
+from onnxpipe.runtime import TensorSpec, load
+from onnxpipe.splitter import split
+from tests import models
+
+BRANCHY_CUTS = {2: ["a"], 3: ["a", ["b", "c"]], 4: ["a", ["b", "c"], "e"]}
+
+
+def _whole_runner(model: object) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])  # type: ignore[attr-defined]
+
+
+def _onnxpipe_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("onnxpipe-")]
+
+
+@pytest.fixture()
+def no_thread_left() -> object:
+    yield
+    deadline = time.monotonic() + 2
+    while _onnxpipe_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _onnxpipe_threads() == []
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_200_requests_in_flight_give_each_its_own_outputs_in_order(tmp_path: Path, stages: int, no_thread_left: object) -> None:
+    plan = split(models.branchy(), BRANCHY_CUTS[stages])
+    assert len(plan.stages) == stages
+    whole = _whole_runner(models.branchy())
+    rng = np.random.default_rng(stages)
+    inputs = [{"X": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(200)]
+    expected = [whole.run(None, x)[0] for x in inputs]
+    with load(models.bundle_of(plan, tmp_path), queue_depth=64) as pipe:
+        # 4 threads submit at once; every future must hold the outputs of its own input.
+        with ThreadPoolExecutor(4) as pool:
+            futures = list(pool.map(pipe.submit, inputs))
+        for future, want in zip(futures, expected, strict=True):
+            np.testing.assert_allclose(future.result()["Y"], want, rtol=1e-6)
+        # map() yields in submission order.
+        for got, want in zip(pipe.map(inputs), expected, strict=True):
+            np.testing.assert_allclose(got["Y"], want, rtol=1e-6)
+        assert pipe.stats().completed == 400
+
+
+def test_replicated_stage_keeps_order(tmp_path: Path, no_thread_left: object) -> None:
+    plan = split(models.branchy(), BRANCHY_CUTS[3])
+    plan.config.stage("stage1").configure(replicas=3)
+    whole = _whole_runner(models.branchy())
+    inputs = [{"X": np.full((1, 4), i / 100, np.float32)} for i in range(300)]
+    with load(models.bundle_of(plan, tmp_path)) as pipe:
+        assert [s.replicas for s in pipe.stats().stages] == [1, 3, 1]
+        for i, got in enumerate(pipe.map(inputs)):
+            np.testing.assert_allclose(got["Y"], whole.run(None, inputs[i])[0], rtol=1e-6)
+
+
+def test_set_input_run_get_output_protocol(tmp_path: Path, no_thread_left: object) -> None:
+    plan = split(models.branchy(), BRANCHY_CUTS[4])
+    whole = _whole_runner(models.branchy())
+    with load(models.bundle_of(plan, tmp_path)) as pipe:
+        assert pipe.get_output() is None  # nothing was run: no wait
+        assert pipe.get_output(block=False) is None
+        assert (pipe.num_inputs, pipe.num_outputs) == (1, 1)
+        assert pipe.get_input_pipeline_map("X") == [("stage0", "X")]
+        with pytest.raises(InputError, match="unknown input 'Z'; valid: 'X'"):
+            pipe.get_input_pipeline_map("Z")
+        xs = [np.full((1, 4), v, np.float32) for v in (0.5, -1.0, 2.0)]
+        ids = []
+        for x in xs:
+            pipe.set_input("X", x)
+            ids.append(pipe.run())
+        assert ids == [0, 1, 2]
+        for x in xs:
+            np.testing.assert_allclose(pipe.get_output(timeout=10)["Y"], whole.run(None, {"X": x})[0], rtol=1e-6)
+        assert pipe.get_output(block=False) is None
+        assert pipe.num_executing_pipeline == 0
+        with pytest.raises(InputError, match="missing input"):
+            pipe.run()  # nothing set
+
+
+def test_get_output_before_ready_returns_none_without_blocking(tmp_path: Path, no_thread_left: object) -> None:
+    config = PipelineConfig()
+    slow = config.add_stage(models.slow_stage(), "slow")
+    config.input("x").connect(slow.input("x"))
+    slow.output("y").connect(config.output("y"))
+    with load(models.bundle_of(config, tmp_path)) as pipe:
+        pipe.set_input("x", np.ones((256, 768), np.float32))
+        pipe.run()
+        start = time.perf_counter()
+        assert pipe.get_output(block=False) is None
+        assert pipe.get_output(timeout=0.0001) is None
+        assert time.perf_counter() - start < 0.5
+        assert pipe.get_output(timeout=30)["y"].shape == (256, 768)
+
+
+def _hand_pipeline(tmp_path: Path) -> Path:
+    config = PipelineConfig("hand")
+    head = config.add_stage(models.stage_head(), "head")
+    twin = config.add_stage(models.stage_twin(), "twin")
+    tail = config.add_stage(models.stage_tail(), "tail")
+    config.input("x").connect(head.input("x"))
+    config.input("x").connect(tail.input("x"))
+    head.output("h").connect(twin.input("p"))
+    head.output("h").connect(twin.input("q"))
+    head.output("g").connect(tail.input("g"))
+    twin.output("s").connect(tail.input("s"))
+    tail.output("y").connect(config.output("y"))
+    config.add_param_group("scale", tail, ["scale"])
+    return models.bundle_of(config, tmp_path)
+
+
+def test_set_params_applies_to_requests_submitted_after_it(tmp_path: Path, no_thread_left: object) -> None:
+    whole = _whole_runner(models.stages_whole())
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    ones, twos = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
+    with load(_hand_pipeline(tmp_path), queue_depth=8) as pipe:
+        before = [pipe.submit({"x": x}) for _ in range(20)]
+        pipe.set_params("scale", {"scale": twos})
+        after = [pipe.submit({"x": x}) for _ in range(20)]
+        for f in before:
+            np.testing.assert_allclose(f.result()["y"], whole.run(None, {"x": x, "scale": ones})[0], rtol=1e-6)
+        for f in after:
+            np.testing.assert_allclose(f.result()["y"], whole.run(None, {"x": x, "scale": twos})[0], rtol=1e-6)
+        assert pipe.get_params_group_pipeline_map("scale") == "tail"
+        with pytest.raises(InputError, match="unknown param group 'scales'; closest: 'scale'"):
+            pipe.get_params_group_pipeline_map("scales")
+
+
+def test_bad_inputs_are_refused_and_the_pipeline_stays_usable(tmp_path: Path, no_thread_left: object) -> None:
+    with load(_hand_pipeline(tmp_path)) as pipe:
+        for bad, message in [
+            ({"x": np.ones((2, 4))}, "input 'x' has dtype float64; expected float32"),
+            ({"x": np.ones((2, 5), np.float32)}, r"input 'x' has shape \[2, 5\]; expected \[N, 4\]"),
+            ({"x": np.ones(4, np.float32)}, "expected rank 2"),
+            ({"y": np.ones((2, 4), np.float32)}, "unknown input 'y'"),
+            ({}, "missing input"),
+        ]:
+            with pytest.raises(InputError, match=message):
+                pipe.submit(bad)
+        with pytest.raises(InputError, match="input 'x' has dtype int64"):
+            pipe.set_input("x", np.ones((2, 4), np.int64))
+        assert pipe({"x": np.ones((3, 4), np.float32)})["y"].shape == (3, 4)
+
+
+def test_a_failing_request_fails_alone(tmp_path: Path, no_thread_left: object) -> None:
+    head, tail = models.failing_pair()
+    config = PipelineConfig()
+    a = config.add_stage(head, "head")
+    b = config.add_stage(tail, "reshape")
+    config.input("x").connect(a.input("x"))
+    a.output("h").connect(b.input("h"))
+    b.output("y").connect(config.output("y"))
+    with load(models.bundle_of(config, tmp_path)) as pipe:
+        rows = [2, 2, 3, 2, 2]  # the request with 3 rows cannot be reshaped to [2, 4]
+        futures = [pipe.submit({"x": np.full((n, 4), i, np.float32)}) for i, n in enumerate(rows)]
+        for i, (n, f) in enumerate(zip(rows, futures, strict=True)):
+            if n == 3:
+                with pytest.raises(StageError, match=f"stage 'reshape' failed on request {i}"):
+                    f.result()
+            else:
+                np.testing.assert_array_equal(f.result()["y"], np.full((2, 4), i, np.float32))
+        stats = pipe.stats()
+        assert (stats.completed, stats.failed) == (5, 1)
+        assert [s.failed for s in stats.stages] == [0, 1]
+        # get_output raises for the failed one and moves on.
+        for n in (2, 3, 2):
+            pipe.set_input("x", np.zeros((n, 4), np.float32))
+            pipe.run()
+        assert pipe.get_output() is not None
+        with pytest.raises(StageError, match="stage 'reshape' failed"):
+            pipe.get_output()
+        assert pipe.get_output() is not None
+
+
+def test_close_with_requests_in_flight_is_prompt_and_leaves_no_thread(tmp_path: Path, no_thread_left: object) -> None:
+    config = PipelineConfig()
+    s0 = config.add_stage(models.slow_stage(), "slow0")
+    s1 = config.add_stage(models.slow_stage(), "slow1")
+    config.input("x").connect(s0.input("x"))
+    s0.output("y").connect(s1.input("x"))
+    s1.output("y").connect(config.output("y"))
+    pipe = load(models.bundle_of(config, tmp_path), queue_depth=4)
+    x = np.ones((256, 768), np.float32)
+    futures = [pipe.submit({"x": x}) for _ in range(8)]
+    assert pipe.num_executing_pipeline > 0
+    start = time.perf_counter()
+    pipe.close()
+    assert time.perf_counter() - start < 1.0
+    assert _onnxpipe_threads() == []
+    unfinished = [f for f in futures if f.exception(timeout=1) is not None]
+    assert unfinished, "close() came after every request finished: make the stages slower"
+    for f in unfinished:
+        with pytest.raises(StageError, match="closed before request"):
+            f.result()
+    with pytest.raises(StageError, match="the pipeline is closed"):
+        pipe.submit({"x": x})
+    pipe.close()  # twice is fine
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_soak_10000_small_requests_bounded_memory_order_kept(tmp_path: Path, no_thread_left: object) -> None:
+    plan = split(models.branchy(), BRANCHY_CUTS[3])
+    whole = _whole_runner(models.branchy())
+    n = 10_000
+    values = np.linspace(-3, 3, n, dtype=np.float32)
+    with load(models.bundle_of(plan, tmp_path)) as pipe:
+        for _ in pipe.map({"X": np.full((1, 4), v, np.float32)} for v in values[:500]):
+            pass
+        baseline = _rss_bytes()
+        seen = 0
+        for i, got in enumerate(pipe.map({"X": np.full((1, 4), v, np.float32)} for v in values)):
+            if i % 97 == 0:  # spot-check values; order is checked on every one below
+                np.testing.assert_allclose(got["Y"], whole.run(None, {"X": np.full((1, 4), values[i], np.float32)})[0], rtol=1e-6)
+            seen += 1
+        growth = _rss_bytes() - baseline
+        stats = pipe.stats()
+    assert seen == n
+    assert growth < 32 << 20, f"resident memory grew by {growth / 2**20:.1f} MiB over {n} requests"
+    assert all(s.queue_high_water <= s.queue_capacity for s in stats.stages)
+    assert stats.in_flight == 0
+
+
+def test_soak_order_is_exact(tmp_path: Path, no_thread_left: object) -> None:
+    """s = relu(x) + relu(x) = 2x for x >= 0, exactly: every output must be twice its own input,
+    through a replicated stage whose replicas finish out of order."""
+    config = PipelineConfig()
+    head, twin = config.add_stage(models.stage_head(), "head"), config.add_stage(models.stage_twin(), "twin")
+    twin.configure(replicas=2)
+    config.input("x").connect(head.input("x"))
+    head.output("h").connect(twin.input("p"))
+    head.output("h").connect(twin.input("q"))
+    twin.output("s").connect(config.output("s"))
+    with load(models.bundle_of(config, tmp_path)) as pipe:
+        for i, got in enumerate(pipe.map({"x": np.full((1, 4), float(i), np.float32)} for i in range(3000))):
+            assert got["s"][0, 0] == 2.0 * i
+        assert pipe.stats().completed == 3000
+
+
+def test_stats_find_the_bottleneck_and_trace_has_one_track_per_worker(tmp_path: Path, no_thread_left: object) -> None:
+    config = PipelineConfig()
+    fast = config.add_stage(models.stage_head(), "fast")
+    slow = config.add_stage(models.slow_stage(256), "slow")
+    slow.configure(replicas=2)
+    config.input("x").connect(slow.input("x"))
+    slow.output("y").connect(config.output("y"))
+    config.add_input(TensorSpec("v", "float32", ("N", 4)))
+    config.input("v").connect(fast.input("x"))
+    fast.output("h").connect(config.output("h"))
+    fast.output("g").connect(config.output("g"))
+    with load(models.bundle_of(config, tmp_path), trace=True) as pipe:
+        pipe.reset_stats()
+        for _ in pipe.map({"x": np.ones((256, 256), np.float32), "v": np.ones((1, 4), np.float32)} for _ in range(40)):
+            pass
+        stats = pipe.stats()
+        assert stats.bottleneck == "slow"
+        assert stats.completed == 40 and stats.throughput > 0 and stats.latency_p99_ms >= stats.latency_p50_ms > 0
+        by_name = {s.stage: s for s in stats.stages}
+        assert by_name["slow"].count == 40 and by_name["slow"].replicas == 2
+        assert by_name["slow"].utilization > by_name["fast"].utilization
+        assert "bottleneck: slow" in str(stats)
+        assert json.loads(json.dumps(stats.to_dict()))["stages"][0]["stage"] in {"fast", "slow"}
+        trace = json.loads(pipe.save_trace(tmp_path / "trace.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert tracks == {"fast", "slow", "slow #1"}
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == 80 and all(e["dur"] >= 0 for e in slices)
+
+
+def test_trace_needs_trace_true(tmp_path: Path, no_thread_left: object) -> None:
+    with load(_hand_pipeline(tmp_path)) as pipe, pytest.raises(StageError, match="load the pipeline with trace=True"):
+        pipe.save_trace(tmp_path / "t.json")
+
+
+def test_affinity_is_applied_and_refusals_are_clear(tmp_path: Path, no_thread_left: object) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    config = PipelineConfig()
+    head = config.add_stage(models.stage_head(), "head")
+    head.configure(affinity=[allowed[-1]], intra_op_threads=1)
+    config.input("x").connect(head.input("x"))
+    head.output("h").connect(config.output("h"))
+    bundle = models.bundle_of(config, tmp_path / "ok")
+    seen: list[set[int]] = []
+    with load(bundle) as pipe:
+        worker = next(t for t in threading.enumerate() if t.name.startswith("onnxpipe-head"))
+        seen.append(os.sched_getaffinity(worker.native_id))
+        pipe({"x": np.ones((1, 4), np.float32)})
+    assert seen == [{allowed[-1]}]
+    config.stage("head").configure(affinity=[4096])
+    with pytest.raises(ConfigError, match=r"affinity names core\(s\) \[4096\] this process may not use; allowed cores: "):
+        load(models.bundle_of(config, tmp_path / "bad"))
