@@ -74,7 +74,7 @@ def test_every_request_finishes_once_with_its_own_value() -> None:
 
 
 def test_a_failure_is_confined_to_its_request_and_later_stages_skip_it() -> None:
-    engine, final = _engine(fail_on={11.0})
+    engine, _ = _engine(fail_on={11.0})
     results: dict[int, Request] = {}
     for i in range(30):
         engine.submit(Request(i, {Endpoint(None, "v"): float(i)}, {}, time.perf_counter(), done=lambda r: results.__setitem__(r.id, r)))
