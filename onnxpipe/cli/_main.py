@@ -1,4 +1,7 @@
-"""The click group and its commands: parse options, call one library function, print.
+"""The click group, and the commands that work on models and split folders (split, inspect, verify).
+
+``build``, ``export`` and ``run`` live in ``_deploy``; every command parses options, calls one
+library function and prints.
 
 Note: exit codes.
     0 on success; 1 for a user error (any :class:`~onnxpipe.OnnxpipeError`, printed as one line
@@ -15,54 +18,18 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from onnxpipe import __version__
-from onnxpipe._errors import OnnxpipeError
+from onnxpipe.cli._common import DIM, Group, UserError, bundle_size, given, quiet_onnxruntime
+from onnxpipe.cli._deploy import build, export, run
+
+if TYPE_CHECKING:
+    from onnxpipe.runtime import Bundle, ReferenceCheck
 
 __all__ = ["UserError", "main"]
-
-
-class UserError(click.ClickException):
-    """A user error: one line ``error: <message>`` on stderr, exit code 1."""
-
-    exit_code = 1
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split("\n")))
-
-    def show(self, file: IO[Any] | None = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True, file=file)
-
-
-class _Group(click.Group):
-    """Turns every :class:`OnnxpipeError` a command raises into a :class:`UserError`."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except OnnxpipeError as e:
-            raise UserError(str(e)) from e
-
-
-class _DimType(click.ParamType):
-    name = "NAME=VALUE"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, int]:
-        if isinstance(value, tuple):
-            return value
-        name, sep, size = str(value).partition("=")
-        if not sep or not name.strip():
-            self.fail(f"{value!r} is not NAME=VALUE (e.g. batch=8)", param, ctx)
-        try:
-            number = int(size)
-        except ValueError:
-            self.fail(f"{value!r}: the size must be an integer, got {size!r}", param, ctx)
-        if number < 1:
-            self.fail(f"{value!r}: the size must be at least 1", param, ctx)
-        return name.strip(), number
 
 
 class _OpIndexType(click.ParamType):
@@ -80,30 +47,34 @@ class _OpIndexType(click.ParamType):
             self.fail(f"{value!r}: the index must be an integer, got {index!r}", param, ctx)
 
 
-_DIM = click.option(
-    "--dim",
-    "dims",
-    type=_DimType(),
-    multiple=True,
-    help="Size of a symbolic dim, e.g. --dim batch=8 (repeatable; dims not given count as 1).",
-)
 _MODEL_ARG = click.Path(dir_okay=False, path_type=Path)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="onnxpipe")
 def main() -> None:
-    """Split ONNX models into pipeline stages, inspect where to cut, verify the split.
+    """Split ONNX models into pipeline stages, build them, bundle them, run them.
 
     \b
     Typical session:
-      onnxpipe inspect model.onnx                      # where is it cheap to cut?
-      onnxpipe split model.onnx -o out --at t1 --at t2 # three stages, files in out/
-      onnxpipe verify out --model model.onnx           # stages chained == whole model?
+      onnxpipe inspect model.onnx                        # where is it cheap to cut?
+      onnxpipe split model.onnx -o split --at t1 --at t2 # three stages, files in split/
+      onnxpipe verify split --model model.onnx           # stages chained == whole model?
+      onnxpipe build split -o built --stage 0:threads=2,affinity=0-1 --stage 1:target=cuda
+      onnxpipe export built -o model.onnxpipe --reference 2 --model model.onnx
+    On the deployment host:
+      onnxpipe inspect model.onnxpipe                    # stages, settings, files checked
+      onnxpipe verify model.onnxpipe                     # its stored reference still holds?
+      onnxpipe run model.onnxpipe --inputs in.npz --outputs out.npz
     """
 
 
-@main.command()
+main.add_command(build)
+main.add_command(export)
+main.add_command(run)
+
+
+@main.command(short_help="Split a model into stages at the cuts given.")
 @click.argument("model", type=_MODEL_ARG)
 @click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder to write the stages and pipeline.json to.")
 @click.option(
@@ -180,77 +151,170 @@ def _read_assignment(path: Path) -> dict[str, int]:
     return data
 
 
-@main.command()
-@click.argument("model", type=_MODEL_ARG)
-@click.option("--top", default=8, show_default=True, type=click.IntRange(min=0), help="How many cut candidates to propose.")
-@_DIM
+@main.command(short_help="Show a model and where to cut it, or a bundle.")
+@click.argument("path", metavar="MODEL_OR_BUNDLE", type=click.Path(path_type=Path))
+@click.option("--top", default=8, show_default=True, type=click.IntRange(min=0), help="How many cut candidates to propose (models only).")
+@DIM
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON, nothing else.")
-def inspect(model: Path, top: int, dims: Sequence[tuple[str, int]], as_json: bool) -> None:
-    """Show MODEL's inputs, outputs, ops and weights, and the cheapest places to cut it.
+@click.pass_context
+def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, int]], as_json: bool) -> None:
+    """Show a model and where to cut it, or a bundle and how it will run.
 
+    For a MODEL (.onnx): its inputs, outputs, ops and weights, and the cheapest places to cut it.
     A cut candidate is a position in the topological order of compute nodes where few bytes cross
     (per request, symbolic dims sized by --dim, else 1). Candidates are spread over the model; each
     comes with the --at value that makes exactly that cut.
+
+    For a BUNDLE (a folder with manifest.json, or a .onnxpipe archive): every file is checked
+    against its sha256 first; then the stages in order with their module, settings and build
+    record, the wiring, the parameter groups, and the versions, opsets and providers it needs.
 
     \b
     Examples:
       onnxpipe inspect resnet50.onnx
       onnxpipe inspect model.onnx --top 4 --dim batch=8 --json
+      onnxpipe inspect model.onnxpipe
     """
+    from onnxpipe.runtime import is_bundle
+
+    if is_bundle(path):
+        model_only = given(ctx, "top", "dims")
+        if model_only:
+            raise click.UsageError(f"{', '.join(model_only)}: only used for a model, not for a bundle")
+        _inspect_bundle(path, as_json)
+        return
+    if path.is_dir():
+        raise UserError(f"'{path}' is a folder but not a bundle (it has no manifest.json); give an .onnx model or a bundle made by 'onnxpipe export'")
     from onnxpipe.cli import _render
     from onnxpipe.splitter import inspect_model
 
-    summary = inspect_model(model, dict(dims), top=top)
+    summary = inspect_model(path, dict(dims), top=top)
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
         return
-    _render.model_summary(summary, model)
+    _render.model_summary(summary, path)
 
 
-@main.command()
-@click.argument("splitdir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--model", "model", required=True, type=_MODEL_ARG, help="The whole model SPLITDIR was split from.")
-@_DIM
-@click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1), help="How many random input sets to run.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the first random input set.")
+def _inspect_bundle(path: Path, as_json: bool) -> None:
+    from onnxpipe.cli import _render
+    from onnxpipe.runtime import read_bundle
+
+    with read_bundle(path) as bundle:
+        kind, nbytes, files = bundle_size(path)
+        if as_json:
+            click.echo(json.dumps(_bundle_dict(bundle, path, kind, nbytes, files), indent=2))
+        else:
+            _render.bundle_summary(bundle, path, kind, nbytes, files)
+
+
+def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int) -> dict[str, Any]:
+    from onnxpipe.cli._render import stage_module_bytes
+
+    pipeline = bundle.spec.to_dict()
+    for stage, data in zip(bundle.spec.stages, pipeline["stages"], strict=True):
+        data["module_bytes"] = stage_module_bytes(bundle, stage)
+    manifest = {k: v for k, v in bundle.manifest.to_dict().items() if k != "files"}
+    return {"path": str(path), "kind": kind, "bytes": nbytes, "files": files, "sha256_ok": True, "manifest": manifest, "pipeline": pipeline}
+
+
+@main.command(short_help="Check a split or a bundle against the model or its reference.")
+@click.argument("path", metavar="SPLIT_OR_BUNDLE", type=click.Path(path_type=Path))
+@click.option("--model", "model", type=_MODEL_ARG, help="The whole model to compare with (required for a split folder).")
+@DIM
+@click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1), help="How many random input sets to run (with --model).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the first random input set (with --model).")
 @click.option("--rtol", default=1e-4, show_default=True, type=click.FloatRange(min=0), help="Relative tolerance.")
 @click.option("--atol", default=1e-5, show_default=True, type=click.FloatRange(min=0), help="Absolute tolerance.")
-@click.option("--no-boundaries", is_flag=True, help="Compare the pipeline outputs only, not the tensors crossing stage boundaries.")
+@click.option("--no-boundaries", is_flag=True, help="Compare the pipeline outputs only, not the tensors crossing stage boundaries (with --model).")
+@click.option(
+    "--target", "target", metavar="TARGET", help="Run every stage on this target instead of its own, e.g. cpu for a bundle built for a GPU this host lacks."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else (infinite errors as null).")
+@click.pass_context
 def verify(
-    splitdir: Path,
-    model: Path,
+    ctx: click.Context,
+    path: Path,
+    model: Path | None,
     dims: Sequence[tuple[str, int]],
     samples: int,
     seed: int,
     rtol: float,
     atol: float,
     no_boundaries: bool,
+    target: str | None,
     as_json: bool,
 ) -> None:
-    """Run the stages in SPLITDIR chained and the whole model on random inputs, and compare.
+    """Check a split folder or a bundle against the whole model, or a bundle against its stored reference.
 
-    Every pipeline output and, unless --no-boundaries, every tensor crossing a stage boundary is
-    compared (|split - whole| <= atol + rtol * |whole|). Exits 0 when all are within tolerance and 1,
-    naming the tensors, when some are not.
+    With --model, the stages of SPLIT_OR_BUNDLE (a split folder, or a bundle: a folder with
+    manifest.json or a .onnxpipe archive) run chained, and the whole model runs, on random inputs;
+    every pipeline output and, unless --no-boundaries, every tensor crossing a stage boundary is
+    compared (|split - whole| <= atol + rtol * |whole|).
+
+    Without --model, a bundle runs the reference inputs stored in it ('onnxpipe export
+    --reference') and compares with the stored outputs: one row per output per sample.
+
+    Exits 0 when everything is within tolerance and 1, naming the tensors, when something is not.
 
     \b
     Examples:
-      onnxpipe verify out --model resnet50.onnx
-      onnxpipe verify out --model model.onnx --dim batch=4 --samples 3 --rtol 1e-3 --json
+      onnxpipe verify split --model resnet50.onnx
+      onnxpipe verify split --model model.onnx --dim batch=4 --samples 3 --rtol 1e-3 --json
+      onnxpipe verify model.onnxpipe
+      onnxpipe verify model.onnxpipe --model model.onnx --target cpu
     """
-    import onnxruntime
+    from onnxpipe.runtime import is_bundle
 
+    quiet_onnxruntime()
+    if model is None:
+        if not path.exists():
+            raise UserError(f"'{path}' does not exist; give a split folder with --model, or a bundle")
+        if not is_bundle(path):
+            raise click.UsageError(f"'{path}' is not a bundle: give --model MODEL.onnx (only a bundle stores its own reference)")
+        model_only = given(ctx, "dims", "samples", "seed", "no_boundaries")
+        if model_only:
+            raise click.UsageError(f"{', '.join(model_only)}: only used with --model; a bundle's stored reference has its own inputs")
+        _verify_reference(path, rtol, atol, target, as_json)
+        return
     from onnxpipe.cli import _render
     from onnxpipe.splitter import verify as verify_split
 
-    onnxruntime.set_default_logger_severity(3)  # errors only: its warnings about unused initializers are noise here
-    report = verify_split(splitdir, model, dims=dict(dims), samples=samples, seed=seed, rtol=rtol, atol=atol, boundaries=not no_boundaries)
+    report = verify_split(path, model, dims=dict(dims), samples=samples, seed=seed, rtol=rtol, atol=atol, boundaries=not no_boundaries, target=target)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
         _render.verify_report(report)
-    failed = [r.tensor for r in report.rows if not r.ok]
+    _fail_past_tolerance([repr(r.tensor) for r in report.rows if not r.ok], len(report.rows), "tensor(s)", rtol, atol)
+
+
+def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, as_json: bool) -> None:
+    from onnxpipe.cli import _render
+    from onnxpipe.runtime import Pipeline, read_bundle
+
+    with read_bundle(path) as bundle:
+        if not bundle.manifest.reference:
+            raise UserError(f"bundle '{path}' stores no reference; pass --model MODEL.onnx to compare with the whole model (or export with --reference N)")
+        rows = Pipeline(bundle, target).check(rtol=rtol, atol=atol)
+    if as_json:
+        click.echo(json.dumps(_reference_dict(rows, rtol, atol), indent=2))
+    else:
+        _render.reference_checks(rows, rtol, atol)
+    _fail_past_tolerance([f"sample {r.sample} {r.output!r}" for r in rows if not r.ok], len(rows), "reference check(s)", rtol, atol)
+
+
+def _reference_dict(rows: list[ReferenceCheck], rtol: float, atol: float) -> dict[str, Any]:
+    import math
+
+    return {
+        "ok": all(r.ok for r in rows),
+        "rtol": rtol,
+        "atol": atol,
+        "samples": len({r.sample for r in rows}),
+        "checks": [{**r.__dict__, "max_abs": r.max_abs if math.isfinite(r.max_abs) else None} for r in rows],
+    }
+
+
+def _fail_past_tolerance(failed: list[str], total: int, what: str, rtol: float, atol: float) -> None:
     if failed:
-        shown = ", ".join(repr(t) for t in failed[:5]) + (f" (and {len(failed) - 5} more)" if len(failed) > 5 else "")
-        raise UserError(f"{len(failed)} of {len(report.rows)} tensor(s) differ past rtol={rtol:g} atol={atol:g}: {shown}")
+        shown = ", ".join(failed[:5]) + (f" (and {len(failed) - 5} more)" if len(failed) > 5 else "")
+        raise UserError(f"{len(failed)} of {total} {what} differ past rtol={rtol:g} atol={atol:g}: {shown}")

@@ -7,17 +7,31 @@ Every name from a model is printed as :class:`rich.text.Text`, never as markup: 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from onnxpipe.runtime import TensorSpec
+from onnxpipe.builder import BuildResult
+from onnxpipe.cli._stageopts import format_cores
+from onnxpipe.runtime import PROVIDER_ALIASES, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, TensorSpec
 from onnxpipe.splitter import ModelSummary, SplitPlan, VerifyReport
 
-__all__ = ["human_bytes", "model_summary", "split_plan", "verify_report"]
+__all__ = [
+    "build_result",
+    "bundle_summary",
+    "exported",
+    "human_bytes",
+    "model_summary",
+    "reference_checks",
+    "run_summary",
+    "split_plan",
+    "stage_module_bytes",
+    "verify_report",
+]
 
 _SHOWN_NAMES = 3  # boundary tensors listed per table cell before "+N more"
 _CANDIDATE_COLUMNS_WIDTH = 50  # the candidate table without its --at column, borders included
@@ -128,3 +142,149 @@ def verify_report(report: VerifyReport) -> None:
     _notes(console, report.notes)
     if report.ok:
         _line(console, f"ok: all {len(report.rows)} tensor(s) within tolerance")
+
+
+def _threads(intra: int, inter: int) -> str:
+    """``1``; ``2 +4 inter`` (inter-op threads); 0 is onnxruntime's default (all physical cores)."""
+    text = "auto" if intra == 0 else str(intra)
+    return text if inter == 1 else f"{text} +{'auto' if inter == 0 else inter} inter"
+
+
+def _short_provider(provider: str) -> str:
+    """``CPUExecutionProvider`` -> ``cpu``: the target alias, or the full name when there is none."""
+    return next((alias for alias, full in PROVIDER_ALIASES.items() if full == provider), provider)
+
+
+def _build_record(record: Mapping[str, object]) -> str:
+    """``offline, extended``: optimized here for its provider; ``portable, at load``: its target optimizes it."""
+    if not record:
+        return "not built"
+    if record.get("optimize_at_load"):
+        return "portable, at load"
+    return f"offline, {record.get('optimization')}" + (", ORT format" if record.get("format") == "ort" else "")
+
+
+def build_result(result: BuildResult, notes: Iterable[str]) -> None:
+    """One row per stage, the notes, and where the build went."""
+    console = _console()
+    replicas = any(r.replicas != 1 for r in result.report)
+    table = Table(title=f"built {len(result.report)} stage(s)")
+    for column in ("stage", "target", "on host", "threads", "cores", *(("replicas",) if replicas else ()), "module", "optimized"):
+        table.add_column(column, justify="right" if column in ("threads", "replicas", "module") else "left")
+    for r in result.report:
+        here = Text("yes", style="green") if r.available else Text("no", style="bold yellow")
+        cells: list[Text | str] = [Text(r.stage), _short_provider(r.provider), here, _threads(r.intra_op_threads, r.inter_op_threads), format_cores(r.affinity)]
+        cells += [str(r.replicas)] if replicas else []
+        table.add_row(*cells, human_bytes(r.module_bytes), _build_record(result.spec.stage(r.stage).build))
+    console.print(table)
+    _notes(console, notes)
+    _line(console, f"wrote {result.path}: pipeline.json and {len(result.report)} module(s) in stages/")
+    _line(console, f"next: onnxpipe export {shlex.quote(str(result.path))} -o BUNDLE.onnxpipe --reference 2")
+
+
+def exported(path: Path, kind: str, nbytes: int, files: int, samples: int, source: str | None, notes: Iterable[str]) -> None:
+    """Where the bundle is, what it is, and how to use it."""
+    console = _console()
+    _notes(console, notes)
+    if samples:
+        reference = f"{samples} reference sample(s), outputs from {source or 'the pipeline itself'}"
+    else:
+        reference = "no reference samples"
+    _line(console, f"wrote {path}: {kind}, {human_bytes(nbytes)}, {files} files; {reference}")
+    quoted = shlex.quote(str(path))
+    _line(console, f"run it:   onnxpipe run {quoted} --inputs INPUTS.npz --outputs OUTPUTS.npz")
+    if samples:
+        _line(console, f"check it: onnxpipe verify {quoted}")
+
+
+def run_summary(runs: Iterable[tuple[Path, Path, Mapping[str, Any]]], stages: int) -> None:
+    """One row per input file: where its outputs went, and what they are."""
+    console = _console()
+    table = Table(title=f"ran through {stages} stage(s)")
+    for column in ("inputs", "outputs", "tensors"):
+        table.add_column(column)
+    count = 0
+    for inputs, outputs, values in runs:
+        tensors = ", ".join(f"{name}: {getattr(v, 'dtype', '?')}{list(getattr(v, 'shape', ()))}" for name, v in values.items())
+        table.add_row(Text(str(inputs)), Text(str(outputs)), Text(tensors))
+        count += 1
+    console.print(table)
+    _line(console, f"wrote {count} output file(s)")
+
+
+def reference_checks(rows: list[ReferenceCheck], rtol: float, atol: float) -> None:
+    """One row per output per stored reference sample, and the verdict."""
+    console = _console()
+    samples = len({r.sample for r in rows})
+    table = Table(title=f"stored reference, {samples} sample(s)")
+    for column in ("sample", "output", "max abs err", "ok"):
+        table.add_column(column, justify="right" if column in ("sample", "max abs err") else "left")
+    for r in rows:
+        verdict = Text("ok", style="green") if r.ok else Text("FAIL", style="bold red")
+        table.add_row(str(r.sample), Text(r.output), f"{r.max_abs:.3g}", verdict)
+    console.print(table)
+    if all(r.ok for r in rows):
+        _line(console, f"ok: all {len(rows)} output(s) within rtol={rtol:g} atol={atol:g}")
+
+
+def _settings(st: StageSettings) -> str:
+    parallel = st.execution_mode == "parallel"
+    parts = [st.target, f"threads {_threads(st.intra_op_threads, st.inter_op_threads if parallel else 1)}", f"cores {format_cores(st.affinity)}"]
+    parts += [f"{st.replicas} replica(s)", f"opt {st.optimization}"]
+    parts += ["parallel"] * parallel + ["spinning"] * st.spinning + ["no cpu fallback"] * (not st.fallback)
+    return ", ".join(parts)
+
+
+def _build_detail(stage: StageSpec) -> str:
+    record = stage.build
+    if not record:
+        return "not built"
+    if record.get("optimize_at_load"):
+        return f"portable ({record.get('optimization')}); {stage.settings.provider} optimizes it at load"
+    fmt = ", ORT format" if record.get("format") == "ort" else ""
+    return f"optimized offline for {record.get('optimized_for')} ({record.get('optimization')}{fmt})"
+
+
+def stage_module_bytes(bundle: Bundle, stage: StageSpec) -> int:
+    """The stage's module file and its external-data files (``<module>.*``), as the manifest lists them."""
+    return sum(e.size for p, e in bundle.manifest.files.items() if p == stage.module or p.startswith(stage.module + "."))
+
+
+def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int) -> None:
+    """The manifest, the stages and their settings, the wiring, param groups and reference."""
+    console = _console()
+    spec, manifest = bundle.spec, bundle.manifest
+    name = spec.metadata.get("name", "pipeline")
+    _line(console, f"bundle '{name}' ({path}): {kind}, {human_bytes(nbytes)}, {files} files; all {len(manifest.files)} files match their sha256")
+    versions = ", ".join(f"{k} {v}" for k, v in manifest.versions.items())
+    opsets = ", ".join(f"{d or 'ai.onnx'} {v}" for d, v in manifest.opsets.items())
+    _line(console, f"made {manifest.created or '(no date)'} with {versions or '(no versions recorded)'}")
+    _line(console, f"opsets: {opsets or '-'}; providers: {', '.join(manifest.providers) or '-'}")
+    for kind_, specs in (("input ", spec.inputs), ("output", spec.outputs)):
+        for t in specs:
+            _line(console, f"  {kind_}  {t}")
+    by_src: dict[Endpoint, list[Endpoint]] = {}
+    for link in spec.links:
+        by_src.setdefault(link.src, []).append(link.dst)
+    for k, s in enumerate(spec.stages):
+        _line(console, f"stage {k} '{s.name}': {s.module}, {human_bytes(stage_module_bytes(bundle, s))}")
+        _line(console, f"  settings: {_settings(s.settings)}")
+        _line(console, f"  build:    {_build_detail(s)}")
+        for t in s.inputs:
+            _line(console, f"  in  {t}  <- {spec.source_of(Endpoint(s.name, t.name))}")
+        for t in s.outputs:
+            targets = by_src.get(Endpoint(s.name, t.name), [])
+            _line(console, f"  out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")
+    for link in spec.links:
+        if link.src.stage is None and link.dst.stage is None:
+            _line(console, f"direct: {link}")
+    if spec.param_groups:
+        for g in spec.param_groups:
+            _line(console, f"param group '{g.name}' -> stage '{g.stage}': {', '.join(t.name for t in g.params)}")
+    else:
+        _line(console, "param groups: none")
+    _notes(console, (f"stage '{s.name}': {s.build['note']}" for s in spec.stages if s.build.get("note")))
+    if manifest.reference:
+        _line(console, f"reference: {len(manifest.reference)} sample(s) stored; onnxpipe verify {shlex.quote(str(path))} checks them")
+    else:
+        _line(console, "reference: none stored (onnxpipe verify needs --model for this bundle)")

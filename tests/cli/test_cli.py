@@ -51,7 +51,7 @@ def _stages(folder: Path) -> list[dict[str, object]]:
 # -- help and version ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [[], ["split"], ["inspect"], ["verify"]])
+@pytest.mark.parametrize("command", [[], ["split"], ["inspect"], ["verify"], ["build"], ["export"], ["run"]])
 def test_every_help_has_an_example(command: list[str]) -> None:
     result = run(*command, "--help")
     assert result.exit_code == 0
@@ -243,11 +243,12 @@ def test_unexpected_exceptions_keep_their_traceback(monkeypatch: pytest.MonkeyPa
 # -- the real entry point ------------------------------------------------------------------------
 
 
-def test_help_imports_neither_onnx_nor_onnxruntime() -> None:
+@pytest.mark.parametrize("command", [[], ["build"], ["export"], ["run"]])
+def test_help_imports_neither_onnx_nor_onnxruntime(command: list[str]) -> None:
     code = (
         "import sys\n"
         "from onnxpipe.cli import main\n"
-        "main(['--help'], standalone_mode=False)\n"
+        f"main({[*command, '--help']!r}, standalone_mode=False)\n"
         "leaked = [m for m in ('onnx', 'onnxruntime', 'numpy', 'rich') if m in sys.modules]\n"
         "print('LEAKED=' + ','.join(leaked))\n"
     )

@@ -1,0 +1,128 @@
+"""What every command shares: the user-error machinery, common option types, and .npz files.
+
+Nothing here imports numpy, onnx, onnxruntime or rich at module level: ``onnxpipe --help`` loads
+this module.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import click
+
+from onnxpipe._errors import OnnxpipeError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["DIM", "Group", "UserError", "bundle_size", "given", "quiet_onnxruntime", "read_npz", "write_npz"]
+
+
+class UserError(click.ClickException):
+    """A user error: one line ``error: <message>`` on stderr, exit code 1."""
+
+    exit_code = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split("\n")))
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True, file=file)
+
+
+class Group(click.Group):
+    """Turns every :class:`OnnxpipeError` a command raises into a :class:`UserError`."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OnnxpipeError as e:
+            raise UserError(str(e)) from e
+
+
+class _DimType(click.ParamType):
+    name = "NAME=VALUE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        name, sep, size = str(value).partition("=")
+        if not sep or not name.strip():
+            self.fail(f"{value!r} is not NAME=VALUE (e.g. batch=8)", param, ctx)
+        try:
+            number = int(size)
+        except ValueError:
+            self.fail(f"{value!r}: the size must be an integer, got {size!r}", param, ctx)
+        if number < 1:
+            self.fail(f"{value!r}: the size must be at least 1", param, ctx)
+        return name.strip(), number
+
+
+DIM = click.option(
+    "--dim",
+    "dims",
+    type=_DimType(),
+    multiple=True,
+    help="Size of a symbolic dim, e.g. --dim batch=8 (repeatable; dims not given count as 1).",
+)
+
+
+def given(ctx: click.Context, *params: str) -> list[str]:
+    """The options among ``params`` (parameter names) that the user set, as their flags (``--seed``)."""
+    flags = []
+    for p in ctx.command.params:
+        if p.name in params and ctx.get_parameter_source(p.name) not in (click.core.ParameterSource.DEFAULT, None):
+            flags.append(p.opts[0])
+    return flags
+
+
+def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file by name, read without pickle.
+
+    Raises:
+        UserError: the file is missing or is not an .npz of plain arrays.
+    """
+    import numpy as np
+
+    try:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):  # a bare array, from a .npy file
+            raise UserError(f"{what} '{path}' holds a single array, not an .npz of named arrays")
+        with data:
+            return {k: data[k] for k in data.files}
+    except FileNotFoundError:
+        raise UserError(f"{what} '{path}' does not exist") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise UserError(f"cannot read {what} '{path}' as an .npz of arrays: {e}") from e
+
+
+def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write arrays to exactly ``path`` (numpy would append ``.npz`` to a name without it)."""
+    import numpy as np
+
+    if path.parent != Path():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, allow_pickle=False, **arrays)
+    os.replace(tmp, path)
+
+
+def quiet_onnxruntime() -> None:
+    """Only errors from onnxruntime's own logger: its warnings (unused initializers, ...) are noise here."""
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
+
+
+def bundle_size(path: Path) -> tuple[str, int, int]:
+    """``("archive" | "folder", bytes, files)`` of a bundle on disk, manifest included."""
+    if path.is_file():
+        with zipfile.ZipFile(path) as zf:
+            return "archive", path.stat().st_size, sum(1 for m in zf.infolist() if not m.is_dir())
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return "folder", sum(p.stat().st_size for p in files), len(files)

@@ -1,0 +1,199 @@
+"""Per-stage settings on the command line: ``--stage SEL:key=value,...`` and ``--settings FILE.json``.
+
+Parsing is plain Python, so that ``onnxpipe --help`` imports nothing heavy; the values themselves are
+checked by :class:`~onnxpipe.runtime.StageSettings` when they are applied to a stage, and any
+:class:`ConfigError` is re-raised with the option or file entry that caused it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from onnxpipe._errors import ConfigError, closest
+
+if TYPE_CHECKING:
+    from onnxpipe.builder import PipelineConfig, Stage
+
+__all__ = ["STAGE_KEYS", "StageOption", "StageOptionType", "apply", "format_cores", "parse_cores", "read_settings_file"]
+
+ALL = "*"
+_SWITCHES = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+
+
+def _text(value: str) -> str:
+    if not value:
+        raise ValueError("needs a value")
+    return value
+
+
+def _count(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"must be an integer, got {value!r}") from None
+
+
+def _switch(value: str) -> bool:
+    try:
+        return _SWITCHES[value.lower()]
+    except KeyError:
+        raise ValueError(f"must be on or off (or true/false, 1/0), got {value!r}") from None
+
+
+def parse_cores(value: str) -> tuple[int, ...] | None:
+    """``0`` -> (0,); ``0-3`` -> (0, 1, 2, 3); ``0+2+5`` -> (0, 2, 5); ``1-2+6``; ``none`` -> None.
+
+    Raises:
+        ValueError: a malformed list, a range going down, or a core given twice.
+    """
+    if value.lower() == "none":
+        return None
+    cores: list[int] = []
+    for item in value.split("+"):
+        first, dash, last = item.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{value!r} is not a core list: give cores as 0, 0-3 or 0+2+5 (or none)")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"range {item!r} goes down; write {high}-{low}")
+        cores.extend(range(low, high + 1))
+    repeated = sorted({c for c in cores if cores.count(c) > 1})
+    if repeated:
+        raise ValueError(f"{value!r} names core(s) {repeated} more than once")
+    return tuple(cores)
+
+
+def format_cores(cores: Iterable[int] | None) -> str:
+    """The inverse of :func:`parse_cores`: (0, 1, 2, 5) -> ``0-2+5``; None -> ``any``."""
+    if cores is None:
+        return "any"
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return "+".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+#: Key on the command line -> (StageSettings field, parser of the value).
+STAGE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "target": ("target", _text),
+    "provider": ("target", _text),
+    "threads": ("intra_op_threads", _count),
+    "inter-threads": ("inter_op_threads", _count),
+    "mode": ("execution_mode", _text),
+    "spinning": ("spinning", _switch),
+    "affinity": ("affinity", parse_cores),
+    "opt": ("optimization", _text),
+    "fallback": ("fallback", _switch),
+    "replicas": ("replicas", _count),
+}
+_VALID_KEYS = "target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas"
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """One ``--stage`` value: which stages, and the StageSettings fields to change."""
+
+    selector: str
+    changes: Mapping[str, Any]
+    text: str
+
+
+class StageOptionType(click.ParamType):
+    """``SEL:key=value[,key=value...]``; a malformed value is a usage error naming the valid keys."""
+
+    name = "SEL:KEY=VALUE[,...]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> StageOption:
+        if isinstance(value, StageOption):
+            return value
+        text = str(value)
+        # The selector ends at the last ':' before the first '=': targets such as cuda:1 hold a ':' too.
+        head = text.partition("=")[0]
+        selector, colon, _ = head.rpartition(":")
+        if not colon or not selector or "=" not in text:
+            self.fail(f"{text!r} is not SEL:key=value[,key=value...] (SEL: stage position, name or *; e.g. 0:threads=2,affinity=0-1)", param, ctx)
+        changes: dict[str, Any] = {}
+        previous = ""
+        for item in text[len(selector) + 1 :].split(","):
+            key, eq, raw = item.partition("=")
+            key = key.strip()
+            if not eq:
+                hint = "; ',' separates keys, so join cores with '+' (affinity=0+1)" if previous == "affinity" else ""
+                self.fail(f"{item!r} in {text!r} is not key=value{hint}", param, ctx)
+            if key not in STAGE_KEYS:
+                self.fail(f"unknown key {key!r} in {text!r}; valid keys: {_VALID_KEYS}", param, ctx)
+            field, parse = STAGE_KEYS[key]
+            if field in changes:
+                self.fail(f"{key!r} is given twice in {text!r}", param, ctx)
+            try:
+                changes[field] = parse(raw.strip())
+            except ValueError as e:
+                self.fail(f"{key}={raw.strip()} in {text!r}: {e}", param, ctx)
+            previous = key
+        return StageOption(selector, changes, text)
+
+
+def select(config: PipelineConfig, selector: str) -> list[Stage]:
+    """The stages a selector names: ``*``, a stage name, or a position in pipeline order.
+
+    Raises:
+        ConfigError: no such stage (naming the valid names and positions).
+    """
+    stages = list(config.stages)
+    if selector == ALL:
+        return stages
+    by_name = {s.name: s for s in stages}
+    if selector in by_name:
+        return [by_name[selector]]
+    if selector.isdigit():
+        if int(selector) < len(stages):
+            return [stages[int(selector)]]
+        raise ConfigError(f"no stage at position {selector}: the pipeline has {len(stages)} stage(s), at positions 0..{len(stages) - 1}")
+    raise ConfigError(f"no stage '{selector}'; {closest(selector, by_name)} (or a position 0..{len(stages) - 1}, or * for all)")
+
+
+def apply(config: PipelineConfig, selector: str, changes: Mapping[str, Any], origin: str) -> None:
+    """Change the settings of the selected stages; errors name ``origin`` (the option or file entry).
+
+    Raises:
+        ConfigError: an unknown selector, an unknown setting or a bad value.
+    """
+    try:
+        stages = select(config, selector)
+    except ConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from e
+    for stage in stages:
+        try:
+            stage.configure(**changes)
+        except ConfigError as e:
+            raise ConfigError(f"{origin}: stage '{stage.name}': {e}") from e
+
+
+def read_settings_file(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The ``(selector, StageSettings fields)`` entries of a settings file, ``*`` first.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, or not an object of objects.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"settings file '{path}' does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read settings file '{path}': {e}") from e
+    shape = 'a JSON object {"*": {...}, "stage0": {...}, "1": {...}} of stage settings'
+    if not isinstance(data, dict):
+        raise ConfigError(f"settings file '{path}' must hold {shape}, got {type(data).__name__}")
+    for selector, settings in data.items():
+        if not isinstance(settings, dict):
+            raise ConfigError(f"settings file '{path}': entry '{selector}' must be an object of stage settings, got {type(settings).__name__}")
+    return sorted(data.items(), key=lambda item: item[0] != ALL)
