@@ -2,7 +2,7 @@
 
 from onnxpipe.builder._build import BuildResult, StageReport, build
 from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Port, Stage
-from onnxpipe.builder._export import export
+from onnxpipe.builder._export import export, read_build
 from onnxpipe.builder._modules import io_specs, save_model, tensor_nbytes, tensor_spec, weights_bytes, without_initializers
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "build",
     "export",
     "io_specs",
+    "read_build",
     "save_model",
     "tensor_spec",
     "tensor_nbytes",

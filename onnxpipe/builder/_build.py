@@ -71,6 +71,10 @@ class BuildResult:
     spec: PipelineSpec
     report: tuple[StageReport, ...]
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: the folder and one report row per stage."""
+        return {"path": str(self.path), "stages": [r.to_dict() for r in self.report]}
+
     def __str__(self) -> str:
         lines = [f"built {len(self.report)} stage(s) into {self.path}"]
         for r in self.report:

@@ -72,7 +72,10 @@ class Stage:
         Raises:
             ConfigError: an unknown setting or a bad value, named.
         """
-        self.settings = StageSettings.from_dict({**self.settings.to_dict(), **changes})
+        try:
+            self.settings = StageSettings.from_dict({**self.settings.to_dict(), **changes})
+        except ConfigError as e:
+            raise ConfigError(f"stage '{self.name}': {e}") from None
         return self
 
     def load_model(self) -> ModelProto:
@@ -364,6 +367,8 @@ class PipelineConfig:
         """Read a config folder (or its ``pipeline.json``) written by :meth:`save` or the splitter."""
         path = Path(path)
         file = path / CONFIG_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError(f"'{path}' is not a split or config folder: it has no {CONFIG_FILE}")
         try:
             text = file.read_text()
         except OSError as e:

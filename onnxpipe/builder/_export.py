@@ -23,10 +23,10 @@ import onnxpipe
 from onnxpipe._errors import BuildError, ConfigError
 from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
-from onnxpipe.runtime._bundle import MANIFEST_NAME, write_manifest
+from onnxpipe.runtime._bundle import MANIFEST_NAME, save_npz, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
 
-__all__ = ["export"]
+__all__ = ["export", "read_build"]
 
 _STORED = (".onnx", ".data", ".ort", ".npz")  # already dense: not worth compressing
 
@@ -37,6 +37,7 @@ def export(
     *,
     reference_inputs: Sequence[Mapping[str, np.ndarray]] = (),
     reference_outputs: Sequence[Mapping[str, np.ndarray]] | None = None,
+    reference_model: str | os.PathLike[str] | onnx.ModelProto | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write the bundle of a built pipeline.
@@ -45,8 +46,10 @@ def export(
         build_dir: A folder written by :func:`~onnxpipe.builder.build`.
         out: The bundle: a folder, or a single archive when the name ends with ``.onnxpipe``.
         reference_inputs: Inputs to store in the bundle for self-checks on the deployment host.
-        reference_outputs: Their expected outputs (e.g. from the whole model); by default the
-            pipeline's own outputs on this host.
+        reference_outputs: Their expected outputs; by default computed by ``reference_model``, or
+            by the pipeline itself on this host.
+        reference_model: The whole model, run in onnxruntime to compute the expected outputs (the
+            strongest check: the deployment host must reproduce the original model).
         overwrite: Replace ``out`` if it exists.
 
     Returns:
@@ -57,14 +60,9 @@ def export(
     """
     src = Path(build_dir)
     out = Path(out)
-    try:
-        spec = PipelineSpec.from_json((src / CONFIG_FILE).read_text())
-    except OSError as e:
-        raise BuildError(f"'{src}' is not a build folder: cannot read {CONFIG_FILE} ({e.strerror})") from e
-    except ConfigError as e:
-        raise BuildError(f"'{src}' is not a build folder: {e}") from e
-    if any(not s.build for s in spec.stages):
-        raise BuildError(f"'{src}' holds a pipeline that was not built; run build first (onnxpipe build)")
+    spec = read_build(src)
+    if reference_outputs is None and reference_model is not None and reference_inputs:
+        reference_outputs = _model_outputs(reference_model, spec, reference_inputs)
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise BuildError(f"'{out}' exists; choose another name or overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,6 +81,40 @@ def export(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def read_build(build_dir: str | os.PathLike[str]) -> PipelineSpec:
+    """The spec of a build folder written by :func:`~onnxpipe.builder.build`.
+
+    Raises:
+        BuildError: the folder has no readable ``pipeline.json``, or its pipeline was not built.
+    """
+    src = Path(build_dir)
+    try:
+        spec = PipelineSpec.from_json((src / CONFIG_FILE).read_text())
+    except OSError as e:
+        raise BuildError(f"'{src}' is not a build folder: cannot read {CONFIG_FILE} ({e.strerror})") from e
+    except ConfigError as e:
+        raise BuildError(f"'{src}' is not a build folder: {e}") from e
+    if any(not s.build for s in spec.stages):
+        raise BuildError(f"'{src}' holds a pipeline that was not built; run build first (onnxpipe build)")
+    return spec
+
+
+def _model_outputs(
+    model: str | os.PathLike[str] | onnx.ModelProto, spec: PipelineSpec, inputs: Sequence[Mapping[str, np.ndarray]]
+) -> list[dict[str, np.ndarray]]:
+    """The whole model's outputs for each input set, named as the pipeline's outputs."""
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    try:
+        session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own types
+        raise BuildError(f"cannot load the reference model: {e}") from e
+    names = [t.name for t in spec.outputs]
+    missing = [n for n in names if n not in {o.name for o in session.get_outputs()}]
+    if missing:
+        raise BuildError(f"the reference model has no output {', '.join(repr(n) for n in missing)}; is it the model this pipeline was split from?")
+    return [dict(zip(names, session.run(names, dict(feeds)), strict=True)) for feeds in inputs]
 
 
 def _umask() -> int:
@@ -124,15 +156,10 @@ def _write_reference(
     pairs = []
     for i, (feeds, expected) in enumerate(zip(inputs, outputs, strict=True)):
         pair = (f"reference/inputs-{i}.npz", f"reference/outputs-{i}.npz")
-        _save_npz(root / pair[0], feeds)
-        _save_npz(root / pair[1], expected)
+        save_npz(root / pair[0], feeds)
+        save_npz(root / pair[1], expected)
         pairs.append(pair)
     return pairs
-
-
-def _save_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    data = {k: np.asarray(v) for k, v in arrays.items()}
-    np.savez(path, allow_pickle=False, **data)
 
 
 def _used_opsets(model: onnx.ModelProto) -> dict[str, int]:

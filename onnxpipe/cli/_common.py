@@ -6,7 +6,6 @@ this module.
 
 from __future__ import annotations
 
-import os
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -86,30 +85,24 @@ def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
     Raises:
         UserError: the file is missing or is not an .npz of plain arrays.
     """
-    import numpy as np
+    from onnxpipe._errors import BundleError
+    from onnxpipe.runtime import load_npz
 
+    if not path.is_file():
+        raise UserError(f"{what} '{path}' does not exist")
     try:
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):  # a bare array, from a .npy file
-            raise UserError(f"{what} '{path}' holds a single array, not an .npz of named arrays")
-        with data:
-            return {k: data[k] for k in data.files}
-    except FileNotFoundError:
-        raise UserError(f"{what} '{path}' does not exist") from None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise UserError(f"cannot read {what} '{path}' as an .npz of arrays: {e}") from e
+        return load_npz(path)
+    except BundleError as e:
+        raise UserError(f"{what} '{path}': {e}") from e
 
 
 def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write arrays to exactly ``path`` (numpy would append ``.npz`` to a name without it)."""
-    import numpy as np
+    """Write arrays to exactly ``path`` (any names; numpy's savez would append ``.npz``)."""
+    from onnxpipe.runtime import save_npz
 
     if path.parent != Path():
         path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, allow_pickle=False, **arrays)
-    os.replace(tmp, path)
+    save_npz(path, arrays)
 
 
 def quiet_onnxruntime() -> None:

@@ -95,7 +95,7 @@ def build(
         apply(config, option.selector, option.changes, f"--stage {option.text}")
     result = build_pipeline(config, out, ort_format=ort_format, overwrite=overwrite)
     if as_json:
-        click.echo(json.dumps({"path": str(result.path), "stages": [r.to_dict() for r in result.report]}, indent=2))
+        click.echo(json.dumps(result.to_dict(), indent=2))
         return
     from onnxpipe.cli import _render
 
@@ -161,29 +161,20 @@ def export(
     if loose and not random_sets and not input_files:
         raise click.UsageError(f"{', '.join(loose)}: only used for reference samples; give --reference N or --reference-inputs FILE.npz too")
     from onnxpipe.builder import export as export_bundle
+    from onnxpipe.builder import read_build
     from onnxpipe.cli import _render
 
     quiet_onnxruntime()
     inputs: list[Mapping[str, np.ndarray]] = []
-    outputs = None
     notes: list[str] = []
     if random_sets or input_files:
-        spec = _build_spec(builddir)
+        spec = read_build(builddir)
         inputs, notes = _reference_inputs(spec, input_files, random_sets, dict(dims), seed)
-        outputs = _model_outputs(model, spec, inputs) if model is not None else None
-    path = export_bundle(builddir, out, reference_inputs=inputs, reference_outputs=outputs, overwrite=overwrite)
+        if model is not None and not model.is_file():
+            raise UserError(f"model file '{model}' does not exist")
+    path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite)
     kind, nbytes, files = bundle_size(path)
     _render.exported(path, kind, nbytes, files, len(inputs), str(model) if model else None, notes)
-
-
-def _build_spec(builddir: Path) -> PipelineSpec:
-    from onnxpipe.builder import CONFIG_FILE
-    from onnxpipe.runtime import PipelineSpec
-
-    try:
-        return PipelineSpec.from_json((builddir / CONFIG_FILE).read_text())
-    except OSError as e:
-        raise UserError(f"'{builddir}' is not a build folder: cannot read {CONFIG_FILE} ({e.strerror})") from e
 
 
 def _reference_inputs(
@@ -205,31 +196,6 @@ def _reference_inputs(
         sets.append(feeds)
         notes.extend(n for n in dim_notes if n not in notes)
     return sets, notes
-
-
-def _model_outputs(model: Path, spec: PipelineSpec, inputs: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    """The whole model's values of the pipeline outputs, on each input set (onnxruntime, CPU)."""
-    import onnxruntime as ort
-
-    if not model.is_file():
-        raise UserError(f"model file '{model}' does not exist")
-    try:
-        session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    except Exception as e:  # onnxruntime raises its own exception types
-        raise UserError(f"onnxruntime cannot load model '{model}': {e}") from e
-    names = [t.name for t in spec.outputs]
-    has = {o.name for o in session.get_outputs()}
-    missing = [n for n in names if n not in has]
-    if missing:
-        raise UserError(f"model '{model}' has no output '{missing[0]}', which the pipeline outputs; is it the model the pipeline was split from?")
-    results = []
-    for k, feeds in enumerate(inputs):
-        try:
-            values = session.run(names, dict(feeds))
-        except Exception as e:  # onnxruntime raises its own exception types
-            raise UserError(f"model '{model}' failed on reference input set {k}: {e}") from e
-        results.append(dict(zip(names, values, strict=True)))
-    return results
 
 
 def output_paths(out: Path, count: int) -> list[Path]:

@@ -294,7 +294,8 @@ def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, 
     with read_bundle(path) as bundle:
         if not bundle.manifest.reference:
             raise UserError(f"bundle '{path}' stores no reference; pass --model MODEL.onnx to compare with the whole model (or export with --reference N)")
-        rows = Pipeline(bundle, target).check(rtol=rtol, atol=atol)
+        with Pipeline(bundle, target) as pipe:
+            rows = pipe.check(rtol=rtol, atol=atol)
     if as_json:
         click.echo(json.dumps(_reference_dict(rows, rtol, atol), indent=2))
     else:

@@ -175,7 +175,7 @@ def apply(config: PipelineConfig, selector: str, changes: Mapping[str, Any], ori
         try:
             stage.configure(**changes)
         except ConfigError as e:
-            raise ConfigError(f"{origin}: stage '{stage.name}': {e}") from e
+            raise ConfigError(f"{origin}: {e}") from e
 
 
 def read_settings_file(path: Path) -> list[tuple[str, dict[str, Any]]]:

@@ -1,6 +1,6 @@
 """The runtime: the pipeline spec, bundles and the executors. Imports only stdlib, numpy and onnxruntime."""
 
-from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, read_bundle
+from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, read_bundle, save_npz
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
@@ -32,7 +32,9 @@ __all__ = [
     "dtype_from_ort",
     "is_bundle",
     "load",
+    "load_npz",
     "numpy_dtype",
     "read_bundle",
     "resolve_provider",
+    "save_npz",
 ]

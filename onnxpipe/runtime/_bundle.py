@@ -51,7 +51,9 @@ __all__ = [
     "Manifest",
     "check_relative",
     "is_bundle",
+    "load_npz",
     "read_bundle",
+    "save_npz",
     "sha256_file",
     "write_manifest",
 ]
@@ -220,7 +222,7 @@ class Bundle:
 
     def reference(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
         """The reference (inputs, outputs) pairs stored in the bundle, possibly none."""
-        return [(_load_npz(self.root / i), _load_npz(self.root / o)) for i, o in self.manifest.reference]
+        return [(load_npz(self.root / i), load_npz(self.root / o)) for i, o in self.manifest.reference]
 
     def close(self) -> None:
         """Remove the temporary folder of an unpacked archive (nothing for a folder bundle)."""
@@ -237,12 +239,38 @@ class Bundle:
         return f"Bundle({str(self.root)!r}, stages={[s.name for s in self.spec.stages]})"
 
 
-def _load_npz(path: Path) -> dict[str, np.ndarray]:
+def load_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file by name, read without pickle.
+
+    Raises:
+        BundleError: the file is missing or not an .npz of plain arrays.
+    """
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise BundleError(f"'{Path(path).name}' holds a single array, not an .npz of named arrays")
+        with data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
-        raise BundleError(f"cannot read '{path.name}' as an .npz of arrays: {e}") from e
+    except FileNotFoundError:
+        raise BundleError(f"'{path}' does not exist") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise BundleError(f"cannot read '{Path(path).name}' as an .npz of arrays: {e}") from e
+
+
+def save_npz(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray]) -> Path:
+    """Write arrays by name to exactly ``path`` as an .npz, without pickle.
+
+    Unlike ``numpy.savez`` it takes any name (``file``, ``allow_pickle``, names with ``/``) and
+    never appends ``.npz``. The file is written whole or not at all.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:
+        for name, value in arrays.items():
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(value), allow_pickle=False)
+    os.replace(tmp, path)
+    return path
 
 
 def is_bundle(path: object) -> bool:
@@ -271,13 +299,13 @@ def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> B
     if not path.exists():
         raise BundleError(f"bundle '{path}' does not exist")
     if path.is_dir() and not path.is_symlink():
-        return _check_folder(path, limits, None)
+        return _check_folder(path, limits, None, str(path))
     if not path.is_file():
         raise BundleError(f"bundle '{path}' is neither a folder nor an archive file")
     tmp = Path(tempfile.mkdtemp(prefix="onnxpipe-bundle-"))
     try:
         _unpack(path, tmp, limits)
-        return _check_folder(tmp, limits, tmp)
+        return _check_folder(tmp, limits, tmp, str(path))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -360,10 +388,10 @@ def _read_json(path: Path, limits: Limits, what: str) -> Any:
         raise BundleError(f"{what} is not valid JSON: {e}") from e
 
 
-def _check_folder(root: Path, limits: Limits, tmp: Path | None) -> Bundle:
+def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str) -> Bundle:
     present = set(_walk_files(root, limits))
     if MANIFEST_NAME not in present:
-        raise BundleError(f"'{root}' is not a bundle: it has no {MANIFEST_NAME}")
+        raise BundleError(f"'{label}' is not a bundle: it has no {MANIFEST_NAME}")
     manifest = Manifest.from_dict(_read_json(root / MANIFEST_NAME, limits, MANIFEST_NAME), limits)
     present.discard(MANIFEST_NAME)
     missing = sorted(set(manifest.files) - present)

@@ -135,6 +135,8 @@ class ThreadEngine:
                 return
             finally:
                 self._active.pop(me, None)
+            # Let go before waiting: a finished request refers to its pipeline (request.done).
+            del request
 
     def submit(self, request: Request) -> None:
         """Enqueue for the first stage; blocks while its queue is full."""

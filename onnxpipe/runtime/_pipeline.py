@@ -19,6 +19,7 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class Pipeline:
         self._origin = time.perf_counter()
         self._closed = False
         self._engine: Engine = ThreadEngine(plans, self._make_session, queue_depth, trace)
+        # A pipeline dropped without close() must not leave its workers running.
+        self._finalizer = weakref.finalize(self, self._engine.close)
         self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
 
     def _make_session(self, plan: StagePlan, replica: int) -> ort.InferenceSession:
@@ -333,6 +336,7 @@ class Pipeline:
             if self._closed:
                 return
             self._closed = True
+        self._finalizer.detach()
         for request in self._engine.close():
             self._fail(request, StageError(f"the pipeline was closed before request {request.id} finished"))
         with self._lock:

@@ -44,7 +44,7 @@ def make_session(module: Path, stage: StageSpec, target: str | None = None) -> o
     if settings.provider not in available:
         raise BundleError(
             f"stage '{stage.name}' targets {settings.provider}, which this host's onnxruntime does not have; "
-            f"available: {', '.join(available)} (load with target='cpu' to run it on the CPU)"
+            f"available: {', '.join(available)} (use target 'cpu' to run every stage on the CPU instead)"
         )
     options = settings.session_options(load_optimization(stage, settings))
     try:

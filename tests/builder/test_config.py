@@ -120,5 +120,5 @@ def test_add_stage_from_file_and_unreadable_file(tmp_path: Path) -> None:
     (tmp_path / "bad.onnx").write_bytes(b"not a model")
     with pytest.raises(ConfigError, match="cannot read stage module"):
         config.add_stage(tmp_path / "bad.onnx")
-    with pytest.raises(ConfigError, match="cannot read pipeline config"):
+    with pytest.raises(ConfigError, match="is not a split or config folder: it has no pipeline.json"):
         PipelineConfig.load(tmp_path / "nowhere")

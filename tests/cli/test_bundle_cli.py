@@ -222,7 +222,7 @@ def test_run_refuses_bad_inputs_in_one_line_and_writes_nothing(
 def test_run_input_file_problems(archive: tuple[Path, Result], requests: list[Path], tmp_path: Path) -> None:
     assert_user_error(run("run", archive[0], "--inputs", tmp_path / "none.npz", "--outputs", tmp_path / "y.npz"), "inputs file", "does not exist")
     (tmp_path / "text.npz").write_text("not numpy")
-    assert_user_error(run("run", archive[0], "--inputs", tmp_path / "text.npz", "--outputs", tmp_path / "y.npz"), "cannot read inputs file")
+    assert_user_error(run("run", archive[0], "--inputs", tmp_path / "text.npz", "--outputs", tmp_path / "y.npz"), "inputs file", "as an .npz of arrays")
     assert_user_error(run("run", archive[0], "--inputs", requests[0], "--outputs", requests[0]), "is also an --inputs file")
 
 

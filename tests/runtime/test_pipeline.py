@@ -27,17 +27,19 @@ def _whole_runner(model: object) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])  # type: ignore[attr-defined]
 
 
-def _onnxpipe_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("onnxpipe-")]
-
-
 @pytest.fixture()
 def no_thread_left() -> object:
+    """The test leaves no worker thread of its own behind (other tests' threads are not its business)."""
+    before = {t.ident for t in threading.enumerate()}
     yield
+
+    def mine() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("onnxpipe-") and t.ident not in before]
+
     deadline = time.monotonic() + 2
-    while _onnxpipe_threads() and time.monotonic() < deadline:
+    while mine() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _onnxpipe_threads() == []
+    assert mine() == []
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -201,9 +203,10 @@ def test_close_with_requests_in_flight_is_prompt_and_leaves_no_thread(tmp_path: 
     futures = [pipe.submit({"x": x}) for _ in range(8)]
     assert pipe.num_executing_pipeline > 0
     start = time.perf_counter()
+    workers = [t for t in threading.enumerate() if t.name.startswith("onnxpipe-slow")]
     pipe.close()
     assert time.perf_counter() - start < 1.0
-    assert _onnxpipe_threads() == []
+    assert workers and not any(t.is_alive() for t in workers)
     unfinished = [f for f in futures if f.exception(timeout=1) is not None]
     assert unfinished, "close() came after every request finished: make the stages slower"
     for f in unfinished:
@@ -309,3 +312,16 @@ def test_affinity_is_applied_and_refusals_are_clear(tmp_path: Path, no_thread_le
     config.stage("head").configure(affinity=[4096])
     with pytest.raises(ConfigError, match=r"affinity names core\(s\) \[4096\] this process may not use; allowed cores: "):
         load(models.bundle_of(config, tmp_path / "bad"))
+
+
+def test_a_pipeline_dropped_without_close_stops_its_workers(tmp_path: Path, no_thread_left: object) -> None:
+    import gc
+
+    pipe = load(_hand_pipeline(tmp_path))
+    pipe({"x": np.ones((1, 4), np.float32)})
+    workers = [t for t in threading.enumerate() if t.name.startswith("onnxpipe-")]
+    del pipe
+    gc.collect()
+    for t in workers:
+        t.join(2)
+    assert not any(t.is_alive() for t in workers)

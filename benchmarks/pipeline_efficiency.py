@@ -1,0 +1,212 @@
+"""Is the pipeline runtime as fast as its slowest stage allows, and what does a hop cost?
+
+Measured side by side in one run, on onnx light models split in two stages x 1 thread:
+
+- **stage times**: each stage alone in its own session, 1 thread, median of many runs;
+- **pipeline**: requests streamed through the loaded bundle (``Pipeline.map``); its efficiency is
+  ``throughput / (1 / slowest stage time)`` (goal >= 0.95);
+- **baselines** a user would pick instead: the whole model in one session with 1 and 2 threads, and
+  2 replicas x 1 thread (a one-stage onnxpipe bundle with ``replicas=2``).
+
+And the **per-hop overhead**: a chain of identity stages on a small tensor, one request at a time;
+(latency - sum of the stages' standalone times) / stages (goal <= 30 us).
+
+The cut of each model is the most balanced of a few low-traffic candidates (from ``inspect_model``),
+chosen by timing their two stages here -- a stand-in until the automatic planner exists.
+
+    python -m benchmarks.pipeline_efficiency [--models shufflenet squeezenet resnet50] [--requests 200] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from onnxpipe.builder import PipelineConfig, build, export
+from onnxpipe.runtime import load
+from onnxpipe.splitter import inspect_model, split
+
+LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"
+ort.set_default_logger_severity(3)
+
+
+def _session(path: str | bytes, threads: int) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def _median_time(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _throughput(fn: Callable[[], object], requests: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(requests):
+        fn()
+    return requests / (time.perf_counter() - start)
+
+
+def _stage_times(folder: Path, feeds: dict[str, np.ndarray], runs: int) -> list[float]:
+    """Each stage of a split folder alone, 1 thread, fed the real boundary tensors."""
+    spec = json.loads((folder / "pipeline.json").read_text())
+    values = dict(feeds)
+    times = []
+    for stage in spec["stages"]:
+        session = _session(str(folder / stage["module"]), 1)
+        stage_feeds = {t["name"]: values[t["name"]] for t in stage["inputs"]}
+        out_names = [t["name"] for t in stage["outputs"]]
+        values.update(zip(out_names, session.run(out_names, stage_feeds), strict=True))
+        times.append(_median_time(lambda s=session, f=stage_feeds, o=out_names: s.run(o, f), runs))
+    return times
+
+
+def _best_cut(path: Path, feeds: dict[str, np.ndarray], work: Path, candidates: int = 6) -> tuple[list[str], list[float]]:
+    summary = inspect_model(path, top=candidates)
+    best: tuple[float, list[str], list[float]] | None = None
+    for k, cand in enumerate(summary.candidates):
+        cut = cand.at.split(",")
+        folder = split(path, [cut]).save(work / f"cand{k}")
+        times = _stage_times(folder, feeds, runs=5)
+        if best is None or max(times) < best[0]:
+            best = (max(times), cut, times)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _bundle(config: PipelineConfig, work: Path, name: str) -> Path:
+    return export(build(config, work / f"{name}-built").path, work / name)
+
+
+def bench_model(name: str, requests: int, work: Path) -> dict[str, object]:
+    path = LIGHT / f"light_{name}.onnx"
+    whole1, whole2 = _session(str(path), 1), _session(str(path), 2)
+    inp = whole1.get_inputs()[0]
+    feeds = {inp.name: np.random.default_rng(0).standard_normal(inp.shape).astype(np.float32)}
+    cut, _ = _best_cut(path, feeds, work / name)
+    plan = split(path, [cut])
+    cores = sorted(os.sched_getaffinity(0))
+    for k, s in enumerate(plan.config.stages):
+        s.configure(intra_op_threads=1, affinity=[cores[k % len(cores)]] if len(cores) >= 2 else None)
+    bundle = _bundle(plan.config, work, f"{name}-2stage")
+    stage_times = _stage_times(bundle, feeds, runs=max(20, requests // 5))
+    with load(bundle) as pipe:
+        for _ in pipe.map(feeds for _ in range(10)):
+            pass
+        pipe.reset_stats()
+        start = time.perf_counter()
+        for _ in pipe.map(feeds for _ in range(requests)):
+            pass
+        pipeline_tp = requests / (time.perf_counter() - start)
+        stats = pipe.stats()
+    single = PipelineConfig(name)
+    whole = single.add_stage(path, "whole")
+    whole.configure(intra_op_threads=1, replicas=2)
+    single.input(inp.name).connect(whole.input(inp.name))
+    for out in whole.outputs:
+        whole.output(out.name).connect(single.output(out.name))
+    with load(_bundle(single, work, f"{name}-replicas")) as pipe:
+        for _ in pipe.map(feeds for _ in range(10)):
+            pass
+        start = time.perf_counter()
+        for _ in pipe.map(feeds for _ in range(requests)):
+            pass
+        replicas_tp = requests / (time.perf_counter() - start)
+    one_thread = _throughput(lambda: whole1.run(None, feeds), requests)
+    two_threads = _throughput(lambda: whole2.run(None, feeds), requests)
+    ideal = 1.0 / max(stage_times)
+    return {
+        "model": name,
+        "cut": cut,
+        "stage_ms": [round(t * 1e3, 3) for t in stage_times],
+        "pipeline_req_s": pipeline_tp,
+        "ideal_req_s": ideal,
+        "efficiency": pipeline_tp / ideal,
+        "one_session_1t_req_s": one_thread,
+        "one_session_2t_req_s": two_threads,
+        "replicas_2x1t_req_s": replicas_tp,
+        "utilization": {s.stage: round(s.utilization, 3) for s in stats.stages},
+    }
+
+
+def _identity(i: int) -> onnx.ModelProto:
+    """t<i>[1, 16] -> t<i+1>: two Identity nodes (a stage doing next to nothing)."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [f"t{i}"], [f"u{i}"]), helper.make_node("Identity", [f"u{i}"], [f"t{i + 1}"])],
+        f"id{i}",
+        [helper.make_tensor_value_info(f"t{i}", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info(f"t{i + 1}", TensorProto.FLOAT, [1, 16])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def bench_hop(stages: int, requests: int, work: Path) -> dict[str, float]:
+    """Per-hop overhead: a chain of identity stages, one request at a time."""
+    config = PipelineConfig("hops")
+    chain = [config.add_stage(_identity(i), f"id{i}") for i in range(stages)]
+    config.input("t0").connect(chain[0].input("t0"))
+    for i in range(1, stages):
+        chain[i - 1].output(f"t{i}").connect(chain[i].input(f"t{i}"))
+    chain[-1].output(f"t{stages}").connect(config.output(f"t{stages}"))
+    bundle = _bundle(config, work, "hops")
+    x = np.ones((1, 16), np.float32)
+    alone = sum(_stage_times(bundle, {f"t{i}": x for i in range(stages + 1)}, runs=2000))
+    with load(bundle) as pipe:
+        latency = _median_time(lambda: pipe({"t0": x}), requests, warmup=50)
+    return {"stages": stages, "latency_us": latency * 1e6, "stages_alone_us": alone * 1e6, "per_hop_us": (latency - alone) / stages * 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["shufflenet", "squeezenet", "resnet50"])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        rows = [bench_model(m, args.requests, work) for m in args.models]
+        hop = bench_hop(8, 3000, work)
+    if args.json:
+        print(json.dumps({"models": rows, "hop": hop, "cores": len(os.sched_getaffinity(0)), "threads": threading.active_count()}, indent=2))
+        return
+    print(f"cores: {len(os.sched_getaffinity(0))}; onnxruntime {ort.__version__}; 2 stages x 1 thread, one core each")
+    print(
+        f"{'model':<11} {'stage ms':>15} {'pipeline':>9} {'ideal':>7} {'effic.':>6} {'1 sess 1t':>9} {'1 sess 2t':>9} {'2 repl':>7}"
+        "  ratio pipeline / (1t, 2t, repl)"
+    )
+    for r in rows:
+        p = r["pipeline_req_s"]
+        ratios = ", ".join(f"{p / r[k]:.2f}" for k in ("one_session_1t_req_s", "one_session_2t_req_s", "replicas_2x1t_req_s"))  # type: ignore[operator]
+        print(
+            f"{r['model']:<11} {' / '.join(f'{t:.2f}' for t in r['stage_ms']):>15} {p:>9.1f} {r['ideal_req_s']:>7.1f} {r['efficiency']:>6.3f} "  # type: ignore[union-attr]
+            f"{r['one_session_1t_req_s']:>9.1f} {r['one_session_2t_req_s']:>9.1f} {r['replicas_2x1t_req_s']:>7.1f}  {ratios}"
+        )
+    print("(throughputs in requests/s; efficiency = pipeline / ideal, ideal = 1 / slowest stage; goal >= 0.95)")
+    print(f"per-hop overhead: {hop['per_hop_us']:.1f} us per stage ({hop['stages']} identity stages, latency {hop['latency_us']:.1f} us, "
+          f"stages alone {hop['stages_alone_us']:.1f} us; goal <= 30 us)")
+
+
+if __name__ == "__main__":
+    main()
