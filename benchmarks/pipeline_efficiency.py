@@ -20,6 +20,7 @@ chosen by timing their two stages here -- a stand-in until the automatic planner
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -28,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -35,7 +37,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from onnxpipe.builder import PipelineConfig, build, export
-from onnxpipe.runtime import load
+from onnxpipe.runtime import Pipeline, load
 from onnxpipe.splitter import inspect_model, split
 
 LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"
@@ -79,7 +81,7 @@ def _stage_times(folder: Path, feeds: dict[str, np.ndarray], runs: int) -> list[
         stage_feeds = {t["name"]: values[t["name"]] for t in stage["inputs"]}
         out_names = [t["name"] for t in stage["outputs"]]
         values.update(zip(out_names, session.run(out_names, stage_feeds), strict=True))
-        times.append(_median_time(lambda s=session, f=stage_feeds, o=out_names: s.run(o, f), runs))
+        times.append(_median_time(functools.partial(session.run, out_names, stage_feeds), runs))
     return times
 
 
@@ -100,7 +102,19 @@ def _bundle(config: PipelineConfig, work: Path, name: str) -> Path:
     return export(build(config, work / f"{name}-built").path, work / name)
 
 
-def bench_model(name: str, requests: int, work: Path) -> dict[str, object]:
+def _stream(pipe: Pipeline, feeds: dict[str, np.ndarray], requests: int) -> float:
+    """Requests per second of ``pipe.map`` over ``requests`` copies of ``feeds`` (after a warm-up)."""
+    for _ in pipe.map(feeds for _ in range(10)):
+        pass
+    start = time.perf_counter()
+    for _ in pipe.map(feeds for _ in range(requests)):
+        pass
+    return requests / (time.perf_counter() - start)
+
+
+def bench_model(name: str, requests: int, rounds: int, work: Path) -> dict[str, Any]:
+    """All contenders of one model, measured in ``rounds`` interleaved rounds; medians reported
+    (the machine is shared: interleaving spreads its noise over every contender alike)."""
     path = LIGHT / f"light_{name}.onnx"
     whole1, whole2 = _session(str(path), 1), _session(str(path), 2)
     inp = whole1.get_inputs()[0]
@@ -111,43 +125,40 @@ def bench_model(name: str, requests: int, work: Path) -> dict[str, object]:
     for k, s in enumerate(plan.config.stages):
         s.configure(intra_op_threads=1, affinity=[cores[k % len(cores)]] if len(cores) >= 2 else None)
     bundle = _bundle(plan.config, work, f"{name}-2stage")
-    stage_times = _stage_times(bundle, feeds, runs=max(20, requests // 5))
-    with load(bundle) as pipe:
-        for _ in pipe.map(feeds for _ in range(10)):
-            pass
-        pipe.reset_stats()
-        start = time.perf_counter()
-        for _ in pipe.map(feeds for _ in range(requests)):
-            pass
-        pipeline_tp = requests / (time.perf_counter() - start)
-        stats = pipe.stats()
     single = PipelineConfig(name)
     whole = single.add_stage(path, "whole")
     whole.configure(intra_op_threads=1, replicas=2)
     single.input(inp.name).connect(whole.input(inp.name))
     for out in whole.outputs:
         whole.output(out.name).connect(single.output(out.name))
-    with load(_bundle(single, work, f"{name}-replicas")) as pipe:
-        for _ in pipe.map(feeds for _ in range(10)):
-            pass
-        start = time.perf_counter()
-        for _ in pipe.map(feeds for _ in range(requests)):
-            pass
-        replicas_tp = requests / (time.perf_counter() - start)
-    one_thread = _throughput(lambda: whole1.run(None, feeds), requests)
-    two_threads = _throughput(lambda: whole2.run(None, feeds), requests)
-    ideal = 1.0 / max(stage_times)
+    samples: dict[str, list[float]] = {k: [] for k in ("pipeline", "one_1t", "one_2t", "replicas", "slowest_stage_s")}
+    stage_ms: list[list[float]] = []
+    with load(bundle) as pipe, load(_bundle(single, work, f"{name}-replicas")) as replicas:
+        for _ in range(rounds):
+            times = _stage_times(bundle, feeds, runs=max(20, requests // 5))
+            stage_ms.append([t * 1e3 for t in times])
+            samples["slowest_stage_s"].append(max(times))
+            pipe.reset_stats()
+            samples["pipeline"].append(_stream(pipe, feeds, requests))
+            samples["replicas"].append(_stream(replicas, feeds, requests))
+            samples["one_1t"].append(_throughput(functools.partial(whole1.run, None, feeds), requests))
+            samples["one_2t"].append(_throughput(functools.partial(whole2.run, None, feeds), requests))
+        stats = pipe.stats()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    ideal = 1.0 / med["slowest_stage_s"]
     return {
         "model": name,
         "cut": cut,
-        "stage_ms": [round(t * 1e3, 3) for t in stage_times],
-        "pipeline_req_s": pipeline_tp,
+        "rounds": rounds,
+        "stage_ms": [round(statistics.median(col), 3) for col in zip(*stage_ms, strict=True)],
+        "pipeline_req_s": med["pipeline"],
+        "pipeline_req_s_rounds": [round(x, 1) for x in samples["pipeline"]],
         "ideal_req_s": ideal,
-        "efficiency": pipeline_tp / ideal,
-        "one_session_1t_req_s": one_thread,
-        "one_session_2t_req_s": two_threads,
-        "replicas_2x1t_req_s": replicas_tp,
-        "utilization": {s.stage: round(s.utilization, 3) for s in stats.stages},
+        "efficiency": med["pipeline"] / ideal,
+        "one_session_1t_req_s": med["one_1t"],
+        "one_session_2t_req_s": med["one_2t"],
+        "replicas_2x1t_req_s": med["replicas"],
+        "utilization_last_round": {s.stage: round(s.utilization, 3) for s in stats.stages},
     }
 
 
@@ -182,28 +193,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["shufflenet", "squeezenet", "resnet50"])
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rows = [bench_model(m, args.requests, work) for m in args.models]
+        rows = [bench_model(m, args.requests, args.rounds, work) for m in args.models]
         hop = bench_hop(8, 3000, work)
     if args.json:
         print(json.dumps({"models": rows, "hop": hop, "cores": len(os.sched_getaffinity(0)), "threads": threading.active_count()}, indent=2))
         return
-    print(f"cores: {len(os.sched_getaffinity(0))}; onnxruntime {ort.__version__}; 2 stages x 1 thread, one core each")
+    print(f"cores: {len(os.sched_getaffinity(0))}; onnxruntime {ort.__version__}; 2 stages x 1 thread, one core each; "
+          f"medians of {args.rounds} interleaved rounds of {args.requests} requests")
     print(
         f"{'model':<11} {'stage ms':>15} {'pipeline':>9} {'ideal':>7} {'effic.':>6} {'1 sess 1t':>9} {'1 sess 2t':>9} {'2 repl':>7}"
         "  ratio pipeline / (1t, 2t, repl)"
     )
     for r in rows:
         p = r["pipeline_req_s"]
-        ratios = ", ".join(f"{p / r[k]:.2f}" for k in ("one_session_1t_req_s", "one_session_2t_req_s", "replicas_2x1t_req_s"))  # type: ignore[operator]
+        ratios = ", ".join(f"{p / r[k]:.2f}" for k in ("one_session_1t_req_s", "one_session_2t_req_s", "replicas_2x1t_req_s"))
         print(
-            f"{r['model']:<11} {' / '.join(f'{t:.2f}' for t in r['stage_ms']):>15} {p:>9.1f} {r['ideal_req_s']:>7.1f} {r['efficiency']:>6.3f} "  # type: ignore[union-attr]
+            f"{r['model']:<11} {' / '.join(f'{t:.2f}' for t in r['stage_ms']):>15} {p:>9.1f} {r['ideal_req_s']:>7.1f} {r['efficiency']:>6.3f} "
             f"{r['one_session_1t_req_s']:>9.1f} {r['one_session_2t_req_s']:>9.1f} {r['replicas_2x1t_req_s']:>7.1f}  {ratios}"
         )
-    print("(throughputs in requests/s; efficiency = pipeline / ideal, ideal = 1 / slowest stage; goal >= 0.95)")
+    print("(throughputs in requests/s; efficiency = pipeline / ideal, ideal = 1 / slowest stage alone; goal >= 0.95)")
+    for r in rows:
+        print(f"  {r['model']}: pipeline per round {r['pipeline_req_s_rounds']}, cut at {r['cut']}")
     print(f"per-hop overhead: {hop['per_hop_us']:.1f} us per stage ({hop['stages']} identity stages, latency {hop['latency_us']:.1f} us, "
           f"stages alone {hop['stages_alone_us']:.1f} us; goal <= 30 us)")
 

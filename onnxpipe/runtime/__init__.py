@@ -1,8 +1,9 @@
 """The runtime: the pipeline spec, bundles and the executors. Imports only stdlib, numpy and onnxruntime."""
 
+from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
 from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, read_bundle, save_npz
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
-from onnxpipe.runtime._inputs import check_inputs
+from onnxpipe.runtime._inputs import check_inputs, random_inputs
 from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
@@ -13,6 +14,7 @@ __all__ = [
     "DTYPES",
     "PROVIDER_ALIASES",
     "SPEC_VERSION",
+    "BenchReport",
     "Bundle",
     "Endpoint",
     "FileEntry",
@@ -24,9 +26,11 @@ __all__ = [
     "PipelineSpec",
     "ReferenceCheck",
     "SequentialPipeline",
+    "StageBench",
     "StageSettings",
     "StageSpec",
     "TensorSpec",
+    "benchmark",
     "check_inputs",
     "dtype_from_onnx",
     "dtype_from_ort",
@@ -34,6 +38,7 @@ __all__ = [
     "load",
     "load_npz",
     "numpy_dtype",
+    "random_inputs",
     "read_bundle",
     "resolve_provider",
     "save_npz",

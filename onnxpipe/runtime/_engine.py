@@ -24,12 +24,16 @@ from onnxpipe.runtime._channel import Channel, Closed
 from onnxpipe.runtime._stage import Request, StagePlan, StageRunner
 from onnxpipe.runtime._stats import StageRecorder
 
-__all__ = ["Engine", "SessionFactory", "ThreadEngine"]
+__all__ = ["DEFAULT_QUEUE_DEPTH", "Engine", "SessionFactory", "ThreadEngine"]
 
 #: Makes the session of one replica of one stage.
 SessionFactory = Callable[[StagePlan, int], ort.InferenceSession]
 
 _JOIN_TIMEOUT_S = 5.0
+#: Requests that may wait in front of each stage. Deep enough to absorb a stage's jitter (a queue
+#: of 2 left the next stage idle after hiccups on a shared 2-core machine), shallow enough that
+#: a few large activations per stage stay in memory.
+DEFAULT_QUEUE_DEPTH = 4
 
 
 class Engine(Protocol):
@@ -66,7 +70,7 @@ class ThreadEngine:
         BundleError: a session could not be created.
     """
 
-    def __init__(self, plans: Sequence[StagePlan], factory: SessionFactory, queue_depth: int = 2, trace: bool = False) -> None:
+    def __init__(self, plans: Sequence[StagePlan], factory: SessionFactory, queue_depth: int = DEFAULT_QUEUE_DEPTH, trace: bool = False) -> None:
         if queue_depth < 1:
             raise ConfigError(f"queue_depth must be at least 1, got {queue_depth}")
         self._plans = list(plans)

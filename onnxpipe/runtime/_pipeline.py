@@ -32,7 +32,7 @@ import onnxruntime as ort
 from onnxpipe._errors import InputError, StageError, closest
 from onnxpipe.runtime._bundle import Bundle, Limits, read_bundle
 from onnxpipe.runtime._channel import Closed
-from onnxpipe.runtime._engine import Engine, ThreadEngine
+from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
@@ -65,7 +65,7 @@ class Pipeline:
         trace: Record every stage run, for :meth:`save_trace`.
     """
 
-    def __init__(self, bundle: Bundle, target: str | None = None, queue_depth: int = 2, trace: bool = False) -> None:
+    def __init__(self, bundle: Bundle, target: str | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH, trace: bool = False) -> None:
         self.bundle = bundle
         self._target = target
         plans, self._finals = plan_stages(bundle.spec)
@@ -95,6 +95,11 @@ class Pipeline:
     def spec(self) -> PipelineSpec:
         """The pipeline's wiring and settings."""
         return self.bundle.spec
+
+    @property
+    def target(self) -> str | None:
+        """The target every stage runs on instead of its own, if one was given at load."""
+        return self._target
 
     @property
     def num_inputs(self) -> int:
@@ -360,7 +365,7 @@ def load(
     path: str | os.PathLike[str],
     *,
     target: str | None = None,
-    queue_depth: int = 2,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
     trace: bool = False,
     limits: Limits | None = None,
 ) -> Pipeline:

@@ -3,7 +3,7 @@
 from onnxpipe.splitter._cuts import NodeCut, OpCut, TensorCut
 from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
 from onnxpipe.splitter._plan import SplitPlan, SplitStage, load_model, split
-from onnxpipe.splitter._verify import Comparison, VerifyReport, random_inputs, verify
+from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
 __all__ = [
     "Comparison",
@@ -17,7 +17,6 @@ __all__ = [
     "VerifyReport",
     "inspect_model",
     "load_model",
-    "random_inputs",
     "split",
     "verify",
 ]

@@ -23,12 +23,12 @@ import onnx
 import onnxruntime as ort
 from onnx import ModelProto
 
-from onnxpipe._errors import InputError, SplitError, closest
+from onnxpipe._errors import SplitError
 from onnxpipe.builder import CONFIG_FILE, save_model
-from onnxpipe.runtime import Endpoint, PipelineSpec, SequentialPipeline, TensorSpec, is_bundle, numpy_dtype, read_bundle
+from onnxpipe.runtime import Endpoint, PipelineSpec, SequentialPipeline, is_bundle, random_inputs, read_bundle
 from onnxpipe.splitter._plan import SplitPlan, load_model
 
-__all__ = ["Comparison", "VerifyReport", "random_inputs", "verify"]
+__all__ = ["Comparison", "VerifyReport", "verify"]
 
 DEFAULT_RTOL = 1e-4
 DEFAULT_ATOL = 1e-5
@@ -87,49 +87,6 @@ class VerifyReport:
 def _finite(x: float) -> float | None:
     # Strict JSON has no Infinity or NaN: a shape or dtype mismatch is reported as null.
     return x if np.isfinite(x) else None
-
-
-def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Random arrays matching declared inputs; symbolic or unknown dims not in ``dims`` become 1.
-
-    Floats are standard normal, integers are drawn from 0..3 (valid as small indices), booleans
-    are fair coins.
-
-    Raises:
-        InputError: ``dims`` names a dim no input has, or an input's rank or dtype is unknown.
-
-    Returns:
-        The arrays by name, and notes on the dims that were defaulted.
-    """
-    rng = np.random.default_rng(seed)
-    dims = dict(dims or {})
-    symbolic = {d for spec in specs for d in (spec.shape or ()) if isinstance(d, str)}
-    for name in dims:
-        if name not in symbolic:
-            raise InputError(f"no input has a dim named '{name}'; {closest(name, symbolic)}")
-    notes: list[str] = []
-    feeds: dict[str, np.ndarray] = {}
-    for spec in specs:
-        if spec.shape is None:
-            raise InputError(f"input '{spec.name}' has no known rank; pass its value explicitly")
-        shape = []
-        for d in spec.shape:
-            if isinstance(d, int):
-                shape.append(d)
-                continue
-            if d not in dims:
-                notes.append(f"input '{spec.name}': dim {d or '?'} not given, using 1")
-            shape.append(dims.get(d, 1) if d else 1)
-        dtype = numpy_dtype(spec.dtype)
-        if dtype.kind == "f":
-            feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind in "iu":
-            feeds[spec.name] = rng.integers(0, 4, size=shape).astype(dtype)
-        elif dtype.kind == "b":
-            feeds[spec.name] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            raise InputError(f"input '{spec.name}' of dtype {spec.dtype}: cannot make random values; pass its value explicitly")
-    return feeds, notes
 
 
 def verify(
