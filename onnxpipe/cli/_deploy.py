@@ -181,8 +181,7 @@ def _reference_inputs(
     spec: PipelineSpec, files: Sequence[Path], random_sets: int, dims: Mapping[str, int], seed: int
 ) -> tuple[list[Mapping[str, np.ndarray]], list[str]]:
     from onnxpipe._errors import InputError
-    from onnxpipe.runtime import check_inputs
-    from onnxpipe.splitter import random_inputs
+    from onnxpipe.runtime import check_inputs, random_inputs
 
     sets: list[Mapping[str, np.ndarray]] = []
     for file in files:
