@@ -103,3 +103,41 @@ def test_queue_depth_must_be_positive() -> None:
     plans, _ = plan_stages(_chain_spec(2, 1))
     with pytest.raises(Exception, match="queue_depth must be at least 1"):
         ThreadEngine(plans, lambda p, r: FakeSession(0, set(), 0), queue_depth=0)
+
+
+class RecordingSession:
+    """Returns a new array per run and records the objects it was fed."""
+
+    def __init__(self) -> None:
+        self.fed: list[object] = []
+        self.made: list[object] = []
+
+    def run(self, names: Any, feeds: dict[str, Any], options: Any = None) -> list[Any]:
+        import numpy as np
+
+        (value,) = feeds.values()
+        self.fed.append(value)
+        out = np.asarray(value) + 1
+        self.made.append(out)
+        return [out]
+
+
+def test_stages_hand_over_the_very_arrays_they_make() -> None:
+    """Zero copies between stages: stage s+1 is fed the object stage s returned, not a copy."""
+    import numpy as np
+
+    plans, final = plan_stages(_chain_spec(3, 1))
+    sessions = {p.stage.name: RecordingSession() for p in plans}
+    engine = ThreadEngine(plans, lambda p, r: sessions[p.stage.name], queue_depth=2)
+    done: list[Request] = []
+    inputs = [np.full(4, float(i)) for i in range(20)]
+    for i, x in enumerate(inputs):
+        engine.submit(Request(i, {Endpoint(None, "v"): x}, {}, time.perf_counter(), done=done.append))
+    deadline = time.monotonic() + 5
+    while len(done) < 20 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    engine.close()
+    assert [id(a) for a in sessions["s0"].fed] == [id(x) for x in inputs]
+    assert [id(a) for a in sessions["s1"].fed] == [id(a) for a in sessions["s0"].made]
+    assert [id(a) for a in sessions["s2"].fed] == [id(a) for a in sessions["s1"].made]
+    assert [id(r.values[final["v"]]) for r in sorted(done, key=lambda r: r.id)] == [id(a) for a in sessions["s2"].made]

@@ -325,3 +325,18 @@ def test_a_pipeline_dropped_without_close_stops_its_workers(tmp_path: Path, no_t
     for t in workers:
         t.join(2)
     assert not any(t.is_alive() for t in workers)
+
+
+def test_the_caller_owns_its_outputs(tmp_path: Path, no_thread_left: object) -> None:
+    """No output buffer is reused under the caller: outputs kept from early requests keep their values."""
+    plan = split(models.branchy(), BRANCHY_CUTS[3])
+    whole = _whole_runner(models.branchy())
+    inputs = [{"X": np.full((1, 4), i / 10, np.float32)} for i in range(100)]
+    with load(models.bundle_of(plan, tmp_path)) as pipe:
+        kept = list(pipe.map(inputs))
+        for _ in pipe.map(inputs[::-1]):  # more traffic after the first outputs were handed out
+            pass
+    arrays = [k["Y"] for k in kept]
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1 :])
+    for got, x in zip(arrays, inputs, strict=True):
+        np.testing.assert_allclose(got, whole.run(None, x)[0], rtol=1e-6)
