@@ -6,8 +6,10 @@ this module.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -18,7 +20,24 @@ from onnxpipe._errors import OnnxpipeError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["DIM", "Group", "UserError", "bundle_size", "given", "quiet_onnxruntime", "read_npz", "write_npz"]
+__all__ = [
+    "DIM",
+    "PROGRESS_MIN",
+    "TARGET",
+    "Group",
+    "UserError",
+    "bundle_size",
+    "given",
+    "progress",
+    "quiet_onnxruntime",
+    "read_npz",
+    "read_npz_layout",
+    "stderr_is_terminal",
+    "write_npz",
+]
+
+#: More requests than this get a progress bar (on a terminal); fewer finish before one would help.
+PROGRESS_MIN = 20
 
 
 class UserError(click.ClickException):
@@ -70,6 +89,11 @@ DIM = click.option(
 )
 
 
+TARGET = click.option(
+    "--target", "target", metavar="TARGET", help="Run every stage on this target instead of its own, e.g. cpu for a bundle built for a GPU this host lacks."
+)
+
+
 def given(ctx: click.Context, *params: str) -> list[str]:
     """The options among ``params`` (parameter names) that the user set, as their flags (``--seed``)."""
     flags = []
@@ -96,13 +120,69 @@ def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
         raise UserError(f"{what} '{path}': {e}") from e
 
 
+def read_npz_layout(path: Path, what: str) -> dict[str, np.ndarray]:
+    """Stand-ins for the arrays of an .npz file: each array's name, dtype and shape, read from the
+    headers only, so that ``check_inputs`` can check thousands of files without reading their data.
+
+    A stand-in is a read-only broadcast view of a single zero: it takes no memory whatever its shape.
+
+    Raises:
+        UserError: the file is missing or is not an .npz of arrays.
+    """
+    import numpy as np
+
+    if not path.is_file():
+        raise UserError(f"{what} '{path}' does not exist")
+    fmt = np.lib.format
+    layout: dict[str, np.ndarray] = {}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for member in zf.namelist():
+                with zf.open(member) as f:
+                    major, _ = fmt.read_magic(f)
+                    shape, _, dtype = fmt.read_array_header_1_0(f) if major == 1 else fmt.read_array_header_2_0(f)
+                layout[member.removesuffix(".npy")] = np.broadcast_to(np.zeros((), dtype), shape)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise UserError(f"{what} '{path}': cannot read it as an .npz of arrays: {e}") from e
+    return layout
+
+
 def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write arrays to exactly ``path`` (any names; numpy's savez would append ``.npz``)."""
+    """Write arrays to exactly ``path`` (any names; numpy's savez would append ``.npz``).
+
+    Raises:
+        UserError: the file or its folder cannot be written.
+    """
     from onnxpipe.runtime import save_npz
 
-    if path.parent != Path():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    save_npz(path, arrays)
+    try:
+        if path.parent != Path():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        save_npz(path, arrays)
+    except OSError as e:
+        raise UserError(f"cannot write '{path}': {e.strerror or e}") from e
+
+
+def progress(total: int, label: str, quiet: bool = False, then: str | None = None) -> contextlib.AbstractContextManager[Callable[[int, int], None]]:
+    """A progress bar on stderr for ``total`` steps; the context gives the ``(done, total)`` callback.
+
+    Only on a terminal, for more than :data:`PROGRESS_MIN` steps, and never when ``quiet`` (--json):
+    otherwise the callback does nothing. ``then`` labels the bar once every step is done.
+    """
+    if quiet or total <= PROGRESS_MIN or not stderr_is_terminal():
+        return contextlib.nullcontext(_no_progress)
+    from onnxpipe.cli import _render
+
+    return _render.progress_bar(total, label, then)
+
+
+def stderr_is_terminal() -> bool:
+    """Whether a person may be watching stderr (a progress bar helps) rather than a file or a pipe."""
+    return sys.stderr.isatty()
+
+
+def _no_progress(done: int, total: int) -> None:
+    pass
 
 
 def quiet_onnxruntime() -> None:

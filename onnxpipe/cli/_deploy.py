@@ -1,8 +1,8 @@
-"""``build``, ``export`` and ``run``: from a split folder to a bundle, and the bundle at work.
+"""``build``, ``export``, ``run`` and ``bench``: from a split folder to a bundle, and the bundle at work.
 
 Each command parses its options, calls the library (``onnxpipe.builder.build``,
-``onnxpipe.builder.export``, ``onnxpipe.runtime.load``) and prints; heavy modules are imported
-inside the commands.
+``onnxpipe.builder.export``, ``onnxpipe.runtime.load`` and ``Pipeline.map``,
+``onnxpipe.runtime.benchmark``) and prints; heavy modules are imported inside the commands.
 """
 
 from __future__ import annotations
@@ -14,15 +14,26 @@ from typing import TYPE_CHECKING
 
 import click
 
-from onnxpipe.cli._common import DIM, UserError, bundle_size, given, quiet_onnxruntime, read_npz, write_npz
+from onnxpipe.cli._common import (
+    DIM,
+    TARGET,
+    UserError,
+    bundle_size,
+    given,
+    progress,
+    quiet_onnxruntime,
+    read_npz,
+    read_npz_layout,
+    write_npz,
+)
 from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, read_settings_file
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from onnxpipe.runtime import PipelineSpec
+    from onnxpipe.runtime import BenchReport, Pipeline, PipelineSpec, TensorSpec
 
-__all__ = ["build", "export", "output_paths", "run"]
+__all__ = ["bench", "build", "export", "run"]
 
 
 @click.command(short_help="Build the stages of a split folder, each for its target.")
@@ -197,65 +208,280 @@ def _reference_inputs(
     return sets, notes
 
 
-def output_paths(out: Path, count: int) -> list[Path]:
-    """``out.npz`` for the first input set, ``out-1.npz``, ``out-2.npz``, ... for the others."""
-    return [out] + [out.with_name(f"{out.stem}-{k}{out.suffix}") for k in range(1, count)]
+QUEUE_DEPTH = click.option(
+    "--queue-depth",
+    "queue_depth",
+    default=2,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="Q",
+    help="Requests that may wait in front of each stage; more smooths out uneven stages, at the cost of memory.",
+)
+TRACE = click.option(
+    "--trace",
+    "trace",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE.json",
+    help="Write a timeline of every stage run (Chrome trace: open it in https://ui.perfetto.dev or chrome://tracing).",
+)
 
 
-@click.command(short_help="Run .npz inputs through a bundle.")
+def _input_files(paths: Sequence[Path]) -> list[Path]:
+    """The --inputs files in order: a folder stands for every *.npz in it, sorted by name."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.glob("*.npz") if p.is_file())
+            if not found:
+                raise UserError(f"inputs folder '{path}' holds no .npz file")
+            files += found
+        elif path.exists():
+            files.append(path)
+        else:
+            raise UserError(f"inputs file '{path}' does not exist")
+    return files
+
+
+def _destinations(out: Path, files: Sequence[Path]) -> list[Path]:
+    """Where each request's outputs go: OUT.npz for a single request, else FOLDER/<inputs stem>.npz."""
+    if out.suffix == ".npz":
+        if len(files) != 1:
+            raise click.UsageError(
+                f"--outputs {out} names one file, but there are {len(files)} requests; "
+                "give a folder (a name not ending in .npz) to get FOLDER/<inputs file stem>.npz for each"
+            )
+        if out.is_dir():
+            raise UserError(f"--outputs '{out}' is a folder; give a file name ending in .npz, or a name without .npz for a folder of outputs")
+        destinations = [out]
+    elif out.exists() and not out.is_dir():
+        raise UserError(f"--outputs '{out}' is a file, not a folder; give a name ending in .npz to write one file")
+    else:
+        first: dict[str, int] = {}
+        for k, file in enumerate(files):
+            j = first.setdefault(file.stem, k)
+            if j != k:
+                both = out / f"{file.stem}.npz"
+                raise click.UsageError(f"inputs files '{files[j]}' and '{file}' would both write {both}; rename one or run them separately")
+        destinations = [out / f"{file.stem}.npz" for file in files]
+    clash = {p.resolve() for p in files} & {p.resolve() for p in destinations}
+    if clash:
+        raise UserError(f"output file '{sorted(clash)[0]}' is also an --inputs file; choose another --outputs name")
+    return destinations
+
+
+def _check_input_files(specs: Sequence[TensorSpec], files: Sequence[Path]) -> None:
+    """Every file against the pipeline's inputs (names, dtypes, shapes), from its headers alone."""
+    from onnxpipe._errors import InputError
+    from onnxpipe.runtime import check_inputs
+
+    for file in files:
+        try:
+            check_inputs(specs, read_npz_layout(file, "inputs file"))
+        except InputError as e:
+            raise UserError(f"inputs file '{file}': {e}") from e
+
+
+def _save_trace(pipe: Pipeline, trace: Path | None) -> None:
+    if trace is None:
+        return
+    try:
+        pipe.save_trace(trace)
+    except OSError as e:
+        raise UserError(f"cannot write trace '{trace}': {e.strerror or e}") from e
+
+
+def _stream(pipe: Pipeline, files: Sequence[Path], destinations: Sequence[Path], quiet: bool) -> Mapping[str, np.ndarray]:
+    """Read each file as the pipeline takes it, write each result as it comes; the first result.
+
+    Raises:
+        UserError: a request failed in a stage (naming its file) or a file could not be read or written.
+    """
+    from onnxpipe._errors import StageError
+
+    first: Mapping[str, np.ndarray] = {}
+    written = 0
+    try:
+        with progress(len(files), "requests", quiet) as advance:
+            for path, outputs in zip(destinations, pipe.map(read_npz(f, "inputs file") for f in files), strict=True):
+                write_npz(path, outputs)
+                first = first or outputs
+                written += 1
+                advance(written, len(files))
+    except StageError as e:
+        # map() yields in request order, so the failed request is the first one not written.
+        kept = f"the {written} output file(s) written before it are complete and stay" if written else "no output file was written"
+        raise UserError(f"inputs file '{files[written]}': {e}; {kept}") from e
+    return first
+
+
+@click.command(short_help="Run .npz inputs (files or folders) through a bundle.")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option(
     "--inputs",
-    "input_files",
+    "input_paths",
     multiple=True,
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    metavar="FILE.npz",
-    help="One request: an .npz keyed by pipeline input name (repeatable: one request per file).",
+    type=click.Path(path_type=Path),
+    metavar="FILE.npz|FOLDER",
+    help="Requests: an .npz keyed by pipeline input name is one request; a folder is one request per *.npz in it, sorted by name (repeatable).",
 )
 @click.option(
     "--outputs",
     "out",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    metavar="OUT.npz",
-    help="Where the outputs go, keyed by pipeline output name; further requests write OUT-1.npz, OUT-2.npz, ...",
+    type=click.Path(path_type=Path),
+    metavar="OUT.npz|FOLDER",
+    help="Where the outputs go, keyed by pipeline output name: OUT.npz for a single request, else FOLDER/<inputs file stem>.npz for each.",
 )
-@click.option(
-    "--target", "target", metavar="TARGET", help="Run every stage on this target instead of its own, e.g. cpu for a bundle built for a GPU this host lacks."
-)
-def run(bundle: Path, input_files: Sequence[Path], out: Path, target: str | None) -> None:
-    """Load BUNDLE (folder or .onnxpipe archive), run each --inputs file through it, write the outputs.
+@TARGET
+@QUEUE_DEPTH
+@TRACE
+@click.option("--json", "as_json", is_flag=True, help="Print the files written and the run's statistics as JSON, nothing else.")
+def run(bundle: Path, input_paths: Sequence[Path], out: Path, target: str | None, queue_depth: int, trace: Path | None, as_json: bool) -> None:
+    """Stream every --inputs request through BUNDLE (folder or .onnxpipe archive); write the outputs as they come.
 
-    The bundle is checked in full (every file against its sha256) before anything runs, and every
-    input against the declared names, dtypes and shapes; nothing is written unless every request
-    succeeds. The outputs of the first --inputs file go to OUT.npz, those of the k-th further one
-    to OUT-k.npz (files are replaced).
+    Before anything runs, the bundle is checked in full (every file against its sha256) and every
+    inputs file against the pipeline's input names, dtypes and shapes (from the file headers, so
+    this is quick even for thousands of files). Then the requests stream through the stages, which
+    work concurrently; files are read as the pipeline takes them and each request's outputs are
+    written as soon as they are ready, in request order, so memory stays bounded however many
+    files there are. At the end: requests, throughput, latency p50/p99, and the bottleneck stage.
+
+    \b
+    Where the outputs go (files of the same name are replaced):
+      --outputs OUT.npz   one request only: its outputs go to OUT.npz
+      --outputs FOLDER    any name not ending in .npz: each request's outputs go to
+                          FOLDER/<stem of its inputs file>.npz (in/cat.npz -> FOLDER/cat.npz);
+                          two inputs files with the same stem are refused before anything runs
+
+    A request that fails in a stage stops the run with one error line naming its inputs file;
+    the output files written before it are complete and stay, and no partial file is left
+    (--trace is written all the same, up to the failure).
 
     \b
     Examples:
       onnxpipe run model.onnxpipe --inputs image.npz --outputs scores.npz
-      onnxpipe run model.onnxpipe --inputs a.npz --inputs b.npz --outputs out.npz   # out.npz, out-1.npz
+      onnxpipe run model.onnxpipe --inputs images/ --outputs scores/          # images/a.npz -> scores/a.npz
+      onnxpipe run model.onnxpipe --inputs a.npz --inputs more/ --outputs out/ --trace run.json
       onnxpipe run gpu-bundle/ --inputs x.npz --outputs y.npz --target cpu
     """
-    from onnxpipe._errors import InputError
-    from onnxpipe.cli import _render
-    from onnxpipe.runtime import load
+    from onnxpipe.runtime import Pipeline, read_bundle
 
-    destinations = output_paths(out, len(input_files))
-    clash = {p.resolve() for p in input_files} & {p.resolve() for p in destinations}
-    if clash:
-        raise UserError(f"output file '{sorted(clash)[0]}' is also an --inputs file; choose another --outputs name")
-    requests = [read_npz(file, "inputs file") for file in input_files]
+    files = _input_files(input_paths)
+    destinations = _destinations(out, files)
     quiet_onnxruntime()
-    with load(bundle, target=target) as pipe:
-        results = []
-        for file, feeds in zip(input_files, requests, strict=True):
+    with read_bundle(bundle) as checked:
+        _check_input_files(checked.spec.inputs, files)
+        with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None) as pipe:
+            pipe.reset_stats()  # from the first request, not from load
             try:
-                results.append(pipe(feeds))
+                first = _stream(pipe, files, destinations, as_json)
+            finally:
+                _save_trace(pipe, trace)  # a failed run's timeline shows what happened up to the failure
+            stats = pipe.stats()
+    if as_json:
+        pairs = [{"inputs": str(f), "outputs": str(d)} for f, d in zip(files, destinations, strict=True)]
+        click.echo(json.dumps({"requests": len(files), "files": pairs, "trace": str(trace) if trace else None, "stats": stats.to_dict()}, indent=2))
+        return
+    from onnxpipe.cli import _render
+
+    where = str(destinations[0]) if out.suffix == ".npz" else f"{len(destinations)} output file(s) in {out}"
+    _render.run_summary(stats, len(checked.spec.stages), first, where, trace)
+
+
+@click.command(short_help="Measure a bundle's throughput and latency, stage by stage.")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--requests", "requests", default=200, show_default=True, type=click.IntRange(min=1), metavar="N", help="Requests to time.")
+@click.option("--warmup", "warmup", default=10, show_default=True, type=click.IntRange(min=0), metavar="W", help="Requests run first and not timed.")
+@DIM
+@click.option(
+    "--inputs",
+    "input_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE.npz",
+    help="The inputs of every request, an .npz keyed by pipeline input name (default: random values of the declared shapes).",
+)
+@TARGET
+@QUEUE_DEPTH
+@click.option(
+    "--standalone-runs",
+    "standalone_runs",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    metavar="R",
+    help="Runs of each stage alone for its standalone time, median taken (0 skips them: no ideal throughput).",
+)
+@TRACE
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else.")
+@click.pass_context
+def bench(
+    ctx: click.Context,
+    bundle: Path,
+    requests: int,
+    warmup: int,
+    dims: Sequence[tuple[str, int]],
+    input_file: Path | None,
+    target: str | None,
+    queue_depth: int,
+    standalone_runs: int,
+    trace: Path | None,
+    as_json: bool,
+) -> None:
+    """Stream N identical requests through BUNDLE and put its numbers next to what its stages do alone.
+
+    After W warm-up requests, N requests are timed: throughput, and latency (submission to result)
+    mean, p50 and p99. Then each stage runs alone, on its own session with the same settings and
+    pinning, fed the tensors it gets in the pipeline: its standalone time (median of R runs). The
+    slowest stage bounds the pipeline: ideal throughput = min over stages of replicas / standalone
+    time, and efficiency = throughput / ideal. Per stage: standalone time, mean time of a run
+    inside the pipeline, and utilization (share of the time its workers were busy); the most
+    utilized stage is the bottleneck.
+
+    \b
+    Examples:
+      onnxpipe bench model.onnxpipe
+      onnxpipe bench model.onnxpipe --requests 1000 --dim batch=8 --queue-depth 4
+      onnxpipe bench model.onnxpipe --inputs image.npz --trace bench.json --json
+      onnxpipe bench gpu-bundle/ --target cpu --standalone-runs 0
+    """
+    if input_file is not None and dims:
+        raise click.UsageError("--dim: only used for random inputs; the --inputs file fixes the shapes")
+    from onnxpipe._errors import InputError
+    from onnxpipe.runtime import benchmark, check_inputs, load
+
+    quiet_onnxruntime()
+    inputs = read_npz(input_file, "inputs file") if input_file is not None else None
+    with load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None) as pipe:
+        if inputs is not None:
+            try:
+                inputs = check_inputs(pipe.spec.inputs, inputs)
             except InputError as e:
-                raise UserError(f"inputs file '{file}': {e}") from e
-        stages = len(pipe.spec.stages)
-    for path, values in zip(destinations, results, strict=True):
-        write_npz(path, values)
-    _render.run_summary(zip(input_files, destinations, results, strict=True), stages)
+                raise UserError(f"inputs file '{input_file}': {e}") from e
+        with progress(requests, "requests", as_json, then="timing each stage alone") as advance:
+            report = benchmark(pipe, requests, warmup=warmup, inputs=inputs, dims=dict(dims), standalone_runs=standalone_runs, progress=advance)
+        _save_trace(pipe, trace)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    from onnxpipe.cli import _render
+
+    _render.bench_report(report, warmup, [*report.notes, *_bench_notes(report, standalone_runs)], trace)
+
+
+_SLOWDOWN = 1.5  # a stage this many times slower in the pipeline than alone gets a note
+_TINY_MS = 1.0  # below this a stage's time is mostly the pipeline's own per-request cost
+
+
+def _bench_notes(report: BenchReport, standalone_runs: int) -> list[str]:
+    """What the numbers suggest: stages slowed down by sharing cores, or stages too small to judge."""
+    if not standalone_runs:
+        return ["stages were not timed alone (--standalone-runs 0): no ideal throughput or efficiency"]
+    if max(s.standalone_ms for s in report.stages) < _TINY_MS:
+        return [f"every stage runs in under {_TINY_MS:g} ms alone: the pipeline's own per-request cost dominates, so efficiency says little"]
+    return [
+        f"stage '{s.stage}' takes {s.pipeline_mean_ms / s.standalone_ms:.1f}x as long in the pipeline as alone: it may share cores "
+        "with other stages (pin stages apart: onnxpipe build --stage N:affinity=...)"
+        for s in report.stages
+        if s.standalone_ms >= _TINY_MS and s.pipeline_mean_ms > _SLOWDOWN * s.standalone_ms
+    ]

@@ -1,7 +1,7 @@
 """The click group, and the commands that work on models and split folders (split, inspect, verify).
 
-``build``, ``export`` and ``run`` live in ``_deploy``; every command parses options, calls one
-library function and prints.
+``build``, ``export``, ``run`` and ``bench`` live in ``_deploy``; every command parses options,
+calls one library function and prints.
 
 Note: exit codes.
     0 on success; 1 for a user error (any :class:`~onnxpipe.OnnxpipeError`, printed as one line
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from onnxpipe import __version__
-from onnxpipe.cli._common import DIM, Group, UserError, bundle_size, given, quiet_onnxruntime
-from onnxpipe.cli._deploy import build, export, run
+from onnxpipe.cli._common import DIM, TARGET, Group, UserError, bundle_size, given, quiet_onnxruntime
+from onnxpipe.cli._deploy import bench, build, export, run
 
 if TYPE_CHECKING:
     from onnxpipe.runtime import Bundle, ReferenceCheck
@@ -65,13 +65,15 @@ def main() -> None:
     On the deployment host:
       onnxpipe inspect model.onnxpipe                    # stages, settings, files checked
       onnxpipe verify model.onnxpipe                     # its stored reference still holds?
-      onnxpipe run model.onnxpipe --inputs in.npz --outputs out.npz
+      onnxpipe bench model.onnxpipe                      # throughput, latency, the bottleneck stage
+      onnxpipe run model.onnxpipe --inputs in/ --outputs out/
     """
 
 
 main.add_command(build)
 main.add_command(export)
 main.add_command(run)
+main.add_command(bench)
 
 
 @main.command(short_help="Split a model into stages at the cuts given.")
@@ -226,9 +228,7 @@ def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int)
 @click.option("--rtol", default=1e-4, show_default=True, type=click.FloatRange(min=0), help="Relative tolerance.")
 @click.option("--atol", default=1e-5, show_default=True, type=click.FloatRange(min=0), help="Absolute tolerance.")
 @click.option("--no-boundaries", is_flag=True, help="Compare the pipeline outputs only, not the tensors crossing stage boundaries (with --model).")
-@click.option(
-    "--target", "target", metavar="TARGET", help="Run every stage on this target instead of its own, e.g. cpu for a bundle built for a GPU this host lacks."
-)
+@TARGET
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else (infinite errors as null).")
 @click.pass_context
 def verify(

@@ -7,25 +7,32 @@ Every name from a model is printed as :class:`rich.text.Text`, never as markup: 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
 from onnxpipe.builder import BuildResult
 from onnxpipe.cli._stageopts import format_cores
-from onnxpipe.runtime import PROVIDER_ALIASES, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, TensorSpec
+from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, TensorSpec
 from onnxpipe.splitter import ModelSummary, SplitPlan, VerifyReport
 
+if TYPE_CHECKING:
+    from onnxpipe.runtime._stats import PipelineStats  # not exported by onnxpipe.runtime (yet)
+
 __all__ = [
+    "bench_report",
     "build_result",
     "bundle_summary",
     "exported",
     "human_bytes",
     "model_summary",
+    "progress_bar",
     "reference_checks",
     "run_summary",
     "split_plan",
@@ -193,23 +200,68 @@ def exported(path: Path, kind: str, nbytes: int, files: int, samples: int, sourc
     _line(console, f"wrote {path}: {kind}, {human_bytes(nbytes)}, {files} files; {reference}")
     quoted = shlex.quote(str(path))
     _line(console, f"run it:   onnxpipe run {quoted} --inputs INPUTS.npz --outputs OUTPUTS.npz")
+    _line(console, f"time it:  onnxpipe bench {quoted}")
     if samples:
         _line(console, f"check it: onnxpipe verify {quoted}")
 
 
-def run_summary(runs: Iterable[tuple[Path, Path, Mapping[str, Any]]], stages: int) -> None:
-    """One row per input file: where its outputs went, and what they are."""
+def run_summary(stats: PipelineStats, stages: int, outputs: Mapping[str, Any], written: str, trace: Path | None) -> None:
+    """The run's numbers, what one request gives, and where the files went."""
     console = _console()
-    table = Table(title=f"ran through {stages} stage(s)")
-    for column in ("inputs", "outputs", "tensors"):
-        table.add_column(column)
-    count = 0
-    for inputs, outputs, values in runs:
-        tensors = ", ".join(f"{name}: {getattr(v, 'dtype', '?')}{list(getattr(v, 'shape', ()))}" for name, v in values.items())
-        table.add_row(Text(str(inputs)), Text(str(outputs)), Text(tensors))
-        count += 1
+    _line(
+        console,
+        f"ran {stats.completed} request(s) through {stages} stage(s): {stats.throughput:.1f} req/s, "
+        f"latency p50 {stats.latency_p50_ms:.2f} ms, p99 {stats.latency_p99_ms:.2f} ms; bottleneck: stage '{stats.bottleneck}'",
+    )
+    tensors = ", ".join(f"{name}: {getattr(v, 'dtype', '?')}{list(getattr(v, 'shape', ()))}" for name, v in outputs.items())
+    _line(console, f"outputs{' (first request)' if stats.completed > 1 else ''}: {tensors}")
+    _line(console, f"wrote {written}")
+    _timeline(console, trace)
+
+
+def bench_report(report: BenchReport, warmup: int, notes: Iterable[str], trace: Path | None) -> None:
+    """Throughput and latency against the ideal, then one row per stage: alone and in the pipeline."""
+    console = _console()
+    measured = report.ideal_throughput > 0
+    _line(console, f"{report.requests} request(s) in {report.seconds:.2f} s after {warmup} warm-up request(s)")
+    ideal = f" (ideal {report.ideal_throughput:.1f} req/s: efficiency {report.efficiency:.0%})" if measured else ""
+    _line(console, f"throughput: {report.throughput:.1f} req/s{ideal}")
+    _line(console, f"latency:    mean {report.latency_mean_ms:.2f} ms, p50 {report.latency_p50_ms:.2f} ms, p99 {report.latency_p99_ms:.2f} ms")
+    table = Table(title="stages")
+    for column in ("stage", "replicas", "alone ms", "in pipeline ms", "utilization", ""):
+        table.add_column(column, justify="left" if column in ("stage", "") else "right")
+    for s in report.stages:
+        mark = Text("bottleneck", style="bold yellow") if s.stage == report.bottleneck else Text("")
+        table.add_row(Text(s.stage), str(s.replicas), _ms(s.standalone_ms) if measured else "-", _ms(s.pipeline_mean_ms), f"{s.utilization:.0%}", mark)
     console.print(table)
-    _line(console, f"wrote {count} output file(s)")
+    _notes(console, notes)
+    _timeline(console, trace)
+
+
+def _timeline(console: Console, trace: Path | None) -> None:
+    if trace is not None:
+        _line(console, f"wrote timeline {trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def _ms(value: float) -> str:
+    """Milliseconds with two decimals, or three significant digits below 0.1 ms."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.3g}"
+
+
+@contextmanager
+def progress_bar(total: int, label: str, then: str | None = None) -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar on stderr; yields the ``(done, total)`` callback that moves it.
+
+    ``then`` replaces the label once every step is done, for work that follows them.
+    """
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+
+        def advance(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, description=then if then and done >= total else label)
+
+        yield advance
 
 
 def reference_checks(rows: list[ReferenceCheck], rtol: float, atol: float) -> None:

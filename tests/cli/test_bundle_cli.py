@@ -192,12 +192,12 @@ def test_export_without_reference_then_verify_asks_for_the_model(built: tuple[Pa
 
 
 def test_run_writes_one_output_file_per_inputs_file(archive: tuple[Path, Result], requests: list[Path], tmp_path: Path) -> None:
-    out = tmp_path / "out" / "scores.npz"
-    result = ok("run", archive[0], "--inputs", requests[0], "--inputs", requests[1], "--outputs", out)
-    assert sorted(p.name for p in out.parent.iterdir()) == ["scores-1.npz", "scores.npz"]
-    assert "scores-1.npz" in result.stdout and f"{OUTPUT}: float32[1, 1000, 1, 1]" in result.stdout
-    for inputs, outputs in zip(requests, [out, out.parent / "scores-1.npz"], strict=True):
-        with np.load(inputs) as x, np.load(outputs) as y:
+    out = tmp_path / "out"
+    result = ok("run", archive[0], "--inputs", requests[1], "--inputs", requests[0], "--outputs", out)
+    assert sorted(p.name for p in out.iterdir()) == ["a.npz", "b.npz"]
+    assert f"wrote 2 output file(s) in {out}" in result.stdout and f"{OUTPUT}: float32[1, 1000, 1, 1]" in result.stdout
+    for inputs in requests:
+        with np.load(inputs) as x, np.load(out / inputs.name) as y:
             assert list(y.files) == [OUTPUT]
             np.testing.assert_allclose(y[OUTPUT], whole_model({INPUT: x[INPUT]}), rtol=1e-4, atol=1e-6)
 
@@ -215,8 +215,8 @@ def test_run_refuses_bad_inputs_in_one_line_and_writes_nothing(
 ) -> None:
     bad = tmp_path / "bad.npz"
     np.savez(bad, **arrays)
-    assert_user_error(run("run", archive[0], "--inputs", requests[0], "--inputs", bad, "--outputs", tmp_path / "y.npz"), f"inputs file '{bad}'", fragment)
-    assert not (tmp_path / "y.npz").exists()
+    assert_user_error(run("run", archive[0], "--inputs", requests[0], "--inputs", bad, "--outputs", tmp_path / "y"), f"inputs file '{bad}'", fragment)
+    assert not (tmp_path / "y").exists()
 
 
 def test_run_input_file_problems(archive: tuple[Path, Result], requests: list[Path], tmp_path: Path) -> None:
@@ -394,7 +394,7 @@ def test_deployment_host_session_in_a_subprocess(archive: tuple[Path, Result], r
     done = subprocess.run([sys.executable, "-c", code, *commands], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # onnxruntime's own warnings stay quiet
-    assert "all 8 files match their sha256" in done.stdout and "ok: all 2 output(s)" in done.stdout and "wrote 1 output file(s)" in done.stdout
+    assert "all 8 files match their sha256" in done.stdout and "ok: all 2 output(s)" in done.stdout and f"wrote {out}" in done.stdout
     with np.load(requests[1]) as x, np.load(out) as y:
         np.testing.assert_allclose(y[OUTPUT], whole_model({INPUT: x[INPUT]}), rtol=1e-4, atol=1e-6)
     failed = subprocess.run(
