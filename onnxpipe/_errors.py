@@ -43,7 +43,17 @@ class BundleError(OnnxpipeError):
 
 
 class StageError(OnnxpipeError):
-    """A stage failed while running a request."""
+    """A stage failed while running a request (or the pipeline closed before it finished).
+
+    Attributes:
+        stage: The stage that failed, when one did.
+        request: The request's number, when the error belongs to one request.
+    """
+
+    def __init__(self, message: str, *, stage: str | None = None, request: int | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.request = request
 
 
 class InputError(OnnxpipeError):

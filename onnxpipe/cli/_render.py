@@ -23,7 +23,7 @@ from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, Re
 from onnxpipe.splitter import ModelSummary, SplitPlan, VerifyReport
 
 if TYPE_CHECKING:
-    from onnxpipe.runtime._stats import PipelineStats  # not exported by onnxpipe.runtime (yet)
+    from onnxpipe.runtime import PipelineStats
 
 __all__ = [
     "bench_report",
@@ -222,7 +222,7 @@ def run_summary(stats: PipelineStats, stages: int, outputs: Mapping[str, Any], w
 def bench_report(report: BenchReport, warmup: int, notes: Iterable[str], trace: Path | None) -> None:
     """Throughput and latency against the ideal, then one row per stage: alone and in the pipeline."""
     console = _console()
-    measured = report.ideal_throughput > 0
+    measured = report.ideal_throughput is not None and report.efficiency is not None
     _line(console, f"{report.requests} request(s) in {report.seconds:.2f} s after {warmup} warm-up request(s)")
     ideal = f" (ideal {report.ideal_throughput:.1f} req/s: efficiency {report.efficiency:.0%})" if measured else ""
     _line(console, f"throughput: {report.throughput:.1f} req/s{ideal}")

@@ -8,6 +8,7 @@ from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
 from onnxpipe.runtime._spec import SPEC_VERSION, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, TensorSpec
+from onnxpipe.runtime._stats import PipelineStats, StageStats
 
 __all__ = [
     "ARCHIVE_SUFFIX",
@@ -24,11 +25,13 @@ __all__ = [
     "ParamGroup",
     "Pipeline",
     "PipelineSpec",
+    "PipelineStats",
     "ReferenceCheck",
     "SequentialPipeline",
     "StageBench",
     "StageSettings",
     "StageSpec",
+    "StageStats",
     "TensorSpec",
     "benchmark",
     "check_inputs",

@@ -50,8 +50,9 @@ class BenchReport:
         seconds: Wall time of those requests.
         throughput: Requests per second.
         latency_mean_ms, latency_p50_ms, latency_p99_ms: Submission-to-result times.
-        ideal_throughput: What the slowest stage allows (``replicas / standalone time``).
-        efficiency: ``throughput / ideal_throughput``.
+        ideal_throughput: What the slowest stage allows (``replicas / standalone time``); ``None``
+            when standalone times were not measured.
+        efficiency: ``throughput / ideal_throughput``, or ``None``.
         bottleneck: The stage with the highest utilization in the pipeline.
         stages: Per-stage numbers, in pipeline order.
         notes: Things to know (defaulted dims, ...).
@@ -63,8 +64,8 @@ class BenchReport:
     latency_mean_ms: float
     latency_p50_ms: float
     latency_p99_ms: float
-    ideal_throughput: float
-    efficiency: float
+    ideal_throughput: float | None
+    efficiency: float | None
     bottleneck: str
     stages: tuple[StageBench, ...]
     notes: tuple[str, ...] = ()
@@ -145,7 +146,7 @@ def benchmark(
     stats: PipelineStats = pipe.stats()
     standalone = _standalone_ms(pipe, inputs, standalone_runs, target) if standalone_runs else [0.0] * len(stats.stages)
     bounds = [s.replicas / (ms / 1e3) for s, ms in zip(stats.stages, standalone, strict=True) if ms > 0]
-    ideal = min(bounds) if bounds else 0.0
+    ideal = min(bounds) if bounds else None
     throughput = requests / seconds if seconds > 0 else 0.0
     return BenchReport(
         requests=requests,
@@ -155,7 +156,7 @@ def benchmark(
         latency_p50_ms=stats.latency_p50_ms,
         latency_p99_ms=stats.latency_p99_ms,
         ideal_throughput=ideal,
-        efficiency=throughput / ideal if ideal else 0.0,
+        efficiency=throughput / ideal if ideal else None,
         bottleneck=stats.bottleneck,
         stages=tuple(
             StageBench(s.stage, s.replicas, ms, s.mean_ms, s.utilization) for s, ms in zip(stats.stages, standalone, strict=True)

@@ -123,9 +123,9 @@ class ThreadEngine:
                     runner(request)
                 except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
                     if self._closing:
-                        request.error = StageError(f"the pipeline was closed before request {request.id} finished")
+                        request.error = StageError(f"the pipeline was closed before request {request.id} finished", request=request.id)
                     else:
-                        request.error = StageError(f"stage '{runner.name}' failed on request {request.id}: {e}")
+                        request.error = StageError(f"stage '{runner.name}' failed on request {request.id}: {e}", stage=runner.name, request=request.id)
                 recorder.record(request.id, start, time.perf_counter(), request.error is None)
             try:
                 if outbox is None:

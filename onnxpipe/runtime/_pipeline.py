@@ -242,7 +242,7 @@ class Pipeline:
         try:
             self._engine.submit(request)
         except Closed:
-            self._fail(request, StageError(f"the pipeline was closed before request {request.id} started"))
+            self._fail(request, StageError(f"the pipeline was closed before request {request.id} started", request=request.id))
         return request.id, future
 
     def _finish(self, request: Request) -> None:
@@ -343,12 +343,12 @@ class Pipeline:
             self._closed = True
         self._finalizer.detach()
         for request in self._engine.close():
-            self._fail(request, StageError(f"the pipeline was closed before request {request.id} finished"))
+            self._fail(request, StageError(f"the pipeline was closed before request {request.id} finished", request=request.id))
         with self._lock:
             stranded = list(self._futures.items())
         for rid, future in stranded:
             if not future.done():
-                future.set_exception(StageError(f"the pipeline was closed before request {rid} finished"))
+                future.set_exception(StageError(f"the pipeline was closed before request {rid} finished", request=rid))
         self.bundle.close()
 
     def __enter__(self) -> Pipeline:
