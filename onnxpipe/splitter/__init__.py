@@ -1,22 +1,33 @@
 """The splitter: cut an ONNX model into stage models and the wiring between them."""
 
+from onnxpipe.splitter._auto import POLICIES, AutoSplit, MeasuredPolicy, ParamsPolicy, SplitPolicy, UniformPolicy, make_policy
+from onnxpipe.splitter._cost import CostProfile, profile_model
 from onnxpipe.splitter._cuts import NodeCut, OpCut, TensorCut
 from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
 from onnxpipe.splitter._plan import SplitPlan, SplitStage, load_model, split
 from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
 __all__ = [
+    "POLICIES",
+    "AutoSplit",
     "Comparison",
+    "CostProfile",
     "CutCandidate",
+    "MeasuredPolicy",
     "ModelSummary",
     "NodeCut",
     "OpCut",
+    "ParamsPolicy",
     "SplitPlan",
+    "SplitPolicy",
     "SplitStage",
     "TensorCut",
+    "UniformPolicy",
     "VerifyReport",
     "inspect_model",
     "load_model",
+    "make_policy",
+    "profile_model",
     "split",
     "verify",
 ]

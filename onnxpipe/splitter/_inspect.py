@@ -30,6 +30,7 @@ from onnxpipe.builder import tensor_nbytes, tensor_spec
 from onnxpipe.runtime import TensorSpec
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex
+from onnxpipe.splitter._live import Sizer, live_sweep
 from onnxpipe.splitter._plan import load_model
 
 __all__ = ["CutCandidate", "ModelSummary", "inspect_model"]
@@ -136,7 +137,7 @@ def inspect_model(
     notes = [problem] if problem else []
     dims = dict(dims or {})
     _check_dims(dims, types)
-    sizer = _Sizer(types, dims)
+    sizer = Sizer(types, dims)
     compute = index.compute_nodes()
     read = {x for i in compute for x in index.node_inputs[i] if index.is_weight_tensor(x)}
     read.update(o for o in index.outputs if index.is_weight_tensor(o))
@@ -180,85 +181,22 @@ def _check_dims(dims: Mapping[str, int], types: dict[str, ValueInfoProto]) -> No
             raise InputError(f"dim '{name}' must be an integer >= 1, got {size!r}")
 
 
-class _Sizer:
-    """Bytes of tensors by name; remembers which dims it had to guess."""
-
-    def __init__(self, types: dict[str, ValueInfoProto], dims: dict[str, int]) -> None:
-        self.types, self.dims = types, dims
-        self.defaulted: set[str] = set()
-        self.unknown_dims = False
-        self.unsized: list[str] = []
-
-    def spec(self, name: str) -> TensorSpec | None:
-        """The tensor's spec, or ``None`` when it is no typed tensor (it cannot cross a boundary)."""
-        v = self.types.get(name)
-        if v is None:
-            return None
-        try:
-            return tensor_spec(v)
-        except (ConfigError, ValueError):
-            return None
-
-    def size(self, name: str) -> int | None:
-        spec = self.spec(name)
-        if spec is None:
-            return None
-        if spec.shape is None:
-            self.unsized.append(name)
-            return 0
-        for d in spec.shape:
-            if isinstance(d, str) and d not in self.dims:
-                self.defaulted.add(d)
-            elif d is None:
-                self.unknown_dims = True
-        return spec.nbytes(self.dims, default=1)
-
-    def notes(self) -> list[str]:
-        out = []
-        if self.defaulted:
-            out.append(f"symbolic dim(s) {', '.join(sorted(self.defaulted))} counted as 1; give sizes with dims / --dim NAME=VALUE")
-        if self.unknown_dims:
-            out.append("some tensors have dims shape inference could not tell; counted as 1")
-        if self.unsized:
-            out.append(f"{len(self.unsized)} tensor(s) of unknown rank counted as 0 bytes, e.g. '{self.unsized[0]}'")
-        return out
-
-
-def _candidates(index: GraphIndex, compute: list[int], sizer: _Sizer, top: int) -> list[CutCandidate]:
+def _candidates(index: GraphIndex, compute: list[int], sizer: Sizer, top: int) -> list[CutCandidate]:
     """The ``top`` positions with the least crossing bytes, spread out (see Note: cut candidates)."""
     n = len(compute)
     if n < 2 or top == 0:
         return []
-    pos = {node: p for p, node in enumerate(compute)}
-    # live[t] = (made at, last read at) for each tensor a later compute node reads.
-    live: dict[str, tuple[int, int]] = {}
-    for j, node in enumerate(compute):
-        for name in index.node_inputs[node]:
-            p = index.producer.get(name)
-            if p is not None and p in pos and pos[p] < j:
-                live[name] = (pos[p], j)
-    diff = [0] * (n + 1)
-    blocked = [0] * (n + 1)
-    for name, (i, j) in live.items():
-        size = sizer.size(name)
-        target = blocked if size is None else diff
-        target[i + 1] += 1 if size is None else size
-        target[j + 1] -= 1 if size is None else size
-    crossing = [0] * (n + 1)
-    open_blocks = [0] * (n + 1)
-    for p in range(1, n + 1):
-        crossing[p] = crossing[p - 1] + diff[p]
-        open_blocks[p] = open_blocks[p - 1] + blocked[p]
+    sweep = live_sweep(index, compute, sizer)
     edge = max(1, round(_EDGE * n))
-    positions = [p for p in range(edge, n - edge + 1) if 0 < p < n and not open_blocks[p]]
+    positions = [p for p in range(edge, n - edge + 1) if 0 < p < n and not sweep.blocked[p]]
     spacing = max(1, n // (2 * top))
     chosen: list[int] = []
-    for p in sorted(positions, key=lambda p: (crossing[p], p)):
+    for p in sorted(positions, key=lambda p: (sweep.crossing[p], p)):
         if all(abs(p - q) >= spacing for q in chosen):
             chosen.append(p)
             if len(chosen) == top:
                 break
-    return [_candidate(p, n, crossing[p], live, index, compute) for p in sorted(chosen)]
+    return [_candidate(p, n, sweep.crossing[p], sweep.live, index, compute) for p in sorted(chosen)]
 
 
 def _candidate(p: int, n: int, nbytes: int, live: dict[str, tuple[int, int]], index: GraphIndex, compute: list[int]) -> CutCandidate:

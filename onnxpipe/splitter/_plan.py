@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -20,6 +21,9 @@ from onnxpipe.runtime import PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types
 from onnxpipe.splitter._graph import GraphIndex
+
+if TYPE_CHECKING:
+    from onnxpipe.splitter._auto import AutoSplit, SplitPolicy
 
 __all__ = ["SplitPlan", "SplitStage", "load_model", "split"]
 
@@ -40,6 +44,7 @@ class SplitStage:
         outputs: Boundary outputs (tensors for later stages and pipeline outputs).
         bytes_in: Bytes received from earlier stages per request (``None`` if a dim is unknown).
         bytes_out: Bytes handed to later stages per request (pipeline outputs not counted).
+        predicted_seconds: The automatic policy's predicted time of the stage, if it predicts times.
     """
 
     index: int
@@ -52,6 +57,7 @@ class SplitStage:
     outputs: tuple[TensorSpec, ...]
     bytes_in: int | None
     bytes_out: int | None
+    predicted_seconds: float | None = None
 
 
 @dataclass
@@ -64,6 +70,7 @@ class SplitPlan:
         dropped: Labels of dead nodes (they contribute to no output) left out of every stage.
         notes: Things the user should know (IR upgrades, shape inference trouble, ...).
         source_dir: Folder the stage models' external-data references are relative to.
+        auto: What the automatic policy decided, for a split made with one.
     """
 
     stages: list[SplitStage]
@@ -71,6 +78,7 @@ class SplitPlan:
     dropped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     source_dir: Path | None = None
+    auto: AutoSplit | None = None
 
     @property
     def spec(self) -> PipelineSpec:
@@ -145,6 +153,7 @@ def split(
     cuts: Sequence[object] | None = None,
     *,
     assignment: Mapping[str, int] | None = None,
+    policy: SplitPolicy | None = None,
     source_dir: str | os.PathLike[str] | None = None,
     check: bool = True,
 ) -> SplitPlan:
@@ -158,6 +167,8 @@ def split(
         cuts: Cut points in pipeline order: tensor names, node names, lists of tensor names,
             ``(op_type, index)`` pairs, or :class:`TensorCut` / :class:`NodeCut` / :class:`OpCut`.
         assignment: Instead of cuts: stage index per node name.
+        policy: Instead of cuts: an automatic policy (:class:`MeasuredPolicy`, :class:`UniformPolicy`,
+            :class:`ParamsPolicy`, or any object with ``name`` and ``assign``).
         source_dir: For an in-memory model with external data: the folder its data files are in.
         check: Run ``onnx.checker`` on every stage model.
 
@@ -167,17 +178,25 @@ def split(
     Raises:
         SplitError: the cuts or the assignment are invalid; the message says which and why.
     """
-    if (cuts is None) == (assignment is None):
-        raise SplitError("give either cuts or an assignment, not both" if cuts is not None else "give cuts or an assignment")
+    given = [name for name, value in (("cuts", cuts), ("assignment", assignment), ("policy", policy)) if value is not None]
+    if len(given) != 1:
+        raise SplitError(f"give one of cuts, assignment or policy, not {' and '.join(given)}" if given else "give cuts, an assignment or a policy")
     proto, folder = load_model(model)
     folder = Path(source_dir) if source_dir is not None else folder
     index = GraphIndex(proto)
-    if cuts is not None and isinstance(cuts, (str, bytes)):
-        cuts = [cuts]
-    stage_of = assign_by_cuts(index, list(cuts)) if cuts is not None else assign_explicit(index, assignment or {})
-    boundary = compute_boundary(index, stage_of)
     types, problem = infer_types(proto)
+    auto = None
+    if policy is not None:
+        auto = policy.assign(index, types, None if isinstance(model, ModelProto) else str(model))
+        stage_of = auto.assignment
+    elif cuts is not None:
+        stage_of = assign_by_cuts(index, [cuts] if isinstance(cuts, (str, bytes)) else list(cuts))
+    else:
+        stage_of = assign_explicit(index, assignment or {})
+    boundary = compute_boundary(index, stage_of)
     notes = [problem] if problem else []
+    if auto is not None:
+        notes.extend(auto.notes)
     ir_version = proto.ir_version
     has_external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
     if ir_version < 4 and (has_external or weights_bytes(proto) >= PROTOBUF_LIMIT):
@@ -218,12 +237,13 @@ def split(
                 outputs=stage.outputs,
                 bytes_in=_sum_bytes(t for t in stage.inputs if boundary.sources[t.name] is not None),
                 bytes_out=_sum_bytes(t for t in stage.outputs if boundary.sources.get(t.name) == i),
+                predicted_seconds=auto.predicted_seconds[i] if auto is not None and auto.predicted_seconds else None,
             )
         )
     dropped = [index.label(i) for i in index.order if not index.live[i] and not index.is_weight[i]]
     if dropped:
         notes.append(f"{len(dropped)} dead node(s) left out (they contribute to no output): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}")
-    return SplitPlan(stages=stages, config=config, dropped=dropped, notes=notes, source_dir=folder)
+    return SplitPlan(stages=stages, config=config, dropped=dropped, notes=notes, source_dir=folder, auto=auto)
 
 
 def _sum_bytes(specs: Iterable[TensorSpec]) -> int | None:

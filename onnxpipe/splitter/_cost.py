@@ -1,0 +1,326 @@
+"""The cost model: how long each node takes on the target, and what handing a tensor over costs.
+
+Note: measuring node costs.
+    The whole model runs under onnxruntime's profiler with the settings its stages will use
+    (provider, threads, optimization level), several warm runs, and each node's kernel time is the
+    median over runs. onnxruntime fuses and rewrites nodes, so profiled kernels are mapped back to
+    the original nodes: by node name, else by the tensor the kernel produces (a fused Conv+Relu is
+    named after its output, e.g. ``r1_nchwc``, and charged to the node producing ``r1``), else to
+    the kernel that ran just before it (layout reorders sit next to the convolution they serve).
+    Kernel times are then scaled so they add up to the measured (unprofiled) run time, which
+    spreads the framework's per-run overhead over the nodes. Nodes folded away (weights) cost 0.
+
+    When the target's provider is not on this host, costs come from an analytic model instead
+    (multiply-adds for Conv / Gemm / MatMul, bytes moved for everything else), marked
+    ``source="analytic"``: good for balancing, not for predicting seconds.
+
+    Handing a tensor from one stage to the next costs a fixed per-hop time (the runtime's queue and
+    wake-up) plus its bytes times a per-byte cost (the consumer reading data another core wrote),
+    both measured on this host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import ModelProto
+
+from onnxpipe.builder import tensor_spec
+from onnxpipe.runtime import StageSettings, random_inputs
+from onnxpipe.splitter._extract import infer_types
+from onnxpipe.splitter._graph import GraphIndex
+
+__all__ = ["CostProfile", "profile_model"]
+
+PROFILE_VERSION = 1
+_SUFFIXES = re.compile(r"(_nchwc|_fused.*|_token_\d+|_output_\d+|_\d+)$")
+_HOP_SECONDS = 25e-6  # queue hand-over and wake-up, measured with identity stages (benchmarks/pipeline_efficiency.py)
+_ANALYTIC_FLOPS = 2e10  # nominal multiply-add rate for the analytic fallback; only ratios matter there
+
+
+@dataclass
+class CostProfile:
+    """Per-node costs of one model under one set of settings.
+
+    Attributes:
+        model_sha256: Hash of the model file (or serialized model) the costs belong to.
+        settings: The settings profiled with (provider, threads, optimization).
+        source: ``measured`` (onnxruntime profiler) or ``analytic`` (FLOPs and bytes).
+        node_seconds: Cost of each node, by its index in ``model.graph.node``.
+        total_seconds: One whole-model run (median), unprofiled.
+        hop_seconds: Fixed cost of one hand-over between stages.
+        byte_seconds: Cost per byte handed over.
+        runs: Profiled runs the medians come from.
+        unmatched: Profiled kernels that matched no node by name and were charged to their neighbour.
+    """
+
+    model_sha256: str
+    settings: dict[str, Any]
+    source: str
+    node_seconds: dict[int, float]
+    total_seconds: float
+    hop_seconds: float
+    byte_seconds: float
+    runs: int
+    unmatched: list[str] = field(default_factory=list)
+
+    def crossing_seconds(self, nbytes: int) -> float:
+        """Time to hand ``nbytes`` over to the next stage."""
+        return self.hop_seconds + nbytes * self.byte_seconds
+
+    def to_json(self) -> str:
+        """JSON text (node indices as strings)."""
+        data = asdict(self)
+        data["node_seconds"] = {str(k): v for k, v in self.node_seconds.items()}
+        return json.dumps({"version": PROFILE_VERSION, **data}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostProfile:
+        """Read :meth:`to_json` output."""
+        data = json.loads(text)
+        if data.pop("version", None) != PROFILE_VERSION:
+            raise ValueError("profile cache of another version")
+        data["node_seconds"] = {int(k): float(v) for k, v in data["node_seconds"].items()}
+        return cls(**data)
+
+
+def _model_bytes(model: ModelProto) -> bytes:
+    return model.SerializeToString()
+
+
+def _cache_key(digest: str, settings: StageSettings, runs: int, dims: Mapping[str, int]) -> str:
+    wanted = {"provider": settings.provider, "threads": settings.intra_op_threads, "opt": settings.optimization, "runs": runs, "dims": dict(dims)}
+    return hashlib.sha256((digest + json.dumps(wanted, sort_keys=True)).encode()).hexdigest()[:16]
+
+
+def _cache_path(model_path: Path | None, key: str, cache_dir: Path | None) -> Path:
+    if cache_dir is not None:
+        return cache_dir / f"{key}.profile.json"
+    if model_path is not None and os.access(model_path.parent, os.W_OK):
+        return model_path.parent / f"{model_path.name}.{key}.profile.json"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "onnxpipe" / f"{key}.profile.json"
+
+
+def profile_model(
+    model: ModelProto | str | os.PathLike[str],
+    settings: StageSettings | None = None,
+    *,
+    runs: int = 5,
+    dims: Mapping[str, int] | None = None,
+    cache: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> CostProfile:
+    """Measure (or recall) the cost of every node of ``model``.
+
+    The profile is cached next to the model (``<model>.onnx.<key>.profile.json``; in the user's
+    cache folder when the model's folder is not writable), keyed by the model's hash and the
+    settings, so planning again is instant.
+
+    Args:
+        model: The model (path or ModelProto).
+        settings: The settings stages will run with (default: CPU, 1 thread).
+        runs: Profiled runs; node costs are medians over them.
+        dims: Sizes of symbolic input dims for the profiling inputs.
+        cache: Read and write the cache.
+        cache_dir: Where the cache lives instead of next to the model.
+
+    Returns:
+        The :class:`CostProfile`.
+    """
+    settings = settings or StageSettings()
+    path = None if isinstance(model, ModelProto) else Path(model)
+    proto = model if isinstance(model, ModelProto) else onnx.load(path, load_external_data=False)  # type: ignore[arg-type]
+    digest = hashlib.sha256(path.read_bytes() if path is not None else _model_bytes(proto)).hexdigest()
+    key = _cache_key(digest, settings, runs, dims or {})
+    file = _cache_path(path, key, Path(cache_dir) if cache_dir else None)
+    if cache and file.is_file():
+        try:
+            return CostProfile.from_json(file.read_text())
+        except (ValueError, KeyError, TypeError):
+            pass  # a stale or foreign cache file: measure again
+    index = GraphIndex(proto)
+    if settings.provider in ort.get_available_providers():
+        profile = _measure(proto, path, index, settings, runs, dims or {}, digest)
+    else:
+        profile = _analytic(proto, index, settings, digest)
+    if cache:
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(profile.to_json())
+        except OSError:
+            pass  # caching is a convenience
+    return profile
+
+
+def _session_source(proto: ModelProto, path: Path | None, tmp: Path) -> str | bytes:
+    if path is not None:
+        return str(path)
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+        raise ValueError("an in-memory model with external data cannot be profiled; pass its path")
+    return proto.SerializeToString()
+
+
+def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: StageSettings, runs: int, dims: Mapping[str, int], digest: str) -> CostProfile:
+    types, _ = infer_types(proto)
+    feeds, _ = random_inputs([tensor_spec(types[name]) for name in index.inputs], dims)
+    with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
+        source = _session_source(proto, path, Path(tmp))
+        plain = ort.InferenceSession(source, sess_options=settings.replace(affinity=None).session_options(), providers=settings.providers())
+        for _ in range(2):
+            plain.run(None, feeds)
+        samples = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            plain.run(None, feeds)
+            samples.append(time.perf_counter() - start)
+        total = statistics.median(samples)
+        opts = settings.replace(affinity=None).session_options()
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(Path(tmp) / "profile")
+        profiled = ort.InferenceSession(source, sess_options=opts, providers=settings.providers())
+        for _ in range(runs + 1):
+            profiled.run(None, feeds)
+        events = json.loads(Path(profiled.end_profiling()).read_text())
+    node_seconds, unmatched = _attribute(events, index, runs)
+    node_seconds = _to_chain_heads(index, node_seconds)
+    kernel_sum = sum(node_seconds.values())
+    scale = total / kernel_sum if kernel_sum > 0 else 1.0
+    return CostProfile(
+        model_sha256=digest,
+        settings={"provider": settings.provider, "intra_op_threads": settings.intra_op_threads, "optimization": settings.optimization},
+        source="measured",
+        node_seconds={i: s * scale for i, s in node_seconds.items()},
+        total_seconds=total,
+        hop_seconds=_HOP_SECONDS,
+        byte_seconds=_byte_seconds(),
+        runs=runs,
+        unmatched=sorted(unmatched),
+    )
+
+
+def _attribute(events: list[dict[str, Any]], index: GraphIndex, runs: int) -> tuple[dict[int, float], set[str]]:
+    """Median kernel seconds per original node; the first of ``runs + 1`` profiled runs is a warm-up."""
+    kernels = sorted((e for e in events if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")), key=lambda e: e["ts"])
+    if not kernels:
+        return {}, set()
+    per_run = len(kernels) // (runs + 1)
+    by_run: list[dict[int, float]] = []
+    unmatched: set[str] = set()
+    for r in range(1, runs + 1):
+        chunk = kernels[r * per_run : (r + 1) * per_run]
+        costs: dict[int, float] = {}
+        previous: int | None = None
+        for e in chunk:
+            name = e["name"][: -len("_kernel_time")]
+            node = _match(name, index)
+            if node is None:
+                unmatched.add(name)
+                node = previous
+            if node is None:
+                continue
+            costs[node] = costs.get(node, 0.0) + e["dur"] * 1e-6
+            previous = node
+        by_run.append(costs)
+    nodes = set().union(*by_run)
+    return {n: statistics.median(run.get(n, 0.0) for run in by_run) for n in nodes}, unmatched
+
+
+def _to_chain_heads(index: GraphIndex, costs: dict[int, float]) -> dict[int, float]:
+    """Charge a fused kernel to the first node of the chain it absorbed.
+
+    onnxruntime names a fused Conv+BatchNormalization+Relu kernel after the Relu's output, so the
+    Conv and the BatchNormalization show no time of their own. The work is the Conv's: if a cut
+    fell inside the chain, the Conv's side would pay for it. So the cost moves up a chain of nodes
+    that have no time of their own and feed only the next node of the chain.
+    """
+    out = dict(costs)
+    for node in sorted(costs, key=index.position.__getitem__, reverse=True):
+        head = node
+        while True:
+            feeders = {index.producer[x] for x in index.node_inputs[head] if x in index.producer and not index.is_weight_tensor(x)}
+            if len(feeders) != 1:
+                break
+            (prev,) = feeders
+            sole = all(index.consumers.get(o, []) == [head] for o in index.nodes[prev].output if o)
+            if out.get(prev, 0.0) > 0 or not sole or prev in costs:
+                break
+            head = prev
+        if head != node:
+            out[head] = out.pop(node)
+    return out
+
+
+def _match(name: str, index: GraphIndex) -> int | None:
+    candidate = name
+    for _ in range(3):
+        if candidate in index.by_name:
+            return index.by_name[candidate]
+        if candidate in index.producer:
+            return index.producer[candidate]
+        stripped = _SUFFIXES.sub("", candidate)
+        if stripped == candidate:
+            break
+        candidate = stripped
+    return None
+
+
+def _byte_seconds() -> float:
+    """Seconds per byte of reading a tensor another core wrote: a copy through memory, per byte."""
+    src = np.ones(1 << 22, np.float32)  # 16 MiB: past the caches
+    dst = np.empty_like(src)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) / src.nbytes
+
+
+def _analytic(proto: ModelProto, index: GraphIndex, settings: StageSettings, digest: str) -> CostProfile:
+    types, _ = infer_types(proto)
+    specs = {name: tensor_spec(v) for name, v in types.items() if v.type.HasField("tensor_type")}
+    costs: dict[int, float] = {}
+    for i in index.compute_nodes():
+        node = index.nodes[i]
+        out = specs.get(node.output[0]) if node.output else None
+        out_elems = (out.nbytes(default=1) or 0) // max(1, _itemsize(out)) if out else 0
+        if node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in specs:
+            w = specs[node.input[1]].shape or ()
+            per_out = int(np.prod([d for d in w[1:] if isinstance(d, int)])) if w else 1
+            flops = 2 * out_elems * per_out
+        elif node.op_type in ("Gemm", "MatMul") and node.input and node.input[0] in specs:
+            a = specs[node.input[0]].shape or ()
+            k = a[-1] if a and isinstance(a[-1], int) else 1
+            flops = 2 * out_elems * k
+        else:
+            flops = 4 * out_elems
+        costs[i] = flops / _ANALYTIC_FLOPS
+    return CostProfile(
+        model_sha256=digest,
+        settings={"provider": settings.provider, "intra_op_threads": settings.intra_op_threads, "optimization": settings.optimization},
+        source="analytic",
+        node_seconds=costs,
+        total_seconds=sum(costs.values()),
+        hop_seconds=_HOP_SECONDS,
+        byte_seconds=_byte_seconds(),
+        runs=0,
+    )
+
+
+def _itemsize(spec: Any) -> int:
+    from onnxpipe.runtime._dtypes import itemsize
+
+    return itemsize(spec.dtype)

@@ -1,0 +1,102 @@
+"""Automatic splitting: the cost model, the named policies, and auto splits of real models that
+must still equal the whole model."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import onnx
+import pytest
+
+from onnxpipe import SplitError
+from onnxpipe.runtime import StageSettings
+from onnxpipe.splitter import MeasuredPolicy, ParamsPolicy, UniformPolicy, make_policy, profile_model, split, verify
+from onnxpipe.splitter._graph import GraphIndex
+from tests import models
+
+
+@pytest.fixture(scope="module")
+def squeezenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy, so the profile cache written next to it stays in a temporary folder."""
+    folder = tmp_path_factory.mktemp("sq")
+    return Path(shutil.copy(models.light_model_path("squeezenet"), folder / "squeezenet.onnx"))
+
+
+def test_profile_is_measured_cached_and_covers_the_compute_nodes(squeezenet: Path) -> None:
+    start = time.perf_counter()
+    profile = profile_model(squeezenet, runs=3)
+    first = time.perf_counter() - start
+    assert profile.source == "measured" and profile.runs == 3
+    assert list(squeezenet.parent.glob("squeezenet.onnx.*.profile.json")), "the profile is cached next to the model"
+    index = GraphIndex(onnx.load(squeezenet))
+    compute = set(index.compute_nodes())
+    assert set(profile.node_seconds) <= compute
+    # Kernel times are scaled to the measured run time; every Conv chain is charged somewhere.
+    assert sum(profile.node_seconds.values()) == pytest.approx(profile.total_seconds, rel=1e-6)
+    convs = [i for i in compute if index.nodes[i].op_type == "Conv"]
+    assert sum(profile.node_seconds.get(i, 0.0) for i in convs) > 0.5 * profile.total_seconds
+    start = time.perf_counter()
+    again = profile_model(squeezenet, runs=3)
+    assert again == profile and time.perf_counter() - start < first / 2
+
+
+def test_absent_provider_falls_back_to_analytic_costs(squeezenet: Path, tmp_path: Path) -> None:
+    profile = profile_model(squeezenet, StageSettings(target="cuda"), cache_dir=tmp_path)
+    assert profile.source == "analytic" and profile.runs == 0
+    assert all(v >= 0 for v in profile.node_seconds.values()) and profile.total_seconds > 0
+
+
+@pytest.mark.parametrize("name", ["squeezenet", "inception_v1", "resnet50"])
+def test_measured_auto_splits_equal_the_whole_model(name: str, tmp_path: Path) -> None:
+    path = Path(shutil.copy(models.light_model_path(name), tmp_path / f"{name}.onnx"))
+    plan = split(path, policy=MeasuredPolicy(stages=3, runs=2))
+    assert len(plan.stages) == 3 and plan.auto is not None and plan.auto.policy == "measured"
+    assert all(s.predicted_seconds is not None and s.predicted_seconds > 0 for s in plan.stages)
+    report = verify(plan, path, samples=2)
+    assert report.ok, [r for r in report.rows if not r.ok]
+
+
+def test_uniform_policy_balances_node_counts() -> None:
+    plan = split(models.light_model_path("resnet50"), policy=UniformPolicy(stages=4))
+    counts = [s.nodes for s in plan.stages]
+    assert max(counts) - min(counts) <= 1, counts
+    assert plan.auto is not None and plan.auto.predicted_seconds is None
+
+
+def test_params_policy_balances_weights_better_than_uniform() -> None:
+    path = models.light_model_path("vgg19")
+    params = split(path, policy=ParamsPolicy(stages=2))
+    uniform = split(path, policy=UniformPolicy(stages=2))
+    assert max(s.weights_bytes for s in params.stages) <= max(s.weights_bytes for s in uniform.stages)
+
+
+def test_best_k_and_constraints(squeezenet: Path) -> None:
+    profile = profile_model(squeezenet, runs=2)
+    plan = split(squeezenet, policy=MeasuredPolicy(max_stages=3, profile=profile))
+    assert 1 <= len(plan.stages) <= 3
+    index = GraphIndex(onnx.load(squeezenet))
+    first, last = index.nodes[index.compute_nodes()[0]], index.nodes[index.compute_nodes()[-1]]
+    with pytest.raises(SplitError, match="pinned"):
+        split(squeezenet, policy=MeasuredPolicy(stages=2, profile=profile, pinned={last.name or last.output[0]: 0}))
+    pinned = split(squeezenet, policy=MeasuredPolicy(stages=2, profile=profile, pinned={first.name or first.output[0]: 0}))
+    assert len(pinned.stages) == 2
+    cap = 2_500_000  # the heaviest node (the last Conv) reads 2.0 MiB
+    capped = split(squeezenet, policy=MeasuredPolicy(stages=3, profile=profile, max_stage_weights=cap))
+    assert max(s.weights_bytes for s in capped.stages) <= cap
+    with pytest.raises(SplitError, match="no partition into 2 stages keeps every stage within 10 B of weights; the heaviest single node"):
+        split(squeezenet, policy=MeasuredPolicy(stages=2, profile=profile, max_stage_weights=10))
+
+
+def test_policy_refusals() -> None:
+    model = models.chain()
+    with pytest.raises(SplitError, match="give one of cuts, assignment or policy, not cuts and policy"):
+        split(model, ["a"], policy=UniformPolicy(stages=2))
+    with pytest.raises(SplitError, match="give stages=N .* or max_stages=K"):
+        split(model, policy=UniformPolicy())
+    with pytest.raises(SplitError, match="unknown split policy 'balanced'; valid: measured, uniform, params"):
+        make_policy("balanced", stages=2)
+    profile = profile_model(model, runs=1, cache=False)
+    with pytest.raises(SplitError, match="pinned node 'nope' is unknown"):
+        split(model, policy=MeasuredPolicy(stages=2, pinned={"nope": 0}, profile=profile))
