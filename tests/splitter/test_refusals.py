@@ -195,11 +195,11 @@ def test_assignment_with_an_unknown_node() -> None:
 
 
 def test_cuts_and_assignment_together() -> None:
-    _refused(models.branchy(), ["a"], assignment=BRANCHY, match=r"^give either cuts or an assignment, not both$")
+    _refused(models.branchy(), ["a"], assignment=BRANCHY, match=r"^give one of cuts, assignment or policy, not cuts and assignment$")
 
 
 def test_neither_cuts_nor_assignment() -> None:
-    _refused(models.branchy(), match=r"^give cuts or an assignment$")
+    _refused(models.branchy(), match=r"^give cuts, an assignment or a policy$")
 
 
 # -- files -----------------------------------------------------------------------------------------
@@ -252,5 +252,5 @@ def test_verify_refuses_a_folder_without_a_pipeline(tmp_path: Path) -> None:
 
 
 def test_split_errors_are_onnxpipe_errors() -> None:
-    with pytest.raises(OnnxpipeError, match=r"^give cuts or an assignment$"):
+    with pytest.raises(OnnxpipeError, match=r"^give cuts, an assignment or a policy$"):
         split(models.chain())
