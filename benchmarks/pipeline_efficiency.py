@@ -23,6 +23,7 @@ import argparse
 import functools
 import json
 import os
+import queue
 import statistics
 import tempfile
 import threading
@@ -173,20 +174,63 @@ def _identity(i: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def bench_hop(stages: int, requests: int, work: Path) -> dict[str, float]:
-    """Per-hop overhead: a chain of identity stages, one request at a time."""
-    config = PipelineConfig("hops")
+def _identity_bundle(stages: int, work: Path) -> Path:
+    config = PipelineConfig(f"hops{stages}")
     chain = [config.add_stage(_identity(i), f"id{i}") for i in range(stages)]
     config.input("t0").connect(chain[0].input("t0"))
     for i in range(1, stages):
         chain[i - 1].output(f"t{i}").connect(chain[i].input(f"t{i}"))
     chain[-1].output(f"t{stages}").connect(config.output(f"t{stages}"))
-    bundle = _bundle(config, work, "hops")
+    return _bundle(config, work, f"hops{stages}")
+
+
+def _handoff_floor(stages: int, requests: int) -> float:
+    """Seconds per hop of the cheapest blocking hand-off CPython has (a chain of C SimpleQueues)."""
+    queues: list[queue.SimpleQueue[object]] = [queue.SimpleQueue() for _ in range(stages + 1)]
+
+    def relay(i: int) -> None:
+        while (item := queues[i].get()) is not None:
+            queues[i + 1].put(item)
+        queues[i + 1].put(None)
+
+    workers = [threading.Thread(target=relay, args=(i,)) for i in range(stages)]
+    for w in workers:
+        w.start()
+    latency = _median_time(lambda: (queues[0].put(1), queues[stages].get()), requests, warmup=50)
+    queues[0].put(None)
+    queues[stages].get()
+    for w in workers:
+        w.join()
+    return latency / stages
+
+
+def bench_hop(stages: int, requests: int, work: Path) -> dict[str, float]:
+    """Per-hop overhead of identity stages on a [1, 16] tensor, two ways:
+
+    - latency: one request at a time through ``stages`` stages; (latency - stages alone) / stages.
+      Every hop wakes a sleeping thread, so this includes the OS's wake-up time; the cheapest
+      blocking hand-off CPython has (a chain of C SimpleQueues) is measured beside it as the floor.
+    - streaming: requests streamed through 2 identity stages; 1 / throughput - the slower stage
+      alone: the runtime's whole Python cost per request (submission, two hand-overs, the future),
+      which the GIL serializes -- the ceiling on requests per second for stages that do nothing.
+    """
     x = np.ones((1, 16), np.float32)
-    alone = sum(_stage_times(bundle, {f"t{i}": x for i in range(stages + 1)}, runs=2000))
-    with load(bundle) as pipe:
+    chain = _identity_bundle(stages, work)
+    alone = sum(_stage_times(chain, {f"t{i}": x for i in range(stages + 1)}, runs=2000))
+    with load(chain) as pipe:
         latency = _median_time(lambda: pipe({"t0": x}), requests, warmup=50)
-    return {"stages": stages, "latency_us": latency * 1e6, "stages_alone_us": alone * 1e6, "per_hop_us": (latency - alone) / stages * 1e6}
+    pair = _identity_bundle(2, work)
+    slower = max(_stage_times(pair, {f"t{i}": x for i in range(3)}, runs=2000))
+    with load(pair) as pipe:
+        throughput = _stream(pipe, {"t0": x}, requests)
+    return {
+        "stages": stages,
+        "latency_us": latency * 1e6,
+        "stages_alone_us": alone * 1e6,
+        "per_hop_us": (latency - alone) / stages * 1e6,
+        "floor_per_hop_us": _handoff_floor(stages, requests) * 1e6,
+        "streaming_cost_per_request_us": (1 / throughput - slower) * 1e6,
+    }
 
 
 def main() -> None:
@@ -219,8 +263,15 @@ def main() -> None:
     print("(throughputs in requests/s; efficiency = pipeline / ideal, ideal = 1 / slowest stage alone; goal >= 0.95)")
     for r in rows:
         print(f"  {r['model']}: pipeline per round {r['pipeline_req_s_rounds']}, cut at {r['cut']}")
-    print(f"per-hop overhead: {hop['per_hop_us']:.1f} us per stage ({hop['stages']} identity stages, latency {hop['latency_us']:.1f} us, "
-          f"stages alone {hop['stages_alone_us']:.1f} us; goal <= 30 us)")
+    print(
+        f"per-hop overhead, one request at a time: {hop['per_hop_us']:.1f} us per stage ({hop['stages']} identity stages, latency "
+        f"{hop['latency_us']:.1f} us, stages alone {hop['stages_alone_us']:.1f} us; goal <= 30 us); "
+        f"CPython's cheapest blocking hand-off on this host: {hop['floor_per_hop_us']:.1f} us"
+    )
+    print(
+        f"runtime cost per request when streaming (submit, 2 hand-overs, future; GIL-serialized): "
+        f"{hop['streaming_cost_per_request_us']:.1f} us, a ceiling of {1e6 / hop['streaming_cost_per_request_us']:.0f} req/s for empty stages"
+    )
 
 
 if __name__ == "__main__":

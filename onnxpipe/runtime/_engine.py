@@ -77,7 +77,6 @@ class ThreadEngine:
         self._runners = [[StageRunner(p, factory(p, r)) for r in range(p.stage.settings.replicas)] for p in self._plans]
         self._recorders = [[StageRecorder(p.stage.name, r, trace) for r in range(p.stage.settings.replicas)] for p in self._plans]
         self._channels: list[Channel[Request]] = [Channel(queue_depth) for _ in self._plans]
-        self._active: dict[int, Request] = {}  # requests a worker holds, by thread id
         self._orphans: list[Request] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -108,39 +107,39 @@ class ThreadEngine:
         recorder = self._recorders[i][r]
         recorder.thread_id = threading.get_ident()
         ready.wait()
-        inbox = self._channels[i]
-        outbox = self._channels[i + 1] if i + 1 < len(self._channels) else None
-        me = threading.get_ident()
+        # Hot loop: bound methods looked up once.
+        take = self._channels[i].get
+        hand_on = self._channels[i + 1].put if i + 1 < len(self._channels) else None
+        record, clock = recorder.record, time.perf_counter
         while True:
             try:
-                request = inbox.get()
+                request = take()
             except Closed:
                 return
-            self._active[me] = request
             if request.error is None:
-                start = time.perf_counter()
+                start = clock()
                 try:
                     runner(request)
                 except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
-                    if self._closing:
-                        request.error = StageError(f"the pipeline was closed before request {request.id} finished", request=request.id)
-                    else:
-                        request.error = StageError(f"stage '{runner.name}' failed on request {request.id}: {e}", stage=runner.name, request=request.id)
-                recorder.record(request.id, start, time.perf_counter(), request.error is None)
+                    request.error = self._failure(runner.name, request.id, e)
+                record(request.id, start, clock(), request.error is None)
             try:
-                if outbox is None:
+                if hand_on is None:
                     assert request.done is not None
                     request.done(request)
                 else:
-                    outbox.put(request)
+                    hand_on(request)
             except Closed:
                 with self._lock:
                     self._orphans.append(request)
                 return
-            finally:
-                self._active.pop(me, None)
             # Let go before waiting: a finished request refers to its pipeline (request.done).
             del request
+
+    def _failure(self, stage: str, request: int, error: Exception) -> StageError:
+        if self._closing:
+            return StageError(f"the pipeline was closed before request {request} finished", request=request)
+        return StageError(f"stage '{stage}' failed on request {request}: {error}", stage=stage, request=request)
 
     def submit(self, request: Request) -> None:
         """Enqueue for the first stage; blocks while its queue is full."""
@@ -162,8 +161,6 @@ class ThreadEngine:
         with self._lock:
             left.extend(self._orphans)
             self._orphans.clear()
-        left.extend(self._active.values())
-        self._active.clear()
         return left
 
     def recorders(self) -> list[list[StageRecorder]]:
