@@ -5,6 +5,7 @@ from onnxpipe.splitter._cost import CostProfile, profile_model
 from onnxpipe.splitter._cuts import NodeCut, OpCut, TensorCut
 from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
 from onnxpipe.splitter._plan import SplitPlan, SplitStage, load_model, split
+from onnxpipe.splitter._planner import PlanCandidate, PlanResult, plan_pipeline
 from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "ModelSummary",
     "NodeCut",
     "OpCut",
+    "PlanCandidate",
+    "PlanResult",
     "ParamsPolicy",
     "SplitPlan",
     "SplitPolicy",
@@ -27,6 +30,7 @@ __all__ = [
     "inspect_model",
     "load_model",
     "make_policy",
+    "plan_pipeline",
     "profile_model",
     "split",
     "verify",
