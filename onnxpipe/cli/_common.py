@@ -7,9 +7,11 @@ this module.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import zipfile
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -23,12 +25,17 @@ if TYPE_CHECKING:
 __all__ = [
     "DIM",
     "PROGRESS_MIN",
+    "PROFILE_THREADS",
     "TARGET",
     "Group",
+    "PinType",
+    "SizeType",
     "UserError",
     "bundle_size",
     "given",
     "progress",
+    "step_progress",
+    "working",
     "quiet_onnxruntime",
     "read_npz",
     "read_npz_layout",
@@ -87,6 +94,58 @@ DIM = click.option(
     multiple=True,
     help="Size of a symbolic dim, e.g. --dim batch=8 (repeatable; dims not given count as 1).",
 )
+
+
+PROFILE_THREADS = click.option(
+    "--threads",
+    "threads",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="T",
+    help="Intra-op threads to profile node costs with: the threads each stage will run with.",
+)
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
+
+
+class SizeType(click.ParamType):
+    """Bytes: ``1048576``, ``512MiB``, ``2GiB``, ``1.5GB`` (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024)."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        match = _SIZE.fullmatch(str(value).strip())
+        if match is None:
+            self.fail(f"{value!r} is not a size: give bytes or a number with a unit, e.g. 512MiB, 2GiB, 1.5GB", param, ctx)
+        number, unit = match.groups()
+        scale = _UNITS.get(unit.lower() or "b")
+        if scale is None:
+            self.fail(f"{value!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)", param, ctx)
+        size = int(Fraction(number) * scale)
+        if size < 1:
+            self.fail(f"{value!r} is less than one byte", param, ctx)
+        return size
+
+
+class PinType(click.ParamType):
+    """``NODE=STAGE``: a node (or the tensor it computes) and the stage, from 0, it must be in."""
+
+    name = "NODE=STAGE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        # The last '=' separates: a node name may hold one, a stage number cannot.
+        node, sep, stage = str(value).rpartition("=")
+        if not sep or not node:
+            self.fail(f"{value!r} is not NODE=STAGE (e.g. conv1=0: node conv1 in the first stage)", param, ctx)
+        if not stage.strip().isdigit():
+            self.fail(f"{value!r}: the stage must be a position from 0, got {stage!r}", param, ctx)
+        return node, int(stage)
 
 
 TARGET = click.option(
@@ -176,12 +235,37 @@ def progress(total: int, label: str, quiet: bool = False, then: str | None = Non
     return _render.progress_bar(total, label, then)
 
 
+def step_progress(quiet: bool = False) -> contextlib.AbstractContextManager[Callable[[str, int, int], None]]:
+    """A progress bar on stderr for work in named steps; the context gives the ``(step, done, total)`` callback.
+
+    Only on a terminal and never when ``quiet``: otherwise the callback does nothing.
+    """
+    if quiet or not stderr_is_terminal():
+        return contextlib.nullcontext(_no_step_progress)
+    from onnxpipe.cli import _render
+
+    return _render.step_bar()
+
+
+def working(label: str, quiet: bool = False) -> contextlib.AbstractContextManager[object]:
+    """A spinner with ``label`` on stderr while a single long step runs; only on a terminal, never when ``quiet``."""
+    if quiet or not stderr_is_terminal():
+        return contextlib.nullcontext()
+    from onnxpipe.cli import _render
+
+    return _render.spinner(label)
+
+
 def stderr_is_terminal() -> bool:
     """Whether a person may be watching stderr (a progress bar helps) rather than a file or a pipe."""
     return sys.stderr.isatty()
 
 
 def _no_progress(done: int, total: int) -> None:
+    pass
+
+
+def _no_step_progress(step: str, done: int, total: int) -> None:
     pass
 
 

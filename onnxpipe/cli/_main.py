@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from onnxpipe import __version__
-from onnxpipe.cli._common import DIM, TARGET, Group, UserError, bundle_size, given, quiet_onnxruntime
+from onnxpipe.cli._autosplit import POLICY_NAMES
+from onnxpipe.cli._common import DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime
 from onnxpipe.cli._deploy import bench, build, export, run
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ def main() -> None:
     Typical session:
       onnxpipe inspect model.onnx                        # where is it cheap to cut?
       onnxpipe split model.onnx -o split --at t1 --at t2 # three stages, files in split/
+      onnxpipe split model.onnx -o split --auto --stages 3  # or let measured costs choose the cuts
+      onnxpipe split model.onnx -o plan --auto --cores 4    # or plan stages, threads, cores for 4 cores
       onnxpipe verify split --model model.onnx           # stages chained == whole model?
       onnxpipe build split -o built --stage 0:threads=2,affinity=0-1 --stage 1:target=cuda
       onnxpipe export built -o model.onnxpipe --reference 2 --model model.onnx
@@ -76,7 +79,7 @@ main.add_command(run)
 main.add_command(bench)
 
 
-@main.command(short_help="Split a model into stages at the cuts given.")
+@main.command(short_help="Split a model into stages at the cuts given, or automatically.")
 @click.argument("model", type=_MODEL_ARG)
 @click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder to write the stages and pipeline.json to.")
 @click.option(
@@ -100,13 +103,101 @@ main.add_command(bench)
     metavar="FILE.json",
     help='Explicit stage per node: a JSON object {"node name": stage, ...}.',
 )
+@click.option("--auto", "auto", is_flag=True, help="Choose the cuts automatically; with exactly one of --stages, --max-stages or --cores.")
+@click.option("--stages", "stages", type=click.IntRange(min=1), metavar="N", help="With --auto: exactly N stages, the slowest one as fast as possible.")
+@click.option("--max-stages", "max_stages", type=click.IntRange(min=1), metavar="K", help="With --auto: the best number of stages up to K.")
+@click.option(
+    "--cores",
+    "cores",
+    type=click.IntRange(min=1),
+    metavar="C",
+    help="With --auto: plan for C cores (pipelines, one session, replicas), measure the best plans, write the fastest with its stage settings.",
+)
+@click.option(
+    "--policy",
+    "policy",
+    type=click.Choice(POLICY_NAMES),
+    default="measured",
+    show_default=True,
+    help="With --stages/--max-stages: balance measured node times, node counts (uniform) or weight bytes (params).",
+)
+@click.option(
+    "--max-stage-weights",
+    "max_stage_weights",
+    type=SizeType(),
+    metavar="SIZE",
+    help="Measured policy: at most SIZE of weights per stage, in bytes or with a unit: 512MiB, 2GiB, 1.5GB.",
+)
+@click.option(
+    "--pin",
+    "pins",
+    multiple=True,
+    type=PinType(),
+    help="Measured policy: put this node (or the node making this tensor) in stage STAGE, from 0. Repeatable.",
+)
+@DIM
+@PROFILE_THREADS
+@click.option(
+    "--requests",
+    "requests",
+    default=50,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="With --cores: requests per measured plan.",
+)
+@click.option(
+    "--measure",
+    "measure",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=0),
+    metavar="M",
+    help="With --cores: measure the M best-predicted pipelines (the best one-session and replicas plans always are).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists and is not empty.")
-def split(model: Path, out: Path, at: Sequence[str], at_op: Sequence[tuple[str, int]], assign: Path | None, overwrite: bool) -> None:
+@click.pass_context
+def split(
+    ctx: click.Context,
+    model: Path,
+    out: Path,
+    at: Sequence[str],
+    at_op: Sequence[tuple[str, int]],
+    assign: Path | None,
+    auto: bool,
+    stages: int | None,
+    max_stages: int | None,
+    cores: int | None,
+    policy: str,
+    max_stage_weights: int | None,
+    pins: Sequence[tuple[str, int]],
+    dims: Sequence[tuple[str, int]],
+    threads: int,
+    requests: int,
+    measure: int,
+    overwrite: bool,
+) -> None:
     """Split MODEL into stages and write them, with their wiring, to OUT.
 
-    Give the cuts with exactly one of --at, --at-op or --assign (they cannot be mixed, since cuts
-    must be given in pipeline order). N cuts make N+1 stages: stage 0 holds everything the first
-    cut's tensors depend on, and so on; the last stage holds the rest.
+    By hand: give the cuts with exactly one of --at, --at-op or --assign (they cannot be mixed,
+    since cuts must be given in pipeline order). N cuts make N+1 stages: stage 0 holds everything
+    the first cut's tensors depend on, and so on; the last stage holds the rest.
+
+    Automatically (--auto), with exactly one of:
+
+    \b
+      --stages N      N stages, cut where the slowest stage is fastest
+      --max-stages K  the best number of stages up to K
+      --cores C       the planner: one session, replicas of the whole model and
+                      pipelines of 2..C stages, each given threads or replicas
+                      within C cores, predicted from profiles at 1..C threads;
+                      the best are built and measured, and the fastest measured
+                      plan (a pipeline or not) is written with its stage settings
+                      (threads, replicas, cores), which 'onnxpipe build' uses
+
+    The measured policy profiles every node with --threads intra-op threads (the profile is cached
+    next to the model) and adds the cost of handing tensors between stages; uniform balances node
+    counts and params weight bytes, for comparison.
 
     \b
     Examples:
@@ -114,12 +205,23 @@ def split(model: Path, out: Path, at: Sequence[str], at_op: Sequence[tuple[str, 
       onnxpipe split model.onnx -o out --at a,b --at c        # 3 stages; a and b cross the first cut
       onnxpipe split model.onnx -o out --at-op Conv:10 --at-op Conv:20
       onnxpipe split model.onnx -o out --assign stages.json --overwrite
+      onnxpipe split model.onnx -o out --auto --stages 3 --threads 2
+      onnxpipe split model.onnx -o out --auto --max-stages 4 --max-stage-weights 512MiB --pin conv1=0
+      onnxpipe split model.onnx -o out --auto --stages 3 --policy params
+      onnxpipe split model.onnx -o plan --auto --cores 4 && onnxpipe build plan -o built
 
-    `onnxpipe inspect MODEL` proposes cuts with the exact --at value to use.
+    `onnxpipe inspect MODEL` proposes cuts with the exact --at value to use; `onnxpipe inspect MODEL
+    --profile` shows the measured node costs and the best cut for each number of stages.
     """
-    given = [flag for flag, value in (("--at", at), ("--at-op", at_op), ("--assign", assign)) if value]
-    if len(given) != 1:
-        problem = "give the cuts with one of --at, --at-op or --assign" if not given else f"{' and '.join(given)} cannot be combined"
+    by_hand = [flag for flag, value in (("--at", at), ("--at-op", at_op), ("--assign", assign)) if value]
+    if auto:
+        _split_auto(ctx, model, out, by_hand, overwrite)
+        return
+    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "requests", "measure")
+    if auto_only:
+        raise click.UsageError(f"{', '.join(auto_only)}: only with --auto; see 'onnxpipe split --help'")
+    if len(by_hand) != 1:
+        problem = "give the cuts with one of --at, --at-op or --assign, or --auto" if not by_hand else f"{' and '.join(by_hand)} cannot be combined"
         raise click.UsageError(f"{problem}; see 'onnxpipe split --help'")
     from onnxpipe.cli import _render
     from onnxpipe.splitter import split as split_model
@@ -131,6 +233,49 @@ def split(model: Path, out: Path, at: Sequence[str], at_op: Sequence[tuple[str, 
         plan = split_model(model, cuts)
     folder = plan.save(out, overwrite=overwrite)
     _render.split_plan(plan, folder)
+
+
+def _split_auto(ctx: click.Context, model: Path, out: Path, by_hand: list[str], overwrite: bool) -> None:
+    """``split --auto``: check which options go together, then the policy or the planner."""
+    from onnxpipe.cli import _autosplit
+
+    p = ctx.params
+    if by_hand:
+        raise click.UsageError(f"--auto cannot be combined with {' and '.join(by_hand)}: give the cuts by hand or let --auto choose them")
+    counts = given(ctx, "stages", "max_stages", "cores")
+    if len(counts) != 1:
+        problem = f"not {' and '.join(counts)}" if counts else "none given"
+        raise click.UsageError(f"--auto needs exactly one of --stages N, --max-stages K or --cores C ({problem})")
+    if p["cores"] is not None:
+        not_planner = given(ctx, "policy", "max_stage_weights", "pins", "threads")
+        if not_planner:
+            raise click.UsageError(f"{', '.join(not_planner)}: not with --cores; the planner profiles 1..C threads itself and cuts with the measured policy")
+        _autosplit.planned_split(model, out, cores=p["cores"], requests=p["requests"], measure=p["measure"], dims=dict(p["dims"]), overwrite=overwrite)
+        return
+    planner_only = given(ctx, "requests", "measure")
+    if planner_only:
+        raise click.UsageError(f"{', '.join(planner_only)}: only with --cores (they set how the planner measures its plans)")
+    _autosplit.policy_split(
+        model,
+        out,
+        policy=p["policy"],
+        count={"stages": p["stages"]} if p["stages"] is not None else {"max_stages": p["max_stages"]},
+        threads=p["threads"],
+        max_stage_weights=p["max_stage_weights"],
+        pins=_pins(p["pins"]),
+        dims=dict(p["dims"]),
+        asked=given(ctx, "threads", "max_stage_weights", "pins", "dims"),
+        overwrite=overwrite,
+    )
+
+
+def _pins(pins: Sequence[tuple[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for node, stage in pins:
+        if out.get(node, stage) != stage:
+            raise click.BadParameter(f"node '{node}' is pinned to stages {out[node]} and {stage}; give one", param_hint="'--pin'")
+        out[node] = stage
+    return out
 
 
 def _tensor_cut(value: str) -> str | list[str]:
@@ -157,15 +302,26 @@ def _read_assignment(path: Path) -> dict[str, int]:
 @click.argument("path", metavar="MODEL_OR_BUNDLE", type=click.Path(path_type=Path))
 @click.option("--top", default=8, show_default=True, type=click.IntRange(min=0), help="How many cut candidates to propose (models only).")
 @DIM
+@click.option("--profile", "profile", is_flag=True, help="Also measure every node's cost, and predict the best cut for 2..K stages (models only).")
+@PROFILE_THREADS
+@click.option(
+    "--max-stages", "max_stages", default=4, show_default=True, type=click.IntRange(min=2), metavar="K", help="With --profile: best cuts for 2..K stages."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON, nothing else.")
 @click.pass_context
-def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, int]], as_json: bool) -> None:
+def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, int]], profile: bool, threads: int, max_stages: int, as_json: bool) -> None:
     """Show a model and where to cut it, or a bundle and how it will run.
 
     For a MODEL (.onnx): its inputs, outputs, ops and weights, and the cheapest places to cut it.
     A cut candidate is a position in the topological order of compute nodes where few bytes cross
     (per request, symbolic dims sized by --dim, else 1). Candidates are spread over the model; each
     comes with the --at value that makes exactly that cut.
+
+    With --profile, the model also runs under onnxruntime's profiler with --threads intra-op
+    threads (the profile is cached next to the model): the costliest nodes with their share of one
+    run, and for each number of stages 2..K the best cut by measured cost, with each stage's
+    predicted time, the bytes crossing, and the speedup a pipeline can reach at most (one run of
+    the whole model / the slowest stage). --json lists every node.
 
     For a BUNDLE (a folder with manifest.json, or a .onnxpipe archive): every file is checked
     against its sha256 first; then the stages in order with their module, settings and build
@@ -175,26 +331,34 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
     Examples:
       onnxpipe inspect resnet50.onnx
       onnxpipe inspect model.onnx --top 4 --dim batch=8 --json
+      onnxpipe inspect model.onnx --profile --threads 2 --max-stages 6
       onnxpipe inspect model.onnxpipe
     """
     from onnxpipe.runtime import is_bundle
 
     if is_bundle(path):
-        model_only = given(ctx, "top", "dims")
+        model_only = given(ctx, "top", "dims", "profile", "threads", "max_stages")
         if model_only:
             raise click.UsageError(f"{', '.join(model_only)}: only used for a model, not for a bundle")
         _inspect_bundle(path, as_json)
         return
+    profile_only = given(ctx, "threads", "max_stages")
+    if profile_only and not profile:
+        raise click.UsageError(f"{', '.join(profile_only)}: only with --profile")
     if path.is_dir():
         raise UserError(f"'{path}' is a folder but not a bundle (it has no manifest.json); give an .onnx model or a bundle made by 'onnxpipe export'")
     from onnxpipe.cli import _render
+    from onnxpipe.cli._autosplit import profile_report
     from onnxpipe.splitter import inspect_model
 
     summary = inspect_model(path, dict(dims), top=top)
+    costs = profile_report(path, threads, max_stages, dict(dims), quiet=as_json) if profile else None
     if as_json:
-        click.echo(json.dumps(summary.to_dict(), indent=2))
+        click.echo(json.dumps({**summary.to_dict(), **({"profile": costs} if costs is not None else {})}, indent=2))
         return
     _render.model_summary(summary, path)
+    if costs is not None:
+        _render.cost_profile(costs, path)
 
 
 def _inspect_bundle(path: Path, as_json: bool) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from rich.text import Text
 from onnxpipe.builder import BuildResult
 from onnxpipe.cli._stageopts import format_cores
 from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, TensorSpec
-from onnxpipe.splitter import ModelSummary, SplitPlan, VerifyReport
+from onnxpipe.splitter import ModelSummary, PlanResult, SplitPlan, VerifyReport
 
 if TYPE_CHECKING:
     from onnxpipe.runtime import PipelineStats
@@ -29,19 +29,26 @@ __all__ = [
     "bench_report",
     "build_result",
     "bundle_summary",
+    "cost_profile",
     "exported",
     "human_bytes",
     "model_summary",
+    "plan_result",
     "progress_bar",
     "reference_checks",
     "run_summary",
+    "spinner",
     "split_plan",
     "stage_module_bytes",
+    "step_bar",
     "verify_report",
 ]
 
 _SHOWN_NAMES = 3  # boundary tensors listed per table cell before "+N more"
 _CANDIDATE_COLUMNS_WIDTH = 50  # the candidate table without its --at column, borders included
+_SHOWN_NODES = 15  # costliest nodes listed by inspect --profile (--json lists them all)
+_SHOWN_UNMEASURED = 5  # plans listed beyond the measured ones, best predicted first
+_BASELINE_NAMES = {"session": "one session", "replicas": "replicas of the whole model"}
 
 
 def _console() -> Console:
@@ -77,20 +84,125 @@ def _notes(console: Console, notes: Iterable[str]) -> None:
         _line(console, f"note: {note}")
 
 
-def split_plan(plan: SplitPlan, folder: Path) -> None:
-    """One row per stage, the notes, and the files written."""
+def split_plan(plan: SplitPlan, folder: Path, threads: int | None = None) -> None:
+    """One row per stage (with its predicted time when the policy predicts times), what the
+    automatic policy decided, the notes, and the files written. ``threads``: profiled with that many."""
     console = _console()
+    timed = any(s.predicted_seconds is not None for s in plan.stages)
     table = Table(title=f"{len(plan.stages)} stages")
-    for column in ("stage", "nodes", "weights", "inputs", "outputs", "bytes in", "bytes out"):
+    # "pred. ms", not "predicted ms": eight columns must fit 80 characters without folding a word.
+    for column in ("stage", "nodes", "weights", "inputs", "outputs", "bytes in", "bytes out") + (("pred. ms",) if timed else ()):
         table.add_column(column, justify="left" if column in ("stage", "inputs", "outputs") else "right", overflow="fold")
     for s in plan.stages:
+        predicted = [_ms(1e3 * s.predicted_seconds) if s.predicted_seconds is not None else "-"] if timed else []
         table.add_row(
-            Text(s.name), str(s.nodes), human_bytes(s.weights_bytes), _names(s.inputs), _names(s.outputs), human_bytes(s.bytes_in), human_bytes(s.bytes_out)
+            Text(s.name),
+            str(s.nodes),
+            human_bytes(s.weights_bytes),
+            _names(s.inputs),
+            _names(s.outputs),
+            human_bytes(s.bytes_in),
+            human_bytes(s.bytes_out),
+            *predicted,
         )
     console.print(table)
+    if plan.auto is not None:
+        _line(console, _auto_summary(plan, threads))
     _notes(console, plan.notes)
     files = sorted(p.name for p in folder.iterdir())
     _line(console, f"wrote {folder}: {', '.join(files)}")
+
+
+def _auto_summary(plan: SplitPlan, threads: int | None) -> str:
+    """``policy 'measured', costs measured with 1 thread(s); bottleneck stage1, 2.77 ms predicted; 794 KiB cross ...``."""
+    auto = plan.auto
+    assert auto is not None
+    costs = {
+        "measured": f"measured{f' with {threads} thread(s)' if threads else ''}",
+        "analytic": "analytic estimates (FLOPs and bytes: good for balancing, not for predicting seconds)",
+    }.get(auto.source, auto.source)
+    parts = [f"policy '{auto.policy}', costs: {costs}"]
+    if auto.predicted_seconds:
+        slow = max(range(len(auto.predicted_seconds)), key=auto.predicted_seconds.__getitem__)
+        parts.append(f"bottleneck {plan.stages[slow].name}, {_ms(1e3 * auto.predicted_seconds[slow])} ms predicted")
+    parts.append(f"{human_bytes(auto.crossing_bytes)} cross the cuts per request")
+    return "; ".join(parts)
+
+
+def plan_result(result: PlanResult, folder: Path) -> None:
+    """The plans considered, the chosen one against the baselines, its stages, and the files written."""
+    console = _console()
+    chosen = result.chosen
+    shown = [c for c in result.candidates if c.measured is not None]
+    shown += [c for c in result.candidates if c.measured is None][:_SHOWN_UNMEASURED]
+    table = Table(title=f"plans for {result.cores} core(s): measured ones first, best first")
+    for column in ("plan", "cores", "predicted req/s", "measured req/s", ""):
+        table.add_column(column, justify="left" if column in ("plan", "") else "right")
+    for c in shown:
+        mark = Text("chosen", style="bold green") if c is chosen else Text("")
+        table.add_row(Text(c.label), str(c.cores), f"{c.predicted:.1f}", f"{c.measured:.1f}" if c.measured is not None else "-", mark)
+    console.print(table)
+    if len(result.candidates) > len(shown):
+        _line(console, f"  ... and {len(result.candidates) - len(shown)} more plan(s) predicted slower, not measured")
+    _line(console, f"chosen: {chosen.label}, {chosen.measured or 0:.1f} req/s measured ({chosen.predicted:.1f} predicted)")
+    for kind, value in result.baselines().items():
+        if value:
+            _line(console, f"  {(chosen.measured or 0) / value:.2f}x the best {_BASELINE_NAMES.get(kind, kind)} ({value:.1f} req/s measured)")
+    stages = Table(title="chosen plan, stage by stage")
+    for column in ("stage", "nodes", "threads", "replicas", "cores", "predicted ms", "measured ms"):
+        stages.add_column(column, justify="left" if column in ("stage", "cores") else "right")
+    measured = chosen.stage_measured_ms or (None,) * len(chosen.stage_predicted_ms)
+    for s, config, predicted, actual in zip(result.plan.stages, result.plan.config.stages, chosen.stage_predicted_ms, measured, strict=True):
+        st = config.settings
+        cells = [
+            str(s.nodes),
+            _threads(st.intra_op_threads, 1),
+            str(st.replicas),
+            format_cores(st.affinity),
+            _ms(predicted),
+            _ms(actual) if actual is not None else "-",
+        ]
+        stages.add_row(Text(s.name), *cells)
+    console.print(stages)
+    _notes(console, [*result.notes, *result.plan.notes])
+    files = sorted(p.name for p in folder.iterdir())
+    _line(console, f"wrote {folder}: {', '.join(files)} (stage settings in pipeline.json)")
+    _line(console, f"next: onnxpipe build {shlex.quote(str(folder))} -o {shlex.quote(str(folder) + '_built')}")
+
+
+def cost_profile(report: Mapping[str, Any], model: Path) -> None:
+    """``inspect --profile``: the costliest nodes, then the best cut for each number of stages."""
+    console = _console()
+    total_ms = report["total_ms"]
+    how = f"{report['source']}, {report['threads']} thread(s)" + (f", median of {report['runs']} runs" if report["runs"] else "")
+    _line(console, f"node costs ({how}): one run of the whole model takes {_ms(total_ms)} ms")
+    nodes = report["nodes"]
+    table = Table(title=f"costliest nodes ({min(len(nodes), _SHOWN_NODES)} of the {len(nodes)} with a cost of their own)")
+    for column in ("node", "op", "ms", "share"):
+        table.add_column(column, justify="left" if column in ("node", "op") else "right", overflow="fold")
+    for n in nodes[:_SHOWN_NODES]:
+        table.add_row(Text(n["node"]), Text(n["op"]), _ms(n["ms"]), f"{n['share']:.1%}")
+    console.print(table)
+    rest = nodes[_SHOWN_NODES:]
+    if rest:
+        _line(console, f"  ... and {len(rest)} more node(s): {sum(n['share'] for n in rest):.1%} of the time")
+    cuts = [c for c in report["splits"] if "error" not in c]
+    if cuts:
+        table = Table(title="best cut by measured cost, per number of stages")
+        for column in ("stages", "predicted ms per stage", "slowest", "crossing", "speedup at most"):
+            table.add_column(column, justify="left" if column.startswith("predicted") else "right")
+        for c in cuts:
+            spread = ", ".join(_ms(ms) for ms in c["stage_ms"])
+            bound = f"{c['speedup_bound']:.2f}x" if c["speedup_bound"] is not None else "-"
+            table.add_row(str(c["stages"]), spread, c["bottleneck_stage"], human_bytes(c["crossing_bytes"]), bound)
+        console.print(table)
+        best = max(cuts, key=lambda c: c["speedup_bound"] or 0.0)
+        _line(console, "speedup at most: whole-model run / slowest stage, the throughput a pipeline of that many stages can reach at best")
+        _line(console, f"e.g. {best['stages']} stages cut there:")
+        command = f"onnxpipe split {shlex.quote(str(model))} -o {shlex.quote(model.stem + '_split')} --auto --stages {best['stages']}"
+        _line(console, f"  {command} --threads {report['threads']}")
+    _notes(console, report["notes"])
+    _notes(console, (f"no {c['stages']}-stage cut: {c['error']}" for c in report["splits"] if "error" in c))
 
 
 def model_summary(summary: ModelSummary, model: Path) -> None:
@@ -248,20 +360,42 @@ def _ms(value: float) -> str:
     return f"{value:.2f}" if value >= 0.1 else f"{value:.3g}"
 
 
+def _bar() -> Progress:
+    """A transient progress bar on stderr."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    return Progress(*columns, console=Console(stderr=True), transient=True)
+
+
 @contextmanager
 def progress_bar(total: int, label: str, then: str | None = None) -> Iterator[Callable[[int, int], None]]:
     """A transient progress bar on stderr; yields the ``(done, total)`` callback that moves it.
 
     ``then`` replaces the label once every step is done, for work that follows them.
     """
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with _bar() as bar:
         task = bar.add_task(label, total=total)
 
         def advance(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, description=then if then and done >= total else label)
 
         yield advance
+
+
+@contextmanager
+def step_bar() -> Iterator[Callable[[str, int, int], None]]:
+    """A transient progress bar on stderr for work in named steps; yields the ``(step, done, total)`` callback."""
+    with _bar() as bar:
+        task = bar.add_task("", total=None)
+
+        def advance(step: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, description=step)
+
+        yield advance
+
+
+def spinner(label: str) -> AbstractContextManager[object]:
+    """A transient spinner with ``label`` on stderr."""
+    return Console(stderr=True).status(Text(label))
 
 
 def reference_checks(rows: list[ReferenceCheck], rtol: float, atol: float) -> None:

@@ -18,6 +18,7 @@ Note: which order.
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -131,11 +132,16 @@ def _pins(index: GraphIndex, pinned: Mapping[str, int], order: list[int]) -> dic
     return out
 
 
-def _solve(problem: PartitionProblem, options: _Options) -> Partition:
-    if options.stages is not None:
-        return partition(problem, options.stages)
-    assert options.max_stages is not None
-    return best_partition(problem, options.max_stages)
+def _solve(problem: PartitionProblem, options: _Options, index: GraphIndex, order: list[int]) -> Partition:
+    try:
+        if options.stages is not None:
+            return partition(problem, options.stages)
+        assert options.max_stages is not None
+        return best_partition(problem, options.max_stages)
+    except SplitError as e:
+        # The partition speaks of positions in the order; users know nodes by name.
+        named = re.sub(r"\b(node|nodes|position) (\d+)\b", lambda m: f"node {index.label(order[int(m.group(2))])}", str(e))
+        raise SplitError(named) from None
 
 
 def _run(
@@ -167,7 +173,7 @@ def _run(
             pinned=_pins(index, options.pinned, order) or None,
             allowed_cuts=[p for p in range(n - 1) if not sweep.blocked[p + 1]],
         )
-        result = _solve(problem, options)
+        result = _solve(problem, options, index, order)
         key = (result.bottleneck, result.crossing_bytes)
         if best is None or key < best[0]:
             best = (key, result, order)

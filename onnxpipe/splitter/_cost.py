@@ -42,6 +42,7 @@ from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import StageSettings, random_inputs
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex
+from onnxpipe.splitter._plan import load_model
 
 __all__ = ["CostProfile", "profile_model"]
 
@@ -101,8 +102,9 @@ def _model_bytes(model: ModelProto) -> bytes:
     return model.SerializeToString()
 
 
-def _cache_key(digest: str, settings: StageSettings, runs: int, dims: Mapping[str, int]) -> str:
-    wanted = {"provider": settings.provider, "threads": settings.intra_op_threads, "opt": settings.optimization, "runs": runs, "dims": dict(dims)}
+def _cache_key(digest: str, settings: StageSettings, dims: Mapping[str, int]) -> str:
+    # Not keyed by ``runs``: a profile of 3 runs serves a request for 5 as well as it can.
+    wanted = {"provider": settings.provider, "threads": settings.intra_op_threads, "opt": settings.optimization, "dims": dict(dims)}
     return hashlib.sha256((digest + json.dumps(wanted, sort_keys=True)).encode()).hexdigest()[:16]
 
 
@@ -142,9 +144,9 @@ def profile_model(
     """
     settings = settings or StageSettings()
     path = None if isinstance(model, ModelProto) else Path(model)
-    proto = model if isinstance(model, ModelProto) else onnx.load(path, load_external_data=False)  # type: ignore[arg-type]
+    proto, _ = load_model(model)
     digest = hashlib.sha256(path.read_bytes() if path is not None else _model_bytes(proto)).hexdigest()
-    key = _cache_key(digest, settings, runs, dims or {})
+    key = _cache_key(digest, settings, dims or {})
     file = _cache_path(path, key, Path(cache_dir) if cache_dir else None)
     if cache and file.is_file():
         try:

@@ -243,7 +243,7 @@ def test_unexpected_exceptions_keep_their_traceback(monkeypatch: pytest.MonkeyPa
 # -- the real entry point ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [[], ["build"], ["export"], ["run"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["split"], ["inspect"], ["verify"], ["build"], ["export"], ["run"], ["bench"]])
 def test_help_imports_neither_onnx_nor_onnxruntime(command: list[str]) -> None:
     code = (
         "import sys\n"
