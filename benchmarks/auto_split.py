@@ -126,19 +126,27 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="runs per stage timing (median)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    header = (
+        f"{'model':<13} {'pred err k=2':>12} {'k=3':>6} {'auto/best cut':>13} {'positions':>10} {'planner':>24} {'vs best base':>12} {'vs 1x2t':>8}"
+    )
+    rows = []
+    if not args.json:
+        print(f"cores: {len(os.sched_getaffinity(0))}; onnxruntime {ort.__version__}; stage times: median of {args.runs} runs, 1 thread")
+        print(header, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [bench_model(m, args.stride, args.runs, Path(tmp)) for m in args.models]
+        for m in args.models:
+            r = bench_model(m, args.stride, args.runs, Path(tmp))
+            rows.append(r)
+            if not args.json:
+                vs2 = f"{r['planner_vs_one_session_2t']:.2f}" if r["planner_vs_one_session_2t"] else "-"
+                print(
+                    f"{r['model']:<13} {r['k2_max_error']:>11.1%} {r['k3_max_error']:>6.1%} {r['auto_vs_best']:>13.3f} "
+                    f"{r['exhaustive_positions']:>4}/{r['exhaustive_of']:<5} {r['planner']:>24} {r['planner_vs_best_baseline']:>12.2f} {vs2:>8}",
+                    flush=True,
+                )
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"cores: {len(os.sched_getaffinity(0))}; onnxruntime {ort.__version__}; stage times: median of {args.runs} runs, 1 thread")
-    print(f"{'model':<13} {'pred err k=2':>12} {'k=3':>6} {'auto/best cut':>13} {'positions':>10} {'planner':>24} {'vs best base':>12} {'vs 1x2t':>8}")
-    for r in rows:
-        vs2 = f"{r['planner_vs_one_session_2t']:.2f}" if r["planner_vs_one_session_2t"] else "-"
-        print(
-            f"{r['model']:<13} {r['k2_max_error']:>11.1%} {r['k3_max_error']:>6.1%} {r['auto_vs_best']:>13.3f} "
-            f"{r['exhaustive_positions']:>4}/{r['exhaustive_of']:<5} {r['planner']:>24} {r['planner_vs_best_baseline']:>12.2f} {vs2:>8}"
-        )
     print("goals: prediction error <= 15%; auto 2-stage bottleneck <= 1.05x the best measured cut; planner >= 1.0x the best baseline")
 
 

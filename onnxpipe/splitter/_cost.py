@@ -111,7 +111,8 @@ def _cache_key(digest: str, settings: StageSettings, dims: Mapping[str, int]) ->
 def _cache_path(model_path: Path | None, key: str, cache_dir: Path | None) -> Path:
     if cache_dir is not None:
         return cache_dir / f"{key}.profile.json"
-    if model_path is not None and os.access(model_path.parent, os.W_OK):
+    # Next to the model, unless it lives in an installed package (the onnx wheel's light models).
+    if model_path is not None and os.access(model_path.parent, os.W_OK) and "site-packages" not in model_path.parts:
         return model_path.parent / f"{model_path.name}.{key}.profile.json"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "onnxpipe" / f"{key}.profile.json"
 
@@ -128,8 +129,8 @@ def profile_model(
     """Measure (or recall) the cost of every node of ``model``.
 
     The profile is cached next to the model (``<model>.onnx.<key>.profile.json``; in the user's
-    cache folder when the model's folder is not writable), keyed by the model's hash and the
-    settings, so planning again is instant.
+    cache folder when the model's folder is not writable or is inside an installed package),
+    keyed by the model's hash and the settings, so planning again is instant.
 
     Args:
         model: The model (path or ModelProto).

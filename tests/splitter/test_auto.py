@@ -100,3 +100,14 @@ def test_policy_refusals() -> None:
     profile = profile_model(model, runs=1, cache=False)
     with pytest.raises(SplitError, match="pinned node 'nope' is unknown"):
         split(model, policy=MeasuredPolicy(stages=2, pinned={"nope": 0}, profile=profile))
+
+
+@pytest.mark.parametrize("name", models.LIGHT_MODELS)
+def test_auto_splits_of_every_light_model_equal_the_whole_model(name: str) -> None:
+    """Every light model, split automatically into 3 stages (by node count: no profiling needed,
+    the split machinery is the same for every policy), equals the whole model."""
+    path = models.light_model_path(name)
+    plan = split(path, policy=UniformPolicy(stages=3))
+    assert len(plan.stages) == 3
+    report = verify(plan, path)
+    assert report.ok, [r for r in report.rows if not r.ok]

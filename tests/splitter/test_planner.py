@@ -38,6 +38,16 @@ def test_plan_on_two_cores_measures_pipelines_and_baselines(squeezenet: Path, tm
         assert (stage.settings.intra_op_threads, stage.settings.replicas) == (threads, replicas)
     assert verify(folder, squeezenet).ok
     assert result.chosen.label in str(result)
+    # ... and builds into a bundle that runs.
+    import numpy as np
+
+    from onnxpipe.builder import build, export
+    from onnxpipe.runtime import load
+
+    bundle = export(build(config, tmp_path / "built").path, tmp_path / "plan.onnxpipe")
+    with load(bundle) as pipe:
+        out = pipe({"data_0": np.zeros((1, 3, 224, 224), np.float32)})
+    assert out["softmaxout_1"].shape == (1, 1000, 1, 1)
 
 
 def test_one_core_can_only_be_one_session(squeezenet: Path) -> None:
