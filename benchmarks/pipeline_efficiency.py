@@ -196,7 +196,11 @@ def _handoff_floor(stages: int, requests: int) -> float:
     workers = [threading.Thread(target=relay, args=(i,)) for i in range(stages)]
     for w in workers:
         w.start()
-    latency = _median_time(lambda: (queues[0].put(1), queues[stages].get()), requests, warmup=50)
+    def round_trip() -> object:
+        queues[0].put(1)
+        return queues[stages].get()
+
+    latency = _median_time(round_trip, requests, warmup=50)
     queues[0].put(None)
     queues[stages].get()
     for w in workers:
