@@ -20,14 +20,24 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 
 LIGHT_MODEL = $(BIN)/python -c 'import onnx, os; print(os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", "light_$(1).onnx"))'
 
-# A real model (resnet50 from the onnx wheel, no download): where to cut, a 3-stage split, and a
-# check that the chained stages give the whole model's outputs and intermediate tensors.
+# The main job end to end on a real model (resnet50 from the onnx wheel, no download): where to cut,
+# an automatic 2-stage split checked against the whole model, a build with one core per stage, a
+# single-file bundle, then the deployment host's side in a separate process that imports only the
+# runtime: stream requests, check outputs, compare with one session and replicas, write a timeline.
 demo: $(VENV)/.installed
-	@set -e; model=$$($(call LIGHT_MODEL,resnet50)); \
-	echo "== onnxpipe inspect $$model"; $(BIN)/onnxpipe inspect "$$model" --top 5; \
-	echo; echo "== onnxpipe split (3 stages; the second cut is named by two tensors)"; \
-	$(BIN)/onnxpipe split "$$model" -o $(DEMO_OUT)/split --at r35 --at r88,r90 --overwrite; \
-	echo; echo "== onnxpipe verify"; $(BIN)/onnxpipe verify $(DEMO_OUT)/split --model "$$model" --samples 2
+	@set -e; model=$$($(call LIGHT_MODEL,resnet50)); out=$(DEMO_OUT); \
+	if [ "$$(nproc)" -ge 2 ]; then pin="--stage 0:threads=1,affinity=0 --stage 1:threads=1,affinity=1"; else pin="--stage *:threads=1"; fi; \
+	echo "== 1. onnxpipe inspect: where is it cheap to cut?"; $(BIN)/onnxpipe inspect "$$model" --top 4; \
+	echo; echo "== 2. onnxpipe split --auto: 2 stages balanced by measured per-node costs"; \
+	$(BIN)/onnxpipe split "$$model" -o $$out/split --auto --stages 2 --overwrite; \
+	echo; echo "== 3. onnxpipe verify: chained stages == whole model, outputs and boundary tensors"; \
+	$(BIN)/onnxpipe verify $$out/split --model "$$model" --samples 2; \
+	echo; echo "== 4. onnxpipe build: one thread and one core per stage"; \
+	$(BIN)/onnxpipe build $$out/split -o $$out/built $$pin --overwrite; \
+	echo; echo "== 5. onnxpipe export: one file to ship, with reference outputs of the whole model"; \
+	$(BIN)/onnxpipe export $$out/built -o $$out/resnet50.onnxpipe --reference 2 --model "$$model" --overwrite; \
+	echo; echo "== 6. the deployment host: a separate process with only the runtime"; \
+	$(BIN)/python tutorials/host_demo.py $$out/resnet50.onnxpipe "$$model" --trace $$out/trace.json
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -n 2 -q
