@@ -12,7 +12,8 @@ onnx light models:
    replicas) on this machine's cores (goal: >= 1.0x everywhere, >= 1.5x one session x 2 threads on
    shufflenet).
 
-Stage times are medians of ``--runs`` runs of the stage alone, 1 thread, fed its real inputs.
+Stage times are medians of at least ``--runs`` runs (more for fast stages, until 0.2 s) of the
+stage alone, 1 thread, fed its real inputs.
 
     python -m benchmarks.auto_split [--models squeezenet resnet50 ...] [--stride 1] [--json]
 """
@@ -43,10 +44,11 @@ MODELS = ["bvlc_alexnet", "zfnet512", "vgg19", "squeezenet", "inception_v1", "re
 ort.set_default_logger_severity(3)
 
 
-def _median(fn: Any, runs: int) -> float:
+def _median(fn: Any, runs: int, min_seconds: float = 0.2) -> float:
+    """Median seconds of at least ``runs`` runs, more until ``min_seconds`` of running (fast stages)."""
     fn()
-    samples = []
-    for _ in range(runs):
+    samples: list[float] = []
+    while len(samples) < runs or (sum(samples) < min_seconds and len(samples) < 500):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)

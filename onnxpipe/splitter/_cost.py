@@ -50,6 +50,8 @@ PROFILE_VERSION = 1
 _SUFFIXES = re.compile(r"(_nchwc|_fused.*|_token_\d+|_output_\d+|_\d+)$")
 _HOP_SECONDS = 25e-6  # queue hand-over and wake-up, measured with identity stages (benchmarks/pipeline_efficiency.py)
 _ANALYTIC_FLOPS = 2e10  # nominal multiply-add rate for the analytic fallback; only ratios matter there
+_MIN_SECONDS = 0.3  # profile at least this long...
+_MAX_RUNS = 200  # ...but no more runs than this
 
 
 @dataclass
@@ -135,7 +137,8 @@ def profile_model(
     Args:
         model: The model (path or ModelProto).
         settings: The settings stages will run with (default: CPU, 1 thread).
-        runs: Profiled runs; node costs are medians over them.
+        runs: Profiled runs at least (more for fast models, until 0.3 s of runs, 200 at most);
+            node costs are medians over them.
         dims: Sizes of symbolic input dims for the profiling inputs.
         cache: Read and write the cache.
         cache_dir: Where the cache lives instead of next to the model.
@@ -184,12 +187,14 @@ def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: 
         plain = ort.InferenceSession(source, sess_options=settings.replace(affinity=None).session_options(), providers=settings.providers())
         for _ in range(2):
             plain.run(None, feeds)
-        samples = []
-        for _ in range(runs):
+        samples: list[float] = []
+        # Small models run many more times than asked: a median of 5 runs of 2 ms is noise.
+        while len(samples) < runs or (sum(samples) < _MIN_SECONDS and len(samples) < _MAX_RUNS):
             start = time.perf_counter()
             plain.run(None, feeds)
             samples.append(time.perf_counter() - start)
         total = statistics.median(samples)
+        runs = len(samples)
         opts = settings.replace(affinity=None).session_options()
         opts.enable_profiling = True
         opts.profile_file_prefix = str(Path(tmp) / "profile")
