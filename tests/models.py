@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -28,6 +29,7 @@ __all__ = [
     "dead_nodes",
     "external_data",
     "functions",
+    "hand_wired",
     "ir3_initializer_inputs",
     "light_model_path",
     "outer_scope",
@@ -453,3 +455,26 @@ def bundle_of(config: object, folder: str | os.PathLike[str]) -> Path:
     config = getattr(config, "config", config)
     folder = Path(folder)
     return export(build(config, folder / "built").path, folder / "bundle")  # type: ignore[arg-type]
+
+
+def hand_wired(param_group: str | None = None, tail_first: bool = False) -> Any:
+    """The three stages above wired by hand: ``x`` skips to ``tail``, ``g`` skips ``twin``, ``h``
+    feeds both inputs of ``twin``; optionally ``tail``'s ``scale`` in a parameter group, and
+    ``tail`` added first (the config must still order it last). Computes :func:`stages_whole`."""
+    from onnxpipe.builder import PipelineConfig
+
+    config = PipelineConfig("hand")
+    tail = config.add_stage(stage_tail(), "tail") if tail_first else None
+    head = config.add_stage(stage_head(), "head")
+    twin = config.add_stage(stage_twin(), "twin")
+    tail = tail or config.add_stage(stage_tail(), "tail")
+    config.input("x").connect(head.input("x"))
+    config.input("x").connect(tail.input("x"))
+    head.output("h").connect(twin.input("p"))
+    head.output("h").connect(twin.input("q"))
+    head.output("g").connect(tail.input("g"))
+    twin.output("s").connect(tail.input("s"))
+    tail.output("y").connect(config.output("y"))
+    if param_group:
+        config.add_param_group(param_group, tail, ["scale"])
+    return config

@@ -31,7 +31,7 @@ from onnx import ModelProto
 
 from onnxpipe._errors import BuildError, SplitError
 from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Stage
-from onnxpipe.builder._modules import save_model
+from onnxpipe.builder._modules import move_into_place, save_model
 from onnxpipe.runtime import ParamGroup, PipelineSpec
 
 __all__ = ["BuildResult", "StageReport", "build"]
@@ -122,21 +122,11 @@ def build(config: PipelineConfig, out_dir: str | os.PathLike[str], *, ort_format
         unbuilt = config.to_spec(modules)
         built = dataclasses.replace(unbuilt, stages=tuple(dataclasses.replace(s, build=records[s.name]) for s in unbuilt.stages))
         (staging / CONFIG_FILE).write_text(built.to_json())
-        _replace(staging, out)
+        move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     by_name = {r.stage: r for r in reports}
     return BuildResult(out, built, tuple(by_name[s.name] for s in built.stages))
-
-
-def _replace(staging: Path, out: Path) -> None:
-    if out.exists():
-        old = staging.with_name(staging.name + ".old")
-        out.rename(old)
-        staging.rename(out)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        staging.rename(out)
 
 
 def _prepare(model: ModelProto, groups: list[ParamGroup]) -> tuple[ModelProto, str]:

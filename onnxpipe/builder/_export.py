@@ -22,6 +22,7 @@ import onnxruntime as ort
 import onnxpipe
 from onnxpipe._errors import BuildError, ConfigError
 from onnxpipe.builder._config import CONFIG_FILE
+from onnxpipe.builder._modules import move_into_place
 from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
 from onnxpipe.runtime._bundle import MANIFEST_NAME, save_npz, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
@@ -75,9 +76,7 @@ def export(
         if out.name.endswith(ARCHIVE_SUFFIX):
             _write_archive(staging, out)
         else:
-            if out.exists():
-                shutil.rmtree(out) if out.is_dir() else out.unlink()
-            staging.rename(out)
+            move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -11,6 +11,7 @@ Note: external data.
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from onnxpipe.runtime import TensorSpec, dtype_from_onnx
 __all__ = [
     "PROTOBUF_LIMIT",
     "io_specs",
+    "move_into_place",
     "save_model",
     "tensor_nbytes",
     "tensor_spec",
@@ -64,6 +66,18 @@ def io_specs(model: ModelProto) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpe
     inputs = tuple(tensor_spec(v) for v in model.graph.input if v.name not in weights)
     outputs = tuple(tensor_spec(v) for v in model.graph.output)
     return inputs, outputs
+
+
+def move_into_place(staging: Path, target: Path) -> None:
+    """Make the finished folder ``staging`` become ``target``, replacing what was there, so that
+    ``target`` is never seen half-written (both must be on one file system: stage beside it)."""
+    if target.exists():
+        old = staging.with_name(staging.name + ".old")
+        target.rename(old)
+        staging.rename(target)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        staging.rename(target)
 
 
 def weight_specs(model: ModelProto) -> dict[str, TensorSpec]:

@@ -16,7 +16,7 @@ from onnx import ModelProto
 
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import PipelineConfig, tensor_nbytes, tensor_spec, weights_bytes, without_initializers
-from onnxpipe.builder._modules import PROTOBUF_LIMIT
+from onnxpipe.builder._modules import PROTOBUF_LIMIT, move_into_place
 from onnxpipe.runtime import PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types
@@ -109,13 +109,7 @@ class SplitPlan:
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
             self.config.save(tmp)
-            if directory.exists():
-                old = tmp.with_name(tmp.name + ".old")
-                directory.rename(old)
-                tmp.rename(directory)
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
-            else:
-                tmp.rename(directory)
+            move_into_place(tmp, directory)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)

@@ -20,21 +20,8 @@ from tests import models
 
 
 def _hand_config() -> PipelineConfig:
-    """head -> twin -> tail, with x skipping to tail, g skipping head -> tail, h feeding both twin
-    inputs, and tail's 'scale' initializer in param group 'tail_scale'."""
-    config = PipelineConfig("hand")
-    head = config.add_stage(models.stage_head(), "head")
-    twin = config.add_stage(models.stage_twin(), "twin")
-    tail = config.add_stage(models.stage_tail(), "tail")
-    config.input("x").connect(head.input("x"))
-    config.input("x").connect(tail.input("x"))
-    head.output("h").connect(twin.input("p"))
-    head.output("h").connect(twin.input("q"))
-    head.output("g").connect(tail.input("g"))
-    twin.output("s").connect(tail.input("s"))
-    tail.output("y").connect(config.output("y"))
-    config.add_param_group("tail_scale", tail, ["scale"])
-    return config
+    """The hand-wired pipeline of tests/models.py with tail's 'scale' in param group 'tail_scale'."""
+    return models.hand_wired(param_group="tail_scale")
 
 
 def _whole(x: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:

@@ -12,33 +12,17 @@ import pytest
 from onnxpipe import ConfigError
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import SequentialPipeline, TensorSpec
+from tests import models
 
-
-def _model(text: str) -> onnx.ModelProto:
-    model = onnx.parser.parse_model('<ir_version: 8, opset_import: ["" : 17]>\n' + text)
-    onnx.checker.check_model(model)
-    return model
-
-
-HEAD = _model("head (float[N, 4] x) => (float[N, 4] h, float[N, 4] g) { h = Relu(x) \n g = Neg(x) }")
-TWIN = _model("twin (float[N, 4] p, float[N, 4] q) => (float[N, 4] s) { s = Add(p, q) }")
-TAIL = _model("tail (float[N, 4] s, float[N, 4] g, float[N, 4] x) => (float[N, 4] y) { t = Mul(s, g) \n y = Sub(t, x) }")
+HEAD = models.stage_head()
+TWIN = models.stage_twin()
+TAIL = models.stage_tail()
 
 
 def _three_stage() -> PipelineConfig:
-    """Skip edges (x into tail, g from head to tail), and one output feeding two inputs of twin."""
-    config = PipelineConfig("demo")
-    tail = config.add_stage(TAIL, "tail")  # added first: to_spec must still order it last
-    head = config.add_stage(HEAD, "head")
-    twin = config.add_stage(TWIN, "twin")
-    config.input("x").connect(head.input("x"))
-    config.input("x").connect(tail.input("x"))
-    head.output("h").connect(twin.input("p"))
-    head.output("h").connect(twin.input("q"))
-    head.output("g").connect(tail.input("g"))
-    twin.output("s").connect(tail.input("s"))
-    tail.output("y").connect(config.output("y"))
-    return config
+    """Skip edges (x into tail, g from head to tail), one output feeding two inputs of twin, and
+    tail added first: to_spec must still order it last."""
+    return models.hand_wired(tail_first=True)
 
 
 def _expected(x: np.ndarray) -> np.ndarray:

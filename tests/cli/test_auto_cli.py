@@ -11,31 +11,14 @@ from pathlib import Path
 
 import onnx
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import CliRunner
 
 from onnxpipe.cli import main
 from onnxpipe.cli._autosplit import POLICY_NAMES
 from onnxpipe.cli._common import SizeType
 from onnxpipe.splitter import POLICIES
-from tests.cli.test_cli import assert_user_error
+from tests.cli.helpers import assert_usage_error, assert_user_error, ok, run
 from tests.models import light_model_path
-
-
-def run(*args: object) -> Result:
-    return CliRunner(env={"COLUMNS": "200"}).invoke(main, [str(a) for a in args])
-
-
-def ok(*args: object) -> Result:
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result
-
-
-def assert_usage_error(result: Result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert "Usage:" in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, fragment
 
 
 def stages_of(folder: Path) -> list[dict[str, object]]:

@@ -18,32 +18,16 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 
-from onnxpipe.cli import main
-from tests.cli.test_cli import assert_user_error
+from tests.cli.helpers import assert_usage_error, assert_user_error, ok, run
 from tests.models import light_model_path
 
 SQUEEZENET = light_model_path("squeezenet")
 INPUT, OUTPUT = "data_0", "softmaxout_1"
 
 
-def run(*args: object) -> Result:
-    # Wide enough that no table cell is wrapped: the tests match whole words.
-    return CliRunner(env={"COLUMNS": "200"}).invoke(main, [str(a) for a in args])
 
-
-def ok(*args: object) -> Result:
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result
-
-
-def assert_usage_error(result: Result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert "Usage:" in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, fragment
 
 
 def whole_model(feeds: dict[str, np.ndarray]) -> np.ndarray:

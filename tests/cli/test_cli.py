@@ -14,6 +14,7 @@ from click.testing import CliRunner, Result
 
 from onnxpipe.cli import main
 from onnxpipe.splitter._graph import GraphIndex
+from tests.cli.helpers import assert_user_error
 
 LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"
 SQUEEZENET = LIGHT / "light_squeezenet.onnx"
@@ -22,15 +23,6 @@ SQUEEZENET = LIGHT / "light_squeezenet.onnx"
 def run(*args: object) -> Result:
     return CliRunner().invoke(main, [str(a) for a in args])
 
-
-def assert_user_error(result: Result, *fragments: str) -> None:
-    """Exit 1, one line 'error: ...' on stderr containing every fragment, no traceback."""
-    assert result.exit_code == 1, result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
-    assert "Traceback" not in result.output
 
 
 @pytest.fixture(scope="module")

@@ -13,32 +13,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner, Result
 
 from onnxpipe.builder import PipelineConfig
-from onnxpipe.cli import main
 from onnxpipe.runtime import load
 from tests import models
-from tests.cli.test_cli import assert_user_error
+from tests.cli.helpers import assert_usage_error, assert_user_error, ok, run
 
 REQUESTS = 30
 
 
-def run(*args: object, env: dict[str, str] | None = None) -> Result:
-    return CliRunner(env={"COLUMNS": "200", **(env or {})}).invoke(main, [str(a) for a in args])
 
-
-def ok(*args: object) -> Result:
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result
-
-
-def assert_usage_error(result: Result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert "Usage:" in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, fragment
 
 
 def write_requests(folder: Path, rows: list[int], seed: int = 0) -> list[Path]:
@@ -59,16 +43,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hand(work: Path) -> Path:
-    config = PipelineConfig("hand")
-    head, twin, tail = (config.add_stage(m(), name) for m, name in ((models.stage_head, "head"), (models.stage_twin, "twin"), (models.stage_tail, "tail")))
-    config.input("x").connect(head.input("x"))
-    config.input("x").connect(tail.input("x"))
-    head.output("h").connect(twin.input("p"))
-    head.output("h").connect(twin.input("q"))
-    head.output("g").connect(tail.input("g"))
-    twin.output("s").connect(tail.input("s"))
-    tail.output("y").connect(config.output("y"))
-    return models.bundle_of(config, work / "hand")
+    return models.bundle_of(models.hand_wired(), work / "hand")
 
 
 @pytest.fixture(scope="module")

@@ -113,19 +113,7 @@ def test_get_output_before_ready_returns_none_without_blocking(tmp_path: Path, n
 
 
 def _hand_pipeline(tmp_path: Path) -> Path:
-    config = PipelineConfig("hand")
-    head = config.add_stage(models.stage_head(), "head")
-    twin = config.add_stage(models.stage_twin(), "twin")
-    tail = config.add_stage(models.stage_tail(), "tail")
-    config.input("x").connect(head.input("x"))
-    config.input("x").connect(tail.input("x"))
-    head.output("h").connect(twin.input("p"))
-    head.output("h").connect(twin.input("q"))
-    head.output("g").connect(tail.input("g"))
-    twin.output("s").connect(tail.input("s"))
-    tail.output("y").connect(config.output("y"))
-    config.add_param_group("scale", tail, ["scale"])
-    return models.bundle_of(config, tmp_path)
+    return models.bundle_of(models.hand_wired(param_group="scale"), tmp_path)
 
 
 def test_set_params_applies_to_requests_submitted_after_it(tmp_path: Path, no_thread_left: object) -> None:
