@@ -46,8 +46,8 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check onnxpipe tests benchmarks
 	$(BIN)/mypy
 
-bench: $(VENV)/.installed
-	$(BIN)/python -m benchmarks.split_speed
+bench: $(VENV)/.installed-dev
+	$(BIN)/python -m benchmarks --out bench-out
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .hypothesis
