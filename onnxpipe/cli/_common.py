@@ -7,6 +7,7 @@ this module.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import sys
 import zipfile
@@ -37,6 +38,7 @@ __all__ = [
     "step_progress",
     "working",
     "quiet_onnxruntime",
+    "read_json",
     "read_npz",
     "read_npz_layout",
     "stderr_is_terminal",
@@ -160,6 +162,20 @@ def given(ctx: click.Context, *params: str) -> list[str]:
         if p.name in params and ctx.get_parameter_source(p.name) not in (click.core.ParameterSource.DEFAULT, None):
             flags.append(p.opts[0])
     return flags
+
+
+def read_json(path: Path, what: str) -> Any:
+    """The JSON value in ``path``.
+
+    Raises:
+        UserError: the file is missing or is not JSON (the message names it as ``what``).
+    """
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{what} '{path}' does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {what} '{path}': {e}") from e
 
 
 def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:

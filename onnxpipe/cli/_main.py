@@ -24,7 +24,7 @@ import click
 
 from onnxpipe import __version__
 from onnxpipe.cli._autosplit import POLICY_NAMES
-from onnxpipe.cli._common import DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime
+from onnxpipe.cli._common import DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime, read_json
 from onnxpipe.cli._deploy import bench, build, export, run
 
 if TYPE_CHECKING:
@@ -287,12 +287,7 @@ def _tensor_cut(value: str) -> str | list[str]:
 
 
 def _read_assignment(path: Path) -> dict[str, int]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"assignment file '{path}' does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read assignment file '{path}': {e}") from e
+    data = read_json(path, "assignment file")
     if not isinstance(data, dict):
         raise UserError(f"assignment file '{path}' must hold a JSON object {{\"node name\": stage, ...}}, got {type(data).__name__}")
     return data

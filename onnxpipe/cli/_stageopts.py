@@ -7,7 +7,6 @@ checked by :class:`~onnxpipe.runtime.StageSettings` when they are applied to a s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from onnxpipe._errors import ConfigError, closest
+from onnxpipe.cli._common import read_json
 
 if TYPE_CHECKING:
     from onnxpipe.builder import PipelineConfig, Stage
@@ -184,12 +184,7 @@ def read_settings_file(path: Path) -> list[tuple[str, dict[str, Any]]]:
     Raises:
         ConfigError: the file is missing, not JSON, or not an object of objects.
     """
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"settings file '{path}' does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read settings file '{path}': {e}") from e
+    data = read_json(path, "settings file")
     shape = 'a JSON object {"*": {...}, "stage0": {...}, "1": {...}} of stage settings'
     if not isinstance(data, dict):
         raise ConfigError(f"settings file '{path}' must hold {shape}, got {type(data).__name__}")
