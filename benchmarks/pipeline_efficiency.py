@@ -8,13 +8,16 @@ Measured side by side in one run, on onnx light models split in two stages x 1 t
 - **baselines** a user would pick instead: the whole model in one session with 1 and 2 threads, and
   2 replicas x 1 thread (a one-stage onnxpipe bundle with ``replicas=2``).
 
-And the **per-hop overhead**: a chain of identity stages on a small tensor, one request at a time;
-(latency - sum of the stages' standalone times) / stages (goal <= 30 us).
+And the **per-hop overhead**: what one more stage adds to a request's latency beyond the stage's own
+work, fitted over chains of 1, 2, 4 and 8 identity stages on a small tensor, one request at a time,
+for three placements of the stages, each beside the cheapest blocking hand-off CPython has on the
+same placement (goal <= 30 us; see :func:`bench_hop`).
 
 The cut of each model is the most balanced of a few low-traffic candidates (from ``inspect_model``),
-chosen by timing their two stages here -- a stand-in until the automatic planner exists.
+chosen by timing their two stages here.
 
-    python -m benchmarks.pipeline_efficiency [--models shufflenet squeezenet resnet50] [--requests 200] [--json]
+    python -m benchmarks.pipeline_efficiency [--models shufflenet squeezenet resnet50] [--requests 200]
+        [--rounds 3] [--hop-requests 2000] [--json]     (--models with no name: only the hop)
 """
 
 from __future__ import annotations
@@ -174,89 +177,176 @@ def _identity(i: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _identity_bundle(stages: int, work: Path) -> Path:
+def _identity_bundle(stages: int, work: Path, cores: list[int] | None = None) -> Path:
+    """A chain of ``stages`` identity stages; stage i pinned to ``cores[i % len(cores)]`` if given."""
+    name = f"hops{stages}-{'-'.join(map(str, cores)) if cores else 'any'}"
+    if (work / name).exists():
+        return work / name
     config = PipelineConfig(f"hops{stages}")
     chain = [config.add_stage(_identity(i), f"id{i}") for i in range(stages)]
+    for i, stage in enumerate(chain):
+        if cores:
+            stage.configure(affinity=[cores[i % len(cores)]])
     config.input("t0").connect(chain[0].input("t0"))
     for i in range(1, stages):
         chain[i - 1].output(f"t{i}").connect(chain[i].input(f"t{i}"))
     chain[-1].output(f"t{stages}").connect(config.output(f"t{stages}"))
-    return _bundle(config, work, f"hops{stages}")
+    return _bundle(config, work, name)
 
 
-def _handoff_floor(stages: int, requests: int) -> float:
-    """Seconds per hop of the cheapest blocking hand-off CPython has (a chain of C SimpleQueues)."""
-    queues: list[queue.SimpleQueue[object]] = [queue.SimpleQueue() for _ in range(stages + 1)]
+class _Relay:
+    """The cheapest blocking hand-off CPython has: a chain of threads passing an item through C
+    SimpleQueues, each thread doing nothing else (pinned like the stages it stands for)."""
 
-    def relay(i: int) -> None:
-        while (item := queues[i].get()) is not None:
-            queues[i + 1].put(item)
-        queues[i + 1].put(None)
+    def __init__(self, stages: int, cores: list[int] | None) -> None:
+        self.queues: list[queue.SimpleQueue[object]] = [queue.SimpleQueue() for _ in range(stages + 1)]
+        self.workers = [threading.Thread(target=self._relay, args=(i, cores[i % len(cores)] if cores else None)) for i in range(stages)]
+        for w in self.workers:
+            w.start()
 
-    workers = [threading.Thread(target=relay, args=(i,)) for i in range(stages)]
-    for w in workers:
-        w.start()
-    def round_trip() -> object:
-        queues[0].put(1)
-        return queues[stages].get()
+    def _relay(self, i: int, core: int | None) -> None:
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+        take, give = self.queues[i].get, self.queues[i + 1].put
+        while (item := take()) is not None:
+            give(item)
+        give(None)
 
-    latency = _median_time(round_trip, requests, warmup=50)
-    queues[0].put(None)
-    queues[stages].get()
-    for w in workers:
-        w.join()
-    return latency / stages
+    def __call__(self) -> object:
+        self.queues[0].put(1)
+        return self.queues[-1].get()
+
+    def close(self) -> None:
+        self.queues[0].put(None)
+        self.queues[-1].get()
+        for w in self.workers:
+            w.join()
 
 
-def bench_hop(stages: int, requests: int, work: Path) -> dict[str, float]:
-    """Per-hop overhead of identity stages on a [1, 16] tensor, two ways:
+def _slope(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least-squares line through the points: (slope, intercept)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
 
-    - latency: one request at a time through ``stages`` stages; (latency - stages alone) / stages.
-      Every hop wakes a sleeping thread, so this includes the OS's wake-up time; the cheapest
-      blocking hand-off CPython has (a chain of C SimpleQueues) is measured beside it as the floor.
-    - streaming: requests streamed through 2 identity stages; 1 / throughput - the slower stage
-      alone: the runtime's whole Python cost per request (submission, two hand-overs, the future),
-      which the GIL serializes -- the ceiling on requests per second for stages that do nothing.
+
+#: Where the identity stages (and the thread calling the pipeline) run, as a function of the cores.
+PLACEMENTS: dict[str, Callable[[list[int]], tuple[list[int] | None, set[int] | None]]] = {
+    "default": lambda cores: (None, None),  # nothing pinned: what load() gives by default
+    "one core": lambda cores: ([cores[0]], {cores[0]}),  # every stage and the caller on one core
+    "two cores": lambda cores: (cores[:2], {cores[0]}),  # consecutive stages on different cores
+}
+
+
+def bench_hop(requests: int, rounds: int, work: Path, lengths: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
+    """What one more stage adds to a request's latency, beyond the stage's own work.
+
+    Chains of 1, 2, 4 and 8 identity stages on a [1, 16] tensor, one request at a time (``pipe(x)``),
+    for each placement of :data:`PLACEMENTS`; medians of ``rounds`` interleaved rounds. A line is
+    fitted to latency against the number of stages: its slope is the cost of one stage, and
+    **per-hop overhead = slope - the identity stage's standalone run time**; its intercept is the
+    fixed cost of a request (input checks, the future, entering and leaving the pipeline).
+
+    Beside each, the same fit on the cheapest blocking hand-off CPython has (:class:`_Relay`,
+    pinned alike): the floor set by the OS waking a sleeping thread, which depends on the
+    placement (a wake-up across cores costs more, above all on a VM whose idle cores halt).
+
+    Also the runtime's Python cost per request when streaming through 2 identity stages
+    (``1 / throughput - the slower stage alone``; GIL-serialized): the ceiling on requests per
+    second for stages that do nothing.
     """
     x = np.ones((1, 16), np.float32)
-    chain = _identity_bundle(stages, work)
-    alone = sum(_stage_times(chain, {f"t{i}": x for i in range(stages + 1)}, runs=2000))
-    with load(chain) as pipe:
-        latency = _median_time(lambda: pipe({"t0": x}), requests, warmup=50)
+    cores = sorted(os.sched_getaffinity(0))
+    longest = _identity_bundle(max(lengths), work)
+    alone = statistics.median(_stage_times(longest, {f"t{i}": x for i in range(max(lengths) + 1)}, runs=2000))
+    placements = {k: f(cores) for k, f in PLACEMENTS.items() if len(cores) >= 2 or k != "two cores"}
+    rows = {}
+    for name, (stage_cores, caller) in placements.items():
+        pipes = {n: load(_identity_bundle(n, work, stage_cores)) for n in lengths}
+        relays = {n: _Relay(n, stage_cores) for n in lengths}
+        latency: dict[int, list[float]] = {n: [] for n in lengths}
+        floor: dict[int, list[float]] = {n: [] for n in lengths}
+        if caller is not None:
+            os.sched_setaffinity(0, caller)
+        try:
+            for _ in range(rounds):
+                for n in lengths:
+                    pipe = pipes[n]
+                    latency[n].append(_median_time(lambda pipe=pipe: pipe({"t0": x}), requests, warmup=50))  # type: ignore[misc]
+                    floor[n].append(_median_time(relays[n], requests, warmup=50))
+        finally:
+            os.sched_setaffinity(0, cores)
+            for p in pipes.values():
+                p.close()
+            for r in relays.values():
+                r.close()
+        med = [statistics.median(latency[n]) for n in lengths]
+        slope, fixed = _slope(list(lengths), med)
+        floor_slope, floor_fixed = _slope(list(lengths), [statistics.median(floor[n]) for n in lengths])
+        rows[name] = {
+            "stage_cores": stage_cores,
+            "latency_us": {n: round(v * 1e6, 1) for n, v in zip(lengths, med, strict=True)},
+            "per_hop_us": (slope - alone) * 1e6,
+            "fixed_us": fixed * 1e6,
+            "floor_per_hop_us": floor_slope * 1e6,
+            "floor_fixed_us": floor_fixed * 1e6,
+        }
     pair = _identity_bundle(2, work)
     slower = max(_stage_times(pair, {f"t{i}": x for i in range(3)}, runs=2000))
     with load(pair) as pipe:
         throughput = _stream(pipe, {"t0": x}, requests)
     return {
-        "stages": stages,
-        "latency_us": latency * 1e6,
-        "stages_alone_us": alone * 1e6,
-        "per_hop_us": (latency - alone) / stages * 1e6,
-        "floor_per_hop_us": _handoff_floor(stages, requests) * 1e6,
+        "lengths": list(lengths),
+        "stage_alone_us": alone * 1e6,
+        "placements": rows,
         "streaming_cost_per_request_us": (1 / throughput - slower) * 1e6,
     }
 
 
+def _print_hop(hop: dict[str, Any], rounds: int) -> None:
+    lengths = hop["lengths"]
+    print(
+        f"\nper-hop overhead: chains of {', '.join(map(str, lengths))} identity stages, one request at a time, medians of {rounds} "
+        f"interleaved rounds; a line fitted to latency vs stages: per hop = slope - the stage alone ({hop['stage_alone_us']:.1f} us)"
+    )
+    print(f"{'placement':<10} {'latency us by stages':>28} {'per hop':>8} {'fixed':>7} {'floor hop':>10} {'floor fixed':>12}")
+    for name, row in hop["placements"].items():
+        lat = " / ".join(f"{row['latency_us'][n]:.0f}" for n in lengths)
+        print(f"{name:<10} {lat:>28} {row['per_hop_us']:>8.1f} {row['fixed_us']:>7.1f} {row['floor_per_hop_us']:>10.1f} {row['floor_fixed_us']:>12.1f}")
+    print(
+        "(us; per hop: goal <= 30 us; fixed: a request's own cost (input checks, future, in and out); floor: the same fit on a chain\n"
+        " of threads passing an item through C SimpleQueues, pinned alike -- the OS's wake-up cost, which no runtime goes below;\n"
+        " default: nothing pinned; one core: stages and caller on one core; two cores: consecutive stages on different cores)"
+    )
+    cost = hop["streaming_cost_per_request_us"]
+    print(
+        f"runtime cost per request when streaming through 2 identity stages (submit, 2 hand-overs, future; GIL-serialized): "
+        f"{cost:.1f} us, a ceiling of {1e6 / cost:.0f} req/s for stages that do nothing"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["shufflenet", "squeezenet", "resnet50"])
+    parser.add_argument("--models", nargs="*", default=["shufflenet", "squeezenet", "resnet50"])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--hop-requests", type=int, default=2000, help="requests per chain and round for the per-hop overhead")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows = [bench_model(m, args.requests, args.rounds, work) for m in args.models]
-        hop = bench_hop(8, 3000, work)
+        hop = bench_hop(args.hop_requests, args.rounds, work)
     if args.json:
         print(json.dumps({"models": rows, "hop": hop, "cores": len(os.sched_getaffinity(0)), "threads": threading.active_count()}, indent=2))
         return
-    print(f"cores: {len(os.sched_getaffinity(0))}; onnxruntime {ort.__version__}; 2 stages x 1 thread, one core each; "
-          f"medians of {args.rounds} interleaved rounds of {args.requests} requests")
-    print(
-        f"{'model':<11} {'stage ms':>15} {'pipeline':>9} {'ideal':>7} {'effic.':>6} {'1 sess 1t':>9} {'1 sess 2t':>9} {'2 repl':>7}"
-        "  ratio pipeline / (1t, 2t, repl)"
-    )
+    print(f"cores: {len(os.sched_getaffinity(0))}; onnxruntime {ort.__version__}")
+    if rows:
+        print(f"2 stages x 1 thread, one core each; medians of {args.rounds} interleaved rounds of {args.requests} requests")
+        print(
+            f"{'model':<11} {'stage ms':>15} {'pipeline':>9} {'ideal':>7} {'effic.':>6} {'1 sess 1t':>9} {'1 sess 2t':>9} {'2 repl':>7}"
+            "  ratio pipeline / (1t, 2t, repl)"
+        )
     for r in rows:
         p = r["pipeline_req_s"]
         ratios = ", ".join(f"{p / r[k]:.2f}" for k in ("one_session_1t_req_s", "one_session_2t_req_s", "replicas_2x1t_req_s"))
@@ -264,18 +354,11 @@ def main() -> None:
             f"{r['model']:<11} {' / '.join(f'{t:.2f}' for t in r['stage_ms']):>15} {p:>9.1f} {r['ideal_req_s']:>7.1f} {r['efficiency']:>6.3f} "
             f"{r['one_session_1t_req_s']:>9.1f} {r['one_session_2t_req_s']:>9.1f} {r['replicas_2x1t_req_s']:>7.1f}  {ratios}"
         )
-    print("(throughputs in requests/s; efficiency = pipeline / ideal, ideal = 1 / slowest stage alone; goal >= 0.95)")
+    if rows:
+        print("(throughputs in requests/s; efficiency = pipeline / ideal, ideal = 1 / slowest stage alone; goal >= 0.95)")
     for r in rows:
         print(f"  {r['model']}: pipeline per round {r['pipeline_req_s_rounds']}, cut at {r['cut']}")
-    print(
-        f"per-hop overhead, one request at a time: {hop['per_hop_us']:.1f} us per stage ({hop['stages']} identity stages, latency "
-        f"{hop['latency_us']:.1f} us, stages alone {hop['stages_alone_us']:.1f} us; goal <= 30 us); "
-        f"CPython's cheapest blocking hand-off on this host: {hop['floor_per_hop_us']:.1f} us"
-    )
-    print(
-        f"runtime cost per request when streaming (submit, 2 hand-overs, future; GIL-serialized): "
-        f"{hop['streaming_cost_per_request_us']:.1f} us, a ceiling of {1e6 / hop['streaming_cost_per_request_us']:.0f} req/s for empty stages"
-    )
+    _print_hop(hop, args.rounds)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class ThreadEngine:
         recorder.thread_id = threading.get_ident()
         ready.wait()
         # Hot loop: bound methods looked up once.
-        take = self._channels[i].get
+        take = self._channels[i].reader().get
         hand_on = self._channels[i + 1].put if i + 1 < len(self._channels) else None
         record, clock = recorder.record, time.perf_counter
         while True:
