@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import click
 
@@ -208,10 +208,13 @@ def _reference_inputs(
     return sets, notes
 
 
+#: The runtime's own default (``onnxpipe.runtime.DEFAULT_QUEUE_DEPTH``, not imported here to keep
+#: ``--help`` fast; a test checks they agree).
+_QUEUE_DEPTH_DEFAULT = 4
 QUEUE_DEPTH = click.option(
     "--queue-depth",
     "queue_depth",
-    default=2,
+    default=_QUEUE_DEPTH_DEFAULT,
     show_default=True,
     type=click.IntRange(min=1),
     metavar="Q",
@@ -412,6 +415,13 @@ def run(bundle: Path, input_paths: Sequence[Path], out: Path, target: str | None
     metavar="R",
     help="Runs of each stage alone for its standalone time, median taken (0 skips them: no ideal throughput).",
 )
+@click.option(
+    "--caller-cores",
+    "caller_cores",
+    metavar="auto|C,C...",
+    help="Pin the thread feeding the pipeline to these cores while timed; auto: the cores of the pinned stage with the most slack "
+    "(where it slows no bottleneck; worth it when every core runs a stage).",
+)
 @TRACE
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else.")
 @click.pass_context
@@ -425,6 +435,7 @@ def bench(
     target: str | None,
     queue_depth: int,
     standalone_runs: int,
+    caller_cores: str | None,
     trace: Path | None,
     as_json: bool,
 ) -> None:
@@ -444,7 +455,9 @@ def bench(
       onnxpipe bench model.onnxpipe --requests 1000 --dim batch=8 --queue-depth 4
       onnxpipe bench model.onnxpipe --inputs image.npz --trace bench.json --json
       onnxpipe bench gpu-bundle/ --target cpu --standalone-runs 0
+      onnxpipe bench model.onnxpipe --caller-cores auto
     """
+    cores = _parse_cores(caller_cores)
     if input_file is not None and dims:
         raise click.UsageError("--dim: only used for random inputs; the --inputs file fixes the shapes")
     from onnxpipe._errors import InputError
@@ -459,7 +472,9 @@ def bench(
             except InputError as e:
                 raise UserError(f"inputs file '{input_file}': {e}") from e
         with progress(requests, "requests", as_json, then="timing each stage alone") as advance:
-            report = benchmark(pipe, requests, warmup=warmup, inputs=inputs, dims=dict(dims), standalone_runs=standalone_runs, progress=advance)
+            report = benchmark(
+                pipe, requests, warmup=warmup, inputs=inputs, dims=dict(dims), standalone_runs=standalone_runs, progress=advance, caller_cores=cores
+            )
         _save_trace(pipe, trace)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
@@ -467,6 +482,20 @@ def bench(
     from onnxpipe.cli import _render
 
     _render.bench_report(report, warmup, [*report.notes, *_bench_notes(report, standalone_runs)], trace)
+
+
+def _parse_cores(value: str | None) -> list[int] | Literal["auto"] | None:
+    if value is None:
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        cores = [int(c) for c in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"'{value}': expected auto or core numbers separated by commas, e.g. 0,1", param_hint="--caller-cores") from None
+    if any(c < 0 for c in cores):
+        raise click.BadParameter(f"'{value}': core numbers start at 0", param_hint="--caller-cores")
+    return cores
 
 
 _SLOWDOWN = 1.5  # a stage this many times slower in the pipeline than alone gets a note

@@ -339,6 +339,8 @@ def bench_report(report: BenchReport, warmup: int, notes: Iterable[str], trace: 
     ideal = f" (ideal {report.ideal_throughput:.1f} req/s: efficiency {report.efficiency:.0%})" if measured else ""
     _line(console, f"throughput: {report.throughput:.1f} req/s{ideal}")
     _line(console, f"latency:    mean {report.latency_mean_ms:.2f} ms, p50 {report.latency_p50_ms:.2f} ms, p99 {report.latency_p99_ms:.2f} ms")
+    if report.caller_cores is not None:
+        _line(console, f"the thread feeding the pipeline ran on core(s) {', '.join(map(str, report.caller_cores))}")
     table = Table(title="stages")
     for column in ("stage", "replicas", "alone ms", "in pipeline ms", "utilization", ""):
         table.add_column(column, justify="left" if column in ("stage", "") else "right")

@@ -3,6 +3,7 @@
 from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
 from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, read_bundle, save_npz
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
+from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import check_inputs, random_inputs
 from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._sequential import SequentialPipeline
@@ -12,6 +13,7 @@ from onnxpipe.runtime._stats import PipelineStats, StageStats
 
 __all__ = [
     "ARCHIVE_SUFFIX",
+    "DEFAULT_QUEUE_DEPTH",
     "DTYPES",
     "PROVIDER_ALIASES",
     "SPEC_VERSION",

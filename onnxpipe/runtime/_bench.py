@@ -6,6 +6,11 @@ fed the real tensors the stage receives, one run at a time on a thread pinned li
 worker, median of several runs. The slowest stage (per replica) bounds the pipeline: its *ideal*
 throughput is ``min over stages of replicas / standalone time``, and ``efficiency`` is the measured
 throughput over that bound.
+
+The thread that feeds the pipeline needs CPU too. On a machine where every core runs a stage it
+preempts whichever stage shares its core; ``caller_cores="auto"`` pins it, for the timed requests,
+to the cores of the stage with the most slack (the fastest per replica, among pinned stages), so it
+does not slow the bottleneck. The report says where it ran.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from onnxpipe._errors import ConfigError
 from onnxpipe.runtime._inputs import random_inputs
 from onnxpipe.runtime._pipeline import Pipeline
 from onnxpipe.runtime._sequential import SequentialPipeline
@@ -56,6 +62,7 @@ class BenchReport:
         bottleneck: The stage with the highest utilization in the pipeline.
         stages: Per-stage numbers, in pipeline order.
         notes: Things to know (defaulted dims, ...).
+        caller_cores: Cores the feeding thread was pinned to while timed, or ``None``.
     """
 
     requests: int
@@ -69,6 +76,7 @@ class BenchReport:
     bottleneck: str
     stages: tuple[StageBench, ...]
     notes: tuple[str, ...] = ()
+    caller_cores: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -115,6 +123,7 @@ def benchmark(
     standalone_runs: int = 20,
     target: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    caller_cores: Collection[int] | Literal["auto"] | None = None,
 ) -> BenchReport:
     """Stream ``requests`` synthetic requests through ``pipe`` and measure it against its stages.
 
@@ -127,24 +136,41 @@ def benchmark(
         standalone_runs: Runs per stage for its standalone time (0 skips that measurement).
         target: Target for the standalone sessions (default: the one the pipeline was loaded with).
         progress: Called with (done, total) as timed requests finish.
+        caller_cores: Pin this thread to these cores while the requests run (restored after);
+            ``"auto"``: the cores of the pinned stage with the most slack (needs
+            ``standalone_runs``; unpinned, with a note, when no stage is pinned).
 
     Returns:
         The :class:`BenchReport`.
+
+    Raises:
+        ConfigError: the OS refused ``caller_cores``.
     """
     target = target if target is not None else pipe.target
     notes: list[str] = []
     if inputs is None:
         inputs, notes = random_inputs(pipe.spec.inputs, dims)
-    for _ in pipe.map(inputs for _ in range(warmup)):
-        pass
-    pipe.reset_stats()
-    start = time.perf_counter()
-    for done, _ in enumerate(pipe.map(inputs for _ in range(requests)), 1):
-        if progress is not None:
-            progress(done, requests)
-    seconds = time.perf_counter() - start
+    standalone: list[float] | None = None
+    if caller_cores == "auto" and standalone_runs:  # the stages' slack decides where the caller goes
+        standalone = _standalone_ms(pipe, inputs, standalone_runs, target)
+    cores = _caller_cores(pipe, standalone, caller_cores, notes)
+    before = os.sched_getaffinity(0)
+    try:
+        if cores is not None:
+            _pin(cores)
+        for _ in pipe.map(inputs for _ in range(warmup)):
+            pass
+        pipe.reset_stats()
+        start = time.perf_counter()
+        for done, _ in enumerate(pipe.map(inputs for _ in range(requests)), 1):
+            if progress is not None:
+                progress(done, requests)
+        seconds = time.perf_counter() - start
+    finally:
+        os.sched_setaffinity(0, before)
     stats: PipelineStats = pipe.stats()
-    standalone = _standalone_ms(pipe, inputs, standalone_runs, target) if standalone_runs else [0.0] * len(stats.stages)
+    if standalone is None:
+        standalone = _standalone_ms(pipe, inputs, standalone_runs, target) if standalone_runs else [0.0] * len(stats.stages)
     bounds = [s.replicas / (ms / 1e3) for s, ms in zip(stats.stages, standalone, strict=True) if ms > 0]
     ideal = min(bounds) if bounds else None
     throughput = requests / seconds if seconds > 0 else 0.0
@@ -162,4 +188,31 @@ def benchmark(
             StageBench(s.stage, s.replicas, ms, s.mean_ms, s.utilization) for s, ms in zip(stats.stages, standalone, strict=True)
         ),
         notes=tuple(notes),
+        caller_cores=tuple(sorted(cores)) if cores is not None else None,
     )
+
+
+def _caller_cores(pipe: Pipeline, standalone_ms: list[float] | None, wanted: Collection[int] | Literal["auto"] | None, notes: list[str]) -> set[int] | None:
+    if wanted is None:
+        return None
+    if wanted != "auto":
+        return set(wanted)
+    if standalone_ms is None:
+        notes.append("the calling thread was left unpinned: choosing its cores needs the stages' standalone times (standalone runs were 0)")
+        return None
+    pinned = [(ms / s.settings.replicas, s) for s, ms in zip(pipe.spec.stages, standalone_ms, strict=True) if s.settings.affinity is not None]
+    if not pinned:
+        notes.append("the calling thread was left unpinned: no stage is pinned to cores")
+        return None
+    _, stage = min(pinned, key=lambda p: p[0])
+    assert stage.settings.affinity is not None
+    return set(stage.settings.affinity)
+
+
+def _pin(cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(0, cores)
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        allowed = sorted(os.sched_getaffinity(0))
+        raise ConfigError(f"cannot pin the calling thread to cores {sorted(cores)}: {reason}; this process may use cores {allowed}") from None

@@ -8,6 +8,7 @@ vary N from file to file, so an output that went to the wrong file would have th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -207,6 +208,25 @@ def test_bench_without_standalone_runs(hand: Path) -> None:
     result = ok("bench", hand, "--requests", 5, "--standalone-runs", 0, "--dim", "N=3")
     assert "(ideal" not in result.stdout and "note: stages were not timed alone (--standalone-runs 0)" in result.stdout
     assert "dim N not given" not in result.stdout
+
+
+def test_run_and_bench_default_to_the_runtime_queue_depth() -> None:
+    from onnxpipe.cli._deploy import _QUEUE_DEPTH_DEFAULT
+    from onnxpipe.runtime import DEFAULT_QUEUE_DEPTH
+
+    assert _QUEUE_DEPTH_DEFAULT == DEFAULT_QUEUE_DEPTH
+
+
+def test_bench_caller_cores(hand: Path) -> None:
+    core = max(os.sched_getaffinity(0))
+    result = ok("bench", hand, "--requests", 5, "--standalone-runs", 0, "--dim", "N=2", "--caller-cores", core)
+    assert f"the thread feeding the pipeline ran on core(s) {core}\n" in result.stdout
+    data = json.loads(ok("bench", hand, "--requests", 5, "--standalone-runs", 2, "--dim", "N=2", "--caller-cores", "auto", "--json").stdout)
+    assert data["caller_cores"] is None and data["notes"] == ["the calling thread was left unpinned: no stage is pinned to cores"]
+    for bad, message in (("x", "'x': expected auto or core numbers separated by commas, e.g. 0,1"), ("-1", "'-1': core numbers start at 0")):
+        assert_usage_error(run("bench", hand, "--caller-cores", bad), message)
+    refused = "cannot pin the calling thread to cores [4096]: Invalid argument; this process may use cores"
+    assert_user_error(run("bench", hand, "--caller-cores", "4096"), refused)
 
 
 def test_bench_errors(hand: Path, requests: list[Path], tmp_path: Path) -> None:
