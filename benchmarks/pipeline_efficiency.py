@@ -13,7 +13,9 @@ Measured side by side in one run, on onnx light models split in two stages x 1 t
 And the **per-hop overhead**: what one more stage adds to a request's latency beyond the stage's own
 work, fitted over chains of 1, 2, 4 and 8 identity stages on a small tensor, one request at a time,
 for three placements of the stages, each beside the cheapest blocking hand-off CPython has on the
-same placement (goal <= 30 us; see :func:`bench_hop`).
+same placement (goal <= 30 us; see :func:`bench_hop`); measured with the host's idle as it is, and
+again with idle cores polling instead of halting (where ``/dev/cpu_dma_latency`` is writable),
+which shows how much of a hop is the machine waking a core rather than the runtime.
 
 The cut of each model is the most balanced of a few low-traffic candidates (from ``inspect_model``),
 chosen by timing their two stages here.
@@ -25,15 +27,17 @@ chosen by timing their two stages here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import queue
 import statistics
+import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +126,7 @@ def _best_cut(path: Path, feeds: dict[str, np.ndarray], work: Path, candidates: 
     for k, cand in enumerate(summary.candidates):
         cut = cand.at.split(",")
         folder = split(path, [cut]).save(work / f"cand{k}")
-        times = _stage_times(folder, feeds, runs=5)
+        times = _stage_times(folder, feeds, runs=20)
         if best is None or max(times) < best[0]:
             best = (max(times), cut, times)
     assert best is not None
@@ -150,12 +154,9 @@ def bench_model(name: str, requests: int, rounds: int, work: Path) -> dict[str, 
     whole1, whole2 = _session(str(path), 1), _session(str(path), 2)
     inp = whole1.get_inputs()[0]
     feeds = {inp.name: np.random.default_rng(0).standard_normal(inp.shape).astype(np.float32)}
-    cut, cut_times = _best_cut(path, feeds, work / name)
+    cut, _ = _best_cut(path, feeds, work / name)
     plan = split(path, [cut])
     cores = sorted(os.sched_getaffinity(0))
-    # The thread feeding the pipeline needs CPU too: on the core of the stage with the most slack,
-    # it does not steal time from the bottleneck (docs/runtime.md, "Where the caller runs").
-    caller = {cores[min(range(len(cut_times)), key=cut_times.__getitem__) % len(cores)]}
     for k, s in enumerate(plan.config.stages):
         s.configure(intra_op_threads=1, affinity=[cores[k % len(cores)]] if len(cores) >= 2 else None)
     bundle = _bundle(plan.config, work, f"{name}-2stage")
@@ -165,57 +166,51 @@ def bench_model(name: str, requests: int, rounds: int, work: Path) -> dict[str, 
     single.input(inp.name).connect(whole.input(inp.name))
     for out in whole.outputs:
         whole.output(out.name).connect(single.output(out.name))
-    keys = ("pipeline", "pipeline_caller", "one_1t", "one_2t", "replicas", "slowest_stage_s", "slowest_concurrent_s")
-    samples: dict[str, list[float]] = {k: [] for k in keys}
+    # Pipeline contenders: the calling thread left to the OS; pinned to the core of the stage with
+    # the most slack (this round's: it then takes no time from the bottleneck, docs/runtime.md);
+    # pinned, with idle cores polling instead of halting (where the host lets us ask for it).
+    contenders = ["pipeline", "pinned", "polling"]
+    samples: dict[str, list[float]] = {k: [] for k in [*contenders, "one_1t", "one_2t", "replicas", "slowest_s", "slowest_together_s"]}
     stage_ms: list[list[float]] = []
+    callers: list[int] = []
     runs = max(20, requests // 5)
     with load(bundle) as pipe, load(_bundle(single, work, f"{name}-replicas")) as replicas:
         for _ in range(rounds):
             times = _stage_times(bundle, feeds, runs)
             stage_ms.append([t * 1e3 for t in times])
-            samples["slowest_stage_s"].append(max(times))
-            samples["slowest_concurrent_s"].append(max(_concurrent_stage_times(bundle, feeds, cores, runs)))
-            pipe.reset_stats()
+            samples["slowest_s"].append(max(times))
+            samples["slowest_together_s"].append(max(_concurrent_stage_times(bundle, feeds, cores, runs)))
             samples["pipeline"].append(_stream(pipe, feeds, requests))
-            os.sched_setaffinity(0, caller)
+            callers.append(cores[min(range(len(times)), key=times.__getitem__) % len(cores)])
+            os.sched_setaffinity(0, {callers[-1]})
             try:
-                samples["pipeline_caller"].append(_stream(pipe, feeds, requests))
+                samples["pinned"].append(_stream(pipe, feeds, requests))
+                with _idle_polling() as polling:
+                    if polling:
+                        samples["polling"].append(_stream(pipe, feeds, requests))
             finally:
                 os.sched_setaffinity(0, cores)
             samples["replicas"].append(_stream(replicas, feeds, requests))
             samples["one_1t"].append(_throughput(functools.partial(whole1.run, None, feeds), requests))
             samples["one_2t"].append(_throughput(functools.partial(whole2.run, None, feeds), requests))
-        stats = pipe.stats()
-    med = {k: statistics.median(v) for k, v in samples.items()}
-    ideal = 1.0 / med["slowest_stage_s"]
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
     # Each round's throughput against that round's stage times (the machine's load drifts over
     # the minutes a run takes): medians of the per-round ratios.
-    slowest, concurrent = samples["slowest_stage_s"], samples["slowest_concurrent_s"]
-    per_round = {
-        "pipeline": [tp * t for tp, t in zip(samples["pipeline"], slowest, strict=True)],
-        "pipeline_caller": [tp * t for tp, t in zip(samples["pipeline_caller"], slowest, strict=True)],
-        "ceiling": [a / c for a, c in zip(slowest, concurrent, strict=True)],
-        "runtime": [tp * c for tp, c in zip(samples["pipeline_caller"], concurrent, strict=True)],
-    }
+    slowest, together = samples["slowest_s"], samples["slowest_together_s"]
+    efficiency = {k: [tp * t for tp, t in zip(samples[k], slowest, strict=False)] for k in contenders}
+    ceiling = [t / c for t, c in zip(slowest, together, strict=True)]
     return {
         "model": name,
         "cut": cut,
         "rounds": rounds,
         "stage_ms": [round(statistics.median(col), 3) for col in zip(*stage_ms, strict=True)],
-        "pipeline_req_s": med["pipeline"],
-        "ideal_req_s": ideal,
-        "efficiency": statistics.median(per_round["pipeline"]),
-        "efficiency_rounds": [round(x, 3) for x in per_round["pipeline"]],
-        "caller_core": sorted(caller)[0],
-        "pipeline_caller_pinned_req_s": med["pipeline_caller"],
-        "efficiency_caller_pinned": statistics.median(per_round["pipeline_caller"]),
-        "efficiency_caller_pinned_rounds": [round(x, 3) for x in per_round["pipeline_caller"]],
-        "hardware_ceiling": statistics.median(per_round["ceiling"]),
-        "runtime_efficiency": statistics.median(per_round["runtime"]),
-        "one_session_1t_req_s": med["one_1t"],
-        "one_session_2t_req_s": med["one_2t"],
-        "replicas_2x1t_req_s": med["replicas"],
-        "utilization_last_round": {s.stage: round(s.utilization, 3) for s in stats.stages},
+        "ideal_req_s": 1.0 / med["slowest_s"],
+        "req_s": {k: med.get(k) for k in [*contenders, "one_1t", "one_2t", "replicas"]},
+        "efficiency": {k: statistics.median(v) if v else None for k, v in efficiency.items()},
+        "efficiency_rounds": {k: [round(x, 3) for x in v] for k, v in efficiency.items()},
+        "caller_cores_rounds": callers,
+        "hardware_ceiling": statistics.median(ceiling),
+        "runtime_share": statistics.median(e / c for e, c in zip(efficiency["pinned"], ceiling, strict=True)),
     }
 
 
@@ -291,6 +286,26 @@ PLACEMENTS: dict[str, Callable[[list[int]], tuple[list[int] | None, set[int] | N
 }
 
 
+@contextlib.contextmanager
+def _idle_polling() -> Iterator[bool]:
+    """Keep idle cores polling instead of halting while inside (Linux PM QoS: ``/dev/cpu_dma_latency``
+    held at 0 us, what tuned's latency-performance profile does); yields False when not permitted.
+
+    On a VM whose idle vCPUs halt at once, waking a thread on an idle core is a trip through the
+    hypervisor; a polling core takes the wake-up at once. Polling runs only while a core has
+    nothing else to run, so unlike a spinning thread it takes no time from stages."""
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        os.write(fd, struct.pack("i", 0))
+        yield True
+    finally:
+        os.close(fd)
+
+
 def bench_hop(requests: int, rounds: int, work: Path, lengths: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
     """What one more stage adds to a request's latency, beyond the stage's own work.
 
@@ -356,10 +371,39 @@ def bench_hop(requests: int, rounds: int, work: Path, lengths: tuple[int, ...] =
     }
 
 
-def _print_hop(hop: dict[str, Any], rounds: int) -> None:
+def _print_models(rows: list[dict[str, Any]], rounds: int, requests: int) -> None:
+    def eff(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    print(f"2 stages x 1 thread, one core each; medians of {rounds} interleaved rounds of {requests} requests")
+    head = f"{'efficiency: caller unpinned':>27} {'pinned':>7} {'+ polling':>9}"
+    print(f"{'model':<11} {'stage ms':>15} {'ideal':>7}   {head}   {'hw ceiling':>10} {'runtime':>7}")
+    for r in rows:
+        e = r["efficiency"]
+        print(
+            f"{r['model']:<11} {' / '.join(f'{t:.2f}' for t in r['stage_ms']):>15} {r['ideal_req_s']:>7.1f}   {eff(e['pipeline']):>27} "
+            f"{eff(e['pinned']):>7} {eff(e['polling']):>9}   {r['hardware_ceiling']:>10.3f} {r['runtime_share']:>7.3f}"
+        )
+    print(
+        "(ideal = 1 / slowest stage alone, req/s; efficiency = pipeline throughput / ideal, goal >= 0.95, median of per-round\n"
+        " ratios; caller: the thread feeding the pipeline, unpinned or pinned to the core of the stage with the most slack;\n"
+        " + polling: pinned, with idle cores polling instead of halting (/dev/cpu_dma_latency at 0); hw ceiling: both stages\n"
+        " running at once on their cores with no runtime, over ideal -- what the hardware allows; runtime: pinned / hw ceiling)"
+    )
+    for r in rows:
+        rounds_text = ", ".join(f"{k} {v}" for k, v in r["efficiency_rounds"].items() if v)
+        print(f"  {r['model']}: cut at {r['cut']}; per round: {rounds_text}; caller pinned to cores {r['caller_cores_rounds']}")
+    print(f"\n{'model':<11} {'pipeline':>9} {'1 sess 1t':>9} {'1 sess 2t':>9} {'2 repl':>7}   pipeline / (1t, 2t, 2 replicas)   (req/s, caller unpinned)")
+    for r in rows:
+        t = r["req_s"]
+        ratios = ", ".join(f"{t['pipeline'] / t[k]:.2f}" for k in ("one_1t", "one_2t", "replicas"))
+        print(f"{r['model']:<11} {t['pipeline']:>9.1f} {t['one_1t']:>9.1f} {t['one_2t']:>9.1f} {t['replicas']:>7.1f}   {ratios}")
+
+
+def _print_hop(hop: dict[str, Any], rounds: int, idle: str) -> None:
     lengths = hop["lengths"]
     print(
-        f"\nper-hop overhead: chains of {', '.join(map(str, lengths))} identity stages, one request at a time, medians of {rounds} "
+        f"\nper-hop overhead, {idle}: chains of {', '.join(map(str, lengths))} identity stages, one request at a time, medians of {rounds} "
         f"interleaved rounds; a line fitted to latency vs stages: per hop = slope - the stage alone ({hop['stage_alone_us']:.1f} us)"
     )
     print(f"{'placement':<10} {'latency us by stages':>28} {'per hop':>8} {'fixed':>7} {'floor hop':>10} {'floor fixed':>12}")
@@ -390,37 +434,20 @@ def main() -> None:
         work = Path(tmp)
         rows = [bench_model(m, args.requests, args.rounds, work) for m in args.models]
         hop = bench_hop(args.hop_requests, args.rounds, work)
+        with _idle_polling() as polling:
+            hop_polling = bench_hop(args.hop_requests, args.rounds, work) if polling else None
     if args.json:
-        print(json.dumps({"models": rows, "hop": hop, "cores": len(os.sched_getaffinity(0)), "threads": threading.active_count()}, indent=2))
+        cores = len(os.sched_getaffinity(0))
+        print(json.dumps({"models": rows, "hop": hop, "hop_idle_polling": hop_polling, "cores": cores, "threads": threading.active_count()}, indent=2))
         return
     print(f"cores: {len(os.sched_getaffinity(0))}; onnxruntime {ort.__version__}")
     if rows:
-        print(f"2 stages x 1 thread, one core each; medians of {args.rounds} interleaved rounds of {args.requests} requests")
-        print(
-            f"{'model':<11} {'stage ms':>15} {'ideal':>7} {'pipeline':>9} {'effic.':>6} {'pinned':>7} {'effic.':>6} {'hw ceil':>7} {'runtime':>7} "
-            f"{'1 sess 1t':>9} {'1 sess 2t':>9} {'2 repl':>7}  pipeline / (1t, 2t, repl)"
-        )
-    for r in rows:
-        p = r["pipeline_req_s"]
-        ratios = ", ".join(f"{p / r[k]:.2f}" for k in ("one_session_1t_req_s", "one_session_2t_req_s", "replicas_2x1t_req_s"))
-        print(
-            f"{r['model']:<11} {' / '.join(f'{t:.2f}' for t in r['stage_ms']):>15} {r['ideal_req_s']:>7.1f} {p:>9.1f} {r['efficiency']:>6.3f} "
-            f"{r['pipeline_caller_pinned_req_s']:>7.1f} {r['efficiency_caller_pinned']:>6.3f} {r['hardware_ceiling']:>7.3f} {r['runtime_efficiency']:>7.3f} "
-            f"{r['one_session_1t_req_s']:>9.1f} {r['one_session_2t_req_s']:>9.1f} {r['replicas_2x1t_req_s']:>7.1f}  {ratios}"
-        )
-    if rows:
-        print(
-            "(requests/s; ideal = 1 / slowest stage alone; efficiency = pipeline / ideal, goal >= 0.95, the median of per-round\n"
-            " ratios; pipeline: the calling thread unpinned; pinned: on the core of the stage with the most slack; hw ceil: both\n"
-            " stages running at once on their cores with no runtime, as a fraction of ideal -- what the hardware allows; runtime:\n"
-            " pinned / that ceiling -- the runtime's own share)"
-        )
-    for r in rows:
-        print(
-            f"  {r['model']}: cut at {r['cut']}; efficiency per round: caller unpinned {r['efficiency_rounds']}, "
-            f"on core {r['caller_core']} {r['efficiency_caller_pinned_rounds']}"
-        )
-    _print_hop(hop, args.rounds)
+        _print_models(rows, args.rounds, args.requests)
+    _print_hop(hop, args.rounds, "the host's idle as it is")
+    if hop_polling is None:
+        print("(idle cores polling: not measured, /dev/cpu_dma_latency is not writable here)")
+    else:
+        _print_hop(hop_polling, args.rounds, "idle cores polling instead of halting (/dev/cpu_dma_latency held at 0)")
 
 
 if __name__ == "__main__":
