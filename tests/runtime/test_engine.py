@@ -42,18 +42,22 @@ def _chain_spec(n: int, replicas: int) -> PipelineSpec:
     return PipelineSpec((t("v", "float32"),), (t("v", "float32"),), stages, tuple(links))
 
 
-def _engine(n: int = 3, replicas: int = 3, fail_on: set[float] | None = None, delay: float = 0.002) -> tuple[ThreadEngine, Endpoint]:
+def _engine(
+    n: int = 3, replicas: int = 3, fail_on: set[float] | None = None, delay: float = 0.002, queue_depth: int = 2
+) -> tuple[ThreadEngine, Endpoint]:
     plans, finals = plan_stages(_chain_spec(n, replicas))
 
     def factory(plan: StagePlan, replica: int) -> Any:
         # Stage 1 fails for the listed values (as they arrive there: input + 1).
         return FakeSession(1.0, (fail_on or set()) if plan.stage.name == "s1" else set(), delay)
 
-    return ThreadEngine(plans, factory, queue_depth=2), finals["v"]
+    return ThreadEngine(plans, factory, queue_depth=queue_depth), finals["v"]
 
 
-def test_every_request_finishes_once_with_its_own_value() -> None:
-    engine, final = _engine()
+@pytest.mark.parametrize("queue_depth", [1, 2, 4, 7], ids=lambda d: f"depth{d}")
+def test_every_request_finishes_once_with_its_own_value(queue_depth: int) -> None:
+    # Depths of 4 and more make the workers give slots back in batches, with 3 replicas reading one queue.
+    engine, final = _engine(queue_depth=queue_depth)
     done: dict[int, float] = {}
     lock = threading.Lock()
 
