@@ -4,8 +4,8 @@ Note: why two SimpleQueues.
     ``queue.Queue`` cannot be closed before Python 3.13, and its condition variables are written in
     Python: every blocking hand-over allocates a lock. A :class:`Channel` is two
     ``queue.SimpleQueue`` (implemented in C): one holds the items, the other holds one token per
-    free slot. :meth:`Channel.put` takes a slot token (blocking while the channel is full) and
-    :meth:`Channel.get` returns one after taking an item (blocking while it is empty); both block
+    free slot. :meth:`Channel.put` takes a slot token (blocking while the channel is full) and a
+    :class:`Reader` returns it after taking an item (blocking while it is empty); both block
     in C, without spinning, about 4 us per hand-over faster than a condition variable.
     :meth:`Channel.close` drops a poison token into both queues; whoever takes it puts it back
     and raises :class:`Closed`, so every waiter, however many, wakes up.
@@ -68,21 +68,8 @@ class Channel(Generic[T]):
         if held > self.high_water:
             self.high_water = held
 
-    def get(self) -> T:
-        """Take the oldest item, waiting while the channel is empty.
-
-        Raises:
-            Closed: the channel is closed.
-        """
-        item = self._items.get()
-        if item is _POISON:
-            self._items.put(item)
-            raise Closed
-        self._slots.put(None)
-        return item
-
     def reader(self) -> Reader[T]:
-        """A reader for one consumer thread: it gives slots back in batches (see :class:`Reader`)."""
+        """The way to take items: one reader per consumer thread (see :class:`Reader`)."""
         return Reader(self)
 
     def close(self) -> list[T]:

@@ -105,7 +105,7 @@ def test_close_wakes_every_waiter_and_returns_what_was_left() -> None:
         except Closed:
             errors.append("closed")
 
-    waiters = [_start(lambda: expect_closed(lambda: full.put(8))), _start(lambda: expect_closed(empty.reader().get)), _start(lambda: expect_closed(empty.get))]
+    waiters = [_start(lambda: expect_closed(lambda: full.put(8)))] + [_start(lambda: expect_closed(empty.reader().get)) for _ in range(2)]
     time.sleep(0.02)
     assert full.close() == [7]
     assert empty.close() == []
