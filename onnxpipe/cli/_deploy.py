@@ -26,7 +26,7 @@ from onnxpipe.cli._common import (
     read_npz_layout,
     write_npz,
 )
-from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, read_settings_file
+from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, parse_cores, read_settings_file
 
 if TYPE_CHECKING:
     import numpy as np
@@ -418,9 +418,9 @@ def run(bundle: Path, input_paths: Sequence[Path], out: Path, target: str | None
 @click.option(
     "--caller-cores",
     "caller_cores",
-    metavar="auto|C,C...",
-    help="Pin the thread feeding the pipeline to these cores while timed; auto: the cores of the pinned stage with the most slack "
-    "(where it slows no bottleneck; worth it when every core runs a stage).",
+    metavar="auto|CORES",
+    help="Pin the thread feeding the pipeline to these cores (written as a stage's affinity: 0, 0-3, 0+2+5) while timed; "
+    "auto: the cores of the pinned stage with the most slack (where it slows no bottleneck; worth it when every core runs a stage).",
 )
 @TRACE
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else.")
@@ -457,7 +457,7 @@ def bench(
       onnxpipe bench gpu-bundle/ --target cpu --standalone-runs 0
       onnxpipe bench model.onnxpipe --caller-cores auto
     """
-    cores = _parse_cores(caller_cores)
+    cores = _parse_caller_cores(caller_cores)
     if input_file is not None and dims:
         raise click.UsageError("--dim: only used for random inputs; the --inputs file fixes the shapes")
     from onnxpipe._errors import InputError
@@ -484,18 +484,16 @@ def bench(
     _render.bench_report(report, warmup, [*report.notes, *_bench_notes(report, standalone_runs)], trace)
 
 
-def _parse_cores(value: str | None) -> list[int] | Literal["auto"] | None:
+def _parse_caller_cores(value: str | None) -> tuple[int, ...] | Literal["auto"] | None:
+    """``auto``, or a core list written as a stage's affinity is (``0``, ``0-3``, ``0+2+5``, ``none``)."""
     if value is None:
         return None
     if value == "auto":
         return "auto"
     try:
-        cores = [int(c) for c in value.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"'{value}': expected auto or core numbers separated by commas, e.g. 0,1", param_hint="--caller-cores") from None
-    if any(c < 0 for c in cores):
-        raise click.BadParameter(f"'{value}': core numbers start at 0", param_hint="--caller-cores")
-    return cores
+        return parse_cores(value)
+    except ValueError as e:
+        raise click.BadParameter(f"{e}; or auto", param_hint="--caller-cores") from None
 
 
 _SLOWDOWN = 1.5  # a stage this many times slower in the pipeline than alone gets a note
