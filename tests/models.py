@@ -22,6 +22,7 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 
 __all__ = [
     "EXTERNAL_WEIGHT_BYTES",
+    "LONG_NAMES",
     "LIGHT_MODELS",
     "branchy",
     "chain",
@@ -32,6 +33,7 @@ __all__ = [
     "hand_wired",
     "ir3_initializer_inputs",
     "light_model_path",
+    "long_names",
     "outer_scope",
     "sequence_boundary",
     "symbolic_batch",
@@ -342,6 +344,21 @@ def symbolic_batch() -> ModelProto:
         }
         """
     )
+
+
+#: The tensor names of :func:`long_names`, in graph order (each is 80+ characters, as transformer exports make them).
+LONG_NAMES = tuple(f"/model/decoder/layers.{i}/self_attn/o_proj/MatMul_output_0/cast_to_float_and_back_again" for i in range(6))
+
+
+def long_names() -> ModelProto:
+    """Names as long as a transformer export's: ``X[N,16] -Relu-> LONG_NAMES[0] -Relu-> ... LONG_NAMES[5] -Identity-> Y``."""
+    nodes, previous = [], "X"
+    for i, name in enumerate(LONG_NAMES):
+        nodes.append(helper.make_node("Relu", [previous], [name], name=f"/model/decoder/layers.{i}/Relu"))
+        previous = name
+    nodes.append(helper.make_node("Identity", [previous], ["Y"], name="out"))
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 16]) for n in ("X", "Y"))
+    return helper.make_model(helper.make_graph(nodes, "long_names", [x], [y]), ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
 
 
 #: Bytes of each weight of :func:`external_data` (float32).

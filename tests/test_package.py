@@ -68,3 +68,11 @@ def test_runtime_does_not_import_onnx_anywhere() -> None:
                 assert all(a.name.split(".")[0] not in {"onnx", "networkx", "click", "rich"} for a in node.names), path
             if isinstance(node, ast.ImportFrom):
                 assert (node.module or "").split(".")[0] not in {"onnx", "networkx", "click", "rich"}, path
+
+
+def test_license_is_an_spdx_expression() -> None:
+    # A TOML table ({text = ...}) makes every `pip install` print setuptools' deprecation warning.
+    import tomllib
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"

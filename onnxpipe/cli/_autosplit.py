@@ -16,7 +16,8 @@ from typing import Any
 import click
 
 from onnxpipe._errors import SplitError
-from onnxpipe.cli._common import UserError, quiet_onnxruntime, step_progress, working
+from onnxpipe.cli._common import UserError, quiet_onnxruntime
+from onnxpipe.cli._progress import step_progress, working
 
 __all__ = ["POLICY_NAMES", "planned_split", "policy_split", "profile_report"]
 

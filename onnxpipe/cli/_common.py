@@ -6,12 +6,10 @@ this module.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import sys
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -25,7 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIM",
-    "PROGRESS_MIN",
     "PROFILE_THREADS",
     "TARGET",
     "Group",
@@ -34,19 +31,13 @@ __all__ = [
     "UserError",
     "bundle_size",
     "given",
-    "progress",
-    "step_progress",
-    "working",
     "quiet_onnxruntime",
     "read_json",
     "read_npz",
     "read_npz_layout",
-    "stderr_is_terminal",
     "write_npz",
 ]
 
-#: More requests than this get a progress bar (on a terminal); fewer finish before one would help.
-PROGRESS_MIN = 20
 
 
 class UserError(click.ClickException):
@@ -236,53 +227,6 @@ def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
         save_npz(path, arrays)
     except OSError as e:
         raise UserError(f"cannot write '{path}': {e.strerror or e}") from e
-
-
-def progress(total: int, label: str, quiet: bool = False, then: str | None = None) -> contextlib.AbstractContextManager[Callable[[int, int], None]]:
-    """A progress bar on stderr for ``total`` steps; the context gives the ``(done, total)`` callback.
-
-    Only on a terminal, for more than :data:`PROGRESS_MIN` steps, and never when ``quiet`` (--json):
-    otherwise the callback does nothing. ``then`` labels the bar once every step is done.
-    """
-    if quiet or total <= PROGRESS_MIN or not stderr_is_terminal():
-        return contextlib.nullcontext(_no_progress)
-    from onnxpipe.cli import _render
-
-    return _render.progress_bar(total, label, then)
-
-
-def step_progress(quiet: bool = False) -> contextlib.AbstractContextManager[Callable[[str, int, int], None]]:
-    """A progress bar on stderr for work in named steps; the context gives the ``(step, done, total)`` callback.
-
-    Only on a terminal and never when ``quiet``: otherwise the callback does nothing.
-    """
-    if quiet or not stderr_is_terminal():
-        return contextlib.nullcontext(_no_step_progress)
-    from onnxpipe.cli import _render
-
-    return _render.step_bar()
-
-
-def working(label: str, quiet: bool = False) -> contextlib.AbstractContextManager[object]:
-    """A spinner with ``label`` on stderr while a single long step runs; only on a terminal, never when ``quiet``."""
-    if quiet or not stderr_is_terminal():
-        return contextlib.nullcontext()
-    from onnxpipe.cli import _render
-
-    return _render.spinner(label)
-
-
-def stderr_is_terminal() -> bool:
-    """Whether a person may be watching stderr (a progress bar helps) rather than a file or a pipe."""
-    return sys.stderr.isatty()
-
-
-def _no_progress(done: int, total: int) -> None:
-    pass
-
-
-def _no_step_progress(step: str, done: int, total: int) -> None:
-    pass
 
 
 def quiet_onnxruntime() -> None:

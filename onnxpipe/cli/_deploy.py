@@ -20,12 +20,12 @@ from onnxpipe.cli._common import (
     UserError,
     bundle_size,
     given,
-    progress,
     quiet_onnxruntime,
     read_npz,
     read_npz_layout,
     write_npz,
 )
+from onnxpipe.cli._progress import progress
 from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, parse_cores, read_settings_file
 
 if TYPE_CHECKING:

@@ -7,13 +7,11 @@ Every name from a model is printed as :class:`rich.text.Text`, never as markup: 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -34,18 +32,15 @@ __all__ = [
     "human_bytes",
     "model_summary",
     "plan_result",
-    "progress_bar",
     "reference_checks",
     "run_summary",
-    "spinner",
     "split_plan",
     "stage_module_bytes",
-    "step_bar",
     "verify_report",
 ]
 
 _SHOWN_NAMES = 3  # boundary tensors listed per table cell before "+N more"
-_CANDIDATE_COLUMNS_WIDTH = 50  # the candidate table without its --at column, borders included
+_UNBOUNDED = 1 << 20  # wide enough for any table: measuring a table at this width gives its natural width
 _SHOWN_NODES = 15  # costliest nodes listed by inspect --profile (--json lists them all)
 _SHOWN_UNMEASURED = 5  # plans listed beyond the measured ones, best predicted first
 _BASELINE_NAMES = {"session": "one session", "replicas": "replicas of the whole model"}
@@ -53,7 +48,9 @@ _BASELINE_NAMES = {"session": "one session", "replicas": "replicas of the whole 
 
 def _console() -> Console:
     # Created per call so that it writes to the sys.stdout of the moment (click's test runner swaps it).
-    return Console(highlight=False)
+    console = Console(highlight=False)
+    # Not a terminal (a file, a pipe, a CI log): no width to fit, tables take their natural width (Note: tables).
+    return console if console.is_terminal else Console(highlight=False, width=_UNBOUNDED)
 
 
 def human_bytes(n: int | None) -> str:
@@ -72,6 +69,32 @@ def _names(specs: Iterable[TensorSpec]) -> Text:
     names = [t.name for t in specs]
     more = f" +{len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else ""
     return Text(", ".join(names[:_SHOWN_NAMES]) + more)
+
+
+def _table(console: Console, table: Table) -> None:
+    """Print a table without ever breaking a name or dropping a column (see Note: tables).
+
+    Note: tables.
+        Tensor and node names are long (``/model/layers.11/self_attn/Reshape_3_output_0``) and are
+        copied from the output into commands, so no cell is ever wrapped, cropped or dropped. Written
+        to a file or a pipe (CI logs, ``make demo > log``) a table takes its natural width, however
+        wide. On a terminal too narrow for it, each row is folded into lines of ``column: value``.
+    """
+    if console.measure(table, options=console.options.update(max_width=_UNBOUNDED)).maximum <= console.width:
+        console.print(table)
+        return
+    if table.title:
+        _line(console, str(table.title))
+    headers = [str(column.header) for column in table.columns]
+    for row in zip(*(list(column.cells) for column in table.columns), strict=True):
+        first, *rest = (_plain(console, cell) for cell in row)
+        _line(console, f"- {headers[0]}: {first}")
+        for header, value in zip(headers[1:], rest, strict=True):
+            _line(console, f"    {header}: {value}")
+
+
+def _plain(console: Console, cell: object) -> str:
+    return cell.plain if isinstance(cell, Text) else console.render_str(str(cell)).plain
 
 
 def _line(console: Console, text: str) -> None:
@@ -105,7 +128,7 @@ def split_plan(plan: SplitPlan, folder: Path, threads: int | None = None) -> Non
             human_bytes(s.bytes_out),
             *predicted,
         )
-    console.print(table)
+    _table(console, table)
     if plan.auto is not None:
         _line(console, _auto_summary(plan, threads))
     _notes(console, plan.notes)
@@ -141,7 +164,7 @@ def plan_result(result: PlanResult, folder: Path) -> None:
     for c in shown:
         mark = Text("chosen", style="bold green") if c is chosen else Text("")
         table.add_row(Text(c.label), str(c.cores), f"{c.predicted:.1f}", f"{c.measured:.1f}" if c.measured is not None else "-", mark)
-    console.print(table)
+    _table(console, table)
     if len(result.candidates) > len(shown):
         _line(console, f"  ... and {len(result.candidates) - len(shown)} more plan(s) predicted slower, not measured")
     _line(console, f"chosen: {chosen.label}, {chosen.measured or 0:.1f} req/s measured ({chosen.predicted:.1f} predicted)")
@@ -163,7 +186,7 @@ def plan_result(result: PlanResult, folder: Path) -> None:
             _ms(actual) if actual is not None else "-",
         ]
         stages.add_row(Text(s.name), *cells)
-    console.print(stages)
+    _table(console, stages)
     _notes(console, [*result.notes, *result.plan.notes])
     files = sorted(p.name for p in folder.iterdir())
     _line(console, f"wrote {folder}: {', '.join(files)} (stage settings in pipeline.json)")
@@ -182,7 +205,7 @@ def cost_profile(report: Mapping[str, Any], model: Path) -> None:
         table.add_column(column, justify="left" if column in ("node", "op") else "right", overflow="fold")
     for n in nodes[:_SHOWN_NODES]:
         table.add_row(Text(n["node"]), Text(n["op"]), _ms(n["ms"]), f"{n['share']:.1%}")
-    console.print(table)
+    _table(console, table)
     rest = nodes[_SHOWN_NODES:]
     if rest:
         _line(console, f"  ... and {len(rest)} more node(s): {sum(n['share'] for n in rest):.1%} of the time")
@@ -195,7 +218,7 @@ def cost_profile(report: Mapping[str, Any], model: Path) -> None:
             spread = ", ".join(_ms(ms) for ms in c["stage_ms"])
             bound = f"{c['speedup_bound']:.2f}x" if c["speedup_bound"] is not None else "-"
             table.add_row(str(c["stages"]), spread, c["bottleneck_stage"], human_bytes(c["crossing_bytes"]), bound)
-        console.print(table)
+        _table(console, table)
         best = max(cuts, key=lambda c: c["speedup_bound"] or 0.0)
         _line(console, "speedup at most: whole-model run / slowest stage, the throughput a pipeline of that many stages can reach at best")
         _line(console, f"e.g. {best['stages']} stages cut there:")
@@ -224,23 +247,17 @@ def model_summary(summary: ModelSummary, model: Path) -> None:
     ops.add_column("count", justify="right")
     for op, count in summary.ops.items():
         ops.add_row(Text(op), str(count))
-    console.print(ops)
+    _table(console, ops)
     if not summary.candidates:
         _line(console, "no cut candidates (too few compute nodes, or --top 0)")
     else:
-        ats = [shlex.quote(c.at) for c in summary.candidates]
-        # Long --at values go below the table, one per line and never wrapped, so they copy whole.
-        inline = max(len(a) for a in ats) + _CANDIDATE_COLUMNS_WIDTH <= console.width
         table = Table(title="cut candidates (fewest bytes crossing, spread over the model)")
-        for column in ("#", "position", "before", "crossing", "tensors") + (("--at",) if inline else ()):
+        for column in ("#", "position", "before", "crossing", "tensors", "--at"):
             table.add_column(column, justify="left" if column == "--at" else "right", no_wrap=True)
-        for k, (c, at) in enumerate(zip(summary.candidates, ats, strict=True), 1):
+        for k, c in enumerate(summary.candidates, 1):
             cells = [str(k), f"{c.position}/{summary.compute_nodes}", f"{c.fraction:.0%}", human_bytes(c.bytes), str(len(c.tensors))]
-            table.add_row(*cells, *([Text(at)] if inline else []))
-        console.print(table)
-        if not inline:
-            for k, at in enumerate(ats, 1):
-                _line(console, f"  #{k}: --at {at}")
+            table.add_row(*cells, Text(shlex.quote(c.at)))
+        _table(console, table)
         middle = min(summary.candidates, key=lambda c: (abs(c.fraction - 0.5), c.bytes))
         example = f"onnxpipe split {shlex.quote(str(model))} -o {shlex.quote(model.stem + '_split')} --at {shlex.quote(middle.at)}"
         _line(console, "e.g. two stages at the candidate nearest the middle:")
@@ -257,7 +274,7 @@ def verify_report(report: VerifyReport) -> None:
     for r in report.rows:
         verdict = Text("ok", style="green") if r.ok else Text("FAIL" + (f": {r.problem}" if r.problem else ""), style="bold red")
         table.add_row(Text(r.tensor), r.kind, str(list(r.shape)), f"{r.max_abs:.3g}", f"{r.max_rel:.3g}", verdict)
-    console.print(table)
+    _table(console, table)
     _notes(console, report.notes)
     if report.ok:
         _line(console, f"ok: all {len(report.rows)} tensor(s) within tolerance")
@@ -295,7 +312,7 @@ def build_result(result: BuildResult, notes: Iterable[str]) -> None:
         cells: list[Text | str] = [Text(r.stage), _short_provider(r.provider), here, _threads(r.intra_op_threads, r.inter_op_threads), format_cores(r.affinity)]
         cells += [str(r.replicas)] if replicas else []
         table.add_row(*cells, human_bytes(r.module_bytes), _build_record(result.spec.stage(r.stage).build))
-    console.print(table)
+    _table(console, table)
     _notes(console, notes)
     _line(console, f"wrote {result.path}: pipeline.json and {len(result.report)} module(s) in stages/")
     _line(console, f"next: onnxpipe export {shlex.quote(str(result.path))} -o BUNDLE.onnxpipe --reference 2")
@@ -347,7 +364,7 @@ def bench_report(report: BenchReport, warmup: int, notes: Iterable[str], trace: 
     for s in report.stages:
         mark = Text("bottleneck", style="bold yellow") if s.stage == report.bottleneck else Text("")
         table.add_row(Text(s.stage), str(s.replicas), _ms(s.standalone_ms) if measured else "-", _ms(s.pipeline_mean_ms), f"{s.utilization:.0%}", mark)
-    console.print(table)
+    _table(console, table)
     _notes(console, notes)
     _timeline(console, trace)
 
@@ -362,44 +379,6 @@ def _ms(value: float) -> str:
     return f"{value:.2f}" if value >= 0.1 else f"{value:.3g}"
 
 
-def _bar() -> Progress:
-    """A transient progress bar on stderr."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
-    return Progress(*columns, console=Console(stderr=True), transient=True)
-
-
-@contextmanager
-def progress_bar(total: int, label: str, then: str | None = None) -> Iterator[Callable[[int, int], None]]:
-    """A transient progress bar on stderr; yields the ``(done, total)`` callback that moves it.
-
-    ``then`` replaces the label once every step is done, for work that follows them.
-    """
-    with _bar() as bar:
-        task = bar.add_task(label, total=total)
-
-        def advance(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, description=then if then and done >= total else label)
-
-        yield advance
-
-
-@contextmanager
-def step_bar() -> Iterator[Callable[[str, int, int], None]]:
-    """A transient progress bar on stderr for work in named steps; yields the ``(step, done, total)`` callback."""
-    with _bar() as bar:
-        task = bar.add_task("", total=None)
-
-        def advance(step: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, description=step)
-
-        yield advance
-
-
-def spinner(label: str) -> AbstractContextManager[object]:
-    """A transient spinner with ``label`` on stderr."""
-    return Console(stderr=True).status(Text(label))
-
-
 def reference_checks(rows: list[ReferenceCheck], rtol: float, atol: float) -> None:
     """One row per output per stored reference sample, and the verdict."""
     console = _console()
@@ -410,7 +389,7 @@ def reference_checks(rows: list[ReferenceCheck], rtol: float, atol: float) -> No
     for r in rows:
         verdict = Text("ok", style="green") if r.ok else Text("FAIL", style="bold red")
         table.add_row(str(r.sample), Text(r.output), f"{r.max_abs:.3g}", verdict)
-    console.print(table)
+    _table(console, table)
     if all(r.ok for r in rows):
         _line(console, f"ok: all {len(rows)} output(s) within rtol={rtol:g} atol={atol:g}")
 

@@ -143,9 +143,9 @@ def test_planner_writes_its_settings_and_build_uses_them(model: Path, tmp_path: 
 
 
 def test_planner_progress_bar_only_on_a_terminal(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import onnxpipe.cli._common
+    import onnxpipe.cli._progress
 
-    monkeypatch.setattr(onnxpipe.cli._common, "stderr_is_terminal", lambda: True)
+    monkeypatch.setattr(onnxpipe.cli._progress, "stderr_is_terminal", lambda: True)
     result = CliRunner(env={"FORCE_COLOR": "1"}).invoke(main, ["split", str(model), "-o", str(tmp_path / "p"), "--auto", "--cores", "1", "--requests", "5"])
     assert result.exit_code == 0, result.output
     assert "measuring" in result.stderr  # the last step; "profiling" may pass between two refreshes

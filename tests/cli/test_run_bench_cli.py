@@ -108,9 +108,9 @@ def test_run_one_request_to_one_file(hand: Path, requests: list[Path], tmp_path:
 
 
 def test_progress_bar_only_on_a_terminal_and_never_with_json(hand: Path, requests: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import onnxpipe.cli._common
+    import onnxpipe.cli._progress
 
-    monkeypatch.setattr(onnxpipe.cli._common, "stderr_is_terminal", lambda: True)
+    monkeypatch.setattr(onnxpipe.cli._progress, "stderr_is_terminal", lambda: True)
     shown = run("run", hand, "--inputs", requests[0].parent, "--outputs", tmp_path / "a", env={"FORCE_COLOR": "1"})
     assert shown.exit_code == 0 and f"{REQUESTS}/{REQUESTS}" in shown.stderr
     assert shown.stdout.startswith(f"ran {REQUESTS} request(s)")
