@@ -4,6 +4,14 @@ Workers record each stage run (start, end, request) into a :class:`StageRecorder
 records each finished request. Recording is a few appends under no lock (each recorder has one
 writer, its worker thread; CPython's deque appends are atomic), so it stays on for every request.
 Latencies keep the most recent ``window`` values, enough for stable p99 without unbounded memory.
+
+Note: reading while workers write.
+    ``stats()`` and ``save_trace()`` may be called from any thread while requests flow. A Python
+    loop over a deque that its worker appends to fails (``deque mutated during iteration``) when
+    the interpreter switches threads mid-loop, so readers first take a snapshot with
+    :meth:`StageRecorder.snapshot` -- ``deque.copy()`` runs in C without releasing the GIL, hence
+    atomically with respect to the writer -- and compute on the copy. The writer's path is
+    unchanged: no lock per request.
 """
 
 from __future__ import annotations
@@ -51,6 +59,14 @@ class StageRecorder:
         self.latencies.append(end - start)
         if self.events is not None:
             self.events.append((request, start, end, ok))
+
+    def snapshot(self) -> tuple[int, int, float, list[float]]:
+        """``(count, failed, busy, latencies)`` as of now, safe to take while the worker records (see Note above)."""
+        return self.count, self.failed, self.busy, list(self.latencies.copy())
+
+    def trace_events(self) -> list[tuple[int, float, float, bool]]:
+        """The recorded trace events as of now, safe to take while the worker records."""
+        return list(self.events.copy()) if self.events is not None else []
 
     def reset(self) -> None:
         """Forget everything recorded so far."""
@@ -181,15 +197,16 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
     elapsed = max(now - requests.started, 1e-9)
     rows = []
     for name, recorders, depth, high, capacity in stages:
-        latencies = [x for r in recorders for x in r.latencies]
-        busy = sum(r.busy for r in recorders)
-        count = sum(r.count for r in recorders)
+        snapshots = [r.snapshot() for r in recorders]
+        latencies = [x for snap in snapshots for x in snap[3]]
+        busy = sum(snap[2] for snap in snapshots)
+        count = sum(snap[0] for snap in snapshots)
         rows.append(
             StageStats(
                 stage=name,
                 replicas=len(recorders),
                 count=count,
-                failed=sum(r.failed for r in recorders),
+                failed=sum(snap[1] for snap in snapshots),
                 busy_s=busy,
                 utilization=busy / (elapsed * len(recorders)),
                 mean_ms=1e3 * sum(latencies) / len(latencies) if latencies else 0.0,
@@ -235,7 +252,7 @@ def write_trace(path: str | os.PathLike[str], recorders: Sequence[StageRecorder]
         label = f"{rec.stage}" + (f" #{rec.replica}" if rec.replica else "")
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": label}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
-        for request, start, end, ok in list(rec.events or ()):
+        for request, start, end, ok in rec.trace_events():
             events.append(
                 {
                     "name": f"request {request}" + ("" if ok else " (failed)"),
