@@ -45,6 +45,9 @@ _CHUNK = 1 << 24
 def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
     """The :class:`TensorSpec` of a typed ONNX value (symbolic dims kept by name).
 
+    A dim with neither value nor name, or with a negative value (PaddlePaddle's ``-1``), is
+    dynamic: ``None`` (see ``TensorSpec``'s Note: dynamic dims).
+
     Raises:
         ConfigError: the value is not a tensor or has no element type.
     """
@@ -56,7 +59,7 @@ def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
         raise ConfigError(f"tensor '{value.name}' has no element type")
     shape = None
     if tt.HasField("shape"):
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        shape = tuple((d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
     return TensorSpec(value.name, dtype_from_onnx(tt.elem_type), shape)
 
 

@@ -17,6 +17,7 @@ Note: which order.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import re
 from collections.abc import Callable, Mapping
@@ -253,7 +254,8 @@ class MeasuredPolicy:
         """Profile (or reuse the profile) and minimize the slowest stage."""
         profile = self.profile or profile_model(model_path or index.model, self.settings, runs=self.runs, dims=self.dims)
         options = _Options(self.stages, self.max_stages, self.max_stage_weights, self.pinned, self.dims)
-        return _run(self.name, index, types, options, profile.node_seconds, profile.crossing_seconds, profile.source, True)
+        result = _run(self.name, index, types, options, profile.node_seconds, profile.crossing_seconds, profile.source, True)
+        return dataclasses.replace(result, notes=(*profile.notes, *result.notes))
 
 
 #: Policies by name, for ``make_policy`` and the CLI's ``--policy``.
