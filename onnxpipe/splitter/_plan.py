@@ -195,7 +195,7 @@ def split(
         # See Note: boundaries of unknown rank (_extract.py).
         observed = observe_ranks(index, types, blind, folder)
         types = {**types, **observed}
-        ranks = ", ".join(f"'{n}' ({len(observed[n].type.tensor_type.shape.dim)})" for n in blind)
+        ranks = ", ".join(f"'{n}' (rank {len(observed[n].type.tensor_type.shape.dim)})" for n in blind)
         notes.append(f"shape inference cannot tell the rank of boundary tensor(s) {ranks}: declared with the rank a sample run gave, every dim dynamic")
     if auto is not None:
         notes.extend(auto.notes)
