@@ -41,7 +41,7 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
     for spec in specs:
         value = feeds[spec.name]
         array = value if isinstance(value, np.ndarray) else np.asarray(value)
-        want = numpy_dtype(spec.dtype)
+        want = _numpy(spec, what)
         if array.dtype != want:
             raise InputError(f"{what} '{spec.name}' has dtype {array.dtype}; expected {spec.dtype}")
         if spec.shape is not None:
@@ -56,6 +56,13 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
                         raise InputError(f"{what} '{spec.name}' has {dim}={size} (dim {axis}) but {what} '{seen[1]}' has {dim}={seen[0]}")
         arrays[spec.name] = array
     return arrays
+
+
+def _numpy(spec: TensorSpec, what: str) -> np.dtype:
+    try:
+        return numpy_dtype(spec.dtype)
+    except ValueError:
+        raise InputError(f"{what} '{spec.name}' is {spec.dtype}: numpy has no such dtype, so onnxpipe can neither check nor make its values") from None
 
 
 def _fmt(shape: Sequence[object]) -> str:
@@ -79,7 +86,7 @@ def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:
         shape = shapes[spec.name]
-        dtype = numpy_dtype(spec.dtype)
+        dtype = _numpy(spec, "input")
         if dtype.kind == "f":
             feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind in "iu":

@@ -84,6 +84,8 @@ class _Options:
         k = self.stages or self.max_stages
         if k is None or k < 1:
             raise SplitError(f"{name}: the number of stages must be at least 1, got {k}")
+        if self.max_stage_weights is not None and self.max_stage_weights < 0:
+            raise SplitError(f"{name}: max_stage_weights must be at least 0 bytes, got {self.max_stage_weights}")
 
 
 def _orders(index: GraphIndex) -> list[list[int]]:

@@ -69,3 +69,10 @@ def test_sample_inputs_size_a_dim_without_a_name_by_input_and_axis() -> None:
 def test_a_dims_key_that_is_no_dynamic_dim_is_refused(key: str, message: str) -> None:
     with pytest.raises(InputError, match=message):
         random_inputs([TensorSpec("x", F, (-1, 3, None, "N"))], {key: 2})
+
+
+def test_a_dtype_numpy_lacks_is_an_input_error() -> None:
+    with pytest.raises(InputError, match=r"input 'x' is float4e2m1: numpy has no such dtype"):
+        random_inputs([TensorSpec("x", "float4e2m1", (2,))])
+    with pytest.raises(InputError, match=r"input 'x' is float4e2m1: numpy has no such dtype"):
+        check_inputs([TensorSpec("x", "float4e2m1", (2,))], {"x": np.zeros(2)})

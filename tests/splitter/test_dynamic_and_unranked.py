@@ -112,3 +112,15 @@ def test_a_boundary_whose_rank_no_sample_run_tells_is_refused_by_name() -> None:
     model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 5  # the first Conv now fails at run time
     with pytest.raises(SplitError, match=r"shape inference cannot tell the rank of boundary tensor\(s\) 'g', and a sample run to see it failed"):
         split(model, ["g"], check=False)
+
+
+def test_an_element_type_onnxpipe_does_not_know_is_a_config_error() -> None:
+    from onnxpipe import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tensor 'x' has ONNX element type 99, which onnxpipe does not know; known: float32, "):
+        tensor_spec(helper.make_tensor_value_info("x", 99, [1]))
+
+
+def test_a_negative_weight_cap_is_a_split_error() -> None:
+    with pytest.raises(SplitError, match=r"measured: max_stage_weights must be at least 0 bytes, got -1"):
+        split(models.chain(), policy=MeasuredPolicy(stages=2, max_stage_weights=-1))
