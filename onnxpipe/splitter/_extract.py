@@ -125,6 +125,11 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
     from onnxpipe.runtime import random_inputs
 
     what = ", ".join(repr(n) for n in names)
+    shapeless = [n for n in names if n in index.inputs]
+    if shapeless:
+        # No run can tell the rank of what the caller feeds; the whole model fails the checker too.
+        listed = ", ".join(repr(n) for n in shapeless)
+        raise SplitError(f"model input(s) {listed} declare no shape; every stage input needs one (a rank, dims may be dynamic): declare it in the model")
     probe = ModelProto()
     probe.CopyFrom(index.model)
     for name in names:

@@ -124,3 +124,14 @@ def test_an_element_type_onnxpipe_does_not_know_is_a_config_error() -> None:
 def test_a_negative_weight_cap_is_a_split_error() -> None:
     with pytest.raises(SplitError, match=r"measured: max_stage_weights must be at least 0 bytes, got -1"):
         split(models.chain(), policy=MeasuredPolicy(stages=2, max_stage_weights=-1))
+
+
+def test_a_model_input_without_a_shape_is_refused_by_name() -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["a"], name="r"), helper.make_node("Neg", ["a"], ["y"], name="n")],
+        "shapeless",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+    )
+    with pytest.raises(SplitError, match=r"model input\(s\) 'x' declare no shape; every stage input needs one"):
+        split(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), ["a"])
