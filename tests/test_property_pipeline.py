@@ -32,7 +32,7 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 from onnxpipe import OnnxpipeError
 from onnxpipe.builder import build, export
 from onnxpipe.runtime import load
-from onnxpipe.splitter import split
+from onnxpipe.splitter import UniformPolicy, split
 
 UNARY = ("Relu", "Sigmoid", "Tanh", "Neg", "Abs")
 BINARY = ("Add", "Sub", "Mul", "Max")
@@ -61,7 +61,8 @@ def models(draw: st.DrawFn) -> Case:
     inputs = []
     for i in range(draw(st.integers(1, 2))):
         rows = draw(st.sampled_from([ROWS, -1, None, "N"]))  # fixed, PaddlePaddle's -1, no value nor name, named
-        inputs.append(helper.make_tensor_value_info(f"X{i}", elem_type, [rows, COLS]))
+        cols = draw(st.sampled_from([COLS, COLS, -1, None]))
+        inputs.append(helper.make_tensor_value_info(f"X{i}", elem_type, [rows, cols]))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     inits = [numpy_helper.from_array((0.5 * rng.standard_normal((ROWS, COLS))).astype(np_type), "W0")]
     available = [v.name for v in inputs] + ["W0"]
@@ -120,8 +121,10 @@ def test_whole_job_matches_the_model_or_refuses_as_a_user_error(case: Case, data
     np_type = helper.tensor_dtype_to_np_dtype(case.elem_type)
     feeds = {v.name: rng.standard_normal((ROWS, COLS)).astype(np_type) for v in case.model.graph.input}
     want = ort.InferenceSession(case.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    # Mostly hand cuts; sometimes the uniform policy, which places cuts by itself.
+    policy = UniformPolicy(stages=len(picked) + 1) if data.draw(st.integers(0, 3)) == 0 else None
     try:
-        plan = split(case.model, picked)
+        plan = split(case.model, policy=policy) if policy else split(case.model, picked)
     except OnnxpipeError as e:
         event(f"refused: {type(e).__name__}: {str(e).split(';')[0][:60]}")
         return

@@ -132,7 +132,8 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
         raise SplitError(f"model input(s) {listed} declare no shape; every stage input needs one (a rank, dims may be dynamic): declare it in the model")
     probe = ModelProto()
     probe.CopyFrom(index.model)
-    for name in names:
+    outputs = {v.name for v in probe.graph.output}
+    for name in (n for n in names if n not in outputs):
         probe.graph.output.append(onnx.helper.make_tensor_value_info(name, types[name].type.tensor_type.elem_type, None))
     try:
         if any(t.data_location == onnx.TensorProto.EXTERNAL for t in probe.graph.initializer):

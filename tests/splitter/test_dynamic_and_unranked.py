@@ -135,3 +135,14 @@ def test_a_model_input_without_a_shape_is_refused_by_name() -> None:
     )
     with pytest.raises(SplitError, match=r"model input\(s\) 'x' declare no shape; every stage input needs one"):
         split(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), ["a"])
+
+
+def test_a_model_output_declared_without_a_shape_gets_its_rank_from_a_sample_run() -> None:
+    model = models.fp16_if_decoder()
+    model.graph.output[0].type.tensor_type.ClearField("shape")  # onnxruntime runs it; onnx's checker would not
+    model.graph.node[-1].op_type = "Flatten"  # and inference cannot tell Y's rank from the shapeless p
+    plan = split(model, ["g"])
+    assert "'g' (rank 4), 'Y' (rank 2)" in plan.notes[0] and plan.spec.outputs[0].shape == (None, None)
+    for stage in plan.stages:
+        onnx.checker.check_model(stage.model, full_check=True)
+    assert verify(plan, model, samples=1, **FP16_TOL).ok
