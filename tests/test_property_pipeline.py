@@ -12,7 +12,8 @@ exception, anywhere, is a bug and fails the test.
 Tolerance: float32 models, verify's default (rtol 1e-4, atol 1e-5: the same kernels on the same
 values). float16 models, rtol 1e-2 and atol 1e-2: a stage boundary rounds a tensor to float16 where
 the whole model's session may keep float32 between cast-wrapped kernels (one fp16 ulp, 2^-10 =
-9.8e-4 relative, per boundary), and up to three boundaries and ten later ops compound a few ulps.
+9.8e-4 relative, per boundary), and up to three boundaries and later ops (a Sub of close values)
+compound a few ulps. 1500 draws checked at 1e-3 all passed; 1e-2 is headroom against rare draws.
 """
 
 from __future__ import annotations
