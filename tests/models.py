@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx.parser
-from onnx import ModelProto, TensorProto, helper, numpy_helper
+from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 __all__ = [
     "EXTERNAL_WEIGHT_BYTES",
@@ -28,7 +28,9 @@ __all__ = [
     "chain",
     "constants_shared",
     "dead_nodes",
+    "dynamic_dims",
     "external_data",
+    "fp16_if_decoder",
     "functions",
     "hand_wired",
     "ir3_initializer_inputs",
@@ -359,6 +361,96 @@ def long_names() -> ModelProto:
     nodes.append(helper.make_node("Identity", [previous], ["Y"], name="out"))
     x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 16]) for n in ("X", "Y"))
     return helper.make_model(helper.make_graph(nodes, "long_names", [x], [y]), ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def dynamic_dims() -> ModelProto:
+    """A PaddlePaddle-style export: dynamic dims declared as ``dim_value: -1`` and as dims with
+    neither a value nor a name, ``x[-1, 3, ?, ?] -c0 Conv(W0 [4,3,3,3], pad 1)-> a -r1 Relu-> b
+    -c2 Conv(W1 [2,4,1,1])-> y[-1, 2, ?, ?]``. onnxruntime takes any batch and image size.
+    """
+    rng = np.random.default_rng(3)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, None, None])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 2, None, None])
+    for v in (x, y):  # make_tensor_value_info writes None as an empty dim already; -1 stays a value
+        assert v.type.tensor_type.shape.dim[0].dim_value == -1
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "W0"], ["a"], name="c0", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["a"], ["b"], name="r1"),
+            helper.make_node("Conv", ["b", "W1"], ["y"], name="c2"),
+        ],
+        "dynamic_dims",
+        [x],
+        [y],
+        initializer=[
+            numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "W0"),
+            numpy_helper.from_array(rng.standard_normal((2, 4, 1, 1)).astype(np.float32), "W1"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def fp16_if_decoder() -> ModelProto:
+    """A float16 convolutional decoder with If nodes whose branches make tensors shape inference
+    cannot merge::
+
+        enc0: h = Conv(x, W0)          x [1,4,8,8] float16, pads 1
+        act1: e = Relu(h)
+        if2:  d = If(keep) { then: Identity(e) [1,4,8,8] | else: Flatten(e) [1,256] }
+        dec3: g = Conv(d, W1)          pads 1
+        act4: r = Relu(g)
+        if5:  p = If(pool) { then: Identity(r) | else: MaxPool(r) 2x2 }  (same rank, other sizes)
+        dec6: q = Conv(p, W2)          [1,4,4,4]
+        out7: Y = Relu(q)
+
+    ``keep`` (true) and ``pool`` (false) are initializers, so the model always takes the rank-4
+    path; shape inference merges the branches of ``if2`` (rank 4 and rank 2) into a tensor of
+    unknown rank, and every tensor after it has no shape. ``if5`` merges into [1, 4, ?, ?].
+    """
+    rng = np.random.default_rng(5)
+    half = TensorProto.FLOAT16
+
+    def branch(name: str, node: NodeProto) -> onnx.GraphProto:
+        return helper.make_graph([node], name, [], [helper.make_tensor_value_info(node.output[0], half, None)])
+
+    weights = {"W0": (4, 4, 3, 3), "W1": (4, 4, 3, 3), "W2": (4, 4, 1, 1)}
+    inits = [numpy_helper.from_array((0.3 * rng.standard_normal(s)).astype(np.float16), n) for n, s in weights.items()]
+    inits += [numpy_helper.from_array(np.array(True), "keep"), numpy_helper.from_array(np.array(False), "pool")]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "W0"], ["h"], name="enc0", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["h"], ["e"], name="act1"),
+            helper.make_node(
+                "If",
+                ["keep"],
+                ["d"],
+                name="if2",
+                then_branch=branch("as_is", helper.make_node("Identity", ["e"], ["e_same"])),
+                else_branch=branch("flat", helper.make_node("Flatten", ["e"], ["e_flat"])),
+            ),
+            helper.make_node("Conv", ["d", "W1"], ["g"], name="dec3", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["g"], ["r"], name="act4"),
+            helper.make_node(
+                "If",
+                ["pool"],
+                ["p"],
+                name="if5",
+                then_branch=branch("keep_size", helper.make_node("Identity", ["r"], ["r_same"])),
+                else_branch=branch("halve", helper.make_node("MaxPool", ["r"], ["r_pooled"], kernel_shape=[2, 2], strides=[2, 2])),
+            ),
+            helper.make_node("Conv", ["p", "W2"], ["q"], name="dec6"),
+            helper.make_node("Relu", ["q"], ["Y"], name="out7"),
+        ],
+        "fp16_if_decoder",
+        [helper.make_tensor_value_info("x", half, [1, 4, 8, 8])],
+        [helper.make_tensor_value_info("Y", half, [1, 4, 4, 4])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
 
 
 #: Bytes of each weight of :func:`external_data` (float32).

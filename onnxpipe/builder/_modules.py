@@ -21,7 +21,7 @@ import onnx
 from onnx import ModelProto, TensorProto
 
 from onnxpipe._errors import ConfigError, SplitError
-from onnxpipe.runtime import TensorSpec, dtype_from_onnx
+from onnxpipe.runtime import DTYPES, TensorSpec, dtype_from_onnx
 
 __all__ = [
     "PROTOBUF_LIMIT",
@@ -45,8 +45,11 @@ _CHUNK = 1 << 24
 def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
     """The :class:`TensorSpec` of a typed ONNX value (symbolic dims kept by name).
 
+    A dim with neither value nor name, or with a negative value (PaddlePaddle's ``-1``), is
+    dynamic: ``None`` (see ``TensorSpec``'s Note: dynamic dims).
+
     Raises:
-        ConfigError: the value is not a tensor or has no element type.
+        ConfigError: the value is not a tensor, or has no element type or one onnxpipe does not know.
     """
     if value.type.WhichOneof("value") != "tensor_type":
         kind = value.type.WhichOneof("value") or "untyped"
@@ -56,8 +59,8 @@ def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
         raise ConfigError(f"tensor '{value.name}' has no element type")
     shape = None
     if tt.HasField("shape"):
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
-    return TensorSpec(value.name, dtype_from_onnx(tt.elem_type), shape)
+        shape = tuple((d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+    return TensorSpec(value.name, _dtype(tt.elem_type, value.name), shape)
 
 
 def io_specs(model: ModelProto) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
@@ -82,7 +85,14 @@ def move_into_place(staging: Path, target: Path) -> None:
 
 def weight_specs(model: ModelProto) -> dict[str, TensorSpec]:
     """The model's top-level initializers as specs, by name (no weight bytes are read)."""
-    return {t.name: TensorSpec(t.name, dtype_from_onnx(t.data_type), tuple(t.dims)) for t in model.graph.initializer}
+    return {t.name: TensorSpec(t.name, _dtype(t.data_type, t.name), tuple(t.dims)) for t in model.graph.initializer}
+
+
+def _dtype(elem_type: int, name: str) -> str:
+    try:
+        return dtype_from_onnx(elem_type)
+    except ValueError:
+        raise ConfigError(f"tensor '{name}' has ONNX element type {elem_type}, which onnxpipe does not know; known: {', '.join(DTYPES)}") from None
 
 
 def tensor_nbytes(t: TensorProto) -> int:

@@ -85,7 +85,10 @@ DIM = click.option(
     "dims",
     type=_DimType(),
     multiple=True,
-    help="Size of a symbolic dim, e.g. --dim batch=8 (repeatable; dims not given count as 1).",
+    help=(
+        "Size of a dynamic dim: by name, --dim batch=8, or by input and axis when it has no name "
+        "(declared -1 or empty), --dim x.0=8 (repeatable; dims not given count as 1)."
+    ),
 )
 
 

@@ -4,7 +4,7 @@ from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
 from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, read_bundle, save_npz
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
-from onnxpipe.runtime._inputs import check_inputs, random_inputs
+from onnxpipe.runtime._inputs import check_dims, check_inputs, random_inputs, sample_shapes
 from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
@@ -36,6 +36,7 @@ __all__ = [
     "StageStats",
     "TensorSpec",
     "benchmark",
+    "check_dims",
     "check_inputs",
     "dtype_from_onnx",
     "dtype_from_ort",
@@ -46,5 +47,6 @@ __all__ = [
     "random_inputs",
     "read_bundle",
     "resolve_provider",
+    "sample_shapes",
     "save_npz",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +11,7 @@ from onnxpipe._errors import InputError, closest
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._spec import TensorSpec
 
-__all__ = ["check_inputs", "random_inputs"]
+__all__ = ["check_dims", "check_inputs", "random_inputs", "sample_shapes"]
 
 
 def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: str = "input") -> dict[str, np.ndarray]:
@@ -41,7 +41,7 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
     for spec in specs:
         value = feeds[spec.name]
         array = value if isinstance(value, np.ndarray) else np.asarray(value)
-        want = numpy_dtype(spec.dtype)
+        want = _numpy(spec, what)
         if array.dtype != want:
             raise InputError(f"{what} '{spec.name}' has dtype {array.dtype}; expected {spec.dtype}")
         if spec.shape is not None:
@@ -58,42 +58,35 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
     return arrays
 
 
+def _numpy(spec: TensorSpec, what: str) -> np.dtype:
+    try:
+        return numpy_dtype(spec.dtype)
+    except ValueError:
+        raise InputError(f"{what} '{spec.name}' is {spec.dtype}: numpy has no such dtype, so onnxpipe can neither check nor make its values") from None
+
+
 def _fmt(shape: Sequence[object]) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
 def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Random arrays matching declared inputs; symbolic or unknown dims not in ``dims`` become 1.
+    """Random arrays matching declared inputs, shaped by :func:`sample_shapes`.
 
     Floats are standard normal, integers are drawn from 0..3 (valid as small indices), booleans
     are fair coins.
 
     Raises:
-        InputError: ``dims`` names a dim no input has, or an input's rank or dtype is unknown.
+        InputError: ``dims`` names no dynamic dim of an input, or an input's rank or dtype is unknown.
 
     Returns:
         The arrays by name, and notes on the dims that were defaulted.
     """
     rng = np.random.default_rng(seed)
-    dims = dict(dims or {})
-    symbolic = {d for spec in specs for d in (spec.shape or ()) if isinstance(d, str)}
-    for name in dims:
-        if name not in symbolic:
-            raise InputError(f"no input has a dim named '{name}'; {closest(name, symbolic)}")
-    notes: list[str] = []
+    shapes, notes = sample_shapes(specs, dims)
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:
-        if spec.shape is None:
-            raise InputError(f"input '{spec.name}' has no known rank; pass its value explicitly")
-        shape = []
-        for d in spec.shape:
-            if isinstance(d, int):
-                shape.append(d)
-                continue
-            if d not in dims:
-                notes.append(f"input '{spec.name}': dim {d or '?'} not given, using 1")
-            shape.append(dims.get(d, 1) if d else 1)
-        dtype = numpy_dtype(spec.dtype)
+        shape = shapes[spec.name]
+        dtype = _numpy(spec, "input")
         if dtype.kind == "f":
             feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind in "iu":
@@ -103,3 +96,74 @@ def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
         else:
             raise InputError(f"input '{spec.name}' of dtype {spec.dtype}: cannot make random values; pass its value explicitly")
     return feeds, notes
+
+
+def sample_shapes(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """Concrete shapes for declared inputs, for sample or random values.
+
+    A named dim takes ``dims[name]``; a dynamic dim without a name (``None``, or ``-1`` as
+    PaddlePaddle declares it) takes ``dims["<input>.<axis>"]``, e.g. ``dims={"x.0": 8}``; a dim
+    not given is 1, and a note says so.
+
+    Raises:
+        InputError: a key of ``dims`` is no dynamic dim of these inputs (unknown, fixed, or named
+            otherwise), or an input's rank is unknown.
+
+    Returns:
+        The shapes by input name, and notes on the dims that were defaulted to 1.
+    """
+    dims = dict(dims or {})
+    check_dims(specs, dims)
+    notes: list[str] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        if spec.shape is None:
+            raise InputError(f"input '{spec.name}' has no known rank; pass its value explicitly")
+        shape: list[int] = []
+        defaulted: list[str] = []
+        for axis, d in enumerate(spec.shape):
+            if isinstance(d, int):
+                shape.append(d)
+                continue
+            key = d if isinstance(d, str) else f"{spec.name}.{axis}"
+            if key not in dims:
+                defaulted.append(key)
+            shape.append(dims.get(key, 1))
+        if defaulted:
+            unnamed = [f"{spec.name}.{axis}" for axis, d in enumerate(spec.shape) if d is None]
+            hint = f" (a dim without a name goes by input and axis: --dim {unnamed[0]}=N)" if unnamed else ""
+            notes.append(f"input '{spec.name}': dim{'s' if len(defaulted) > 1 else ''} {', '.join(defaulted)} not given, using 1{hint}")
+        shapes[spec.name] = tuple(shape)
+    return shapes, notes
+
+
+def check_dims(specs: Sequence[TensorSpec], dims: Iterable[str]) -> None:
+    """Check that every key of ``dims`` is a dim name of ``specs`` or ``<input>.<axis>`` of a
+    dynamic dim without a name.
+
+    Raises:
+        InputError: the first key that is neither, saying what the dim is instead.
+    """
+    for key in dims:
+        _check_dim_key(specs, key)
+
+
+def _check_dim_key(specs: Sequence[TensorSpec], key: str) -> None:
+    named = {d for spec in specs for d in (spec.shape or ()) if isinstance(d, str)}
+    if key in named:
+        return
+    by_name = {s.name: s for s in specs}
+    tensor, _, axis_text = key.rpartition(".")
+    spec = by_name.get(tensor)
+    if spec is not None and axis_text.isdigit() and spec.shape is not None:
+        axis = int(axis_text)
+        if axis >= len(spec.shape):
+            raise InputError(f"dim '{key}': input '{spec.name}' has rank {len(spec.shape)} ({_fmt(spec.shape)}); axes are 0..{len(spec.shape) - 1}")
+        d = spec.shape[axis]
+        if d is None:
+            return
+        if isinstance(d, str):
+            raise InputError(f"dim '{key}': dim {axis} of input '{spec.name}' is named '{d}'; give its size by that name")
+        raise InputError(f"dim '{key}': dim {axis} of input '{spec.name}' is fixed at {d}; only dynamic dims take a size")
+    addressable = named | {f"{s.name}.{axis}" for s in specs for axis, d in enumerate(s.shape or ()) if d is None}
+    raise InputError(f"no input has a dim named '{key}'; {closest(key, addressable)}")

@@ -40,13 +40,23 @@ __all__ = [
 SPEC_FORMAT = "onnxpipe.pipeline"
 SPEC_VERSION = 1
 
-#: One dimension of a shape: a size, a symbolic name (``"batch"``), or ``None`` when unknown.
+#: One dimension of a shape: a size, a symbolic name (``"batch"``), or ``None`` when dynamic
+#: without a name (see Note: dynamic dims).
 Dim = int | str | None
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     """A named tensor with its element type and shape.
+
+    Note: dynamic dims.
+        A dim is fixed (an int >= 0), dynamic with a name (``"batch"``: any size, the same in every
+        tensor that names it), or dynamic without one (``None``: any size). Some exporters
+        (PaddlePaddle) declare dynamic dims as ``dim_value: -1``, and onnxruntime takes any size
+        for them, so a negative int is read as ``None`` when a spec is made, from ONNX or from an
+        older ``pipeline.json`` alike: no check, sample input or byte count ever sees one. A
+        dynamic dim without a name is addressed by its tensor and axis, ``x.0``, where sizes are
+        given (``random_inputs``' ``dims``, ``--dim x.0=8``).
 
     Attributes:
         name: The tensor's name, as in the original model.
@@ -57,6 +67,10 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[Dim, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape is not None and any(isinstance(d, int) and d < 0 for d in self.shape):
+            object.__setattr__(self, "shape", tuple(None if isinstance(d, int) and d < 0 else d for d in self.shape))
 
     def mismatch(self, other: TensorSpec) -> str | None:
         """Why a value of this spec cannot feed ``other``, or ``None`` when it can.

@@ -17,6 +17,7 @@ Note: which order.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import re
 from collections.abc import Callable, Mapping
@@ -83,6 +84,8 @@ class _Options:
         k = self.stages or self.max_stages
         if k is None or k < 1:
             raise SplitError(f"{name}: the number of stages must be at least 1, got {k}")
+        if self.max_stage_weights is not None and self.max_stage_weights < 0:
+            raise SplitError(f"{name}: max_stage_weights must be at least 0 bytes, got {self.max_stage_weights}")
 
 
 def _orders(index: GraphIndex) -> list[list[int]]:
@@ -253,7 +256,8 @@ class MeasuredPolicy:
         """Profile (or reuse the profile) and minimize the slowest stage."""
         profile = self.profile or profile_model(model_path or index.model, self.settings, runs=self.runs, dims=self.dims)
         options = _Options(self.stages, self.max_stages, self.max_stage_weights, self.pinned, self.dims)
-        return _run(self.name, index, types, options, profile.node_seconds, profile.crossing_seconds, profile.source, True)
+        result = _run(self.name, index, types, options, profile.node_seconds, profile.crossing_seconds, profile.source, True)
+        return dataclasses.replace(result, notes=(*profile.notes, *result.notes))
 
 
 #: Policies by name, for ``make_policy`` and the CLI's ``--policy``.

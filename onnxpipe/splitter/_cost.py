@@ -38,6 +38,7 @@ import onnx
 import onnxruntime as ort
 from onnx import ModelProto
 
+from onnxpipe._errors import SplitError
 from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import StageSettings, random_inputs
 from onnxpipe.splitter._extract import infer_types
@@ -68,6 +69,7 @@ class CostProfile:
         byte_seconds: Cost per byte handed over.
         runs: Profiled runs the medians come from.
         unmatched: Profiled kernels that matched no node by name and were charged to their neighbour.
+        notes: What the user should know about the profiling inputs (dynamic dims sized 1, ...).
     """
 
     model_sha256: str
@@ -79,6 +81,7 @@ class CostProfile:
     byte_seconds: float
     runs: int
     unmatched: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def crossing_seconds(self, nbytes: int) -> float:
         """Time to hand ``nbytes`` over to the next stage."""
@@ -175,13 +178,13 @@ def _session_source(proto: ModelProto, path: Path | None, tmp: Path) -> str | by
     if path is not None:
         return str(path)
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
-        raise ValueError("an in-memory model with external data cannot be profiled; pass its path")
+        raise SplitError("an in-memory model with external data cannot be profiled; pass its path")
     return proto.SerializeToString()
 
 
 def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: StageSettings, runs: int, dims: Mapping[str, int], digest: str) -> CostProfile:
     types, _ = infer_types(proto)
-    feeds, _ = random_inputs([tensor_spec(types[name]) for name in index.inputs], dims)
+    feeds, notes = random_inputs([tensor_spec(types[name]) for name in index.inputs], dims)
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         source = _session_source(proto, path, Path(tmp))
         plain = ort.InferenceSession(source, sess_options=settings.replace(affinity=None).session_options(), providers=settings.providers())
@@ -216,6 +219,7 @@ def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: 
         byte_seconds=_byte_seconds(),
         runs=runs,
         unmatched=sorted(unmatched),
+        notes=[f"profiled with {n}" for n in notes],
     )
 
 

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, ValueInfoProto
+from onnx.external_data_helper import load_external_data_for_model
 
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import without_initializers
 from onnxpipe.splitter._graph import GraphIndex, subgraphs
 
-__all__ = ["Boundary", "build_stage_models", "compute_boundary", "infer_types"]
+__all__ = ["Boundary", "build_stage_models", "compute_boundary", "infer_types", "observe_ranks", "unranked"]
 
 _INLINE_FOR_INFERENCE = 4096  # initializers up to this size keep their values for data propagation
 
@@ -33,6 +36,9 @@ def infer_types(model: ModelProto) -> tuple[dict[str, ValueInfoProto], str | Non
         The value infos by name and, when inference failed, why (the declared types are used then).
     """
     light = without_initializers(model)
+    for v in (*light.graph.output, *light.graph.value_info):
+        _negative_dims_dynamic(v)
+    _name_input_dims(light)
     listed = {v.name for v in light.graph.input}
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) + 8 * len(t.float_data) <= _INLINE_FOR_INFERENCE:
@@ -45,11 +51,109 @@ def infer_types(model: ModelProto) -> tuple[dict[str, ValueInfoProto], str | Non
     except Exception as e:  # onnx raises InferenceError, ValidationError or RuntimeError here
         inferred, problem = light, f"shape inference failed ({type(e).__name__}: {e}); using the types the model declares"
     types: dict[str, ValueInfoProto] = {}
-    for source in (model.graph.value_info, inferred.graph.value_info, inferred.graph.input, inferred.graph.output):
+    # The light copy keeps the model's own value_info, so the inferred one holds it too.
+    for source in (inferred.graph.value_info, inferred.graph.input, inferred.graph.output):
         for v in source:
             if v.type.WhichOneof("value"):
                 types[v.name] = v
     return types, problem
+
+
+def _negative_dims_dynamic(value: ValueInfoProto) -> None:
+    """Make ``dim_value: -1`` (PaddlePaddle's dynamic dim) a dim with neither value nor name, in place.
+
+    Inference would otherwise compute with -1 as a size (a Conv of height -1 is -2 high, say).
+    """
+    if value.type.HasField("tensor_type"):
+        for d in value.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value < 0:
+                d.ClearField("dim_value")
+
+
+def _name_input_dims(model: ModelProto) -> None:
+    """Name every dynamic dim of a graph input that has no name by its address, ``<input>.<axis>``, in place.
+
+    Note: input dims without a name.
+        A graph input's dim declared ``-1`` (PaddlePaddle) or with neither value nor name is
+        dynamic. The splitter names it after its input and axis (``x.0``) before shape inference,
+        so the name flows into every tensor that carries the dim, the pipeline's input spec and
+        the stages' boundaries say which dims are the same, and a size given for it
+        (``dims={"x.0": 8}``, ``--dim x.0=8``) sizes sample inputs and byte counts alike. A name the
+        model already uses elsewhere is left alone (the dim stays without a name).
+    """
+    taken = {d.dim_param for v in (*model.graph.input, *model.graph.output, *model.graph.value_info) for d in v.type.tensor_type.shape.dim if d.dim_param}
+    for v in model.graph.input:
+        if not v.type.HasField("tensor_type"):
+            continue
+        for axis, d in enumerate(v.type.tensor_type.shape.dim):
+            dynamic = d.dim_value < 0 if d.HasField("dim_value") else not d.dim_param
+            name = f"{v.name}.{axis}"
+            if dynamic and name not in taken:
+                d.dim_param = name  # setting the name clears the value: they are one oneof
+
+
+def unranked(types: dict[str, ValueInfoProto], names: Iterable[str]) -> list[str]:
+    """The tensors among ``names`` whose type is a tensor with an element type but no shape (unknown rank)."""
+    out = []
+    for name in names:
+        v = types.get(name)
+        if v is not None and v.type.HasField("tensor_type") and v.type.tensor_type.elem_type and not v.type.tensor_type.HasField("shape"):
+            out.append(name)
+    return out
+
+
+def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: list[str], source_dir: Path | None) -> dict[str, ValueInfoProto]:
+    """Types for boundary tensors of unknown rank: the rank one onnxruntime run on sample inputs
+    gives, every dim dynamic (see Note: boundaries of unknown rank).
+
+    Note: boundaries of unknown rank.
+        The ONNX checker wants a shape (a rank) on every input and output of a model's graph, but
+        shape inference cannot always tell one: an If whose branches make tensors of different
+        ranks, or an op whose output rank depends on values, leaves its output -- and everything
+        computed from it -- without a shape. A stage boundary at such a tensor takes the rank the
+        whole model gives it in one run on sample inputs (named dims 1, like ``random_inputs``),
+        with every dim dynamic; the run is made only when a boundary needs it. A tensor whose rank
+        changes with the input (the If takes another branch) then fails at that stage's input, as
+        onnxruntime checks ranks.
+
+    Raises:
+        SplitError: the sample run fails, so no rank is known (the message names the tensors).
+    """
+    import onnxruntime as ort
+
+    from onnxpipe.builder import tensor_spec
+    from onnxpipe.runtime import random_inputs
+
+    what = ", ".join(repr(n) for n in names)
+    shapeless = [n for n in names if n in index.inputs]
+    if shapeless:
+        # No run can tell the rank of what the caller feeds; the whole model fails the checker too.
+        listed = ", ".join(repr(n) for n in shapeless)
+        raise SplitError(f"model input(s) {listed} declare no shape; every stage input needs one (a rank, dims may be dynamic): declare it in the model")
+    probe = ModelProto()
+    probe.CopyFrom(index.model)
+    outputs = {v.name for v in probe.graph.output}
+    for name in (n for n in names if n not in outputs):
+        probe.graph.output.append(onnx.helper.make_tensor_value_info(name, types[name].type.tensor_type.elem_type, None))
+    try:
+        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in probe.graph.initializer):
+            if source_dir is None:
+                raise SplitError("its weights are external data and the model's folder is not known")
+            load_external_data_for_model(probe, str(source_dir))
+        feeds, _ = random_inputs([tensor_spec(types[name]) for name in index.inputs])
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        arrays = session.run(names, feeds)
+    except Exception as e:  # onnxruntime's own exception types, InputError, OSError, protobuf's size limit
+        raise SplitError(
+            f"shape inference cannot tell the rank of boundary tensor(s) {what}, and a sample run to see it failed "
+            f"({type(e).__name__}: {e}); cut elsewhere, or declare the tensor's shape in the model's value_info"
+        ) from e
+    observed = {}
+    for name, array in zip(names, arrays, strict=True):
+        observed[name] = onnx.helper.make_tensor_value_info(name, types[name].type.tensor_type.elem_type, [None] * np.ndim(array))
+    return observed
 
 
 @dataclass

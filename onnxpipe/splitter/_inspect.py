@@ -27,7 +27,7 @@ from onnx import ModelProto, ValueInfoProto
 
 from onnxpipe._errors import ConfigError, InputError, closest
 from onnxpipe.builder import tensor_nbytes, tensor_spec
-from onnxpipe.runtime import TensorSpec
+from onnxpipe.runtime import TensorSpec, check_dims
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex
 from onnxpipe.splitter._live import Sizer, live_sweep
@@ -136,7 +136,8 @@ def inspect_model(
     types, problem = infer_types(proto)
     notes = [problem] if problem else []
     dims = dict(dims or {})
-    _check_dims(dims, types)
+    inputs = tuple(_spec(types, v) for v in proto.graph.input if v.name in index.inputs)
+    _check_dims(dims, types, inputs)
     sizer = Sizer(types, dims)
     compute = index.compute_nodes()
     read = {x for i in compute for x in index.node_inputs[i] if index.is_weight_tensor(x)}
@@ -150,7 +151,7 @@ def inspect_model(
         name=g.name,
         ir_version=proto.ir_version,
         opsets={(o.domain or "ai.onnx"): o.version for o in proto.opset_import},
-        inputs=tuple(_spec(types, v) for v in g.input if v.name in index.inputs),
+        inputs=inputs,
         outputs=tuple(_spec(types, v) for v in g.output),
         nodes=len(index.nodes),
         compute_nodes=len(compute),
@@ -172,11 +173,16 @@ def _spec(types: dict[str, ValueInfoProto], declared: ValueInfoProto) -> TensorS
         return TensorSpec(declared.name, "unknown", None)
 
 
-def _check_dims(dims: Mapping[str, int], types: dict[str, ValueInfoProto]) -> None:
+def _check_dims(dims: Mapping[str, int], types: dict[str, ValueInfoProto], inputs: tuple[TensorSpec, ...]) -> None:
+    """Every key names a symbolic dim of some tensor, or is ``<input>.<axis>`` of an input's
+    dynamic dim without a name (see ``TensorSpec``'s Note: dynamic dims)."""
     known = {d.dim_param for v in types.values() if v.type.HasField("tensor_type") for d in v.type.tensor_type.shape.dim if d.dim_param}
     for name, size in dims.items():
         if name not in known:
-            raise InputError(f"the model has no symbolic dim '{name}'; {closest(name, known)}")
+            addressable = {f"{t.name}.{axis}" for t in inputs for axis, d in enumerate(t.shape or ()) if d is None}
+            if name.rpartition(".")[0] not in {t.name for t in inputs}:
+                raise InputError(f"the model has no symbolic dim '{name}'; {closest(name, known | addressable)}")
+            check_dims(inputs, [name])  # INPUT.AXIS: says what that dim is when it takes no size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise InputError(f"dim '{name}' must be an integer >= 1, got {size!r}")
 

@@ -19,7 +19,7 @@ from onnxpipe.builder import PipelineConfig, tensor_nbytes, tensor_spec, weights
 from onnxpipe.builder._modules import PROTOBUF_LIMIT, move_into_place
 from onnxpipe.runtime import PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
-from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types
+from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex
 
 if TYPE_CHECKING:
@@ -189,6 +189,14 @@ def split(
         stage_of = assign_explicit(index, assignment or {})
     boundary = compute_boundary(index, stage_of)
     notes = [problem] if problem else []
+    crossing = dict.fromkeys(name for names in (*boundary.inputs, *boundary.outputs) for name in names)
+    blind = unranked(types, crossing)
+    if blind:
+        # See Note: boundaries of unknown rank (_extract.py).
+        observed = observe_ranks(index, types, blind, folder)
+        types = {**types, **observed}
+        ranks = ", ".join(f"'{n}' (rank {len(observed[n].type.tensor_type.shape.dim)})" for n in blind)
+        notes.append(f"shape inference cannot tell the rank of boundary tensor(s) {ranks}: declared with the rank a sample run gave, every dim dynamic")
     if auto is not None:
         notes.extend(auto.notes)
     ir_version = proto.ir_version

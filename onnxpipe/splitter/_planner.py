@@ -233,7 +233,8 @@ def plan_pipeline(
         candidates.extend(_pipelines(plan_k, profiles, cores))
     proto, _ = load_model(model)
     whole = split(model, assignment={n.name or n.output[0]: 0 for n in proto.graph.node})
-    feeds, _ = random_inputs(io_specs(proto)[0], dims)
+    feeds, input_notes = random_inputs(io_specs(proto)[0], dims)
+    notes.extend(f"measured with {n}" for n in input_notes)
     ranked = sorted(candidates, key=lambda c: -c.predicted)
     chosen_for_measure = [c for c in ranked if c.kind == "pipeline"][:measure]
     for kind in ("session", "replicas"):
