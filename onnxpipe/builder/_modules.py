@@ -56,7 +56,8 @@ def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
         raise ConfigError(f"tensor '{value.name}' has no element type")
     shape = None
     if tt.HasField("shape"):
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        # A negative size (commonly -1) means "unknown", as onnxruntime reads it: like an unnamed dim.
+        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else (d.dim_param or None) for d in tt.shape.dim)
     return TensorSpec(value.name, dtype_from_onnx(tt.elem_type), shape)
 
 
