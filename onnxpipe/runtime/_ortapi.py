@@ -256,9 +256,19 @@ class InferenceSessionAPI:
         """Not available. Raises :class:`UnsupportedError` naming ``load(trace=True)`` and ``save_trace``."""
         raise UnsupportedError("a pipeline is profiled as a whole: load it with trace=True and call save_trace(path)")
 
-    def set_providers(self, providers: Any = None, provider_options: Any = None) -> None:
-        """Not available. Raises :class:`UnsupportedError` naming ``load(target=...)``."""
-        raise UnsupportedError("a pipeline's providers are its stages' targets: load it again with load(path, target=...)")
+    def set_providers(self, providers: Sequence[Any] | None = None, provider_options: Any = None) -> None:
+        """Accepted when nothing would change: ``providers`` (names or ``(name, options)`` pairs)
+        are the ones the stages use, e.g. ``["CPUExecutionProvider"]`` on a CPU pipeline, as
+        applications call it to make sure they run on the CPU.
+
+        Raises:
+            UnsupportedError: any other change; load the bundle again with ``load(path, target=...)``.
+        """
+        asked = [p if isinstance(p, str) else p[0] for p in providers or ()]
+        if asked != self.get_providers():
+            raise UnsupportedError(
+                f"a pipeline cannot switch to providers {asked}: its stages use {self.get_providers()}; load it again with load(path, target=...)"
+            )
 
     # -- running -----------------------------------------------------------------------------------
 
