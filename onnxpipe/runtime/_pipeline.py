@@ -180,10 +180,10 @@ class Pipeline(InferenceSessionAPI):
                 type onnxruntime raises, see :mod:`onnxpipe.runtime._ortapi`).
             StageError: a stage failed on the request (onnxruntime).
         """
-        if output_names is not _TVM or input_feed is not _TVM:
-            if input_feed is _TVM:
-                raise ArgumentTypeError("run() takes no argument (TVM: run what set_input staged) or output_names and input_feed (onnxruntime)")
+        if input_feed is not _TVM:
             return self._ort_run(None if output_names is _TVM else output_names, input_feed, run_options)
+        if output_names is not _TVM or run_options is not None:
+            raise ArgumentTypeError("run() takes no argument (TVM: run what set_input staged) or output_names and input_feed (onnxruntime)")
         staged, self._staged = self._staged, {}
         rid, future = self._submit(staged)
         self._run_queue.append(future)

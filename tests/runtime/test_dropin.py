@@ -206,6 +206,8 @@ def test_run_takes_onnxruntime_arguments_and_keeps_its_tvm_meaning(bundles: Call
         with pytest.raises(InputError, match="run\\(\\) takes no argument .* or output_names and input_feed") as err:
             pipe.run(None)  # type: ignore[call-overload]
         assert isinstance(err.value, TypeError)
+        with pytest.raises(InputError, match="run\\(\\) takes no argument"):
+            pipe.run(run_options=ort.RunOptions())  # type: ignore[call-overload]
 
 
 def _raises(call: Callable[[], object]) -> BaseException:
