@@ -41,6 +41,7 @@ __all__ = [
     "symbolic_batch",
     "two_inputs",
     "two_outputs",
+    "unknown_dims",
 ]
 
 _HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
@@ -450,6 +451,34 @@ def fp16_if_decoder() -> ModelProto:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.checker.check_model(model, full_check=True)
+
+
+def unknown_dims() -> ModelProto:
+    """Dims onnxruntime reports as unknown, and every metadata field set.
+
+    ``X[N, ?, -1, 3] -r0 Relu-> a -n1 Neg-> Y`` (``?``: a dim with neither size nor name) and
+    ``Z[M] -i2 Identity-> W`` with ``Z`` int64; ``Y`` and ``W`` are declared without shapes.
+    Producer, domain, doc strings, ``model_version`` 3 and two ``metadata_props`` are set. Cut at ``a``.
+    """
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", None, -1, 3])
+    x.type.tensor_type.shape.dim[1].Clear()
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["X"], ["a"], name="r0"),
+            helper.make_node("Neg", ["a"], ["Y"], name="n1"),
+            helper.make_node("Identity", ["Z"], ["W"], name="i2"),
+        ],
+        "unknown_dims",
+        [x, helper.make_tensor_value_info("Z", TensorProto.INT64, ["M"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None), helper.make_tensor_value_info("W", TensorProto.INT64, None)],
+        doc_string="graph doc",
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tests", producer_version="1", domain="ai.onnxpipe.test", model_version=3,
+        doc_string="model doc",
+    )  # fmt: skip
+    helper.set_model_props(model, {"author": "onnxpipe", "license": "MIT"})
+    # Not checked: onnx's checker wants a shape on every graph output; onnxruntime infers them.
     return model
 
 

@@ -5,6 +5,7 @@ from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, 
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import check_dims, check_inputs, random_inputs, sample_shapes
+from onnxpipe.runtime._ortapi import ModelMetadata, NodeArg
 from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
@@ -24,6 +25,8 @@ __all__ = [
     "Limits",
     "Link",
     "Manifest",
+    "ModelMetadata",
+    "NodeArg",
     "ParamGroup",
     "Pipeline",
     "PipelineSpec",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DTYPES", "dtype_from_onnx", "dtype_from_ort", "itemsize", "numpy_dtype"]
+__all__ = ["DTYPES", "dtype_from_onnx", "dtype_from_ort", "itemsize", "numpy_dtype", "ort_type"]
 
 # ONNX TensorProto.DataType number -> onnxpipe name (the ORT type string is "tensor(<ort name>)").
 _ONNX: dict[int, tuple[str, str]] = {
@@ -40,7 +40,8 @@ _ONNX: dict[int, tuple[str, str]] = {
 }
 
 DTYPES: tuple[str, ...] = tuple(name for name, _ in _ONNX.values())
-_FROM_ORT = {f"tensor({ort})": name for name, ort in _ONNX.values()}
+_TO_ORT = {name: f"tensor({ort})" for name, ort in _ONNX.values()}
+_FROM_ORT = {ort: name for name, ort in _TO_ORT.items()}
 _NUMPY = {"string": np.dtype(object)}
 
 
@@ -66,6 +67,18 @@ def dtype_from_ort(type_str: str) -> str:
         return _FROM_ORT[type_str]
     except KeyError:
         raise ValueError(f"unsupported onnxruntime type {type_str!r}") from None
+
+
+def ort_type(name: str) -> str:
+    """The onnxruntime type string of a dtype name, as ``NodeArg.type`` prints it: ``"float32" -> "tensor(float)"``.
+
+    Raises:
+        ValueError: the name is not a known dtype.
+    """
+    try:
+        return _TO_ORT[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}") from None
 
 
 def numpy_dtype(name: str) -> np.dtype:

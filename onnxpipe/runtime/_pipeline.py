@@ -20,11 +20,11 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import onnxruntime as ort
@@ -34,6 +34,7 @@ from onnxpipe.runtime._bundle import Bundle, Limits, read_bundle
 from onnxpipe.runtime._channel import Closed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
 from onnxpipe.runtime._inputs import check_inputs
+from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import Request, StagePlan, plan_stages
@@ -42,6 +43,7 @@ from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, w
 __all__ = ["Pipeline", "ReferenceCheck", "load"]
 
 Outputs = dict[str, np.ndarray]
+_TVM: Any = object()  # run() called without arguments: the TVM protocol
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,12 @@ class ReferenceCheck:
     ok: bool
 
 
-class Pipeline:
+class Pipeline(InferenceSessionAPI):
     """A loaded bundle, its stages running concurrently.
+
+    It is also a drop-in for an ``onnxruntime.InferenceSession`` (``get_inputs``, ``get_outputs``,
+    ``get_modelmeta``, ``get_providers``, ``run(output_names, input_feed)``; see
+    :class:`~onnxpipe.runtime._ortapi.InferenceSessionAPI`).
 
     Args:
         bundle: A checked bundle (see :func:`read_bundle`).
@@ -79,6 +85,7 @@ class Pipeline:
         self._requests = RequestRecorder()
         self._origin = time.perf_counter()
         self._closed = False
+        self._session_facts: list[SessionFacts] = []
         self._engine: Engine = ThreadEngine(plans, self._make_session, queue_depth, trace)
         # A pipeline dropped without close() must not leave its workers running.
         self._finalizer = weakref.finalize(self, self._engine.close)
@@ -87,7 +94,9 @@ class Pipeline:
     def _make_session(self, plan: StagePlan, replica: int) -> ort.InferenceSession:
         stage = plan.stage
         settings = stage.settings.for_replica(replica)
-        return make_session(self.bundle.root / stage.module, dataclasses.replace(stage, settings=settings), self._target)
+        session = make_session(self.bundle.root / stage.module, dataclasses.replace(stage, settings=settings), self._target)
+        self._session_facts.append(SessionFacts.of(session))
+        return session
 
     # -- what the pipeline looks like ------------------------------------------------------------
 
@@ -147,16 +156,34 @@ class Pipeline:
             raise InputError(f"unknown input '{name}'; {closest(name, (t.name for t in self.spec.inputs))}")
         self._staged[name] = check_inputs([spec], {name: value})[name]
 
-    def run(self) -> int:
-        """Submit the inputs given with :meth:`set_input` as one request; its outputs come from
-        :meth:`get_output`, in order. Returns at once unless the pipeline is full (backpressure).
+    @overload
+    def run(self) -> int: ...
+
+    @overload
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: ort.RunOptions | None = None) -> list[np.ndarray]: ...
+
+    def run(self, output_names: Any = _TVM, input_feed: Any = _TVM, run_options: ort.RunOptions | None = None) -> int | list[np.ndarray]:
+        """Without arguments (TVM): submit the inputs given with :meth:`set_input` as one request;
+        its outputs come from :meth:`get_output`, in order. Returns at once unless the pipeline is
+        full (backpressure).
+
+        With arguments (onnxruntime's ``InferenceSession.run``): run one request and wait; return
+        the outputs named in ``output_names`` (all, in declared order, for ``None`` or ``[]``) as a
+        list in that order. Thread-safe. ``run_options.terminate`` stops the wait.
 
         Returns:
-            The request's number.
+            The request's number (TVM), or the outputs (onnxruntime).
 
         Raises:
-            InputError: an input was not set.
+            InputError: an input was not set (TVM); an input is missing, unknown or of the wrong
+                dtype or shape, or an output name is unknown (onnxruntime: these also subclass the
+                type onnxruntime raises, see :mod:`onnxpipe.runtime._ortapi`).
+            StageError: a stage failed on the request (onnxruntime).
         """
+        if input_feed is not _TVM:
+            return self._ort_run(None if output_names is _TVM else output_names, input_feed, run_options)
+        if output_names is not _TVM or run_options is not None:
+            raise ArgumentTypeError("run() takes no argument (TVM: run what set_input staged) or output_names and input_feed (onnxruntime)")
         staged, self._staged = self._staged, {}
         rid, future = self._submit(staged)
         self._run_queue.append(future)

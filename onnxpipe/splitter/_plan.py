@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ from onnx import ModelProto
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import PipelineConfig, tensor_nbytes, tensor_spec, weights_bytes, without_initializers
 from onnxpipe.builder._modules import PROTOBUF_LIMIT, move_into_place
-from onnxpipe.runtime import PipelineSpec, TensorSpec
+from onnxpipe.runtime import ModelMetadata, PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex
@@ -142,6 +143,35 @@ def load_model(model: ModelProto | str | os.PathLike[str]) -> tuple[ModelProto, 
         raise SplitError(f"cannot read '{path}' as an ONNX model: {e}") from e
 
 
+def _declared_dim_names(proto: ModelProto) -> set[str]:
+    values = (*proto.graph.input, *proto.graph.output, *proto.graph.value_info)
+    return {d.dim_param for v in values if v.type.HasField("tensor_type") for d in v.type.tensor_type.shape.dim if d.dim_param}
+
+
+def _without_invented_dims(spec: TensorSpec, named: set[str]) -> TensorSpec:
+    """The spec with the dim names onnx's shape inference made up (``unk__0``...) for unknown dims
+    left unnamed, as onnxruntime reports a whole model's outputs; names the model uses are kept."""
+    if spec.shape is None:
+        return spec
+    shape = tuple(None if isinstance(d, str) and d.startswith("unk__") and d not in named else d for d in spec.shape)
+    return dataclasses.replace(spec, shape=shape)
+
+
+def _model_metadata(proto: ModelProto) -> ModelMetadata:
+    """The model's metadata as onnxruntime's ``get_modelmeta()`` reports it; the bundle keeps it so
+    that a pipeline's ``get_modelmeta()`` is the whole model's (stage modules have their own graph names)."""
+    meta = ModelMetadata(
+        producer_name=proto.producer_name,
+        graph_name=proto.graph.name,
+        domain=proto.domain,
+        description=proto.doc_string,
+        graph_description=proto.graph.doc_string,
+        custom_metadata_map={p.key: p.value for p in proto.metadata_props},
+    )
+    # An unset model_version is reported as INT64_MAX (ModelMetadata's default); 0 is a real version.
+    return dataclasses.replace(meta, version=proto.model_version) if proto.HasField("model_version") else meta
+
+
 def split(
     model: ModelProto | str | os.PathLike[str],
     cuts: Sequence[object] | None = None,
@@ -210,13 +240,15 @@ def split(
             _check(m, i)
     config = PipelineConfig(proto.graph.name or "pipeline")
     config.metadata["source"] = Path(model).name if not isinstance(model, ModelProto) else proto.graph.name
+    config.metadata.update(_model_metadata(proto).to_metadata())
     stages = []
     for i, m in enumerate(models):
         config.add_stage(m, f"stage{i}", source_dir=folder)
     for name in index.inputs:
         config.add_input(tensor_spec(types[name]))
+    named = _declared_dim_names(proto)
     for name in index.outputs:
-        config.add_output(tensor_spec(types[name]))
+        config.add_output(_without_invented_dims(tensor_spec(types[name]), named))
     for s, names in enumerate(boundary.inputs):
         for t in names:
             src = boundary.sources[t]

@@ -1,0 +1,375 @@
+"""A pipeline where code written against ``onnxruntime.InferenceSession`` expects a session.
+
+:class:`InferenceSessionAPI` gives :class:`~onnxpipe.runtime.Pipeline` onnxruntime's session face:
+``get_inputs`` / ``get_outputs`` (:class:`NodeArg`), ``get_modelmeta`` (:class:`ModelMetadata`),
+``get_providers``, ``run(output_names, input_feed, run_options)``, ``run_async`` and
+``run_with_ort_values``. Everything is answered from the bundle's spec and the stages' sessions;
+nothing here knows how the stages run.
+
+Note: matching onnxruntime where a client can notice.
+    Checked against onnxruntime 1.32 (tests/runtime/test_dropin.py compares field by field with a
+    session of the whole model). ``NodeArg.shape`` holds an int for a fixed dim, the name for a
+    symbolic one and ``None`` for an unnamed or negative (``-1``) one; a tensor of unknown rank has
+    shape ``[]``. Errors are onnxpipe's, with onnxpipe's messages, but each also subclasses the type
+    onnxruntime raises in the same case, so ``except InputError`` and ``except InvalidArgument``
+    both catch them:
+
+    ================================================  =====================  ==========================
+    case                                              onnxruntime raises     onnxpipe raises
+    ================================================  =====================  ==========================
+    a required input is missing                       ``ValueError``         ``InputError`` + ValueError
+    unknown input or output name, wrong dtype, shape  ``InvalidArgument``    ``InputError`` + InvalidArgument
+    ``output_names`` a string, feed not a mapping,    ``TypeError``          ``InputError`` + TypeError
+    ``run_options`` not a ``RunOptions``
+    a stage fails, ``RunOptions.terminate`` is set    ``Fail``               ``StageError`` + Fail
+    a session method a pipeline cannot honour         (n/a)                  ``OnnxpipeError`` + NotImplementedError
+    ================================================  =====================  ==========================
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest
+from onnxpipe.runtime._bundle import Bundle
+from onnxpipe.runtime._dtypes import numpy_dtype, ort_type
+from onnxpipe.runtime._inputs import check_inputs
+from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
+
+__all__ = [
+    "METADATA_PREFIX",
+    "NO_VERSION",
+    "ArgumentTypeError",
+    "FeedError",
+    "InferenceSessionAPI",
+    "MissingInputError",
+    "ModelMetadata",
+    "NodeArg",
+    "RunFailedError",
+    "SessionFacts",
+    "UnsupportedError",
+]
+
+#: Keys of ``pipeline.json`` ``metadata`` that hold the source model's :class:`ModelMetadata`.
+METADATA_PREFIX = "model."
+#: onnxruntime's ``version`` of a model that sets no ``model_version`` (INT64_MAX).
+NO_VERSION = 2**63 - 1
+#: How often a waiting :meth:`InferenceSessionAPI.run` looks at ``RunOptions.terminate``.
+_TERMINATE_POLL_S = 0.02
+
+
+class FeedError(InputError, InvalidArgument):
+    """An unknown input or output name, or an input of the wrong dtype or shape (onnxruntime: InvalidArgument)."""
+
+
+class MissingInputError(InputError, ValueError):
+    """A required input is not in the feed (onnxruntime: ValueError)."""
+
+
+class ArgumentTypeError(InputError, TypeError):
+    """An argument of ``run`` of the wrong type (onnxruntime: TypeError)."""
+
+
+class RunFailedError(StageError, Fail):
+    """A stage failed on the request, or ``RunOptions.terminate`` stopped the wait (onnxruntime: Fail)."""
+
+
+class UnsupportedError(OnnxpipeError, NotImplementedError):
+    """A session method a pipeline cannot honour; the message names what to use instead."""
+
+
+class NodeArg:
+    """An input or output as onnxruntime's ``NodeArg`` describes it: ``name``, ``type``, ``shape``.
+
+    Args:
+        spec: The pipeline's tensor.
+    """
+
+    __slots__ = ("_shape", "name", "type")
+
+    def __init__(self, spec: TensorSpec) -> None:
+        self.name = spec.name
+        self.type = ort_type(spec.dtype)
+        self._shape = tuple(_ort_dim(d) for d in spec.shape or ())
+
+    @property
+    def shape(self) -> list[int | str | None]:
+        """One entry per dim: a size, a symbolic name, or ``None``; ``[]`` when the rank is unknown."""
+        return list(self._shape)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NodeArg) and (self.name, self.type, self._shape) == (other.name, other.type, other._shape)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.type, self._shape))
+
+    def __repr__(self) -> str:
+        return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape!r})"
+
+
+def _ort_dim(dim: int | str | None) -> int | str | None:
+    # onnxruntime reports a negative size (-1, a common "unknown") like an unnamed dim.
+    return None if isinstance(dim, int) and dim < 0 else dim
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """The source model's metadata, with the fields of onnxruntime's ``ModelMetadata``.
+
+    ``description`` is the model's ``doc_string``, ``graph_description`` its graph's, ``version``
+    its ``model_version`` (``2**63 - 1`` when unset, as onnxruntime reports it) and
+    ``custom_metadata_map`` its ``metadata_props``.
+    """
+
+    producer_name: str = ""
+    graph_name: str = ""
+    domain: str = ""
+    description: str = ""
+    graph_description: str = ""
+    version: int = NO_VERSION
+    custom_metadata_map: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, meta: Any) -> ModelMetadata:
+        """A copy of an ``onnxruntime.ModelMetadata`` (or anything with the same fields)."""
+        return cls(
+            meta.producer_name, meta.graph_name, meta.domain, meta.description, meta.graph_description, int(meta.version), dict(meta.custom_metadata_map)
+        )
+
+    def to_metadata(self) -> dict[str, str]:
+        """The ``pipeline.json`` metadata entries holding this (see docs/bundle-format.md)."""
+        p = METADATA_PREFIX
+        fixed = {f"{p}{k}": str(getattr(self, k)) for k in ("producer_name", "graph_name", "domain", "description", "graph_description", "version")}
+        return fixed | {f"{p}custom.{k}": v for k, v in self.custom_metadata_map.items()}
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str]) -> ModelMetadata | None:
+        """Read what :meth:`to_metadata` wrote; ``None`` for a bundle made before it was kept."""
+        p = METADATA_PREFIX
+        if f"{p}graph_name" not in metadata:
+            return None
+        custom = {k[len(p) + 7 :]: v for k, v in metadata.items() if k.startswith(f"{p}custom.")}
+        get = metadata.get
+        try:
+            version = int(get(f"{p}version", NO_VERSION))
+        except ValueError:
+            version = NO_VERSION  # hand-edited metadata: the rest is still worth giving
+        text = {k: get(f"{p}{k}", "") for k in ("producer_name", "graph_name", "domain", "description", "graph_description")}
+        return cls(**text, version=version, custom_metadata_map=custom)
+
+
+@dataclass(frozen=True)
+class SessionFacts:
+    """What the session API needs from one stage replica's onnxruntime session."""
+
+    providers: tuple[str, ...]
+    provider_options: Mapping[str, Mapping[str, str]]
+    meta: ModelMetadata
+
+    @classmethod
+    def of(cls, session: ort.InferenceSession) -> SessionFacts:
+        """Read them from a session."""
+        return cls(tuple(session.get_providers()), dict(session.get_provider_options()), ModelMetadata.of(session.get_modelmeta()))
+
+
+Outputs = dict[str, np.ndarray]
+Callback = Callable[[list[np.ndarray], Any, str], None]
+
+
+class InferenceSessionAPI:
+    """onnxruntime's ``InferenceSession`` methods, for a class that has a ``bundle``, records its
+    sessions' facts in ``_session_facts`` (pipeline order) and can ``submit`` a request."""
+
+    bundle: Bundle
+    _session_facts: list[SessionFacts]
+
+    def submit(self, inputs: Mapping[str, Any]) -> Future[Outputs]:
+        """Submit one request; a future of its outputs by name."""
+        raise NotImplementedError
+
+    # -- what the session looks like --------------------------------------------------------------
+
+    def get_inputs(self) -> list[NodeArg]:
+        """The inputs, as onnxruntime's ``InferenceSession.get_inputs()`` gives them."""
+        return [NodeArg(t) for t in self._spec.inputs]
+
+    def get_outputs(self) -> list[NodeArg]:
+        """The outputs, as onnxruntime's ``InferenceSession.get_outputs()`` gives them."""
+        return [NodeArg(t) for t in self._spec.outputs]
+
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        """Always ``[]``: no weight can be fed through :meth:`run`; swap weights with ``set_params``."""
+        return []
+
+    def get_modelmeta(self) -> ModelMetadata:
+        """The source model's metadata, kept in the bundle at split time.
+
+        A bundle made before that (or wired by hand) gives the first stage module's metadata, with
+        the pipeline's name as ``graph_name`` and without onnxpipe's own ``onnxpipe.*`` entries.
+        """
+        kept = ModelMetadata.from_metadata(self._spec.metadata)
+        if kept is not None:
+            return kept
+        first = self._session_facts[0].meta
+        custom = {k: v for k, v in first.custom_metadata_map.items() if not k.startswith("onnxpipe.")}
+        name = first.custom_metadata_map.get("onnxpipe.source") or self._spec.metadata.get("name") or first.graph_name
+        return ModelMetadata(first.producer_name, name, first.domain, first.description, first.graph_description, first.version, custom)
+
+    def get_providers(self) -> list[str]:
+        """The execution providers the stages' sessions registered, each once, in the order of
+        the first stage that has it (a stage's own list is in priority order)."""
+        return list(dict.fromkeys(p for facts in self._session_facts for p in facts.providers))
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        """Each provider's options, from the first stage session that registered it."""
+        options: dict[str, dict[str, str]] = {}
+        for facts in self._session_facts:
+            for name, values in facts.provider_options.items():
+                options.setdefault(name, dict(values))
+        return options
+
+    def get_session_options(self) -> ort.SessionOptions:
+        """Not available: each stage has its own session options.
+
+        Raises:
+            UnsupportedError: always; read ``pipeline.spec.stages[i].settings`` instead.
+        """
+        raise UnsupportedError("a pipeline has one set of session options per stage, not one; read pipeline.spec.stages[i].settings instead")
+
+    def io_binding(self) -> Any:
+        """Not available. Raises :class:`UnsupportedError` naming :meth:`run` and ``submit``."""
+        raise UnsupportedError("a pipeline has no IOBinding: its stages hand tensors to each other; use run(output_names, input_feed) or submit(inputs)")
+
+    def run_with_iobinding(self, iobinding: Any, run_options: Any = None) -> None:
+        """Not available. Raises :class:`UnsupportedError` naming :meth:`run` and ``submit``."""
+        self.io_binding()
+
+    def end_profiling(self) -> str:
+        """Not available. Raises :class:`UnsupportedError` naming ``load(trace=True)`` and ``save_trace``."""
+        raise UnsupportedError("a pipeline is profiled as a whole: load it with trace=True and call save_trace(path)")
+
+    def set_providers(self, providers: Sequence[Any] | None = None, provider_options: Any = None) -> None:
+        """Accepted when nothing would change: ``providers`` (names or ``(name, options)`` pairs)
+        are the ones the stages use, e.g. ``["CPUExecutionProvider"]`` on a CPU pipeline, as
+        applications call it to make sure they run on the CPU.
+
+        Raises:
+            UnsupportedError: any other change; load the bundle again with ``load(path, target=...)``.
+        """
+        asked = [p if isinstance(p, str) else p[0] for p in providers or ()]
+        if asked != self.get_providers():
+            raise UnsupportedError(
+                f"a pipeline cannot switch to providers {asked}: its stages use {self.get_providers()}; load it again with load(path, target=...)"
+            )
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def _ort_run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: ort.RunOptions | None) -> list[np.ndarray]:
+        """``InferenceSession.run``: the outputs asked for (all, in declared order, for ``None`` or
+        ``[]``), as a list in that order. Thread-safe: each call is its own request."""
+        names, future = self._ort_submit(output_names, input_feed, run_options)
+        if run_options is not None:
+            # Honour RunOptions.terminate set by another thread while this one waits; the request
+            # itself finishes in the background and its outputs are dropped.
+            while not concurrent.futures.wait([future], _TERMINATE_POLL_S).done:
+                if run_options.terminate:
+                    raise RunFailedError("run stopped: RunOptions.terminate was set")
+        try:
+            outputs = future.result()
+        except StageError as e:
+            raise RunFailedError(str(e), stage=e.stage, request=e.request) from e
+        return [outputs[n] for n in names]
+
+    def run_async(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], callback: Callback, user_data: Any, run_options: ort.RunOptions | None = None
+    ) -> None:
+        """``InferenceSession.run_async``: returns at once; ``callback(results, user_data, err)``
+        is called when the request is done, with ``err == ""`` on success and ``results == []``
+        on failure, as onnxruntime does. It runs on the last stage's worker: keep it short.
+
+        Raises:
+            InputError: as :meth:`run`, at once.
+        """
+        names, future = self._ort_submit(output_names, input_feed, run_options)
+
+        def done(f: Future[Outputs]) -> None:
+            error = f.exception()
+            if error is None:
+                outputs = f.result()
+                callback([outputs[n] for n in names], user_data, "")
+            else:
+                callback([], user_data, str(error))
+
+        future.add_done_callback(done)
+
+    def run_with_ort_values(
+        self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, Any], run_options: ort.RunOptions | None = None
+    ) -> list[ort.OrtValue]:
+        """``InferenceSession.run_with_ort_values``: like :meth:`run` with ``OrtValue`` inputs and
+        outputs. Values go through host memory (the stages exchange numpy arrays)."""
+        outputs = self._ort_run(output_names, input_dict_ort_values, run_options)
+        return [ort.OrtValue.ortvalue_from_numpy(a) for a in outputs]
+
+    def _ort_submit(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: ort.RunOptions | None
+    ) -> tuple[list[str], Future[Outputs]]:
+        spec = self._spec
+        if run_options is not None and not isinstance(run_options, ort.RunOptions):
+            raise ArgumentTypeError(f"run_options must be an onnxruntime.RunOptions or None, got {type(run_options).__name__}")
+        if not isinstance(input_feed, Mapping):
+            raise ArgumentTypeError(f"input_feed must be a mapping of input name to value, got {type(input_feed).__name__}")
+        names = _output_names(spec, output_names)
+        missing = [t.name for t in spec.inputs if t.name not in input_feed]
+        if missing:
+            raise MissingInputError(f"missing input(s) {', '.join(repr(n) for n in missing)}; expected {', '.join(repr(t.name) for t in spec.inputs)}")
+        if run_options is not None and run_options.terminate:
+            raise RunFailedError("run not started: RunOptions.terminate is set")
+        try:
+            feeds = check_inputs(spec.inputs, _as_arrays(spec, input_feed))
+        except InputError as e:
+            raise FeedError(str(e)) from None
+        try:
+            return names, self.submit(feeds)
+        except StageError as e:  # the pipeline is closed
+            raise RunFailedError(str(e), stage=e.stage, request=e.request) from e
+
+    @property
+    def _spec(self) -> PipelineSpec:
+        return self.bundle.spec
+
+
+def _output_names(spec: PipelineSpec, output_names: Sequence[str] | None) -> list[str]:
+    declared = [t.name for t in spec.outputs]
+    if not output_names:
+        return declared
+    if isinstance(output_names, str):
+        raise ArgumentTypeError(f"output_names must be a list of names or None, got the string {output_names!r}; write [{output_names!r}]")
+    for name in output_names:
+        if name not in declared:
+            raise FeedError(f"unknown output '{name}'; {closest(str(name), declared)}")
+    return list(output_names)
+
+
+def _as_arrays(spec: PipelineSpec, feed: Mapping[str, Any]) -> dict[str, Any]:
+    # Like onnxruntime: an OrtValue is read through numpy, a list or scalar becomes an array of the
+    # input's declared dtype; an ndarray is taken as it is (a wrong dtype stays an error).
+    dtypes = {t.name: t.dtype for t in spec.inputs}
+    feeds: dict[str, Any] = {}
+    for name, value in feed.items():
+        if isinstance(value, ort.OrtValue):
+            value = value.numpy()
+        elif not isinstance(value, np.ndarray) and name in dtypes:
+            try:
+                value = np.asarray(value, dtype=numpy_dtype(dtypes[name]))
+            except (TypeError, ValueError) as e:
+                raise FeedError(f"input '{name}': cannot make a {dtypes[name]} array of {type(value).__name__}: {e}") from None
+        feeds[name] = value
+    return feeds
