@@ -87,7 +87,8 @@ class Pipeline:
     def _make_session(self, plan: StagePlan, replica: int) -> ort.InferenceSession:
         stage = plan.stage
         settings = stage.settings.for_replica(replica)
-        return make_session(self.bundle.root / stage.module, dataclasses.replace(stage, settings=settings), self._target)
+        module, config = self.bundle.session_source(stage)
+        return make_session(module, dataclasses.replace(stage, settings=settings), self._target, config)
 
     # -- what the pipeline looks like ------------------------------------------------------------
 
