@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import struct
 import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -24,7 +25,7 @@ from onnxpipe._errors import BuildError, ConfigError
 from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.builder._modules import move_into_place
 from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
-from onnxpipe.runtime._bundle import MANIFEST_NAME, save_npz, write_manifest
+from onnxpipe.runtime._bundle import MANIFEST_NAME, PAGE, save_npz, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
 
 __all__ = ["export", "read_build"]
@@ -195,5 +196,26 @@ def _write_archive(staging: Path, out: Path) -> None:
         zf.write(staging / MANIFEST_NAME, MANIFEST_NAME, compress_type=zipfile.ZIP_DEFLATED)
         for path in sorted(p for p in staging.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
             rel = path.relative_to(staging).as_posix()
-            zf.write(path, rel, compress_type=zipfile.ZIP_STORED if rel.endswith(_STORED) else zipfile.ZIP_DEFLATED)
+            if rel.endswith(_STORED):
+                _write_aligned(zf, path, rel)
+            else:
+                zf.write(path, rel, compress_type=zipfile.ZIP_DEFLATED)
     os.replace(tmp, out)
+
+
+_ALIGNMENT_EXTRA = 0xD935  # the extra-field id Android's zipalign pads with; readers skip unknown ids
+
+
+def _write_aligned(zf: zipfile.ZipFile, path: Path, rel: str) -> None:
+    """Store ``path`` uncompressed with its bytes starting at a page boundary of the archive, padded
+    by an extra field, so the runtime can leave external data in the archive (docs/bundle-format.md)."""
+    info = zipfile.ZipInfo.from_file(path, rel)
+    info.compress_type = zipfile.ZIP_STORED
+    assert zf.fp is not None
+    zip64 = info.file_size * 1.05 > zipfile.ZIP64_LIMIT  # as zipfile decides for its local header
+    header = 30 + len(rel.encode()) + (20 if zip64 else 0)
+    pad = -(zf.fp.tell() + header + 4) % PAGE  # 4: the extra field's own id and length
+    info.extra = struct.pack("<HH", _ALIGNMENT_EXTRA, pad) + b"\0" * pad
+    with open(path, "rb") as src, zf.open(info, "w") as dest:
+        assert (info.header_offset + header + len(info.extra)) % PAGE == 0
+        shutil.copyfileobj(src, dest, 1 << 20)

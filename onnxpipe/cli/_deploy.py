@@ -442,8 +442,9 @@ def bench(
     """Stream N identical requests through BUNDLE and put its numbers next to what its stages do alone.
 
     After W warm-up requests, N requests are timed: throughput, and latency (submission to result)
-    mean, p50 and p99. Then each stage runs alone, on its own session with the same settings and
-    pinning, fed the tensors it gets in the pipeline: its standalone time (median of R runs). The
+    mean, p50 and p99. Then each stage runs alone, on the pipeline's own session of it while the
+    pipeline is idle (no second copy of its weights), pinned like its worker and fed the tensors it
+    gets in the pipeline: its standalone time (median of R runs). The
     slowest stage bounds the pipeline: ideal throughput = min over stages of replicas / standalone
     time, and efficiency = throughput / ideal. Per stage: standalone time, mean time of a run
     inside the pipeline, and utilization (share of the time its workers were busy); the most

@@ -1,9 +1,11 @@
 """benchmark(): drive a loaded pipeline with synthetic requests and put its numbers next to what
 its stages do alone.
 
-The standalone time of a stage is measured with a session of its own (same module, same settings),
-fed the real tensors the stage receives, one run at a time on a thread pinned like the stage's
-worker, median of several runs. The slowest stage (per replica) bounds the pipeline: its *ideal*
+The standalone time of a stage is measured with the pipeline's own session of the stage (its first
+replica's) while the pipeline is idle, fed the real tensors the stage receives, one run at a time on
+a thread pinned like that replica's worker, median of several runs. Those tensors are computed by
+the same sessions, stage after stage, so measuring never creates a second session of a stage: a
+second copy of its weights in memory, which for a large model is more than the host may have. The slowest stage (per replica) bounds the pipeline: its *ideal*
 throughput is ``min over stages of replicas / standalone time``, and ``efficiency`` is the measured
 throughput over that bound.
 
@@ -26,11 +28,10 @@ from typing import Any, Literal
 import numpy as np
 
 from onnxpipe._errors import ConfigError
-from onnxpipe.runtime._inputs import random_inputs
+from onnxpipe.runtime._inputs import check_inputs, random_inputs
 from onnxpipe.runtime._pipeline import Pipeline
-from onnxpipe.runtime._sequential import SequentialPipeline
-from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint
+from onnxpipe.runtime._stage import Request
 from onnxpipe.runtime._stats import PipelineStats
 
 __all__ = ["BenchReport", "StageBench", "benchmark"]
@@ -97,19 +98,20 @@ def _time_runs(session: Any, feeds: Mapping[str, Any], names: list[str], cores: 
     out.append(statistics.median(samples))
 
 
-def _standalone_ms(pipe: Pipeline, feeds: Mapping[str, np.ndarray], runs: int, target: str | None) -> list[float]:
-    spec = pipe.spec
-    values = SequentialPipeline(spec, pipe.bundle.root, target).run_all(feeds)
+def _standalone_ms(pipe: Pipeline, feeds: Mapping[str, np.ndarray], runs: int) -> list[float]:
+    """Each stage alone on the pipeline's own session (see the module docstring), in pipeline order."""
+    request = Request(-1, {Endpoint(None, n): a for n, a in check_inputs(pipe.spec.inputs, feeds).items()}, {}, time.perf_counter())
     times: list[float] = []
-    for stage in spec.stages:
-        session = make_session(pipe.bundle.root / stage.module, stage, target)
-        stage_feeds = {t.name: values[spec.source_of(Endpoint(stage.name, t.name))] for t in stage.inputs}
+    for runner in pipe.idle_runners():
+        stage_feeds = {name: request.values[key] for name, key in runner.plan.sources}
+        cores = runner.plan.stage.settings.for_replica(0).worker_cores()
         result: list[float] = []
-        args = (session, stage_feeds, [t.name for t in stage.outputs], stage.settings.worker_cores(), runs, result)
-        worker = threading.Thread(target=_time_runs, args=args, name=f"bench-{stage.name}")
+        args = (runner.session, stage_feeds, list(runner.plan.outputs), cores, runs, result)
+        worker = threading.Thread(target=_time_runs, args=args, name=f"bench-{runner.name}")
         worker.start()
         worker.join()
         times.append(result[0] * 1e3)
+        runner(request)  # the same session computes what the next stages are fed
     return times
 
 
@@ -121,7 +123,6 @@ def benchmark(
     inputs: Mapping[str, np.ndarray] | None = None,
     dims: Mapping[str, int] | None = None,
     standalone_runs: int = 20,
-    target: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     caller_cores: Collection[int] | Literal["auto"] | None = None,
 ) -> BenchReport:
@@ -133,8 +134,8 @@ def benchmark(
         warmup: Requests run first and not timed.
         inputs: One request's inputs (default: random ones of the declared shapes).
         dims: Sizes of symbolic dims for random inputs.
-        standalone_runs: Runs per stage for its standalone time (0 skips that measurement).
-        target: Target for the standalone sessions (default: the one the pipeline was loaded with).
+        standalone_runs: Runs per stage for its standalone time (0 skips that measurement), on the
+            pipeline's own sessions while it is idle.
         progress: Called with (done, total) as timed requests finish.
         caller_cores: Pin this thread to these cores while the requests run (restored after);
             ``"auto"``: the cores of the pinned stage with the most slack (needs
@@ -146,13 +147,12 @@ def benchmark(
     Raises:
         ConfigError: the OS refused ``caller_cores``.
     """
-    target = target if target is not None else pipe.target
     notes: list[str] = []
     if inputs is None:
         inputs, notes = random_inputs(pipe.spec.inputs, dims)
     standalone: list[float] | None = None
     if caller_cores == "auto" and standalone_runs:  # the stages' slack decides where the caller goes
-        standalone = _standalone_ms(pipe, inputs, standalone_runs, target)
+        standalone = _standalone_ms(pipe, inputs, standalone_runs)
     cores = _caller_cores(pipe, standalone, caller_cores, notes)
     before = os.sched_getaffinity(0)
     try:
@@ -170,7 +170,7 @@ def benchmark(
         os.sched_setaffinity(0, before)
     stats: PipelineStats = pipe.stats()
     if standalone is None:
-        standalone = _standalone_ms(pipe, inputs, standalone_runs, target) if standalone_runs else [0.0] * len(stats.stages)
+        standalone = _standalone_ms(pipe, inputs, standalone_runs) if standalone_runs else [0.0] * len(stats.stages)
     bounds = [s.replicas / (ms / 1e3) for s, ms in zip(stats.stages, standalone, strict=True) if ms > 0]
     ideal = min(bounds) if bounds else None
     throughput = requests / seconds if seconds > 0 else 0.0

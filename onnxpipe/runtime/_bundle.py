@@ -15,7 +15,19 @@ Note: loading is checked before anything runs.
     schema version; a wiring that validates; stage modules and the external-data files they name
     (found by a wire scan, see ``_protoscan``) listed in the manifest. An archive is unpacked into a
     private temporary folder, member by member, and nothing is ever written outside it. No pickle is
-    read anywhere (numpy files are loaded with ``allow_pickle=False``).
+    read anywhere (numpy files are loaded with ``allow_pickle=False``). Every hash is computed in
+    chunks of ``_CHUNK`` bytes: no file is ever read whole to check it.
+
+Note: external data left in the archive.
+    An archive member ``*.data`` stored uncompressed at a page-aligned offset (what ``export`` writes)
+    is not unpacked: it is hashed in place, and the stage modules that use it are handed to
+    onnxruntime as bytes whose external-data entries point into the archive (at the member's offset
+    plus the tensor's, each tensor checked to lie within the member), with the archive's folder as
+    ``session.model_external_initializers_file_folder_path``. onnxruntime then maps the weights
+    from the archive itself, as it maps an unpacked ``.data`` file: loading writes no copy of the
+    weights to disk, and holds none more in memory. Like a folder bundle, the archive must not be
+    changed while it is loaded (it is checked once, then read in place). Any other member, and every
+    member of an archive written otherwise, is unpacked as before.
 """
 
 from __future__ import annotations
@@ -26,10 +38,11 @@ import os
 import posixpath
 import shutil
 import stat
+import struct
 import tempfile
 import weakref
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe._errors import BundleError, ConfigError
-from onnxpipe.runtime._protoscan import external_locations
+from onnxpipe.runtime._protoscan import Relocation, external_locations, relocate_external
 from onnxpipe.runtime._spec import PipelineSpec, StageSpec
 
 __all__ = [
@@ -65,6 +78,10 @@ MANIFEST_VERSION = 1
 #: A bundle written as one file is a zip archive with this suffix.
 ARCHIVE_SUFFIX = ".onnxpipe"
 _CHUNK = 1 << 20
+#: Offsets of the member data that may stay in an archive (see the note above).
+PAGE = 4096
+#: onnxruntime's session config key for where a module loaded from bytes finds its external data.
+_DATA_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
 @dataclass(frozen=True)
@@ -173,12 +190,15 @@ class Manifest:
         )
 
 
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in chunks."""
+def sha256_file(path: str | Path, offset: int = 0, size: int | None = None) -> str:
+    """Hex sha256 of a file (or of ``size`` bytes of it from ``offset``), read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+        left = f.seek(0, os.SEEK_END) - offset if size is None else size
+        f.seek(offset)
+        while left > 0 and (chunk := f.read(min(_CHUNK, left))):
             digest.update(chunk)
+            left -= len(chunk)
     return digest.hexdigest()
 
 
@@ -209,11 +229,38 @@ class Bundle:
     folder, removed by :meth:`close` (or when the object is collected).
     """
 
-    def __init__(self, root: Path, spec: PipelineSpec, manifest: Manifest, tmp: Path | None = None) -> None:
+    def __init__(self, root: Path, spec: PipelineSpec, manifest: Manifest, tmp: Path | None = None, in_archive: Mapping[str, Relocation] | None = None) -> None:
         self.root = root
         self.spec = spec
         self.manifest = manifest
+        #: Files left in the archive (see the note "external data left in the archive"), by bundle path.
+        self.in_archive = dict(in_archive or {})
         self._cleanup = weakref.finalize(self, shutil.rmtree, tmp, True) if tmp else None
+
+    def session_source(self, stage: str | StageSpec) -> tuple[str | bytes, dict[str, str]]:
+        """What onnxruntime opens for a stage: its module's path, or, when the module's external data
+        stayed in the archive, the module's bytes pointing into the archive and the session config
+        entry saying where the archive is.
+
+        Raises:
+            BundleError: a tensor of the module does not fit in the external data it names.
+        """
+        spec = self.spec.stage(stage) if isinstance(stage, str) else stage
+        path = self.root / spec.module
+        moves = self._moves(spec.module)
+        if not spec.module.endswith(".onnx") or not any(moves(loc) for loc in external_locations(path, spec.module)):
+            return str(path), {}
+        archive = next(iter(self.in_archive.values())).location
+        return relocate_external(path, moves, spec.module), {_DATA_FOLDER_KEY: os.path.dirname(archive)}
+
+    def _moves(self, module: str) -> Callable[[str], Relocation | None]:
+        folder = posixpath.dirname(module)
+
+        def move(location: str) -> Relocation | None:
+            kept = self.in_archive.get(posixpath.normpath(posixpath.join(folder, location)))
+            return None if kept is None else Relocation(posixpath.basename(kept.location), kept.offset, kept.size)
+
+        return move
 
     def module_path(self, stage: str | StageSpec) -> Path:
         """Where a stage's module is on disk."""
@@ -304,14 +351,15 @@ def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> B
         raise BundleError(f"bundle '{path}' is neither a folder nor an archive file")
     tmp = Path(tempfile.mkdtemp(prefix="onnxpipe-bundle-"))
     try:
-        _unpack(path, tmp, limits)
-        return _check_folder(tmp, limits, tmp, str(path))
+        kept = _unpack(path, tmp, limits)
+        return _check_folder(tmp, limits, tmp, str(path), kept)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _unpack(archive: Path, dest: Path, limits: Limits) -> None:
+def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
+    """Unpack the archive into ``dest``, but for the members left in it (returned by bundle path)."""
     if not zipfile.is_zipfile(archive):
         raise BundleError(f"'{archive}' is not a bundle: not a folder and not a zip archive")
     try:
@@ -323,6 +371,7 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> None:
             if total > limits.max_total_bytes:
                 raise BundleError(f"archive declares {total} bytes unpacked; the limit is {limits.max_total_bytes}")
             seen: set[str] = set()
+            kept: dict[str, Relocation] = {}
             for m in members:
                 name = m.filename.rstrip("/") if m.is_dir() else m.filename
                 check_relative(name, "archive member")
@@ -341,9 +390,28 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> None:
                     target.mkdir(parents=True, exist_ok=True)
                     continue
                 target.parent.mkdir(parents=True, exist_ok=True)
-                _extract(zf, m, target)
+                offset = _data_offset(zf, m)
+                if offset is not None and name.endswith(".data"):
+                    kept[name] = Relocation(str(archive.resolve()), offset, m.file_size)
+                else:
+                    _extract(zf, m, target)
     except zipfile.BadZipFile as e:
         raise BundleError(f"archive '{archive}' is damaged: {e}") from e
+    return kept
+
+
+def _data_offset(zf: zipfile.ZipFile, member: zipfile.ZipInfo) -> int | None:
+    """Where an uncompressed, unencrypted member's bytes start in the archive, when that is page-aligned."""
+    if member.compress_type != zipfile.ZIP_STORED or member.flag_bits & 1 or member.compress_size != member.file_size or not member.file_size:
+        return None
+    assert zf.fp is not None
+    zf.fp.seek(member.header_offset)
+    header = zf.fp.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise BundleError(f"archive member '{member.filename}' has no valid local header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    offset = member.header_offset + 30 + name_len + extra_len
+    return offset if offset % PAGE == 0 else None
 
 
 def _extract(zf: zipfile.ZipFile, member: zipfile.ZipInfo, target: Path) -> None:
@@ -356,6 +424,17 @@ def _extract(zf: zipfile.ZipFile, member: zipfile.ZipInfo, target: Path) -> None
             if written > member.file_size:
                 raise BundleError(f"archive member '{member.filename}' holds more bytes than it declares")
             out.write(chunk)
+
+
+def _copy_range(source: Relocation, target: Path) -> None:
+    """Unpack a member left in the archive after all (its hash was checked in place)."""
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out, open(source.location, "rb") as src:
+        src.seek(source.offset)
+        left = source.size
+        while left and (chunk := src.read(min(_CHUNK, left))):
+            out.write(chunk)
+            left -= len(chunk)
 
 
 def _walk_files(root: Path, limits: Limits) -> Iterator[str]:
@@ -388,8 +467,9 @@ def _read_json(path: Path, limits: Limits, what: str) -> Any:
         raise BundleError(f"{what} is not valid JSON: {e}") from e
 
 
-def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str) -> Bundle:
-    present = set(_walk_files(root, limits))
+def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept: Mapping[str, Relocation] | None = None) -> Bundle:
+    kept = dict(kept or {})
+    present = set(_walk_files(root, limits)) | set(kept)
     if MANIFEST_NAME not in present:
         raise BundleError(f"'{label}' is not a bundle: it has no {MANIFEST_NAME}")
     manifest = Manifest.from_dict(_read_json(root / MANIFEST_NAME, limits, MANIFEST_NAME), limits)
@@ -403,20 +483,23 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str) -> B
     if CONFIG_NAME not in manifest.files:
         raise BundleError(f"manifest does not list the config '{CONFIG_NAME}'")
     for rel, entry in sorted(manifest.files.items()):
-        size = (root / rel).stat().st_size
+        size = kept[rel].size if rel in kept else (root / rel).stat().st_size
         if size != entry.size:
             raise BundleError(f"bundle file '{rel}' is {size} bytes; the manifest says {entry.size} (truncated or altered)")
     for rel, entry in sorted(manifest.files.items()):
-        if sha256_file(root / rel) != entry.sha256:
+        where = kept.get(rel)
+        digest = sha256_file(where.location, where.offset, where.size) if where else sha256_file(root / rel)
+        if digest != entry.sha256:
             raise BundleError(f"bundle file '{rel}' does not match its sha256 in the manifest (altered or corrupted)")
     try:
         spec = PipelineSpec.from_dict(_read_json(root / CONFIG_NAME, limits, CONFIG_NAME))
         spec.validate()
     except ConfigError as e:
         raise BundleError(f"{CONFIG_NAME}: {e}") from e
+    used: set[str] = set()
     for stage in spec.stages:
         module = check_relative(stage.module, f"module of stage '{stage.name}'")
-        if module not in manifest.files:
+        if module not in manifest.files or module in kept:
             raise BundleError(f"stage '{stage.name}' names module '{module}', which the bundle does not hold")
         if module.endswith(".ort"):
             continue  # onnxruntime's ORT format holds its weights inline: nothing outside to check
@@ -428,12 +511,18 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str) -> B
             check_relative(location, f"external data of stage '{stage.name}'")
             if target not in manifest.files:
                 raise BundleError(f"stage '{stage.name}' module refers to external data '{location}', which the bundle does not hold")
+            used.add(target)
     for i, o in manifest.reference:
         for rel in (i, o):
             check_relative(rel, "reference file")
             if rel not in manifest.files:
                 raise BundleError(f"reference file '{rel}' is not in the bundle")
-    return Bundle(root, spec, manifest, tmp)
+    for rel in sorted(set(kept) - used):  # not a stage's external data after all: unpack it
+        _copy_range(kept.pop(rel), root / rel)
+    bundle = Bundle(root, spec, manifest, tmp, kept)
+    for stage in spec.stages:
+        bundle.session_source(stage)  # every tensor that points into the archive fits in its member
+    return bundle
 
 
 def write_manifest(root: Path, manifest_fields: Mapping[str, Any]) -> Manifest:

@@ -55,6 +55,9 @@ class Engine(Protocol):
     def queues(self) -> list[tuple[int, int, int]]:
         """Each stage's input queue: depth now, high water, capacity."""
 
+    def runners(self) -> list[list[StageRunner]]:
+        """Each stage's replicas' runners (and so their sessions), in pipeline order."""
+
 
 class ThreadEngine:
     """One thread per stage replica, bounded channels between consecutive stages.
@@ -170,6 +173,10 @@ class ThreadEngine:
     def queues(self) -> list[tuple[int, int, int]]:
         """Each stage's input queue: depth now, high water, capacity."""
         return [(len(c), c.high_water, c.capacity) for c in self._channels]
+
+    def runners(self) -> list[list[StageRunner]]:
+        """Each stage's replicas' runners, in pipeline order."""
+        return self._runners
 
     @property
     def threads(self) -> list[threading.Thread]:

@@ -37,7 +37,7 @@ from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
-from onnxpipe.runtime._stage import Request, StagePlan, plan_stages
+from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, write_trace
 
 __all__ = ["Pipeline", "ReferenceCheck", "load"]
@@ -94,7 +94,8 @@ class Pipeline(InferenceSessionAPI):
     def _make_session(self, plan: StagePlan, replica: int) -> ort.InferenceSession:
         stage = plan.stage
         settings = stage.settings.for_replica(replica)
-        session = make_session(self.bundle.root / stage.module, dataclasses.replace(stage, settings=settings), self._target)
+        module, config = self.bundle.session_source(stage)
+        session = make_session(module, dataclasses.replace(stage, settings=settings), self._target, config)
         self._session_facts.append(SessionFacts.of(session))
         return session
 
@@ -331,6 +332,18 @@ class Pipeline(InferenceSessionAPI):
                 diff = float(np.nanmax(np.abs(value.astype(np.float64) - want.astype(np.float64)))) if want.size else 0.0
                 rows.append(ReferenceCheck(i, name, diff, bool(np.allclose(value, want, rtol=rtol, atol=atol, equal_nan=True))))
         return rows
+
+    def idle_runners(self) -> list[StageRunner]:
+        """The first replica's runner of each stage, in pipeline order, for running stages alone
+        with the pipeline's own sessions while it is idle (see :func:`benchmark`), so that no stage
+        ever needs a second session (a second copy of its weights).
+
+        Raises:
+            StageError: requests are in flight, so a stage would not run alone.
+        """
+        if self._in_flight:
+            raise StageError(f"{self._in_flight} request(s) are in flight; stages run alone only while the pipeline is idle")
+        return [runners[0] for runners in self._engine.runners()]
 
     # -- observability ----------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe._errors import InputError, StageError, closest
+from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 
@@ -25,15 +26,19 @@ class SequentialPipeline:
 
     Args:
         spec: A validated pipeline spec.
-        base_dir: Folder that stage module paths are relative to.
+        base_dir: Folder that stage module paths are relative to, or a checked :class:`Bundle`
+            (whose external data may stay in its archive).
         target: Run every stage on this target instead of its own (e.g. ``"cpu"``).
     """
 
-    def __init__(self, spec: PipelineSpec, base_dir: str | Path, target: str | None = None) -> None:
+    def __init__(self, spec: PipelineSpec, base_dir: str | Path | Bundle, target: str | None = None) -> None:
         spec.validate()
         self.spec = spec
-        base = Path(base_dir)
-        self._sessions = {s.name: make_session(base / s.module, s, target) for s in spec.stages}
+        if isinstance(base_dir, Bundle):
+            bundle = base_dir
+            self._sessions = {s.name: make_session(bundle.session_source(s)[0], s, target, bundle.session_source(s)[1]) for s in spec.stages}
+        else:
+            self._sessions = {s.name: make_session(Path(base_dir) / s.module, s, target) for s in spec.stages}
 
     def run(self, feeds: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, np.ndarray]:
         """Run one request through every stage.

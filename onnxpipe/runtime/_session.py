@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import posixpath
+from collections.abc import Mapping
 from pathlib import Path
 
 import onnxruntime as ort
@@ -26,11 +28,11 @@ def load_optimization(stage: StageSpec, settings: StageSettings) -> str:
     return settings.optimization
 
 
-def make_session(module: Path, stage: StageSpec, target: str | None = None) -> ort.InferenceSession:
+def make_session(module: Path | str | bytes, stage: StageSpec, target: str | None = None, config: Mapping[str, str] | None = None) -> ort.InferenceSession:
     """The session of one stage.
 
     Args:
-        module: The stage module file.
+        module: The stage module file, or its bytes (see ``Bundle.session_source``).
         stage: The stage's spec (settings and build record).
         target: Run on this target instead of the stage's own (e.g. ``"cpu"`` to check a bundle
             built for a GPU on a host without one).
@@ -38,6 +40,7 @@ def make_session(module: Path, stage: StageSpec, target: str | None = None) -> o
     Raises:
         BundleError: the target's provider is not available on this host, or onnxruntime refuses
             the module.
+        config: More session config entries (where a module given as bytes finds its external data).
     """
     settings = stage.settings if target is None else stage.settings.replace(target=target, provider_options={})
     available = ort.get_available_providers()
@@ -47,7 +50,9 @@ def make_session(module: Path, stage: StageSpec, target: str | None = None) -> o
             f"available: {', '.join(available)} (use target 'cpu' to run every stage on the CPU instead)"
         )
     options = settings.session_options(load_optimization(stage, settings))
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     try:
-        return ort.InferenceSession(str(module), sess_options=options, providers=settings.providers())
+        return ort.InferenceSession(module if isinstance(module, bytes) else str(module), sess_options=options, providers=settings.providers())
     except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/RuntimeException types
-        raise BundleError(f"stage '{stage.name}': onnxruntime cannot load module '{module.name}': {e}") from e
+        raise BundleError(f"stage '{stage.name}': onnxruntime cannot load module '{posixpath.basename(stage.module)}': {e}") from e

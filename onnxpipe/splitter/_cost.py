@@ -41,6 +41,7 @@ from onnx import ModelProto
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import StageSettings, random_inputs
+from onnxpipe.runtime._bundle import sha256_file
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex
 from onnxpipe.splitter._plan import load_model
@@ -152,7 +153,7 @@ def profile_model(
     settings = settings or StageSettings()
     path = None if isinstance(model, ModelProto) else Path(model)
     proto, _ = load_model(model)
-    digest = hashlib.sha256(path.read_bytes() if path is not None else _model_bytes(proto)).hexdigest()
+    digest = sha256_file(path) if path is not None else hashlib.sha256(_model_bytes(proto)).hexdigest()
     key = _cache_key(digest, settings, dims or {})
     file = _cache_path(path, key, Path(cache_dir) if cache_dir else None)
     if cache and file.is_file():

@@ -25,7 +25,7 @@ from onnx import ModelProto
 
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import CONFIG_FILE, save_model
-from onnxpipe.runtime import Endpoint, PipelineSpec, SequentialPipeline, is_bundle, random_inputs, read_bundle
+from onnxpipe.runtime import Bundle, Endpoint, PipelineSpec, SequentialPipeline, is_bundle, random_inputs, read_bundle
 from onnxpipe.splitter._plan import SplitPlan, load_model
 
 __all__ = ["Comparison", "VerifyReport", "verify"]
@@ -122,16 +122,17 @@ def verify(
         The :class:`VerifyReport`; ``report.ok`` says whether everything matched.
     """
     with tempfile.TemporaryDirectory(prefix="onnxpipe-verify-") as tmp, contextlib.ExitStack() as stack:
+        source: Path | Bundle
         if isinstance(split, SplitPlan):
-            folder = split.save(Path(tmp) / "split")
-            spec = _read_spec(folder)
+            source = split.save(Path(tmp) / "split")
+            spec = _read_spec(source)
         elif is_bundle(split):
-            bundle = stack.enter_context(read_bundle(split))
-            folder, spec = bundle.root, bundle.spec
+            source = stack.enter_context(read_bundle(split))
+            spec = source.spec
         else:
-            folder = Path(split)
-            spec = _read_spec(folder)
-        pipeline = SequentialPipeline(spec, folder, target=target)
+            source = Path(split)
+            spec = _read_spec(source)
+        pipeline = SequentialPipeline(spec, source, target=target)
         proto, model_dir = load_model(model)
         crossing = _crossing(spec) if boundaries else []
         notes: list[str] = []

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
-from onnxpipe import ConfigError
+from onnxpipe import ConfigError, StageError
 from onnxpipe.runtime import benchmark, load
 from tests import models
 
@@ -75,3 +78,47 @@ def test_cores_the_process_may_not_use_are_refused_before_any_request(unpinned: 
             benchmark(pipe, 5, warmup=0, standalone_runs=0, dims={"N": 2}, caller_cores=[4096])
         assert pipe.stats().completed == 0
     assert os.sched_getaffinity(0) == before
+
+
+def test_stages_are_timed_alone_on_the_pipelines_own_sessions(unpinned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No stage ever has two sessions (two copies of its weights): benchmark() creates none, and
+    times each stage on the session its pipeline worker runs, fed values those sessions computed."""
+    import onnxruntime as ort
+
+    from onnxpipe.runtime import _bench
+
+    with load(unpinned) as pipe:
+        own = [r.session for r in pipe.idle_runners()]
+        created: list[object] = []
+        timed: list[object] = []
+        real_session, real_time = ort.InferenceSession, _bench._time_runs
+        monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: created.append(a) or real_session(*a, **k))
+        monkeypatch.setattr(_bench, "_time_runs", lambda session, *a: timed.append(session) or real_time(session, *a))
+        report = benchmark(pipe, 5, warmup=1, standalone_runs=2, dims={"N": 2})
+    assert created == []
+    assert [id(s) for s in timed] == [id(s) for s in own]
+    assert all(s.standalone_ms > 0 for s in report.stages)
+
+
+class _Held:
+    """A session whose runs wait for ``release``: keeps a request in flight."""
+
+    def __init__(self, session: Any, release: threading.Event) -> None:
+        self.session, self.release = session, release
+
+    def run(self, *args: Any) -> Any:
+        self.release.wait(5)
+        return self.session.run(*args)
+
+
+def test_stages_run_alone_only_while_the_pipeline_is_idle(unpinned: Path) -> None:
+    with load(unpinned) as pipe:
+        first = pipe.idle_runners()[0]
+        release = threading.Event()
+        first.session = _Held(first.session, release)
+        future = pipe.submit({"x": np.ones((2, 4), np.float32)})
+        with pytest.raises(StageError, match=r"1 request\(s\) are in flight; stages run alone only while the pipeline is idle"):
+            pipe.idle_runners()
+        release.set()
+        future.result()
+        assert [r.name for r in pipe.idle_runners()] == ["head", "twin", "tail"]

@@ -3,6 +3,7 @@ error, and nothing is written outside the loader's own temporary folder."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -20,7 +22,8 @@ import pytest
 
 from onnxpipe import BundleError
 from onnxpipe.builder import PipelineConfig, build, export
-from onnxpipe.runtime import Limits, load, read_bundle
+from onnxpipe.builder._export import _write_archive
+from onnxpipe.runtime import Limits, SequentialPipeline, load, read_bundle
 from onnxpipe.runtime._bundle import MANIFEST_NAME, Manifest, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
 from tests import models
@@ -260,3 +263,64 @@ def test_loading_needs_only_numpy_and_onnxruntime(good_bundle: Path, tmp_path: P
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_exported_archive_leaves_external_data_in_place(good_bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
+    """export stores .data page-aligned; loading maps it from the archive: nothing of it is unpacked."""
+    archive = export(good_bundle.parent / "built", tmp_path / "b.onnxpipe", reference_inputs=[{"x": np.ones((2, 4), np.float32)}])
+    with zipfile.ZipFile(archive) as zf:
+        member = zf.getinfo("stages/tail.onnx.data")
+        assert member.compress_type == zipfile.ZIP_STORED
+    with load(archive) as pipe:
+        kept = pipe.bundle.in_archive["stages/tail.onnx.data"]
+        assert kept.offset % 4096 == 0 and kept.size == member.file_size
+        assert not (pipe.bundle.root / "stages" / "tail.onnx.data").exists()
+        assert all(r.ok for r in pipe.check())
+        ((inputs, outputs),) = pipe.bundle.reference()
+        np.testing.assert_array_equal(SequentialPipeline(pipe.spec, pipe.bundle).run(inputs)["y"], outputs["y"])
+
+
+def test_a_tensor_pointing_past_its_member_is_refused(bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
+    module = bundle / "stages" / "tail.onnx"
+    proto = onnx.load(module, load_external_data=False)
+    for e in proto.graph.initializer[0].external_data:
+        if e.key == "offset":
+            e.value = str(int(e.value) + 4096)
+    onnx.save(proto, module)
+    write_manifest(bundle, {})
+    archive = tmp_path / "b.onnxpipe"
+    _write_archive(bundle, archive)
+    with pytest.raises(BundleError, match=r"module 'stages/tail.onnx': a tensor at 4096\+4194304 runs past the end of 'tail.onnx.data' \(4194304 bytes\)"):
+        load(archive)
+
+
+def test_the_hash_check_reads_one_chunk_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from onnxpipe.runtime import _bundle
+
+    data = np.random.default_rng(0).bytes(10_000)
+    (tmp_path / "f").write_bytes(data)
+    reads: list[int] = []
+    real_open = open
+
+    class Counting:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def __enter__(self) -> Counting:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def seek(self, *args: int) -> int:
+            return self.f.seek(*args)
+
+        def read(self, n: int = -1) -> bytes:
+            reads.append(n)
+            return self.f.read(n)
+
+    monkeypatch.setattr(_bundle, "_CHUNK", 1024)
+    monkeypatch.setattr(_bundle, "open", lambda *a, **k: Counting(real_open(*a, **k)), raising=False)
+    assert _bundle.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+    assert _bundle.sha256_file(tmp_path / "f", 1000, 5000) == hashlib.sha256(data[1000:6000]).hexdigest()
+    assert reads and all(0 < n <= 1024 for n in reads)
