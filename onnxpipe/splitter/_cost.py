@@ -41,8 +41,7 @@ from onnx import ModelProto
 from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import StageSettings, random_inputs
 from onnxpipe.splitter._extract import infer_types
-from onnxpipe.splitter._graph import GraphIndex
-from onnxpipe.splitter._plan import load_model
+from onnxpipe.splitter._graph import GraphIndex, load_model
 
 __all__ = ["CostProfile", "profile_model"]
 
