@@ -35,6 +35,7 @@ __all__ = [
     "outer_scope",
     "sequence_boundary",
     "symbolic_batch",
+    "symbolic_image",
     "two_inputs",
     "two_outputs",
 ]
@@ -339,6 +340,23 @@ def symbolic_batch() -> ModelProto:
             [mm0] a = MatMul(X, W)
             [r1] b = Relu(a)
             [add2] Y = Add(b, B)
+        }
+        """
+    )
+
+
+def symbolic_image() -> ModelProto:
+    """Text recognition's shapes: a batch ``N``, an image height ``H`` and width ``W``, and an unnamed dim.
+
+    ``X[N,1,H,W] -r0 Relu-> a -s1 Sigmoid-> Y``, ``Z[N,?] -t2 Tanh-> V``.
+    """
+    return _parse(
+        _HEADER
+        + """
+        symbolic_image (float[N,1,H,W] X, float[N,?] Z) => (float[N,1,H,W] Y, float[N,?] V) {
+            [r0] a = Relu(X)
+            [s1] Y = Sigmoid(a)
+            [t2] V = Tanh(Z)
         }
         """
     )

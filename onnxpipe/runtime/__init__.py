@@ -6,6 +6,7 @@ from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, nu
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import check_inputs, random_inputs
 from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
+from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
 from onnxpipe.runtime._spec import SPEC_VERSION, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, TensorSpec
@@ -29,6 +30,7 @@ __all__ = [
     "PipelineSpec",
     "PipelineStats",
     "ReferenceCheck",
+    "Rounds",
     "SequentialPipeline",
     "StageBench",
     "StageSettings",
@@ -39,6 +41,7 @@ __all__ = [
     "check_inputs",
     "dtype_from_onnx",
     "dtype_from_ort",
+    "interleaved_rounds",
     "is_bundle",
     "load",
     "load_npz",
