@@ -14,14 +14,17 @@ together in interleaved rounds** (:func:`~onnxpipe.runtime.interleaved_rounds`).
 in order (stage 0 first), so the chosen plan also fixes every stage's affinity.
 
 Note: the choice rule.
-    The *simple* plans (one session, replicas of the whole model) are the default: the best of
-    them by median throughput over the rounds. A pipeline replaces it only if it was faster in
-    **every** round, i.e. its lowest paired ratio (pipeline req/s / simple plan req/s, both from
-    the same round) is above 1: its margin over the simple plan is then larger than the rounds'
-    spread below the median. Among such pipelines the highest median ratio wins. Two equally fast
+    A more complex plan replaces a simpler one only if it was faster in **every** round, i.e. its
+    lowest paired ratio (its req/s / the simpler plan's req/s, both from the same round) is above
+    1: its margin is then larger than the rounds' spread below the median. Simplest is one session
+    (the best of them by median over the rounds), then replicas of the whole model (more cores and
+    memory), then a pipeline; among several that beat the simpler plan in every round the highest
+    median ratio wins. The *simple* plan is the one session or the replicas that this leaves, and
+    ``PlanChoice`` compares the best pipeline with it. Two equally fast
     plans pass this by luck with probability 2^-rounds (1 in 32 with 5 rounds), and a pipeline
-    that wins some rounds and loses others is a tie: the simpler plan is kept. On 2 cores the
-    candidates are often within a few percent, and one noisy measurement per plan used to decide.
+    that wins some rounds and loses others is no clear winner (a tie): the simpler plan is kept.
+    On 2 cores the candidates are often within a few percent, and one noisy measurement per plan
+    used to decide.
 
 Note: symbolic dims.
     What a plan costs depends on the input sizes, so dims are never guessed silently. A dim that
@@ -105,7 +108,7 @@ class PlanChoice:
     """Why the chosen plan was chosen, and how sure that is (see the choice rule in the module's notes).
 
     Attributes:
-        simple: Label of the best simple plan (one session or replicas), by median over the rounds.
+        simple: Label of the simple plan the rule kept (one session, or replicas that beat it every round).
         contender: Label of the pipeline compared with it (the chosen one, else the one with the
             highest median ratio), or ``None`` when no pipeline was measured.
         ratios: The contender's req/s over the simple plan's in each round (paired), in round order.
@@ -130,7 +133,7 @@ class PlanChoice:
         if self.verdict == "pipeline":
             return f"{self.contender} wins by {median:.2f}x {self.simple} ({spread})"
         if self.verdict == "tie":
-            return f"near a tie: {self.contender} is {median:.2f}x {self.simple} ({spread}), within the rounds' spread: kept the simpler plan"
+            return f"no clear winner: {self.contender} is {median:.2f}x {self.simple} ({spread}), within the rounds' spread: kept the simpler plan"
         return f"{self.simple} wins: the best pipeline, {self.contender}, is {median:.2f}x it ({spread})"
 
 
@@ -236,6 +239,17 @@ def _configure(candidate: PlanCandidate, split_plan: SplitPlan, allowed: list[in
     return split_plan
 
 
+def _contender(base: PlanCandidate, rivals: Sequence[PlanCandidate]) -> tuple[PlanCandidate, tuple[float, ...], bool]:
+    """The rival to compare with ``base``, its paired ratios, and whether it won every round.
+
+    The rival with the highest median ratio among those that won every round, else among all.
+    """
+    ratios = {id(c): tuple(v / b if b else float("inf") for v, b in zip(c.rounds, base.rounds, strict=True)) for c in rivals}
+    winners = [c for c in rivals if min(ratios[id(c)]) > 1.0]
+    best = max(winners or rivals, key=lambda c: statistics.median(ratios[id(c)]))
+    return best, ratios[id(best)], bool(winners)
+
+
 def choose_plan(candidates: Sequence[PlanCandidate], requests: int) -> tuple[PlanCandidate, PlanChoice]:
     """Apply the choice rule (module notes) to candidates measured in the same rounds.
 
@@ -247,17 +261,16 @@ def choose_plan(candidates: Sequence[PlanCandidate], requests: int) -> tuple[Pla
         The chosen candidate, and the :class:`PlanChoice` saying why and how sure.
     """
     measured = [c for c in candidates if c.rounds]
-    simple = max((c for c in measured if c.simple), key=lambda c: statistics.median(c.rounds))
-    count = len(simple.rounds)
-    ratios = {id(c): tuple(p / b if b else float("inf") for p, b in zip(c.rounds, simple.rounds, strict=True)) for c in measured if not c.simple}
-    pipelines = [c for c in measured if not c.simple]
+    sessions, replicas, pipelines = ([c for c in measured if c.kind == kind] for kind in ("session", "replicas", "pipeline"))
+    simple = max(sessions or replicas, key=lambda c: statistics.median(c.rounds))
+    if sessions and replicas:  # replicas take more cores and memory than one session: the same rule
+        rival, _, won = _contender(simple, replicas)
+        simple = rival if won else simple
     if not pipelines:
-        return simple, PlanChoice(simple.label, None, (), count, requests, "no pipeline")
-    winners = [c for c in pipelines if min(ratios[id(c)]) > 1.0]
-    contender = max(winners or pipelines, key=lambda c: statistics.median(ratios[id(c)]))
-    r = ratios[id(contender)]
-    verdict = "pipeline" if winners else ("tie" if max(r) > 1.0 else "simple")
-    return (contender if winners else simple), PlanChoice(simple.label, contender.label, r, count, requests, verdict)
+        return simple, PlanChoice(simple.label, None, (), len(simple.rounds), requests, "no pipeline")
+    contender, ratios, won = _contender(simple, pipelines)
+    verdict = "pipeline" if won else ("tie" if max(ratios) > 1.0 else "simple")
+    return (contender if won else simple), PlanChoice(simple.label, contender.label, ratios, len(simple.rounds), requests, verdict)
 
 
 def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: str) -> list[str]:

@@ -138,7 +138,7 @@ def test_planner_writes_its_settings_and_build_uses_them(model: Path, tmp_path: 
     # How sure the choice is, in one of the rule's three verdicts, with the paired ratios of the 2 rounds of 10 requests.
     certainty = re.search(r"^certainty: (.*)$", text, re.MULTILINE)
     assert certainty is not None, text
-    verdict = r"(wins by|near a tie:|wins: the best pipeline)"
+    verdict = r"(wins by|no clear winner:|wins: the best pipeline)"
     assert re.search(verdict + r".*\(paired ratios \d\.\d\d-\d\.\d\d over 2 round\(s\) of 10 requests\)", certainty[1]), certainty[1]
     assert result.stderr == ""  # not a terminal: no progress bar
     stages = stages_of(out)

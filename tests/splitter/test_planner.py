@@ -35,7 +35,8 @@ def test_plan_on_two_cores_measures_pipelines_and_baselines(squeezenet: Path, tm
     assert all(len(c.rounds) == 2 and c.measured == statistics.median(c.rounds) for c in measured)
     assert ("measuring", 2 * len(measured), 2 * len(measured)) in steps and {"profiling", "loading"} <= {s for s, _, _ in steps}
     # The choice follows the rule: the best simple plan, unless a pipeline won every round against it.
-    simple = max((c for c in measured if c.simple), key=lambda c: c.measured or 0)
+    session, replicas = (next(c for c in measured if c.kind == kind) for kind in ("session", "replicas"))
+    simple = replicas if all(r > s for r, s in zip(replicas.rounds, session.rounds, strict=True)) else session
     pipeline = next(c for c in measured if not c.simple)
     wins = all(p > s for p, s in zip(pipeline.rounds, simple.rounds, strict=True))
     assert result.chosen is (pipeline if wins else simple)
@@ -102,7 +103,7 @@ def test_a_pipeline_faster_by_median_but_not_every_round_is_a_tie() -> None:
     chosen, choice = choose_plan([SESSION, REPLICAS, pipeline], requests=40)
     assert chosen is REPLICAS and choice.verdict == "tie"
     assert str(choice) == (
-        "near a tie: pipeline 2 x (1t, 1t) is 1.16x 2 replicas x 1t (paired ratios 0.90-1.20 over 5 round(s) of 40 requests), "
+        "no clear winner: pipeline 2 x (1t, 1t) is 1.16x 2 replicas x 1t (paired ratios 0.90-1.20 over 5 round(s) of 40 requests), "
         "within the rounds' spread: kept the simpler plan"
     )
 
@@ -112,6 +113,14 @@ def test_a_pipeline_that_loses_every_round_says_so() -> None:
     chosen, choice = choose_plan([pipeline, SESSION, REPLICAS], requests=40)
     assert chosen is REPLICAS and choice.verdict == "simple"
     assert str(choice) == "2 replicas x 1t wins: the best pipeline, pipeline 2 x (1t, 1t), is 0.80x it (paired ratios 0.80-0.85 over 5 round(s) of 40 requests)"
+
+
+def test_replicas_replace_one_session_only_if_they_win_every_round() -> None:
+    session = _measured("1 session x 1t", 100, 60, 100, 100, 100)
+    replicas = _measured("2 replicas x 1t", 110, 55, 110, 110, 110)  # better median, lost round 2
+    chosen, choice = choose_plan([replicas, session], requests=40)
+    assert chosen is session and choice.simple == "1 session x 1t" and choice.verdict == "no pipeline"
+    assert choose_plan([REPLICAS, SESSION], requests=40)[0] is REPLICAS
 
 
 def test_the_best_simple_plan_is_the_best_median_and_only_every_round_winners_beat_it() -> None:
