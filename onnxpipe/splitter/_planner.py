@@ -20,11 +20,10 @@ Note: the choice rule.
     (the best of them by median over the rounds), then replicas of the whole model (more cores and
     memory), then a pipeline; among several that beat the simpler plan in every round the highest
     median ratio wins. The *simple* plan is the one session or the replicas that this leaves, and
-    ``PlanChoice`` compares the best pipeline with it. Two equally fast
-    plans pass this by luck with probability 2^-rounds (1 in 32 with 5 rounds), and a pipeline
-    that wins some rounds and loses others is no clear winner (a tie): the simpler plan is kept.
-    On 2 cores the candidates are often within a few percent, and one noisy measurement per plan
-    used to decide.
+    ``PlanChoice`` compares the best pipeline with it. Two equally fast plans pass this by luck
+    with probability 2^-rounds (1 in 32 with 5 rounds), and a pipeline that wins some rounds and
+    loses others is no clear winner (a tie): the simpler plan is kept. On 2 cores the candidates
+    are often within a few percent, and one noisy measurement per plan used to decide.
 
 Note: symbolic dims.
     What a plan costs depends on the input sizes, so dims are never guessed silently. A dim that
@@ -404,6 +403,7 @@ def plan_pipeline(
     proto, _ = load_model(model)
     specs = io_specs(proto)[0]
     notes = _planning_dims(specs, dims, Path(model).name)
+    feeds, _ = random_inputs(specs, dims)  # every dim is given or batch-like (noted); refuses unknown dim names now, not after profiling
     report = progress or (lambda step, done, total: None)
     profiles = {}
     for t in range(1, cores + 1):
@@ -419,7 +419,6 @@ def plan_pipeline(
             continue
         candidates.extend(_pipelines(plan_k, profiles, cores))
     whole = split(model, assignment={n.name or n.output[0]: 0 for n in proto.graph.node})
-    feeds, _ = random_inputs(specs, dims)  # every dim is given or batch-like (noted above)
     ranked = sorted(candidates, key=lambda c: -c.predicted)
     finalists = [c for c in ranked if not c.simple][:measure]
     finalists += [best for kind in ("session", "replicas") if (best := next((c for c in ranked if c.kind == kind), None))]

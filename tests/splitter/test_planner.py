@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from onnxpipe import SplitError
+from onnxpipe import InputError, SplitError
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import TensorSpec
 from onnxpipe.splitter import PlanCandidate, plan_pipeline, verify
@@ -177,6 +177,9 @@ def test_a_batch_dim_planned_at_one_is_noted(tmp_path: Path) -> None:
     assert "input 'X' dim 0 ('N') not given: planned at batch size 1" in "\n".join(result.notes)
     assert "planned at batch size 1" in str(result)
     assert not plan_pipeline(path, cores=1, rounds=1, requests=3, runs=1, dims={"N": 2}).notes
+    # A dim name the model does not have is refused before any profiling.
+    with pytest.raises(InputError, match=r"no input has a dim named 'M'; .*'N'"):
+        plan_pipeline(path, cores=1, dims={"M": 2})
 
 
 def test_core_budget_is_checked(squeezenet: Path) -> None:
