@@ -69,7 +69,7 @@ def bench_model(name: str, requests: int, work: Path) -> dict[str, Any]:
     if c >= 2:
         auto = _pinned(split(path, policy=MeasuredPolicy(stages=c)), cores)
         row[f"auto split, {c} stages"] = _run_plan(auto, feeds, requests, work, f"{name}-auto")
-    planned = plan_pipeline(path, cores=c, requests=max(30, requests // 2))
+    planned = plan_pipeline(path, cores=c, rounds=5, requests=max(20, requests // 5))  # ~ requests per finalist in all
     row[f"planner ({planned.chosen.label})"] = _run_plan(planned.plan, feeds, requests, work, f"{name}-plan")
     return {"model": name, "req_s": row}
 

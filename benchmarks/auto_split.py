@@ -6,8 +6,9 @@ onnx light models:
 2. **optimality**: the auto 2-stage split's measured bottleneck against the best single cut found by
    trying cut positions exhaustively and measuring both stages of each (goal: <= 1.05x);
    ``--stride S`` tries every S-th position only (then the best one's neighbours), for speed. The
-   three best cuts and the auto cut are then measured again together, interleaved, with five times
-   the runs: the minimum of many noisy measurements is biased low;
+   three best cuts and the auto cut are then measured again together in interleaved rounds
+   (``onnxpipe.runtime.interleaved_rounds``, as the planner measures its finalists), with five
+   times the runs: the minimum of many noisy measurements is biased low;
 3. **planner**: the planner's measured throughput against the best measured baseline (one session,
    replicas) on this machine's cores (goal: >= 1.0x everywhere, >= 1.5x one session x 2 threads on
    shufflenet).
@@ -35,7 +36,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from onnxpipe.runtime import Endpoint, SequentialPipeline
+from onnxpipe.runtime import Endpoint, SequentialPipeline, interleaved_rounds
 from onnxpipe.splitter import MeasuredPolicy, SplitPlan, plan_pipeline, profile_model, split
 from onnxpipe.splitter._graph import GraphIndex
 
@@ -112,20 +113,22 @@ def bench_model(name: str, stride: int, runs: int, work: Path) -> dict[str, Any]
     # three best cuts and the auto cut together, interleaved, with 5x the runs, and compare those.
     finalists = {f"cut {p}": _cut_at(path, order, index, p) for p in sorted(tried, key=tried.__getitem__)[:3]}
     finalists["auto"] = auto_plan
-    again: dict[str, list[float]] = {k: [] for k in finalists}
-    for _ in range(3):
-        for key, plan in finalists.items():
-            again[key].append(max(_stage_times(plan, feeds, runs * 5, work)))
-    confirmed = {k: statistics.median(v) for k, v in again.items()}
+
+    def worst_stage(plan: SplitPlan) -> float:
+        return max(_stage_times(plan, feeds, runs * 5, work))
+
+    again = interleaved_rounds({k: functools.partial(worst_stage, plan) for k, plan in finalists.items()}, 3)
+    confirmed = {k: again.median(k) for k in finalists}
     best = min(v for k, v in confirmed.items() if k != "auto")
     row["exhaustive_positions"] = len(tried)
     row["exhaustive_of"] = len(order) - 1
     row["best_cut_bottleneck_ms"] = best * 1e3
     row["auto_bottleneck_ms"] = confirmed["auto"] * 1e3
     row["auto_vs_best"] = confirmed["auto"] / best
-    result = plan_pipeline(path, requests=60, runs=3)
+    result = plan_pipeline(path, rounds=5, requests=40, runs=3)
     baselines = result.baselines()
     row["planner"] = result.chosen.label
+    row["planner_certainty"] = str(result.choice)
     row["planner_req_s"] = result.chosen.measured
     row["planner_vs_best_baseline"] = (result.chosen.measured or 0) / max(baselines.values())
     one_2t = next((c.measured for c in result.candidates if c.label == "1 session x 2t"), None)
@@ -158,6 +161,7 @@ def main() -> None:
                     f"{r['exhaustive_positions']:>4}/{r['exhaustive_of']:<5} {r['planner']:>24} {r['planner_vs_best_baseline']:>12.2f} {vs2:>8}",
                     flush=True,
                 )
+                print(f"{'':<13} planner: {r['planner_certainty']}", flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
         return

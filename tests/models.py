@@ -39,6 +39,7 @@ __all__ = [
     "outer_scope",
     "sequence_boundary",
     "symbolic_batch",
+    "symbolic_image",
     "two_inputs",
     "two_outputs",
     "unknown_dims",
@@ -480,6 +481,23 @@ def unknown_dims() -> ModelProto:
     helper.set_model_props(model, {"author": "onnxpipe", "license": "MIT"})
     # Not checked: onnx's checker wants a shape on every graph output; onnxruntime infers them.
     return model
+
+
+def symbolic_image() -> ModelProto:
+    """Text recognition's shapes: a batch ``N``, an image height ``H`` and width ``W``, and an unnamed dim.
+
+    ``X[N,1,H,W] -r0 Relu-> a -s1 Sigmoid-> Y``, ``Z[N,?] -t2 Tanh-> V``.
+    """
+    return _parse(
+        _HEADER
+        + """
+        symbolic_image (float[N,1,H,W] X, float[N,?] Z) => (float[N,1,H,W] Y, float[N,?] V) {
+            [r0] a = Relu(X)
+            [s1] Y = Sigmoid(a)
+            [t2] V = Tanh(Z)
+        }
+        """
+    )
 
 
 #: Bytes of each weight of :func:`external_data` (float32).

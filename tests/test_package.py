@@ -76,3 +76,55 @@ def test_license_is_an_spdx_expression() -> None:
 
     project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
+
+
+def _imports_within(package: Path, name: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports, anywhere in its file (also inside
+    functions and ``if TYPE_CHECKING:``: a module's imports should read top-down either way)."""
+    modules = {p.stem for p in package.glob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == name:
+                # ``from package import _module`` depends on that module, ``from package import name`` on __init__.
+                targets = [a.name if a.name in modules else "__init__" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{name}."):
+                targets = [(node.module or "")[len(name) + 1 :].split(".")[0]]
+            elif isinstance(node, ast.Import):
+                targets = [a.name[len(name) + 1 :].split(".")[0] for a in node.names if a.name.startswith(f"{name}.")]
+            else:
+                continue
+            graph[path.stem].update(t for t in targets if t in modules and t != path.stem)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for nxt in sorted(graph[module]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], module, nxt] if nxt in path else [module, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, module])):
+                return found
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module, [])):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_no_import_cycle_within_a_package(name: str) -> None:
+    package = ROOT.parent / name.replace(".", "/")
+    cycle = _cycle(_imports_within(package, name))
+    assert cycle is None, f"{name}: import cycle {' -> '.join(cycle)}"
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

@@ -138,13 +138,22 @@ main.add_command(bench)
 @DIM
 @PROFILE_THREADS
 @click.option(
+    "--rounds",
+    "rounds",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="K",
+    help="With --cores: measure the finalists in K interleaved rounds; a pipeline is chosen only if it wins every round.",
+)
+@click.option(
     "--requests",
     "requests",
-    default=50,
+    default=40,
     show_default=True,
     type=click.IntRange(min=1),
     metavar="N",
-    help="With --cores: requests per measured plan.",
+    help="With --cores: timed requests per plan and round.",
 )
 @click.option(
     "--measure",
@@ -173,6 +182,7 @@ def split(
     pins: Sequence[tuple[str, int]],
     dims: Sequence[tuple[str, int]],
     threads: int,
+    rounds: int,
     requests: int,
     measure: int,
     overwrite: bool,
@@ -191,9 +201,12 @@ def split(
       --cores C       the planner: one session, replicas of the whole model and
                       pipelines of 2..C stages, each given threads or replicas
                       within C cores, predicted from profiles at 1..C threads;
-                      the best are built and measured, and the fastest measured
-                      plan (a pipeline or not) is written with its stage settings
-                      (threads, replicas, cores), which 'onnxpipe build' uses
+                      the best are built and measured together in interleaved
+                      rounds; a pipeline is chosen only if it beats the best
+                      simple plan (one session or replicas) in every round; the
+                      plan is written with its stage settings (threads,
+                      replicas, cores), which 'onnxpipe build' uses. Every
+                      symbolic input dim but a leading batch dim needs --dim
 
     The measured policy profiles every node with --threads intra-op threads (the profile is cached
     next to the model) and adds the cost of handing tensors between stages; uniform balances node
@@ -217,7 +230,7 @@ def split(
     if auto:
         _split_auto(ctx, model, out, by_hand, overwrite)
         return
-    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "requests", "measure")
+    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "rounds", "requests", "measure")
     if auto_only:
         raise click.UsageError(f"{', '.join(auto_only)}: only with --auto; see 'onnxpipe split --help'")
     if len(by_hand) != 1:
@@ -250,9 +263,11 @@ def _split_auto(ctx: click.Context, model: Path, out: Path, by_hand: list[str], 
         not_planner = given(ctx, "policy", "max_stage_weights", "pins", "threads")
         if not_planner:
             raise click.UsageError(f"{', '.join(not_planner)}: not with --cores; the planner profiles 1..C threads itself and cuts with the measured policy")
-        _autosplit.planned_split(model, out, cores=p["cores"], requests=p["requests"], measure=p["measure"], dims=dict(p["dims"]), overwrite=overwrite)
+        _autosplit.planned_split(
+            model, out, cores=p["cores"], rounds=p["rounds"], requests=p["requests"], measure=p["measure"], dims=dict(p["dims"]), overwrite=overwrite
+        )
         return
-    planner_only = given(ctx, "requests", "measure")
+    planner_only = given(ctx, "rounds", "requests", "measure")
     if planner_only:
         raise click.UsageError(f"{', '.join(planner_only)}: only with --cores (they set how the planner measures its plans)")
     _autosplit.policy_split(

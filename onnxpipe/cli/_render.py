@@ -159,15 +159,19 @@ def plan_result(result: PlanResult, folder: Path) -> None:
     shown = [c for c in result.candidates if c.measured is not None]
     shown += [c for c in result.candidates if c.measured is None][:_SHOWN_UNMEASURED]
     table = Table(title=f"plans for {result.cores} core(s): measured ones first, best first")
-    for column in ("plan", "cores", "predicted req/s", "measured req/s", ""):
+    for column in ("plan", "cores", "predicted req/s", "measured req/s", "rounds min-max", ""):
         table.add_column(column, justify="left" if column in ("plan", "") else "right")
     for c in shown:
         mark = Text("chosen", style="bold green") if c is chosen else Text("")
-        table.add_row(Text(c.label), str(c.cores), f"{c.predicted:.1f}", f"{c.measured:.1f}" if c.measured is not None else "-", mark)
+        median = f"{c.measured:.1f}" if c.measured is not None else "-"
+        spread = f"{min(c.rounds):.1f}-{max(c.rounds):.1f}" if c.rounds else "-"
+        table.add_row(Text(c.label), str(c.cores), f"{c.predicted:.1f}", median, spread, mark)
     _table(console, table)
     if len(result.candidates) > len(shown):
         _line(console, f"  ... and {len(result.candidates) - len(shown)} more plan(s) predicted slower, not measured")
-    _line(console, f"chosen: {chosen.label}, {chosen.measured or 0:.1f} req/s measured ({chosen.predicted:.1f} predicted)")
+    over = f"median of {result.choice.rounds} round(s)"
+    _line(console, f"chosen: {chosen.label}, {chosen.measured or 0:.1f} req/s measured, {over} ({chosen.predicted:.1f} predicted)")
+    _line(console, f"certainty: {result.choice}")
     for kind, value in result.baselines().items():
         if value:
             _line(console, f"  {(chosen.measured or 0) / value:.2f}x the best {_BASELINE_NAMES.get(kind, kind)} ({value:.1f} req/s measured)")

@@ -7,6 +7,7 @@ from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import check_dims, check_inputs, random_inputs, sample_shapes
 from onnxpipe.runtime._ortapi import ModelMetadata, NodeArg
 from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
+from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
 from onnxpipe.runtime._spec import SPEC_VERSION, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, TensorSpec
@@ -32,6 +33,7 @@ __all__ = [
     "PipelineSpec",
     "PipelineStats",
     "ReferenceCheck",
+    "Rounds",
     "SequentialPipeline",
     "StageBench",
     "StageSettings",
@@ -43,6 +45,7 @@ __all__ = [
     "check_inputs",
     "dtype_from_onnx",
     "dtype_from_ort",
+    "interleaved_rounds",
     "is_bundle",
     "load",
     "load_npz",

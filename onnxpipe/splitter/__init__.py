@@ -3,9 +3,10 @@
 from onnxpipe.splitter._auto import POLICIES, AutoSplit, MeasuredPolicy, ParamsPolicy, SplitPolicy, UniformPolicy, make_policy
 from onnxpipe.splitter._cost import CostProfile, profile_model
 from onnxpipe.splitter._cuts import NodeCut, OpCut, TensorCut
+from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
-from onnxpipe.splitter._plan import SplitPlan, SplitStage, load_model, split
-from onnxpipe.splitter._planner import PlanCandidate, PlanResult, plan_pipeline
+from onnxpipe.splitter._plan import SplitPlan, SplitStage, split
+from onnxpipe.splitter._planner import PlanCandidate, PlanChoice, PlanResult, plan_pipeline
 from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "NodeCut",
     "OpCut",
     "PlanCandidate",
+    "PlanChoice",
     "PlanResult",
     "ParamsPolicy",
     "SplitPlan",

@@ -43,8 +43,7 @@ from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import StageSettings, random_inputs
 from onnxpipe.runtime._bundle import sha256_file
 from onnxpipe.splitter._extract import infer_types
-from onnxpipe.splitter._graph import GraphIndex
-from onnxpipe.splitter._plan import load_model
+from onnxpipe.splitter._graph import GraphIndex, load_model
 
 __all__ = ["CostProfile", "profile_model"]
 

@@ -1,4 +1,4 @@
-"""Graph analysis: one linear pass over a model that every split, inspect and plan starts from.
+"""Graph analysis: reading a model, and one pass over it that every split, inspect and plan starts from.
 
 Note: weights and compute.
     A node is a *weight node* when its value can never depend on what a caller feeds: it is a
@@ -19,18 +19,38 @@ Note: subgraphs.
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import GraphProto, ModelProto, NodeProto
 
 from onnxpipe._errors import SplitError, closest
 
-__all__ = ["GraphIndex", "node_label", "subgraphs"]
+__all__ = ["GraphIndex", "load_model", "node_label", "subgraphs"]
 
 _STANDARD_DOMAINS = ("", "ai.onnx")
 _NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
+
+
+def load_model(model: ModelProto | str | os.PathLike[str]) -> tuple[ModelProto, Path | None]:
+    """A model and the folder its external data lives in; weights stay on disk when external.
+
+    Raises:
+        SplitError: the file cannot be read as an ONNX model.
+    """
+    if isinstance(model, ModelProto):
+        return model, None
+    path = Path(model)
+    try:
+        return onnx.load(path, load_external_data=False), path.parent
+    except FileNotFoundError:
+        raise SplitError(f"model file '{path}' does not exist") from None
+    except (OSError, DecodeError) as e:
+        raise SplitError(f"cannot read '{path}' as an ONNX model: {e}") from e
 
 
 def subgraphs(node: NodeProto) -> Iterator[GraphProto]:

@@ -29,9 +29,8 @@ from onnxpipe._errors import ConfigError, InputError, closest
 from onnxpipe.builder import tensor_nbytes, tensor_spec
 from onnxpipe.runtime import TensorSpec, check_dims
 from onnxpipe.splitter._extract import infer_types
-from onnxpipe.splitter._graph import GraphIndex
+from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._live import Sizer, live_sweep
-from onnxpipe.splitter._plan import load_model
 
 __all__ = ["CutCandidate", "ModelSummary", "inspect_model"]
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import ModelProto
 
 from onnxpipe._errors import SplitError
@@ -21,12 +20,12 @@ from onnxpipe.builder._modules import PROTOBUF_LIMIT, move_into_place
 from onnxpipe.runtime import ModelMetadata, PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
-from onnxpipe.splitter._graph import GraphIndex
+from onnxpipe.splitter._graph import GraphIndex, load_model
 
 if TYPE_CHECKING:
     from onnxpipe.splitter._auto import AutoSplit, SplitPolicy
 
-__all__ = ["SplitPlan", "SplitStage", "load_model", "split"]
+__all__ = ["SplitPlan", "SplitStage", "split"]
 
 
 @dataclass
@@ -124,23 +123,6 @@ class SplitPlan:
                 f"in [{', '.join(t.name for t in s.inputs)}] out [{', '.join(t.name for t in s.outputs)}]"
             )
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
-
-
-def load_model(model: ModelProto | str | os.PathLike[str]) -> tuple[ModelProto, Path | None]:
-    """A model and the folder its external data lives in; weights stay on disk when external.
-
-    Raises:
-        SplitError: the file cannot be read as an ONNX model.
-    """
-    if isinstance(model, ModelProto):
-        return model, None
-    path = Path(model)
-    try:
-        return onnx.load(path, load_external_data=False), path.parent
-    except FileNotFoundError:
-        raise SplitError(f"model file '{path}' does not exist") from None
-    except (OSError, DecodeError) as e:
-        raise SplitError(f"cannot read '{path}' as an ONNX model: {e}") from e
 
 
 def _declared_dim_names(proto: ModelProto) -> set[str]:

@@ -8,19 +8,40 @@
   t threads or r replicas, the cores adding up to at most C.
 
 It predicts each plan's throughput from measured per-node costs at each thread count
-(``min over stages of replicas / stage time``), then builds, loads and **measures the most
-promising plans for real**, and returns the best *measured* one, a one-stage plan when one session
-or replicas win: honesty over pipelines. Cores are assigned in order (stage 0 first), so the
-chosen plan also fixes every stage's affinity.
+(``min over stages of replicas / stage time``), then builds and loads the finalists (the best
+predicted pipelines, the best one-session plan and the best replicas plan) and **measures them
+together in interleaved rounds** (:func:`~onnxpipe.runtime.interleaved_rounds`). Cores are assigned
+in order (stage 0 first), so the chosen plan also fixes every stage's affinity.
+
+Note: the choice rule.
+    A more complex plan replaces a simpler one only if it was faster in **every** round, i.e. its
+    lowest paired ratio (its req/s / the simpler plan's req/s, both from the same round) is above
+    1: its margin is then larger than the rounds' spread below the median. Simplest is one session
+    (the best of them by median over the rounds), then replicas of the whole model (more cores and
+    memory), then a pipeline; among several that beat the simpler plan in every round the highest
+    median ratio wins. The *simple* plan is the one session or the replicas that this leaves, and
+    ``PlanChoice`` compares the best pipeline with it. Two equally fast plans pass this by luck
+    with probability 2^-rounds (1 in 32 with 5 rounds), and a pipeline that wins some rounds and
+    loses others is no clear winner (a tie): the simpler plan is kept. On 2 cores the candidates
+    are often within a few percent, and one noisy measurement per plan used to decide.
+
+Note: symbolic dims.
+    What a plan costs depends on the input sizes, so dims are never guessed silently. A dim that
+    is symbolic or unknown must be given (``dims``: by name, or ``"input.axis"`` for an unnamed one),
+    except a *batch-like* dim (axis 0 of an input of rank 2 or more, named nowhere else), which is
+    planned at 1 with a note saying so; any other dim not given is refused with a
+    :class:`SplitError` naming each one and how to give it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,14 +49,18 @@ import numpy as np
 
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import build, export, io_specs
-from onnxpipe.runtime import StageSettings, load, random_inputs
+from onnxpipe.runtime import Pipeline, StageSettings, TensorSpec, interleaved_rounds, load, random_inputs
 from onnxpipe.splitter._auto import MeasuredPolicy
 from onnxpipe.splitter._cost import CostProfile, profile_model
-from onnxpipe.splitter._plan import SplitPlan, load_model, split
+from onnxpipe.splitter._graph import load_model
+from onnxpipe.splitter._plan import SplitPlan, split
 
-__all__ = ["PlanCandidate", "PlanResult", "plan_pipeline"]
+__all__ = ["PlanCandidate", "PlanChoice", "PlanResult", "plan_pipeline"]
 
 Progress = Callable[[str, int, int], None]
+
+#: Untimed requests before each timed round: a pipeline that sat idle while the others ran wakes up first.
+_ROUND_WARMUP = 3
 
 
 @dataclass
@@ -49,8 +74,10 @@ class PlanCandidate:
         replicas: Replicas of each stage.
         predicted: Predicted requests per second.
         stage_predicted_ms: Predicted time of one run of each stage.
-        measured: Measured requests per second, when it was measured.
-        stage_measured_ms: Measured mean time of each stage inside the pipeline, when measured.
+        measured: Measured requests per second (the median over the rounds), when it was measured.
+        rounds: Measured requests per second in each round, in round order.
+        stage_measured_ms: Measured mean time of each stage inside the pipeline (median over the
+            rounds), when measured.
     """
 
     label: str
@@ -60,13 +87,53 @@ class PlanCandidate:
     predicted: float
     stage_predicted_ms: tuple[float, ...]
     measured: float | None = None
+    rounds: tuple[float, ...] = ()
     stage_measured_ms: tuple[float, ...] = ()
     split: SplitPlan | None = field(default=None, repr=False)
+
+    @property
+    def simple(self) -> bool:
+        """One session or replicas of the whole model: no hand-overs, nothing to cut."""
+        return self.kind != "pipeline"
 
     @property
     def cores(self) -> int:
         """Cores the plan occupies."""
         return sum(t * r for t, r in zip(self.threads, self.replicas, strict=True))
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """Why the chosen plan was chosen, and how sure that is (see the choice rule in the module's notes).
+
+    Attributes:
+        simple: Label of the simple plan the rule kept (one session, or replicas that beat it every round).
+        contender: Label of the pipeline compared with it (the chosen one, else the one with the
+            highest median ratio), or ``None`` when no pipeline was measured.
+        ratios: The contender's req/s over the simple plan's in each round (paired), in round order.
+        rounds: Rounds run.
+        requests: Timed requests per plan and round.
+        verdict: ``pipeline`` (it won every round), ``tie`` (it won some rounds, lost others),
+            ``simple`` (the simple plan won every round) or ``no pipeline`` (none was measured).
+    """
+
+    simple: str
+    contender: str | None
+    ratios: tuple[float, ...]
+    rounds: int
+    requests: int
+    verdict: str
+
+    def __str__(self) -> str:
+        if self.contender is None:
+            return f"{self.simple}: no pipeline was measured (best simple plan over {self.rounds} round(s) of {self.requests} requests)"
+        median = statistics.median(self.ratios)
+        spread = f"paired ratios {min(self.ratios):.2f}-{max(self.ratios):.2f} over {self.rounds} round(s) of {self.requests} requests"
+        if self.verdict == "pipeline":
+            return f"{self.contender} wins by {median:.2f}x {self.simple} ({spread})"
+        if self.verdict == "tie":
+            return f"no clear winner: {self.contender} is {median:.2f}x {self.simple} ({spread}), within the rounds' spread: kept the simpler plan"
+        return f"{self.simple} wins: the best pipeline, {self.contender}, is {median:.2f}x it ({spread})"
 
 
 @dataclass
@@ -79,6 +146,7 @@ class PlanResult:
         chosen: The chosen candidate.
         candidates: Every candidate, best measured first, then by prediction.
         cores: The core budget.
+        choice: Why the chosen plan won and how sure that is.
         notes: What the user should know.
     """
 
@@ -86,6 +154,7 @@ class PlanResult:
     chosen: PlanCandidate
     candidates: list[PlanCandidate]
     cores: int
+    choice: PlanChoice
     notes: list[str] = field(default_factory=list)
 
     def baselines(self) -> dict[str, float]:
@@ -97,13 +166,14 @@ class PlanResult:
         return best
 
     def __str__(self) -> str:
-        lines = [f"plan for {self.cores} core(s): {self.chosen.label}, {self.chosen.measured or 0:.1f} req/s measured"]
+        lines = [f"plan for {self.cores} core(s): {self.chosen.label}, {self.chosen.measured or 0:.1f} req/s measured", f"  {self.choice}"]
         for kind, value in self.baselines().items():
             if value:
                 lines.append(f"  vs best {kind}: {value:.1f} req/s ({(self.chosen.measured or 0) / value:.2f}x)")
         for c in self.candidates:
             measured = f"{c.measured:8.1f}" if c.measured is not None else "       -"
-            lines.append(f"  {c.label:<32} predicted {c.predicted:8.1f}  measured {measured} req/s")
+            spread = f" ({min(c.rounds):.1f}-{max(c.rounds):.1f})" if c.rounds else ""
+            lines.append(f"  {c.label:<32} predicted {c.predicted:8.1f}  measured {measured} req/s{spread}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -142,7 +212,8 @@ def _pipelines(split_plan: SplitPlan, profiles: dict[int, CostProfile], cores: i
         for widen in itertools.product((False, True), repeat=k):
             threads = tuple(1 if w else a for a, w in zip(alloc, widen, strict=True))
             replicas = tuple(a if w else 1 for a, w in zip(alloc, widen, strict=True))
-            if any(t not in profiles for t in threads) or (any(widen) and all(a == 1 for a in alloc)):
+            # Widening a one-core stage gives it one replica of one thread: the same plan as not widening it.
+            if any(t not in profiles for t in threads) or any(w and a == 1 for a, w in zip(alloc, widen, strict=True)):
                 continue
             ms = tuple(
                 _stage_ms(profiles[t], members[i], split_plan.stages[i].bytes_in or 0, i == 0) for i, t in enumerate(threads)
@@ -167,19 +238,124 @@ def _configure(candidate: PlanCandidate, split_plan: SplitPlan, allowed: list[in
     return split_plan
 
 
-def _measure(split_plan: SplitPlan, feeds: dict[str, np.ndarray], requests: int, work: Path) -> tuple[float, tuple[float, ...]]:
+def _contender(base: PlanCandidate, rivals: Sequence[PlanCandidate]) -> tuple[PlanCandidate, tuple[float, ...], bool]:
+    """The rival to compare with ``base``, its paired ratios, and whether it won every round.
+
+    The rival with the highest median ratio among those that won every round, else among all.
+    """
+    ratios = {id(c): tuple(v / b if b else float("inf") for v, b in zip(c.rounds, base.rounds, strict=True)) for c in rivals}
+    winners = [c for c in rivals if min(ratios[id(c)]) > 1.0]
+    best = max(winners or rivals, key=lambda c: statistics.median(ratios[id(c)]))
+    return best, ratios[id(best)], bool(winners)
+
+
+def choose_plan(candidates: Sequence[PlanCandidate], requests: int) -> tuple[PlanCandidate, PlanChoice]:
+    """Apply the choice rule (module notes) to candidates measured in the same rounds.
+
+    Args:
+        candidates: Every candidate; those with ``rounds`` take part, at least one of them simple.
+        requests: Timed requests per plan and round (for the report).
+
+    Returns:
+        The chosen candidate, and the :class:`PlanChoice` saying why and how sure.
+    """
+    measured = [c for c in candidates if c.rounds]
+    sessions, replicas, pipelines = ([c for c in measured if c.kind == kind] for kind in ("session", "replicas", "pipeline"))
+    simple = max(sessions or replicas, key=lambda c: statistics.median(c.rounds))
+    if sessions and replicas:  # replicas take more cores and memory than one session: the same rule
+        rival, _, won = _contender(simple, replicas)
+        simple = rival if won else simple
+    if not pipelines:
+        return simple, PlanChoice(simple.label, None, (), len(simple.rounds), requests, "no pipeline")
+    contender, ratios, won = _contender(simple, pipelines)
+    verdict = "pipeline" if won else ("tie" if max(ratios) > 1.0 else "simple")
+    return (contender if won else simple), PlanChoice(simple.label, contender.label, ratios, len(simple.rounds), requests, verdict)
+
+
+def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: str) -> list[str]:
+    """Check that every symbolic or unknown input dim has a size (see the note on symbolic dims).
+
+    Returns:
+        Notes on the batch-like dims planned at 1.
+
+    Raises:
+        SplitError: dims other than batch-like ones are not given; names every one and how to give it.
+    """
+    axes: dict[str, set[int]] = {}
+    for spec in specs:
+        for axis, d in enumerate(spec.shape or ()):
+            if isinstance(d, str) and d:
+                axes.setdefault(d, set()).add(axis)
+    notes, missing, flags = [], [], []
+    for spec in specs:
+        shape = spec.shape or ()
+        for axis, d in enumerate(shape):
+            named = d if isinstance(d, str) and d else None
+            key = named or f"{spec.name}.{axis}"
+            if isinstance(d, int) or key in dims or f"{spec.name}.{axis}" in dims:
+                continue
+            what = f"input '{spec.name}' dim {axis} " + (f"('{named}')" if named else "(unnamed)")
+            if axis == 0 and len(shape) >= 2 and (named is None or axes[named] == {0}):
+                notes.append(f"{what} not given: planned at batch size 1; give --dim {key}=SIZE (dims={{'{key}': SIZE}}) to plan for larger batches")
+                continue
+            missing.append(what)
+            if f"--dim {key}=SIZE" not in flags:
+                flags.append(f"--dim {key}=SIZE")
+    if missing:
+        raise SplitError(
+            f"cannot plan '{model}' without the sizes of its symbolic input dims: the cost depends on them, and 1 would plan for the "
+            f"wrong inputs. Not given: {'; '.join(missing)}. Give them: {' '.join(flags)} (in Python: dims={{NAME: SIZE}})"
+        )
+    return notes
+
+
+def _load_finalist(candidate: PlanCandidate, target: SplitPlan, allowed: list[int], feeds: dict[str, np.ndarray], requests: int, work: Path) -> Pipeline:
+    """Build, export and load one finalist, and warm it up."""
     folder = work / f"m{time.monotonic_ns()}"
-    bundle = export(build(split_plan.config, folder / "built").path, folder / "bundle")
-    with load(bundle) as pipe:
-        for _ in pipe.map(feeds for _ in range(max(5, requests // 10))):
-            pass
-        pipe.reset_stats()
-        start = time.perf_counter()
-        for _ in pipe.map(feeds for _ in range(requests)):
-            pass
-        throughput = requests / (time.perf_counter() - start)
-        stages = tuple(s.mean_ms for s in pipe.stats().stages)
-    return throughput, stages
+    # _configure changes the shared split's settings in place: build right after it, before the next finalist's.
+    bundle = export(build(_configure(candidate, target, allowed).config, folder / "built").path, folder / "bundle")
+    pipe = load(bundle)
+    for _ in pipe.map(feeds for _ in range(max(5, requests // 10))):
+        pass
+    return pipe
+
+
+def _timed_round(pipe: Pipeline, feeds: dict[str, np.ndarray], requests: int, stage_ms: list[tuple[float, ...]]) -> float:
+    """Stream ``requests`` requests through ``pipe``; requests per second, each stage's mean ms appended to ``stage_ms``."""
+    for _ in pipe.map(feeds for _ in range(_ROUND_WARMUP)):
+        pass
+    pipe.reset_stats()
+    start = time.perf_counter()
+    for _ in pipe.map(feeds for _ in range(requests)):
+        pass
+    seconds = time.perf_counter() - start
+    stage_ms.append(tuple(s.mean_ms for s in pipe.stats().stages))
+    return requests / seconds
+
+
+def _measure(
+    finalists: Sequence[PlanCandidate],
+    whole: SplitPlan,
+    allowed: list[int],
+    feeds: dict[str, np.ndarray],
+    rounds: int,
+    requests: int,
+    report: Progress,
+) -> None:
+    """Measure the finalists, all loaded at once, in interleaved rounds; set their ``rounds``, ``measured``, ``stage_measured_ms``."""
+    stage_ms: dict[str, list[tuple[float, ...]]] = {c.label: [] for c in finalists}
+    with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp, contextlib.ExitStack() as stack:
+        pipes = {}
+        for done, c in enumerate(finalists):
+            report("loading", done, len(finalists))
+            pipes[c.label] = stack.enter_context(_load_finalist(c, c.split or whole, allowed, feeds, requests, Path(tmp)))
+        report("loading", len(finalists), len(finalists))
+        runners = {label: (lambda p=pipe, ms=stage_ms[label]: _timed_round(p, feeds, requests, ms)) for label, pipe in pipes.items()}
+        measured = interleaved_rounds(runners, rounds, lambda done, total: report("measuring", done, total))
+    for c in finalists:
+        c.rounds = measured.values[c.label]
+        c.measured = measured.median(c.label)
+        c.stage_measured_ms = tuple(statistics.median(column) for column in zip(*stage_ms[c.label], strict=True))
 
 
 def plan_pipeline(
@@ -188,34 +364,46 @@ def plan_pipeline(
     *,
     max_stages: int | None = None,
     measure: int = 3,
-    requests: int = 50,
-    dims: dict[str, int] | None = None,
+    rounds: int = 5,
+    requests: int = 40,
+    dims: Mapping[str, int] | None = None,
     runs: int = 3,
     progress: Progress | None = None,
 ) -> PlanResult:
-    """Plan how to run ``model`` on ``cores`` cores and measure the best candidates.
+    """Plan how to run ``model`` on ``cores`` cores, measure the finalists side by side, choose.
 
     Args:
         model: The model file.
         cores: Core budget (default: the cores this process may use).
         max_stages: Most pipeline stages to consider (default: ``cores``).
-        measure: How many of the best-predicted pipelines to measure; the best predicted one-session
-            and replicas plans are always measured too.
-        requests: Requests per measurement.
-        dims: Sizes of symbolic input dims.
+        measure: How many of the best-predicted pipelines are finalists; the best predicted
+            one-session and replicas plans always are.
+        rounds: Interleaved rounds of measurement: each runs every finalist once, the order rotated.
+        requests: Timed requests per finalist and round.
+        dims: Sizes of symbolic input dims, by name (``"input.axis"`` for an unnamed one); every
+            symbolic dim but a batch-like one must be given (see the note on symbolic dims).
         runs: Profiled runs per thread count.
-        progress: Called with (step, done, total).
+        progress: Called with (step, done, total); steps ``profiling``, ``loading``, ``measuring``.
 
     Returns:
-        The :class:`PlanResult`; ``result.plan.save(folder)`` writes the chosen stages with their settings.
+        The :class:`PlanResult`; ``result.plan.save(folder)`` writes the chosen stages with their
+        settings, ``result.choice`` says how sure the choice is.
 
     Raises:
-        SplitError: the core budget is below 1 or above what this process may use.
+        SplitError: the core budget is below 1 or above what this process may use; ``rounds`` or
+            ``requests`` is below 1; an input dim the cost depends on is not given.
     """
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     cores = cores or len(allowed)
     if not 1 <= cores <= len(allowed):
         raise SplitError(f"core budget {cores} is outside 1..{len(allowed)} (the cores this process may use: {allowed})")
+    if rounds < 1 or requests < 1:
+        raise SplitError(f"rounds and requests must be at least 1, got rounds={rounds}, requests={requests}")
+    dims = dict(dims or {})
+    proto, _ = load_model(model)
+    specs = io_specs(proto)[0]
+    notes = _planning_dims(specs, dims, Path(model).name)
+    feeds, _ = random_inputs(specs, dims)  # every dim is given or batch-like (noted); refuses unknown dim names now, not after profiling
     report = progress or (lambda step, done, total: None)
     profiles = {}
     for t in range(1, cores + 1):
@@ -223,37 +411,20 @@ def plan_pipeline(
         profiles[t] = profile_model(model, StageSettings(intra_op_threads=t), runs=runs, dims=dims)
     report("profiling", cores, cores)
     candidates = _baselines(profiles, cores)
-    notes = []
     for k in range(2, min(cores, max_stages or cores) + 1):
         try:
-            plan_k = split(model, policy=MeasuredPolicy(stages=k, profile=profiles[1], dims=dims or {}))
+            plan_k = split(model, policy=MeasuredPolicy(stages=k, profile=profiles[1], dims=dims))
         except SplitError as e:
             notes.append(f"no {k}-stage pipeline: {e}")
             continue
         candidates.extend(_pipelines(plan_k, profiles, cores))
-    proto, _ = load_model(model)
     whole = split(model, assignment={n.name or n.output[0]: 0 for n in proto.graph.node})
-    feeds, input_notes = random_inputs(io_specs(proto)[0], dims)
-    notes.extend(f"measured with {n}" for n in input_notes)
     ranked = sorted(candidates, key=lambda c: -c.predicted)
-    chosen_for_measure = [c for c in ranked if c.kind == "pipeline"][:measure]
-    for kind in ("session", "replicas"):
-        best = next((c for c in ranked if c.kind == kind), None)
-        if best is not None:
-            chosen_for_measure.append(best)
-    with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp:
-        for done, c in enumerate(chosen_for_measure):
-            report("measuring", done, len(chosen_for_measure))
-            target = c.split if c.kind == "pipeline" else whole
-            assert target is not None
-            c.measured, c.stage_measured_ms = _measure(_configure(c, target, allowed), feeds, requests, Path(tmp))
-        report("measuring", len(chosen_for_measure), len(chosen_for_measure))
-    measured = [c for c in candidates if c.measured is not None]
-    chosen = max(measured, key=lambda c: c.measured or 0.0)
-    final = chosen.split if chosen.kind == "pipeline" else whole
-    assert final is not None
+    finalists = [c for c in ranked if not c.simple][:measure]
+    finalists += [best for kind in ("session", "replicas") if (best := next((c for c in ranked if c.kind == kind), None))]
+    _measure(finalists, whole, allowed, feeds, rounds, requests, report)
+    chosen, choice = choose_plan(candidates, requests)
+    final = chosen.split or whole
     _configure(chosen, final, allowed)
     candidates.sort(key=lambda c: (c.measured is None, -(c.measured or 0.0), -c.predicted))
-    if chosen.kind != "pipeline":
-        notes.append(f"a pipeline did not beat {chosen.label} here; the plan is that, as one stage")
-    return PlanResult(final, chosen, candidates, cores, notes)
+    return PlanResult(final, chosen, candidates, cores, choice, notes)

@@ -26,7 +26,8 @@ from onnx import ModelProto
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import CONFIG_FILE, save_model
 from onnxpipe.runtime import Bundle, Endpoint, PipelineSpec, SequentialPipeline, is_bundle, random_inputs, read_bundle
-from onnxpipe.splitter._plan import SplitPlan, load_model
+from onnxpipe.splitter._graph import load_model
+from onnxpipe.splitter._plan import SplitPlan
 
 __all__ = ["Comparison", "VerifyReport", "verify"]
 

@@ -6,6 +6,7 @@ The model is copied into a temporary folder first: profiles are cached next to t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -87,6 +88,9 @@ def test_auto_split_user_errors_are_one_line(model: Path, tmp_path: Path) -> Non
         (["--auto", "--stages", "2", "--max-stages", "3"], "(not --stages and --max-stages)"),
         (["--auto", "--cores", "2", "--threads", "2"], "--threads: not with --cores"),
         (["--auto", "--stages", "2", "--requests", "5"], "--requests: only with --cores"),
+        (["--auto", "--max-stages", "2", "--rounds", "3"], "--rounds: only with --cores"),
+        (["--rounds", "3"], "--rounds: only with --auto"),
+        (["--auto", "--cores", "1", "--rounds", "0"], "--rounds"),
         (["--auto", "--stages", "2", "--policy", "uniform", "--pin", "n1=0"], "policy 'uniform' does not take --pin (--pin is for policy measured)"),
         (["--auto", "--stages", "2", "--policy", "params", "--max-stage-weights", "1GB"], "policy 'params' does not take --max-stage-weights"),
         (["--auto", "--stages", "2", "--policy", "nope"], "'nope' is not one of 'measured', 'uniform', 'params'"),
@@ -126,10 +130,16 @@ def test_policy_choices_are_the_librarys() -> None:
 
 def test_planner_writes_its_settings_and_build_uses_them(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan"
-    result = ok("split", model, "-o", out, "--auto", "--cores", 2, "--requests", 10, "--measure", 1)
+    result = ok("split", model, "-o", out, "--auto", "--cores", 2, "--rounds", 2, "--requests", 10, "--measure", 1)
     text = result.stdout
-    for fragment in ("plans for 2 core(s)", "predicted req/s", "measured req/s", "chosen:", "the best one session", "stage by stage", "next: onnxpipe build"):
+    fragments = ("plans for 2 core(s)", "predicted req/s", "measured req/s", "rounds min-max", "chosen:", "median of 2 round(s)")
+    for fragment in (*fragments, "the best one session", "stage by stage", "next: onnxpipe build"):
         assert fragment in text, fragment
+    # How sure the choice is, in one of the rule's three verdicts, with the paired ratios of the 2 rounds of 10 requests.
+    certainty = re.search(r"^certainty: (.*)$", text, re.MULTILINE)
+    assert certainty is not None, text
+    verdict = r"(wins by|no clear winner:|wins: the best pipeline)"
+    assert re.search(verdict + r".*\(paired ratios \d\.\d\d-\d\.\d\d over 2 round\(s\) of 10 requests\)", certainty[1]), certainty[1]
     assert result.stderr == ""  # not a terminal: no progress bar
     stages = stages_of(out)
     settings = [s["settings"] for s in stages]
@@ -142,11 +152,24 @@ def test_planner_writes_its_settings_and_build_uses_them(model: Path, tmp_path: 
     assert [s["settings"] for s in stages_of(built)] == settings
 
 
+def test_planner_refuses_symbolic_dims_it_would_plan_at_one(tmp_path: Path) -> None:
+    from tests.models import symbolic_image
+
+    path = tmp_path / "image.onnx"
+    onnx.save(symbolic_image(), path)
+    out = tmp_path / "plan"
+    result = run("split", path, "-o", out, "--auto", "--cores", 1)
+    dims = "input 'X' dim 2 ('H'); input 'X' dim 3 ('W'); input 'Z' dim 1 (unnamed)"
+    assert_user_error(result, "cannot plan 'image.onnx'", dims, "--dim H=SIZE --dim W=SIZE --dim Z.1=SIZE")
+    assert not out.exists()
+
+
 def test_planner_progress_bar_only_on_a_terminal(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import onnxpipe.cli._progress
 
     monkeypatch.setattr(onnxpipe.cli._progress, "stderr_is_terminal", lambda: True)
-    result = CliRunner(env={"FORCE_COLOR": "1"}).invoke(main, ["split", str(model), "-o", str(tmp_path / "p"), "--auto", "--cores", "1", "--requests", "5"])
+    args = ["split", str(model), "-o", str(tmp_path / "p"), "--auto", "--cores", "1", "--rounds", "1", "--requests", "5"]
+    result = CliRunner(env={"FORCE_COLOR": "1"}).invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "measuring" in result.stderr  # the last step; "profiling" may pass between two refreshes
     assert "plans for 1 core(s)" in result.stdout and "measuring" not in result.stdout

@@ -1,15 +1,20 @@
-"""The planner: candidates predicted from profiles, the best measured for real, honest baselines."""
+"""The planner: candidates predicted from profiles, the finalists measured in interleaved rounds,
+the simpler plan unless a pipeline wins every round, and no symbolic dim planned at 1 unsaid."""
 
 from __future__ import annotations
 
 import shutil
+import statistics
 from pathlib import Path
 
+import onnx
 import pytest
 
-from onnxpipe import SplitError
+from onnxpipe import InputError, SplitError
 from onnxpipe.builder import PipelineConfig
-from onnxpipe.splitter import plan_pipeline, verify
+from onnxpipe.runtime import TensorSpec
+from onnxpipe.splitter import PlanCandidate, plan_pipeline, verify
+from onnxpipe.splitter._planner import _planning_dims, choose_plan
 from tests import models
 
 
@@ -20,17 +25,26 @@ def squeezenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_plan_on_two_cores_measures_pipelines_and_baselines(squeezenet: Path, tmp_path: Path) -> None:
-    steps: list[str] = []
-    result = plan_pipeline(squeezenet, cores=2, measure=1, requests=20, runs=2, progress=lambda step, done, total: steps.append(step))
+    steps: list[tuple[str, int, int]] = []
+    result = plan_pipeline(squeezenet, cores=2, measure=1, rounds=2, requests=10, runs=2, progress=lambda *step: steps.append(step))
     kinds = {c.kind for c in result.candidates}
     assert kinds == {"session", "replicas", "pipeline"}
     measured = [c for c in result.candidates if c.measured is not None]
     assert {c.kind for c in measured} == {"session", "replicas", "pipeline"}
-    # The chosen plan is the best measured one: never worse than a measured baseline.
-    assert result.chosen.measured == max(c.measured or 0 for c in measured)
-    assert all(result.chosen.measured >= v for v in result.baselines().values())
+    # Every finalist ran in each of the 2 rounds; its number is the median of its rounds.
+    assert all(len(c.rounds) == 2 and c.measured == statistics.median(c.rounds) for c in measured)
+    assert ("measuring", 2 * len(measured), 2 * len(measured)) in steps and {"profiling", "loading"} <= {s for s, _, _ in steps}
+    # The choice follows the rule: the best simple plan, unless a pipeline won every round against it.
+    session, replicas = (next(c for c in measured if c.kind == kind) for kind in ("session", "replicas"))
+    simple = replicas if all(r > s for r, s in zip(replicas.rounds, session.rounds, strict=True)) else session
+    pipeline = next(c for c in measured if not c.simple)
+    wins = all(p > s for p, s in zip(pipeline.rounds, simple.rounds, strict=True))
+    assert result.chosen is (pipeline if wins else simple)
+    assert result.choice.simple == simple.label and result.choice.contender == pipeline.label
+    assert result.choice.verdict == ("pipeline" if wins else "tie" if any(p > s for p, s in zip(pipeline.rounds, simple.rounds, strict=True)) else "simple")
+    assert result.choice.rounds == 2 and result.choice.requests == 10
     assert all(c.cores <= 2 for c in result.candidates)
-    assert {"profiling", "measuring"} <= set(steps)
+    assert str(result.choice) in str(result)
     # The plan carries its settings into the saved folder, and stays equivalent to the model.
     folder = result.plan.save(tmp_path / "planned")
     config = PipelineConfig.load(folder)
@@ -51,9 +65,121 @@ def test_plan_on_two_cores_measures_pipelines_and_baselines(squeezenet: Path, tm
 
 
 def test_one_core_can_only_be_one_session(squeezenet: Path) -> None:
-    result = plan_pipeline(squeezenet, cores=1, requests=10, runs=2)
+    result = plan_pipeline(squeezenet, cores=1, rounds=1, requests=5, runs=2)
     assert [c.label for c in result.candidates] == ["1 session x 1t"]
     assert len(result.plan.stages) == 1 and result.chosen.kind == "session"
+    assert result.choice.verdict == "no pipeline"
+    assert str(result.choice) == "1 session x 1t: no pipeline was measured (best simple plan over 1 round(s) of 5 requests)"
+
+
+def test_measuring_needs_rounds_and_requests(squeezenet: Path) -> None:
+    with pytest.raises(SplitError, match=r"rounds and requests must be at least 1, got rounds=0, requests=5"):
+        plan_pipeline(squeezenet, cores=1, rounds=0, requests=5)
+
+
+# -- the choice rule, on injected measurements ----------------------------------------------------------
+
+
+def _measured(label: str, *rounds: float) -> PlanCandidate:
+    kind = label.split()[0] if label.startswith("pipeline") else ("replicas" if "replicas" in label else "session")
+    return PlanCandidate(label, kind, (1,), (1,), predicted=100.0, stage_predicted_ms=(1.0,), measured=statistics.median(rounds), rounds=rounds)
+
+
+SESSION = _measured("1 session x 2t", 90, 70, 95, 92, 91)
+REPLICAS = _measured("2 replicas x 1t", 100, 80, 100, 105, 100)
+
+
+def test_a_pipeline_that_wins_every_round_is_chosen() -> None:
+    # Round 2 was slow for everyone: paired ratios keep the comparison.
+    pipeline = _measured("pipeline 2 x (1t, 1t)", 107, 88, 103, 112, 110)
+    chosen, choice = choose_plan([SESSION, REPLICAS, pipeline], requests=40)
+    assert chosen is pipeline and choice.verdict == "pipeline"
+    assert str(choice) == "pipeline 2 x (1t, 1t) wins by 1.07x 2 replicas x 1t (paired ratios 1.03-1.10 over 5 round(s) of 40 requests)"
+
+
+def test_a_pipeline_faster_by_median_but_not_every_round_is_a_tie() -> None:
+    # Median 115 vs 100: the one-shot planner would have taken it; it lost round 4.
+    pipeline = _measured("pipeline 2 x (1t, 1t)", 115, 95, 120, 95, 116)
+    chosen, choice = choose_plan([SESSION, REPLICAS, pipeline], requests=40)
+    assert chosen is REPLICAS and choice.verdict == "tie"
+    assert str(choice) == (
+        "no clear winner: pipeline 2 x (1t, 1t) is 1.16x 2 replicas x 1t (paired ratios 0.90-1.20 over 5 round(s) of 40 requests), "
+        "within the rounds' spread: kept the simpler plan"
+    )
+
+
+def test_a_pipeline_that_loses_every_round_says_so() -> None:
+    pipeline = _measured("pipeline 2 x (1t, 1t)", 80, 64, 80, 84, 85)
+    chosen, choice = choose_plan([pipeline, SESSION, REPLICAS], requests=40)
+    assert chosen is REPLICAS and choice.verdict == "simple"
+    assert str(choice) == "2 replicas x 1t wins: the best pipeline, pipeline 2 x (1t, 1t), is 0.80x it (paired ratios 0.80-0.85 over 5 round(s) of 40 requests)"
+
+
+def test_replicas_replace_one_session_only_if_they_win_every_round() -> None:
+    session = _measured("1 session x 1t", 100, 60, 100, 100, 100)
+    replicas = _measured("2 replicas x 1t", 110, 55, 110, 110, 110)  # better median, lost round 2
+    chosen, choice = choose_plan([replicas, session], requests=40)
+    assert chosen is session and choice.simple == "1 session x 1t" and choice.verdict == "no pipeline"
+    assert choose_plan([REPLICAS, SESSION], requests=40)[0] is REPLICAS
+
+
+def test_the_best_simple_plan_is_the_best_median_and_only_every_round_winners_beat_it() -> None:
+    session = _measured("1 session x 2t", 120, 100, 118, 119, 121)  # beats replicas by median
+    steady = _measured("pipeline 2 x (1t, 1t)", 125, 105, 124, 125, 125)  # wins every round, by a little
+    lucky = _measured("pipeline 3 x (1t, 1t, 1t)", 200, 90, 200, 200, 200)  # higher median, lost round 2
+    chosen, choice = choose_plan([REPLICAS, session, lucky, steady], requests=40)
+    assert choice.simple == "1 session x 2t"
+    assert chosen is steady and choice.contender == steady.label and choice.verdict == "pipeline"
+    # Unmeasured candidates take no part.
+    unmeasured = PlanCandidate("pipeline 2 x (2t, 1t)", "pipeline", (2, 1), (1, 1), 999.0, (1.0, 1.0))
+    assert choose_plan([REPLICAS, unmeasured], requests=40)[1].verdict == "no pipeline"
+
+
+# -- symbolic dims ----------------------------------------------------------------------------------------
+
+
+def test_a_model_with_symbolic_dims_is_refused_naming_each(tmp_path: Path) -> None:
+    path = tmp_path / "image.onnx"
+    onnx.save(models.symbolic_image(), path)
+    expected = (
+        r"cannot plan 'image\.onnx' without the sizes of its symbolic input dims: .* Not given: input 'X' dim 2 \('H'\); "
+        r"input 'X' dim 3 \('W'\); input 'Z' dim 1 \(unnamed\)\. Give them: --dim H=SIZE --dim W=SIZE --dim Z\.1=SIZE"
+    )
+    with pytest.raises(SplitError, match=expected):
+        plan_pipeline(path, cores=1)
+    # Giving some is not enough; the batch dim N is never in the list.
+    with pytest.raises(SplitError, match=r"Not given: input 'Z' dim 1 \(unnamed\)\. Give them: --dim Z\.1=SIZE \(in Python"):
+        plan_pipeline(path, cores=1, dims={"H": 32, "W": 128})
+
+
+def test_dims_given_or_batch_like() -> None:
+    image = TensorSpec("X", "float32", ("N", 1, "H", "W"))
+    unnamed = TensorSpec("Z", "float32", (None, None))
+    # Given by name, or an unnamed one by INPUT.AXIS: nothing to say.
+    assert _planning_dims([image, unnamed], {"N": 4, "H": 32, "W": 100, "Z.0": 4, "Z.1": 7}, "m.onnx") == []
+    # A leading batch dim, named or not, is planned at 1 with a note.
+    notes = _planning_dims([image, unnamed], {"H": 32, "W": 100, "Z.1": 7}, "m.onnx")
+    assert notes == [
+        "input 'X' dim 0 ('N') not given: planned at batch size 1; give --dim N=SIZE (dims={'N': SIZE}) to plan for larger batches",
+        "input 'Z' dim 0 (unnamed) not given: planned at batch size 1; give --dim Z.0=SIZE (dims={'Z.0': SIZE}) to plan for larger batches",
+    ]
+    # A leading dim whose name also sizes another axis is not batch-like; a rank-1 input has no batch.
+    with pytest.raises(SplitError, match=r"Not given: input 'M' dim 0 \('T'\); input 'M' dim 1 \('T'\)\. Give them: --dim T=SIZE \("):
+        _planning_dims([TensorSpec("M", "float32", ("T", "T"))], {}, "m.onnx")
+    with pytest.raises(SplitError, match=r"Not given: input 'L' dim 0 \('S'\)"):
+        _planning_dims([TensorSpec("L", "int64", ("S",))], {}, "m.onnx")
+
+
+def test_a_batch_dim_planned_at_one_is_noted(tmp_path: Path) -> None:
+    path = tmp_path / "batch.onnx"
+    onnx.save(models.symbolic_batch(), path)
+    result = plan_pipeline(path, cores=1, rounds=1, requests=3, runs=1)
+    assert "input 'X' dim 0 ('N') not given: planned at batch size 1" in "\n".join(result.notes)
+    assert "planned at batch size 1" in str(result)
+    assert not plan_pipeline(path, cores=1, rounds=1, requests=3, runs=1, dims={"N": 2}).notes
+    # A dim name the model does not have is refused before any profiling.
+    with pytest.raises(InputError, match=r"no input has a dim named 'M'; .*'N'"):
+        plan_pipeline(path, cores=1, dims={"M": 2})
 
 
 def test_core_budget_is_checked(squeezenet: Path) -> None:
