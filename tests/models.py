@@ -452,6 +452,7 @@ def fp16_if_decoder() -> ModelProto:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.checker.check_model(model, full_check=True)
+    return model
 
 
 def unknown_dims() -> ModelProto:

@@ -76,8 +76,9 @@ def _name_input_dims(model: ModelProto) -> None:
     Note: input dims without a name.
         A graph input's dim declared ``-1`` (PaddlePaddle) or with neither value nor name is
         dynamic. The splitter names it after its input and axis (``x.0``) before shape inference,
-        so the name flows into every tensor that carries the dim, the pipeline's input spec and
-        the stages' boundaries say which dims are the same, and a size given for it
+        so the name flows into every tensor that carries the dim, the stages' boundaries say which
+        dims are the same (the pipeline's own inputs and outputs show them unnamed, as onnxruntime
+        reports the whole model), and a size given for it
         (``dims={"x.0": 8}``, ``--dim x.0=8``) sizes sample inputs and byte counts alike. A name the
         model already uses elsewhere is left alone (the dim stays without a name).
     """

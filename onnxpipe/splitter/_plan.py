@@ -130,12 +130,19 @@ def _declared_dim_names(proto: ModelProto) -> set[str]:
     return {d.dim_param for v in values if v.type.HasField("tensor_type") for d in v.type.tensor_type.shape.dim if d.dim_param}
 
 
-def _without_invented_dims(spec: TensorSpec, named: set[str]) -> TensorSpec:
-    """The spec with the dim names onnx's shape inference made up (``unk__0``...) for unknown dims
-    left unnamed, as onnxruntime reports a whole model's outputs; names the model uses are kept."""
+def _invented_dim_names(proto: ModelProto) -> set[str]:
+    """Names the splitter may give an unnamed input dim (``<input>.<axis>``, see Note: input dims without a name)."""
+    return {f"{v.name}.{axis}" for v in proto.graph.input for axis in range(len(v.type.tensor_type.shape.dim))}
+
+
+def _without_invented_dims(spec: TensorSpec, named: set[str], invented: set[str]) -> TensorSpec:
+    """The spec with the dim names that neither the model nor its user chose left unnamed, as
+    onnxruntime reports the whole model's inputs and outputs: those onnx's shape inference made up
+    (``unk__0``...) and the addresses the splitter named unnamed input dims by (``x.0``). Names the
+    model uses are kept. The stages keep the addresses: they say which boundary dims are the same."""
     if spec.shape is None:
         return spec
-    shape = tuple(None if isinstance(d, str) and d.startswith("unk__") and d not in named else d for d in spec.shape)
+    shape = tuple(None if isinstance(d, str) and d not in named and (d.startswith("unk__") or d in invented) else d for d in spec.shape)
     return dataclasses.replace(spec, shape=shape)
 
 
@@ -226,11 +233,11 @@ def split(
     stages = []
     for i, m in enumerate(models):
         config.add_stage(m, f"stage{i}", source_dir=folder)
+    named, invented = _declared_dim_names(proto), _invented_dim_names(proto)
     for name in index.inputs:
-        config.add_input(tensor_spec(types[name]))
-    named = _declared_dim_names(proto)
+        config.add_input(_without_invented_dims(tensor_spec(types[name]), named, invented))
     for name in index.outputs:
-        config.add_output(_without_invented_dims(tensor_spec(types[name]), named))
+        config.add_output(_without_invented_dims(tensor_spec(types[name]), named, invented))
     for s, names in enumerate(boundary.inputs):
         for t in names:
             src = boundary.sources[t]

@@ -31,7 +31,10 @@ def test_tensor_spec_reads_minus_one_and_empty_dims_as_dynamic() -> None:
 
 def test_split_names_dynamic_input_dims_by_address_and_never_fixes_them(tmp_path: Path) -> None:
     plan = split(models.dynamic_dims(), ["a"])
-    assert plan.spec.inputs[0].shape == ("x.0", 3, "x.2", "x.3")
+    # The pipeline's faces read like onnxruntime's view of the whole model (dynamic dims unnamed);
+    # inside, the stages carry the addresses, so the boundaries say which dims are the same.
+    assert plan.spec.inputs[0].shape == (None, 3, None, None)
+    assert plan.stages[0].inputs[0].shape == ("x.0", 3, "x.2", "x.3")
     for stage in plan.stages:
         for t in (*stage.inputs, *stage.outputs):
             assert t.shape is not None and not any(isinstance(d, int) and d < 0 for d in t.shape), t
