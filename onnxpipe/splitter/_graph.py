@@ -46,11 +46,15 @@ def load_model(model: ModelProto | str | os.PathLike[str]) -> tuple[ModelProto, 
         return model, None
     path = Path(model)
     try:
-        return onnx.load(path, load_external_data=False), path.parent
+        proto = onnx.load(path, load_external_data=False)
     except FileNotFoundError:
         raise SplitError(f"model file '{path}' does not exist") from None
     except (OSError, DecodeError) as e:
         raise SplitError(f"cannot read '{path}' as an ONNX model: {e}") from e
+    if not proto.ir_version or not proto.HasField("graph"):
+        # Protobuf reads an empty file (and some other bytes) as an empty message: no model at all.
+        raise SplitError(f"cannot read '{path}' as an ONNX model: it has no IR version or no graph (an empty or truncated file?)")
+    return proto, path.parent
 
 
 def subgraphs(node: NodeProto) -> Iterator[GraphProto]:

@@ -253,3 +253,23 @@ def test_python_m_entry_point_user_error() -> None:
     out = subprocess.run([sys.executable, "-m", "onnxpipe.cli", "split", "missing.onnx", "-o", "x", "--at", "t"], capture_output=True, text=True)
     assert out.returncode == 1
     assert out.stderr == "error: model file 'missing.onnx' does not exist\n"
+
+
+@pytest.mark.parametrize("command", sorted(main.commands))
+@pytest.mark.parametrize("content", [None, b"", b"not a model \x00\xff", b'{"format": "onnxpipe.pipeline", "version": 1}'])
+def test_every_command_turns_a_bad_file_into_one_line(command: str, content: bytes | None, tmp_path: Path) -> None:
+    # Every command is registered on the Group that turns onnxpipe's errors into one line; a missing,
+    # empty, garbage or half-valid file given as a model, split folder, build folder or bundle must
+    # end as that line (exit 1), never as a traceback.
+    path = tmp_path / "thing.onnx"
+    if content is not None:
+        path.write_bytes(content)
+    args = [command, path] + (["-o", tmp_path / "out"] if command in {"split", "build", "export"} else [])
+    args += ["--at", "x"] if command == "split" else ["--inputs", path] if command == "run" else []
+    result = run(*args)
+    assert "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    if result.exit_code == 2:  # click refused an argument itself (a file where a folder is wanted, ...)
+        assert "Usage:" in result.stderr
+    else:
+        assert_user_error(result)
