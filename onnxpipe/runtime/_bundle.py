@@ -42,6 +42,7 @@ import struct
 import tempfile
 import weakref
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,7 @@ import numpy as np
 
 from onnxpipe._errors import BundleError, ConfigError
 from onnxpipe.runtime._protoscan import Relocation, external_locations, relocate_external
-from onnxpipe.runtime._spec import PipelineSpec, StageSpec
+from onnxpipe.runtime._spec import PipelineSpec, StageSpec, parse_json
 
 __all__ = [
     "ARCHIVE_SUFFIX",
@@ -80,6 +81,10 @@ ARCHIVE_SUFFIX = ".onnxpipe"
 _CHUNK = 1 << 20
 #: Offsets of the member data that may stay in an archive (see the note above).
 PAGE = 4096
+#: The compression methods an archive may use (what export writes, and what zip tools write by default).
+_COMPRESSIONS = {zipfile.ZIP_STORED: "stored (0)", zipfile.ZIP_DEFLATED: "deflate (8)"}
+#: onnxruntime's external-data location meaning "the offset is a memory address" (refused, see check_relative).
+ORT_MEMORY_ADDRESS_TAG = "*/_ORT_MEM_ADDR_/*"
 #: onnxruntime's session config key for where a module loaded from bytes finds its external data.
 _DATA_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
@@ -151,7 +156,7 @@ class Manifest:
         """
         if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
             raise BundleError(f"{MANIFEST_NAME} is not an onnxpipe manifest (expected \"format\": \"{MANIFEST_FORMAT}\")")
-        if data.get("version") != MANIFEST_VERSION:
+        if data.get("version") != MANIFEST_VERSION or type(data.get("version")) is not int:
             raise BundleError(f"manifest version {data.get('version')!r} is not supported; this onnxpipe reads version {MANIFEST_VERSION}")
         files = data.get("files")
         if not isinstance(files, dict):
@@ -164,9 +169,11 @@ class Manifest:
             check_relative(path, "manifest entry")
             if path == MANIFEST_NAME:
                 raise BundleError(f"manifest lists itself ('{path}')")
-            size, digest = (entry or {}).get("size"), (entry or {}).get("sha256")
+            if not isinstance(entry, dict):
+                raise BundleError(f"manifest entry '{path}' must be an object with 'size' and 'sha256', got {_kind(entry)}")
+            size, digest = entry.get("size"), entry.get("sha256")
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise BundleError(f"manifest entry '{path}': size must be an integer >= 0, got {size!r}")
+                raise BundleError(f"manifest entry '{path}': size must be an integer >= 0, got {_kind(size)}")
             if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise BundleError(f"manifest entry '{path}': sha256 must be 64 lowercase hex digits")
             if size > limits.max_file_bytes:
@@ -176,18 +183,36 @@ class Manifest:
         if total > limits.max_total_bytes:
             raise BundleError(f"manifest declares {total} bytes in all; the limit is {limits.max_total_bytes}")
         reference = []
-        for pair in data.get("reference", []):
-            if not isinstance(pair, dict):
-                raise BundleError("manifest 'reference' entries must be objects with 'inputs' and 'outputs'")
-            reference.append((str(pair.get("inputs")), str(pair.get("outputs"))))
-        return cls(
-            files=entries,
-            versions={str(k): str(v) for k, v in dict(data.get("versions", {})).items()},
-            opsets={str(k): int(v) for k, v in dict(data.get("opsets", {})).items()},
-            providers=[str(p) for p in data.get("providers", [])],
-            reference=reference,
-            created=str(data.get("created", "")),
-        )
+        for pair in _manifest_field(data, "reference", list, "a list"):
+            if not isinstance(pair, dict) or not all(isinstance(pair.get(k), str) for k in ("inputs", "outputs")):
+                raise BundleError("manifest 'reference' entries must be objects with string 'inputs' and 'outputs'")
+            reference.append((check_relative(pair["inputs"], "reference file"), check_relative(pair["outputs"], "reference file")))
+        versions = _manifest_field(data, "versions", dict, "a table of strings")
+        opsets = _manifest_field(data, "opsets", dict, "a table of integers")
+        providers = _manifest_field(data, "providers", list, "a list of strings")
+        created = _manifest_field(data, "created", str, "a string")
+        if not all(isinstance(v, str) for v in versions.values()):
+            raise BundleError("manifest 'versions' must be a table of strings")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in opsets.values()):
+            raise BundleError("manifest 'opsets' must be a table of integers >= 0 (domain -> opset version)")
+        if not all(isinstance(p, str) for p in providers):
+            raise BundleError("manifest 'providers' must be a list of strings")
+        return cls(files=entries, versions=dict(versions), opsets=dict(opsets), providers=list(providers), reference=reference, created=created)
+
+
+def _manifest_field(data: dict[str, Any], key: str, kind: type, what: str) -> Any:
+    """An optional manifest field, checked to be of ``kind``; missing: an empty one."""
+    value = data.get(key, kind())
+    if not isinstance(value, kind):
+        raise BundleError(f"manifest '{key}' must be {what}, got {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    """A JSON value as an error message shows it: short scalars in full, anything else by its kind."""
+    if isinstance(value, (bool, int, float)) and len(text := json.dumps(value)) <= 30:
+        return text
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def sha256_file(path: str | Path, offset: int = 0, size: int | None = None) -> str:
@@ -203,7 +228,17 @@ def sha256_file(path: str | Path, offset: int = 0, size: int | None = None) -> s
 
 
 def check_relative(path: str, what: str) -> str:
-    """Refuse a bundle path that is absolute, not normalized, or leaves the bundle.
+    """Refuse a bundle path that is absolute, not normalized, leaves the bundle, or uses a reserved name.
+
+    Note: onnxruntime's location tags.
+        onnxruntime gives one external-data ``location`` a meaning of its own:
+        ``*/_ORT_MEM_ADDR_/*`` (``kTensorProtoMemoryAddressTag`` in its ``tensorprotoutils.h``, the
+        only such tag as of 1.32) says that the tensor's ``offset`` is the address of its bytes in
+        memory. The tag is a relative, normalized path, so a bundle holding a file there passed every
+        other check, and onnxruntime 1.18 then read from the address a hostile module chose (the
+        process died with SIGSEGV). Every bundle path (archive members, manifest entries, modules,
+        external-data locations) is refused when a component is ``_ORT_MEM_ADDR_``, or any name
+        ``_ORT_..._`` that a later onnxruntime could give the same kind of meaning.
 
     Returns:
         The path, unchanged.
@@ -219,6 +254,12 @@ def check_relative(path: str, what: str) -> str:
         raise BundleError(f"{what} '{path}' is absolute; bundle paths are relative to the bundle")
     if posixpath.normpath(path) != path or path.split("/")[0] == ".." or "/../" in f"/{path}/":
         raise BundleError(f"{what} '{path}' is not a normalized path inside the bundle")
+    if any(part.startswith("_ORT_") and part.endswith("_") for part in path.split("/")):
+        # See Note: onnxruntime's location tags.
+        raise BundleError(
+            f"{what} '{path}' names onnxruntime's reserved location tag '{ORT_MEMORY_ADDRESS_TAG}' (or one like it), "
+            "under which onnxruntime reads a tensor's offset as a memory address; bundle paths may not use it"
+        )
     return path
 
 
@@ -364,27 +405,9 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
         raise BundleError(f"'{archive}' is not a bundle: not a folder and not a zip archive")
     try:
         with zipfile.ZipFile(archive) as zf:
-            members = zf.infolist()
-            if len(members) > limits.max_files + 1:
-                raise BundleError(f"archive has {len(members)} members; the limit is {limits.max_files}")
-            total = sum(m.file_size for m in members)
-            if total > limits.max_total_bytes:
-                raise BundleError(f"archive declares {total} bytes unpacked; the limit is {limits.max_total_bytes}")
-            seen: set[str] = set()
+            members = _members(zf, limits)
             kept: dict[str, Relocation] = {}
-            for m in members:
-                name = m.filename.rstrip("/") if m.is_dir() else m.filename
-                check_relative(name, "archive member")
-                mode = m.external_attr >> 16
-                if stat.S_ISLNK(mode):
-                    raise BundleError(f"archive member '{m.filename}' is a symbolic link; bundles hold regular files only")
-                if stat.S_IFMT(mode) not in (0, stat.S_IFREG, stat.S_IFDIR):  # 0: no Unix type recorded
-                    raise BundleError(f"archive member '{m.filename}' is not a regular file")
-                if name in seen:
-                    raise BundleError(f"archive member '{name}' appears twice")
-                seen.add(name)
-                if m.file_size > limits.max_file_bytes:
-                    raise BundleError(f"archive member '{name}' declares {m.file_size} bytes; the limit for one file is {limits.max_file_bytes}")
+            for name, m in members.items():
                 target = dest / name
                 if m.is_dir():
                     target.mkdir(parents=True, exist_ok=True)
@@ -395,9 +418,47 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
                     kept[name] = Relocation(str(archive.resolve()), offset, m.file_size)
                 else:
                     _extract(zf, m, target)
-    except zipfile.BadZipFile as e:
+    # What zipfile and its decompressors raise on a damaged archive: a bad header or CRC, a corrupt or
+    # truncated deflate stream, a file name that is not the UTF-8 it claims, offsets out of range.
+    except (zipfile.BadZipFile, zlib.error, EOFError, UnicodeDecodeError, struct.error, OverflowError) as e:
         raise BundleError(f"archive '{archive}' is damaged: {e}") from e
     return kept
+
+
+def _members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.ZipInfo]:
+    """The archive's members by bundle path, each checked (see the note at the top) before any is unpacked."""
+    members = zf.infolist()
+    if len(members) > limits.max_files + 1:
+        raise BundleError(f"archive has {len(members)} members; the limit is {limits.max_files}")
+    total = sum(m.file_size for m in members)
+    if total > limits.max_total_bytes:
+        raise BundleError(f"archive declares {total} bytes unpacked; the limit is {limits.max_total_bytes}")
+    checked: dict[str, zipfile.ZipInfo] = {}
+    for m in members:
+        name = m.filename.rstrip("/") if m.is_dir() else m.filename
+        check_relative(name, "archive member")
+        mode = m.external_attr >> 16
+        if stat.S_ISLNK(mode):
+            raise BundleError(f"archive member '{m.filename}' is a symbolic link; bundles hold regular files only")
+        if stat.S_IFMT(mode) not in (0, stat.S_IFREG, stat.S_IFDIR):  # 0: no Unix type recorded
+            raise BundleError(f"archive member '{m.filename}' is not a regular file")
+        if name in checked:
+            raise BundleError(f"archive member '{name}' appears twice")
+        if m.file_size > limits.max_file_bytes:
+            raise BundleError(f"archive member '{name}' declares {m.file_size} bytes; the limit for one file is {limits.max_file_bytes}")
+        if m.flag_bits & 1:
+            raise BundleError(f"archive member '{name}' is encrypted; bundles are not")
+        if m.compress_type not in _COMPRESSIONS:
+            raise BundleError(f"archive member '{name}' uses compression method {m.compress_type}; bundles use {' or '.join(_COMPRESSIONS.values())}")
+        checked[name] = m
+    files = {name for name, m in checked.items() if not m.is_dir()}
+    for name in checked:
+        folder = posixpath.dirname(name)
+        while folder:
+            if folder in files:
+                raise BundleError(f"archive member '{folder}' is a file, yet the archive also holds '{name}' inside it")
+            folder = posixpath.dirname(folder)
+    return checked
 
 
 def _data_offset(zf: zipfile.ZipFile, member: zipfile.ZipInfo) -> int | None:
@@ -461,10 +522,7 @@ def _walk_files(root: Path, limits: Limits) -> Iterator[str]:
 def _read_json(path: Path, limits: Limits, what: str) -> Any:
     if path.stat().st_size > limits.max_json_bytes:
         raise BundleError(f"{what} is {path.stat().st_size} bytes; the limit is {limits.max_json_bytes}")
-    try:
-        return json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BundleError(f"{what} is not valid JSON: {e}") from e
+    return parse_json(path.read_bytes(), what, BundleError)
 
 
 def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept: Mapping[str, Relocation] | None = None) -> Bundle:

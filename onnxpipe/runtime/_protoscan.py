@@ -3,7 +3,8 @@
 The runtime cannot import onnx, yet before onnxruntime opens a stage module it must know which
 external-data files the module points at (a hostile module could name ``../../etc/shadow``). This
 module walks the protobuf wire format of a ModelProto, descending only into the messages that can
-hold tensors (graph, nodes, attributes, subgraphs, functions) and skipping every other field by its
+hold tensors (graphs, nodes, attributes, subgraphs, functions and their attribute defaults, training
+graphs, sparse tensors, to any depth up to ``_MAX_DEPTH``) and skipping every other field by its
 length, so even a 2 GB module is scanned without reading its weights.
 
 Field numbers are those of onnx.proto (stable across ONNX versions).
@@ -22,14 +23,24 @@ __all__ = ["Relocation", "external_locations", "relocate_external"]
 
 _MAX_DEPTH = 64
 
-# message name -> {field number: message name} for the length-delimited fields to descend into.
+# message name -> {field number: message name} for the length-delimited fields to descend into:
+# every field through which a TensorProto can be reached, and a tensor's external_data entries.
+# tests/runtime/test_protoscan.py derives the same table from onnx's own descriptors.
 _CHILDREN: dict[str, dict[int, str]] = {
-    "model": {7: "graph", 25: "function"},
+    # graph, functions (local functions, inlined by onnxruntime), training_info
+    "model": {7: "graph", 20: "training", 25: "function"},
+    # TrainingInfoProto: initialization, algorithm
+    "training": {1: "graph", 2: "graph"},
+    # node, initializer, sparse_initializer
     "graph": {1: "node", 5: "tensor", 15: "sparse"},
-    "function": {7: "node"},
+    # node, attribute_proto (attribute defaults, whose tensors onnxruntime inlines into the graph)
+    "function": {7: "node", 11: "attribute"},
     "node": {5: "attribute"},
+    # t, g, tensors, graphs, sparse_tensor, sparse_tensors
     "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse", 23: "sparse"},
+    # values, indices
     "sparse": {1: "tensor", 2: "tensor"},
+    # external_data
     "tensor": {13: "entry"},
     "entry": {},
 }

@@ -111,6 +111,12 @@ class StageSettings:
     replicas: int = 1
 
     def __post_init__(self) -> None:
+        for name, kind in (("target", str), ("execution_mode", str), ("optimization", str), ("fallback", bool), ("spinning", bool)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"{name} must be {'a string' if kind is str else 'true or false'}, got {getattr(self, name)!r}")
+        for name in ("provider_options", "session_config"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise ConfigError(f"{name} must map strings to strings, got {getattr(self, name)!r}")
         resolve_provider(self.target)
         for name in ("intra_op_threads", "inter_op_threads"):
             value = getattr(self, name)
@@ -123,6 +129,8 @@ class StageSettings:
         if self.optimization not in OPTIMIZATION_LEVELS:
             raise ConfigError(f"unknown optimization level {self.optimization!r}; valid: {', '.join(OPTIMIZATION_LEVELS)}")
         if self.affinity is not None:
+            if not isinstance(self.affinity, (list, tuple)):
+                raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
             cores = tuple(self.affinity)
             if not cores or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores):
                 raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
@@ -161,7 +169,7 @@ class StageSettings:
             if key not in names:
                 raise ConfigError(f"unknown stage setting '{key}'; {closest(key, names)}")
         values = dict(data)
-        if values.get("affinity") is not None:
+        if isinstance(values.get("affinity"), list):
             values["affinity"] = tuple(values["affinity"])
         return cls(**values)
 

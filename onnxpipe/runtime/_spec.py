@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from onnxpipe._errors import ConfigError, closest
+from onnxpipe._errors import ConfigError, OnnxpipeError, closest
 from onnxpipe.runtime._dtypes import DTYPES, itemsize
 from onnxpipe.runtime._settings import StageSettings
 
@@ -35,6 +35,7 @@ __all__ = [
     "StageSpec",
     "TensorSpec",
     "find_tensor",
+    "parse_json",
 ]
 
 SPEC_FORMAT = "onnxpipe.pipeline"
@@ -339,22 +340,46 @@ class PipelineSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> PipelineSpec:
-        """Read the JSON form; :class:`ConfigError` on any structural problem (not validated)."""
-        try:
-            return _from_dict(data)
-        except ConfigError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ConfigError(f"malformed pipeline spec: {type(e).__name__}: {e}") from e
+        """Read the JSON form; :class:`ConfigError` naming the field on any structural problem (not validated)."""
+        return _from_dict(data)
 
     @classmethod
-    def from_json(cls, text: str) -> PipelineSpec:
-        """Parse and read JSON text; :class:`ConfigError` if it is not a pipeline spec."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"pipeline spec is not valid JSON: {e}") from e
-        return cls.from_dict(data)
+    def from_json(cls, text: str | bytes) -> PipelineSpec:
+        """Parse and read JSON text; :class:`ConfigError` if it is not a pipeline spec (see :func:`parse_json`)."""
+        return cls.from_dict(parse_json(text, "pipeline spec"))
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKey(f"key '{key}' appears twice in one object")
+        data[key] = value
+    return data
+
+
+def parse_json(text: str | bytes, what: str, error: type[OnnxpipeError] = ConfigError) -> Any:
+    """Parse the JSON text of ``what``, strictly: one error for anything a reader could misread.
+
+    Refused: malformed JSON, text that is not UTF-8, a key given twice in one object (Python's
+    ``json`` would keep the last one silently, so two readers could disagree), nesting deeper than
+    the interpreter's recursion limit, and integers with more digits than Python converts.
+
+    Raises:
+        OnnxpipeError: an ``error`` (default :class:`ConfigError`) naming ``what`` and the problem.
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise error(f"{what}: {e}") from None
+    except RecursionError:
+        raise error(f"{what} is not valid JSON: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints of more than 4300 digits
+        raise error(f"{what} is not valid JSON: {e}") from None
 
 
 def _unique(what: str, names: Iterable[str]) -> None:
@@ -395,15 +420,59 @@ def _tensor_to_dict(t: TensorSpec) -> dict[str, Any]:
     return {"name": t.name, "dtype": t.dtype, "shape": None if t.shape is None else list(t.shape)}
 
 
-def _tensor_from_dict(d: Mapping[str, Any]) -> TensorSpec:
-    shape = d.get("shape")
+def _need(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+    """``data[key]``, checked to be of ``kind`` (an optional key may be missing: ``default``)."""
+    if key not in data:
+        if default is not ...:
+            return default
+        raise ConfigError(f"{where}: '{key}' is missing")
+    value = data[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+        names = " or ".join(_JSON_NAMES[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise ConfigError(f"{where}: '{key}' must be {names}, got {_short(value)}")
+    return value
+
+
+_JSON_NAMES: dict[type, str] = {str: "a string", int: "an integer", bool: "true or false", list: "a list", dict: "an object", type(None): "null"}
+
+
+def _short(value: Any) -> str:
+    """A JSON value as an error message shows it: scalars in full (up to 40 characters), containers by kind."""
+    if isinstance(value, (dict, list)):
+        return _JSON_NAMES[type(value)] if type(value) in _JSON_NAMES else type(value).__name__
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _items(data: Mapping[str, Any], key: str, where: str, optional: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The objects in the list ``data[key]``, each with how a message names it."""
+    values = _need(data, key, list, where, [] if optional else ...)
+    for i, value in enumerate(values):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key}[{i}] must be an object, got {_short(value)}")
+    return [(f"{where}: {key}[{i}]" + (f" ('{v['name']}')" if isinstance(v.get("name"), str) else ""), v) for i, v in enumerate(values)]
+
+
+def _strings(data: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
+    """An optional object of string values (``metadata``, ``build`` values are free-form scalars)."""
+    values = _need(data, key, dict, where, {})
+    for k, v in values.items():
+        if not isinstance(v, str):
+            raise ConfigError(f"{where}: {key}['{k}'] must be a string, got {_short(v)}")
+    return dict(values)
+
+
+def _tensor_from_dict(d: Mapping[str, Any], where: str = "tensor") -> TensorSpec:
+    name = _need(d, "name", str, where)
+    dtype = _need(d, "dtype", str, where)
+    shape = _need(d, "shape", (list, type(None)), f"{where} ('{name}')", None)
     if shape is not None:
-        if not isinstance(shape, list) or not all(x is None or (isinstance(x, (int, str)) and not isinstance(x, bool)) for x in shape):
-            raise ConfigError(f"tensor '{d.get('name')}': shape must be a list of ints, names or nulls, got {shape!r}")
+        if not all(x is None or (isinstance(x, (int, str)) and not isinstance(x, bool)) for x in shape):
+            raise ConfigError(f"tensor '{name}': shape must be a list of ints, names or nulls, got {shape!r}")
         shape = tuple(shape)
-    name, dtype = d["name"], d["dtype"]
-    if not isinstance(name, str) or not isinstance(dtype, str):
-        raise ConfigError(f"tensor entry needs string 'name' and 'dtype', got {dict(d)!r}")
     return TensorSpec(name, dtype, shape)
 
 
@@ -411,39 +480,51 @@ def _endpoint_to_dict(ep: Endpoint, global_key: str) -> dict[str, str]:
     return {global_key: ep.tensor} if ep.stage is None else {"stage": ep.stage, "tensor": ep.tensor}
 
 
-def _endpoint_from_dict(d: Mapping[str, Any], global_key: str) -> Endpoint:
-    if set(d) == {global_key}:
-        return Endpoint(None, str(d[global_key]))
-    if set(d) == {"stage", "tensor"}:
-        return Endpoint(str(d["stage"]), str(d["tensor"]))
-    raise ConfigError(f"link endpoint must be {{'{global_key}': name}} or {{'stage': s, 'tensor': t}}, got {dict(d)!r}")
+def _endpoint_from_dict(d: Any, global_key: str, where: str) -> Endpoint:
+    if isinstance(d, dict) and all(isinstance(v, str) for v in d.values()):
+        if set(d) == {global_key}:
+            return Endpoint(None, d[global_key])
+        if set(d) == {"stage", "tensor"}:
+            return Endpoint(d["stage"], d["tensor"])
+    raise ConfigError(f"{where}: a link end must be {{\"{global_key}\": name}} or {{\"stage\": s, \"tensor\": t}} with string values, got {_short(d)}")
+
+
+def _stage_from_dict(s: dict[str, Any], where: str) -> StageSpec:
+    settings = _need(s, "settings", dict, where, {})
+    build = _need(s, "build", dict, where, {})
+    try:
+        parsed = StageSettings.from_dict(settings)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: settings: {e}") from None
+    return StageSpec(
+        name=_need(s, "name", str, where),
+        module=_need(s, "module", str, where),
+        inputs=tuple(_tensor_from_dict(t, w) for w, t in _items(s, "inputs", where)),
+        outputs=tuple(_tensor_from_dict(t, w) for w, t in _items(s, "outputs", where)),
+        settings=parsed,
+        build=dict(build),
+    )
 
 
 def _from_dict(data: Any) -> PipelineSpec:
     if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT:
         raise ConfigError(f"not a pipeline spec: expected \"format\": \"{SPEC_FORMAT}\"")
     version = data.get("version")
-    if version != SPEC_VERSION:
+    if version != SPEC_VERSION or isinstance(version, bool):
         raise ConfigError(f"pipeline spec version {version!r} is not supported; this onnxpipe reads version {SPEC_VERSION}")
-    stages = tuple(
-        StageSpec(
-            name=str(s["name"]),
-            module=str(s["module"]),
-            inputs=tuple(_tensor_from_dict(t) for t in s["inputs"]),
-            outputs=tuple(_tensor_from_dict(t) for t in s["outputs"]),
-            settings=StageSettings.from_dict(s.get("settings", {})),
-            build=dict(s.get("build", {})),
-        )
-        for s in data["stages"]
-    )
+    where = "pipeline spec"
     groups = tuple(
-        ParamGroup(str(g["name"]), str(g["stage"]), tuple(_tensor_from_dict(t) for t in g["params"])) for g in data.get("param_groups", [])
+        ParamGroup(_need(g, "name", str, w), _need(g, "stage", str, w), tuple(_tensor_from_dict(t, pw) for pw, t in _items(g, "params", w)))
+        for w, g in _items(data, "param_groups", where, optional=True)
     )
     return PipelineSpec(
-        inputs=tuple(_tensor_from_dict(t) for t in data["inputs"]),
-        outputs=tuple(_tensor_from_dict(t) for t in data["outputs"]),
-        stages=stages,
-        links=tuple(Link(_endpoint_from_dict(lk["from"], "input"), _endpoint_from_dict(lk["to"], "output")) for lk in data["links"]),
-        metadata={str(k): str(v) for k, v in dict(data.get("metadata", {})).items()},
+        inputs=tuple(_tensor_from_dict(t, w) for w, t in _items(data, "inputs", where)),
+        outputs=tuple(_tensor_from_dict(t, w) for w, t in _items(data, "outputs", where)),
+        stages=tuple(_stage_from_dict(s, w) for w, s in _items(data, "stages", where)),
+        links=tuple(
+            Link(_endpoint_from_dict(_need(lk, "from", dict, w), "input", w), _endpoint_from_dict(_need(lk, "to", dict, w), "output", w))
+            for w, lk in _items(data, "links", where)
+        ),
+        metadata=_strings(data, "metadata", where),
         param_groups=groups,
     )

@@ -115,7 +115,7 @@ def test_self_link_dtype_mismatch_and_duplicates() -> None:
         ("{", "not valid JSON"),
         ('{"format": "other"}', "not a pipeline spec"),
         ('{"format": "onnxpipe.pipeline", "version": 99}', "version 99 is not supported; this onnxpipe reads version 1"),
-        ('{"format": "onnxpipe.pipeline", "version": 1, "inputs": []}', "malformed pipeline spec: KeyError"),
+        ('{"format": "onnxpipe.pipeline", "version": 1, "inputs": []}', "pipeline spec: 'outputs' is missing"),
         (
             '{"format": "onnxpipe.pipeline", "version": 1, "inputs": [{"name": "x", "dtype": "float32", "shape": [true]}],'
             ' "outputs": [], "stages": [], "links": []}',
