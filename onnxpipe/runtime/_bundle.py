@@ -433,10 +433,14 @@ def _members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.ZipInfo]:
     total = sum(m.file_size for m in members)
     if total > limits.max_total_bytes:
         raise BundleError(f"archive declares {total} bytes unpacked; the limit is {limits.max_total_bytes}")
+    assert zf.fp is not None
+    size = zf.fp.seek(0, os.SEEK_END)
     checked: dict[str, zipfile.ZipInfo] = {}
     for m in members:
         name = m.filename.rstrip("/") if m.is_dir() else m.filename
         check_relative(name, "archive member")
+        if not 0 <= m.header_offset <= size - 30:  # zipfile would seek there (a negative seek: OSError)
+            raise BundleError(f"archive member '{name}' has its header at {m.header_offset}, outside the archive ({size} bytes): damaged")
         mode = m.external_attr >> 16
         if stat.S_ISLNK(mode):
             raise BundleError(f"archive member '{m.filename}' is a symbolic link; bundles hold regular files only")
