@@ -248,6 +248,8 @@ def check_relative(path: str, what: str) -> str:
     """
     if not isinstance(path, str) or not path:
         raise BundleError(f"{what}: empty or non-string path {path!r}")
+    if any("\ud800" <= c <= "\udfff" for c in path):  # a lone surrogate (JSON "\ud800") names no file
+        raise BundleError(f"{what} {path!r} is not valid Unicode")
     if "\\" in path or "\0" in path:
         raise BundleError(f"{what} '{path}': backslashes and NUL are not allowed in bundle paths")
     if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
@@ -422,6 +424,8 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
     # truncated deflate stream, a file name that is not the UTF-8 it claims, offsets out of range.
     except (zipfile.BadZipFile, zlib.error, EOFError, UnicodeDecodeError, struct.error, OverflowError) as e:
         raise BundleError(f"archive '{archive}' is damaged: {e}") from e
+    except NotImplementedError as e:  # zipfile's word for a zip version or method it cannot read
+        raise BundleError(f"archive '{archive}' uses a zip feature onnxpipe cannot read: {e}") from e
     return kept
 
 

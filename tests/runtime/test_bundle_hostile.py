@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 from onnxpipe import BundleError
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import load, read_bundle
-from onnxpipe.runtime._bundle import MANIFEST_NAME
+from onnxpipe.runtime._bundle import MANIFEST_NAME, sha256_file
 from onnxpipe.runtime._protoscan import external_locations
 from tests import models
 from tests.runtime.test_bundle import _rehash, _zip, _zip_of
@@ -233,6 +234,7 @@ def _write_manifest_text(bundle: Path, text: str) -> None:
         (lambda m: m.update(reference=[{"inputs": "../x.npz", "outputs": "y.npz"}]), "reference file '../x.npz' is not a normalized path"),
         (lambda m: m.update(created=17), "manifest 'created' must be a string, got 17"),
         (lambda m: m.update(version=True), "manifest version True is not supported"),
+        (lambda m: m["files"].update({"\ud800": {"size": 1, "sha256": "0" * 64}}), re.escape("manifest entry '\\ud800' is not valid Unicode")),
     ],
 )
 def test_manifest_fields_of_the_wrong_type_are_refused(bundle: Path, change: Any, message: str) -> None:
@@ -304,7 +306,11 @@ def test_pipeline_json_fields_of_the_wrong_type_are_refused(bundle: Path, change
 # beyond this, when a session is made; the property covers the checks before any session exists.
 
 # ONNXPIPE_FUZZ_EXAMPLES=5000 runs a longer search by hand.
-PROPERTY = settings(max_examples=int(os.environ.get("ONNXPIPE_FUZZ_EXAMPLES", "120")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+PROPERTY = settings(
+    max_examples=int(os.environ.get("ONNXPIPE_FUZZ_EXAMPLES", "120")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 def _structure(archive: bytes) -> list[int]:
@@ -340,11 +346,11 @@ def test_damaged_archive_gives_a_bundle_error_or_a_bundle(good_archive: Archive,
         pass
 
 
-_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-    max_leaves=6,
-)
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats(allow_nan=False) | st.text(max_size=8), _containers, max_leaves=6)
 
 
 def _mutate(value: Any, data: st.DataObject) -> Any:
@@ -372,8 +378,6 @@ def test_mutated_json_gives_a_bundle_error_or_a_bundle(good: Path, tmp_path_fact
     (root / which).write_text(json.dumps(_mutate(json.loads((root / which).read_text()), data)))
     if which == "pipeline.json":
         manifest = json.loads((root / MANIFEST_NAME).read_text())
-        from onnxpipe.runtime._bundle import sha256_file
-
         manifest["files"]["pipeline.json"] = {"size": (root / which).stat().st_size, "sha256": sha256_file(root / which)}
         (root / MANIFEST_NAME).write_text(json.dumps(manifest))
     try:
