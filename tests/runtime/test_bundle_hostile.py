@@ -23,10 +23,12 @@ from hypothesis import strategies as st
 
 from onnxpipe import BundleError
 from onnxpipe.builder import PipelineConfig, build, export
-from onnxpipe.runtime import load, read_bundle
-from onnxpipe.runtime._bundle import MANIFEST_NAME, sha256_file
+from onnxpipe.builder._export import _write_archive
+from onnxpipe.runtime import SequentialPipeline, load, read_bundle
+from onnxpipe.runtime._bundle import MANIFEST_NAME, sha256_file, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
 from tests import models
+from tests.cli.helpers import assert_user_error, run
 from tests.runtime.test_bundle import _rehash, _zip, _zip_of
 
 LEAK = "../../../../etc/passwd"
@@ -137,6 +139,21 @@ def test_external_data_in_a_function_attribute_default_is_refused(bundle: Path, 
         load(_zip_of(bundle, tmp_path / "b.onnxpipe"))
 
 
+def test_external_data_of_a_function_attribute_default_loads_from_the_archive(bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
+    """The same place holding a tensor inside the bundle: found, relocated into the archive, and run."""
+    (bundle / "stages" / "head.onnx").write_bytes(_head_with_default("head.onnx.data").SerializeToString())
+    (bundle / "stages" / "head.onnx.data").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    write_manifest(bundle, {})
+    archive = tmp_path / "b.onnxpipe"
+    _write_archive(bundle, archive)
+    x = np.ones((2, 4), np.float32)
+    want = (x + np.arange(4, dtype=np.float32)) @ np.full((4, 1 << 16), 0.5, np.float32)
+    with load(archive) as pipe:
+        assert "stages/head.onnx.data" in pipe.bundle.in_archive  # mapped from the archive, not unpacked
+        assert not (pipe.bundle.root / "stages" / "head.onnx.data").exists()
+        np.testing.assert_array_equal(SequentialPipeline(pipe.spec, pipe.bundle).run({"x": x})["y"], want)
+
+
 def test_onnxruntime_memory_address_location_is_refused(bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
     """onnxruntime reads the offset of a tensor at ``*/_ORT_MEM_ADDR_/*`` as an address (1.18: SIGSEGV)."""
     module = bundle / "stages" / "head.onnx"
@@ -216,6 +233,18 @@ def test_corrupt_deflate_stream_is_refused(good_archive: Archive, tmp_path: Path
     path.write_bytes(bytes(data))
     with pytest.raises(BundleError, match=f"archive '{path}' is damaged: Error -3 while decompressing data: invalid block type"):
         load(path)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_the_cli_ends_a_hostile_archive_as_one_line(good_archive: Archive, tmp_path: Path, private_tmp: Path, command: str) -> None:
+    members = _members(good_archive)
+    cases = {
+        "inside.onnxpipe": ({**members, "pipeline.json/x": b"{}"}, "is a file, yet the archive also holds"),
+        "deep.onnxpipe": ({**members, "manifest.json": b"[" * 100_000}, "manifest.json is not valid JSON: nested too deeply"),
+        "digits.onnxpipe": ({**members, "manifest.json": b'{"format": "onnxpipe.manifest", "version": 1' + b"0" * 5000 + b"}"}, "Exceeds the limit"),
+    }
+    for name, (content, message) in cases.items():
+        assert_user_error(run(command, _zip(tmp_path / name, content)), message)
 
 
 def _write_manifest_text(bundle: Path, text: str) -> None:
