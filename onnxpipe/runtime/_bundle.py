@@ -52,7 +52,7 @@ import numpy as np
 
 from onnxpipe._errors import BundleError, ConfigError
 from onnxpipe.runtime._protoscan import Relocation, external_locations, relocate_external
-from onnxpipe.runtime._spec import PipelineSpec, StageSpec, parse_json
+from onnxpipe.runtime._spec import PipelineSpec, StageSpec, describe_json, parse_json
 
 __all__ = [
     "ARCHIVE_SUFFIX",
@@ -170,10 +170,10 @@ class Manifest:
             if path == MANIFEST_NAME:
                 raise BundleError(f"manifest lists itself ('{path}')")
             if not isinstance(entry, dict):
-                raise BundleError(f"manifest entry '{path}' must be an object with 'size' and 'sha256', got {_kind(entry)}")
+                raise BundleError(f"manifest entry '{path}' must be an object with 'size' and 'sha256', got {describe_json(entry)}")
             size, digest = entry.get("size"), entry.get("sha256")
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise BundleError(f"manifest entry '{path}': size must be an integer >= 0, got {_kind(size)}")
+                raise BundleError(f"manifest entry '{path}': size must be an integer >= 0, got {describe_json(size)}")
             if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise BundleError(f"manifest entry '{path}': sha256 must be 64 lowercase hex digits")
             if size > limits.max_file_bytes:
@@ -204,15 +204,8 @@ def _manifest_field(data: dict[str, Any], key: str, kind: type, what: str) -> An
     """An optional manifest field, checked to be of ``kind``; missing: an empty one."""
     value = data.get(key, kind())
     if not isinstance(value, kind):
-        raise BundleError(f"manifest '{key}' must be {what}, got {_kind(value)}")
+        raise BundleError(f"manifest '{key}' must be {what}, got {describe_json(value)}")
     return value
-
-
-def _kind(value: Any) -> str:
-    """A JSON value as an error message shows it: short scalars in full, anything else by its kind."""
-    if isinstance(value, (bool, int, float)) and len(text := json.dumps(value)) <= 30:
-        return text
-    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def sha256_file(path: str | Path, offset: int = 0, size: int | None = None) -> str:

@@ -34,6 +34,7 @@ __all__ = [
     "PipelineSpec",
     "StageSpec",
     "TensorSpec",
+    "describe_json",
     "find_tensor",
     "parse_json",
 ]
@@ -426,25 +427,23 @@ def _need(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wher
         if default is not ...:
             return default
         raise ConfigError(f"{where}: '{key}' is missing")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
     value = data[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
-        names = " or ".join(_JSON_NAMES[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise ConfigError(f"{where}: '{key}' must be {names}, got {_short(value)}")
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # JSON true is no integer
+        raise ConfigError(f"{where}: '{key}' must be {' or '.join(_JSON_NAMES[k] for k in kinds)}, got {describe_json(value)}")
     return value
 
 
 _JSON_NAMES: dict[type, str] = {str: "a string", int: "an integer", bool: "true or false", list: "a list", dict: "an object", type(None): "null"}
 
 
-def _short(value: Any) -> str:
-    """A JSON value as an error message shows it: scalars in full (up to 40 characters), containers by kind."""
-    if isinstance(value, (dict, list)):
-        return _JSON_NAMES[type(value)] if type(value) in _JSON_NAMES else type(value).__name__
-    try:
+def describe_json(value: Any) -> str:
+    """A JSON value as an error message shows it: numbers and short strings in full, anything else by kind."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
         text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = type(value).__name__
-    return text if len(text) <= 40 else text[:37] + "..."
+        if len(text) <= 40:
+            return text
+    return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
 def _items(data: Mapping[str, Any], key: str, where: str, optional: bool = False) -> list[tuple[str, dict[str, Any]]]:
@@ -452,16 +451,16 @@ def _items(data: Mapping[str, Any], key: str, where: str, optional: bool = False
     values = _need(data, key, list, where, [] if optional else ...)
     for i, value in enumerate(values):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: {key}[{i}] must be an object, got {_short(value)}")
+            raise ConfigError(f"{where}: {key}[{i}] must be an object, got {describe_json(value)}")
     return [(f"{where}: {key}[{i}]" + (f" ('{v['name']}')" if isinstance(v.get("name"), str) else ""), v) for i, v in enumerate(values)]
 
 
 def _strings(data: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
-    """An optional object of string values (``metadata``, ``build`` values are free-form scalars)."""
+    """An optional object of strings (``metadata``)."""
     values = _need(data, key, dict, where, {})
     for k, v in values.items():
         if not isinstance(v, str):
-            raise ConfigError(f"{where}: {key}['{k}'] must be a string, got {_short(v)}")
+            raise ConfigError(f"{where}: {key}['{k}'] must be a string, got {describe_json(v)}")
     return dict(values)
 
 
@@ -486,7 +485,7 @@ def _endpoint_from_dict(d: Any, global_key: str, where: str) -> Endpoint:
             return Endpoint(None, d[global_key])
         if set(d) == {"stage", "tensor"}:
             return Endpoint(d["stage"], d["tensor"])
-    raise ConfigError(f"{where}: a link end must be {{\"{global_key}\": name}} or {{\"stage\": s, \"tensor\": t}} with string values, got {_short(d)}")
+    raise ConfigError(f"{where}: a link end must be {{\"{global_key}\": name}} or {{\"stage\": s, \"tensor\": t}} with string values, got {describe_json(d)}")
 
 
 def _stage_from_dict(s: dict[str, Any], where: str) -> StageSpec:

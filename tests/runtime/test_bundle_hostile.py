@@ -255,10 +255,10 @@ def _write_manifest_text(bundle: Path, text: str) -> None:
     ("change", "message"),
     [
         (lambda m: m["files"].update({"pipeline.json": [1, 2]}), "manifest entry 'pipeline.json' must be an object with 'size' and 'sha256', got a list"),
-        (lambda m: m.update(versions="1.0"), "manifest 'versions' must be a table of strings, got a string"),
+        (lambda m: m.update(versions="1.0"), 'manifest \'versions\' must be a table of strings, got "1.0"'),
         (lambda m: m.update(versions={"onnx": 1}), "manifest 'versions' must be a table of strings"),
         (lambda m: m.update(opsets={"": "nine"}), r"manifest 'opsets' must be a table of integers >= 0 \(domain -> opset version\)"),
-        (lambda m: m.update(providers="CPUExecutionProvider"), "manifest 'providers' must be a list of strings, got a string"),
+        (lambda m: m.update(providers="CPUExecutionProvider"), 'manifest \'providers\' must be a list of strings, got "CPUExecutionProvider"'),
         (lambda m: m.update(reference=[{"inputs": 1, "outputs": None}]), "manifest 'reference' entries must be objects with string 'inputs' and 'outputs'"),
         (lambda m: m.update(reference=[{"inputs": "../x.npz", "outputs": "y.npz"}]), "reference file '../x.npz' is not a normalized path"),
         (lambda m: m.update(created=17), "manifest 'created' must be a string, got 17"),
