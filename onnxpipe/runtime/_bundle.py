@@ -157,7 +157,7 @@ class Manifest:
         if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
             raise BundleError(f"{MANIFEST_NAME} is not an onnxpipe manifest (expected \"format\": \"{MANIFEST_FORMAT}\")")
         if data.get("version") != MANIFEST_VERSION or type(data.get("version")) is not int:
-            raise BundleError(f"manifest version {data.get('version')!r} is not supported; this onnxpipe reads version {MANIFEST_VERSION}")
+            raise BundleError(f"manifest version {describe_json(data.get('version'))} is not supported; this onnxpipe reads version {MANIFEST_VERSION}")
         files = data.get("files")
         if not isinstance(files, dict):
             raise BundleError(f"{MANIFEST_NAME} has no 'files' table")

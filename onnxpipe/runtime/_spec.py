@@ -510,7 +510,7 @@ def _from_dict(data: Any) -> PipelineSpec:
         raise ConfigError(f"not a pipeline spec: expected \"format\": \"{SPEC_FORMAT}\"")
     version = data.get("version")
     if version != SPEC_VERSION or isinstance(version, bool):
-        raise ConfigError(f"pipeline spec version {version!r} is not supported; this onnxpipe reads version {SPEC_VERSION}")
+        raise ConfigError(f"pipeline spec version {describe_json(version)} is not supported; this onnxpipe reads version {SPEC_VERSION}")
     where = "pipeline spec"
     groups = tuple(
         ParamGroup(_need(g, "name", str, w), _need(g, "stage", str, w), tuple(_tensor_from_dict(t, pw) for pw, t in _items(g, "params", w)))
