@@ -51,6 +51,7 @@ import numpy as np
 
 from onnxpipe._errors import BundleError, ConfigError
 from onnxpipe.runtime._protoscan import Relocation, external_locations, relocate_external
+from onnxpipe.runtime._session import maps_archive_data
 from onnxpipe.runtime._spec import PipelineSpec, StageSpec
 
 __all__ = [
@@ -391,7 +392,7 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
                     continue
                 target.parent.mkdir(parents=True, exist_ok=True)
                 offset = _data_offset(zf, m)
-                if offset is not None and name.endswith(".data"):
+                if offset is not None and name.endswith(".data") and maps_archive_data():
                     kept[name] = Relocation(str(archive.resolve()), offset, m.file_size)
                 else:
                     _extract(zf, m, target)
