@@ -13,8 +13,10 @@ Note: loading is checked before anything runs.
     normalized and inside the bundle; every file listed in the manifest with the right size and
     sha256, and no file that is not listed; sizes and counts within :class:`Limits`; a known
     schema version; a wiring that validates; stage modules and the external-data files they name
-    (found by a wire scan, see ``_protoscan``) listed in the manifest. An archive is unpacked into a
-    private temporary folder, member by member, and nothing is ever written outside it. No pickle is
+    (found by a wire scan, see ``_protoscan``) listed in the manifest; stage settings within the
+    host's thread and replica caps (see ``_check_caps``). An archive is unpacked into a private
+    temporary folder, member by member, only once its zip directory agrees with its manifest (see
+    ``_unpack``), and nothing is ever written outside it. No pickle is
     read anywhere (numpy files are loaded with ``allow_pickle=False``). Every hash is computed in
     chunks of ``_CHUNK`` bytes: no file is ever read whole to check it.
 
