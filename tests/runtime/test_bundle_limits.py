@@ -8,6 +8,7 @@ import io
 import json
 import shutil
 import struct
+import tempfile
 import threading
 import tracemalloc
 import zipfile
@@ -46,6 +47,16 @@ def bundle(small_bundle: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "bundle"
     shutil.copytree(small_bundle, copy)
     return copy
+
+
+@pytest.fixture()
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Route tempfile into a folder of our own, to see that the loader leaves nothing behind."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield
+    assert list(folder.iterdir()) == [], "the loader left files in its temporary folder"
 
 
 @pytest.fixture()
@@ -98,7 +109,7 @@ def _edit_settings(root: Path, **settings: object) -> None:
 # -- the archive: sizes before bytes ---------------------------------------------------------------
 
 
-def test_an_unlisted_member_is_refused_before_anything_is_unpacked(bundle: Path, tmp_path: Path, unpacked: list[int]) -> None:
+def test_an_unlisted_member_is_refused_before_anything_is_unpacked(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/zeros.bin": bytes(BIG)})
     assert archive.stat().st_size < 1 << 20
     trusting = Limits(max_compression_ratio=10_000)  # past the ratio check, to reach the manifest's
@@ -107,7 +118,7 @@ def test_an_unlisted_member_is_refused_before_anything_is_unpacked(bundle: Path,
     assert unpacked and max(unpacked) < 64 << 10  # the manifest alone
 
 
-def test_a_member_larger_than_the_manifest_says_is_refused_before_anything_is_unpacked(bundle: Path, tmp_path: Path, unpacked: list[int]) -> None:
+def test_a_member_larger_than_the_manifest_says_is_refused_unpacked(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
     size = (bundle / "stages" / "head.onnx").stat().st_size
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/head.onnx": bytes(BIG)})
     with pytest.raises(BundleError, match=f"archive member 'stages/head.onnx' declares {BIG} bytes; the manifest says {size} \\(truncated or altered\\)"):
@@ -115,7 +126,7 @@ def test_a_member_larger_than_the_manifest_says_is_refused_before_anything_is_un
     assert unpacked and max(unpacked) < 64 << 10
 
 
-def test_a_member_inflating_past_its_declared_size_stops_there(bundle: Path, tmp_path: Path, unpacked: list[int]) -> None:
+def test_a_member_inflating_past_its_declared_size_stops_there(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
     size = (bundle / "stages" / "head.onnx").stat().st_size
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/head.onnx": bytes(BIG)})
     _set_declared_size(archive, "stages/head.onnx", size)  # the directory agrees with the manifest; the stream does not
@@ -124,7 +135,19 @@ def test_a_member_inflating_past_its_declared_size_stops_there(bundle: Path, tmp
     assert unpacked and max(unpacked) < 64 << 10
 
 
-def test_a_zip_bomb_member_is_refused_by_its_compression_ratio(bundle: Path, tmp_path: Path, unpacked: list[int]) -> None:
+def test_a_member_holding_fewer_bytes_than_declared_is_refused(bundle: Path, tmp_path: Path, private_tmp: None) -> None:
+    size = (bundle / "stages" / "head.onnx").stat().st_size
+    manifest = json.loads((bundle / MANIFEST_NAME).read_text())
+    manifest["files"]["stages/head.onnx"]["size"] = size + 1000
+    (bundle / MANIFEST_NAME).write_text(json.dumps(manifest))
+    for deflate in (True, False):
+        archive = _archive(bundle, tmp_path / "b.onnxpipe", deflate=deflate)
+        _set_declared_size(archive, "stages/head.onnx", size + 1000)
+        with pytest.raises(BundleError, match=f"archive member 'stages/head.onnx' holds {size} bytes; it declares {size + 1000} \\(truncated\\)"):
+            load(archive)
+
+
+def test_a_zip_bomb_member_is_refused_by_its_compression_ratio(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/zeros.bin": bytes(BIG)})
     with pytest.raises(
         BundleError,
