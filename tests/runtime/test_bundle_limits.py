@@ -118,7 +118,7 @@ def test_an_unlisted_member_is_refused_before_anything_is_unpacked(bundle: Path,
     assert unpacked and max(unpacked) < 64 << 10  # the manifest alone
 
 
-def test_a_member_larger_than_the_manifest_says_is_refused_unpacked(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
+def test_a_member_larger_than_the_manifest_says_is_refused_first(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
     size = (bundle / "stages" / "head.onnx").stat().st_size
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/head.onnx": bytes(BIG)})
     with pytest.raises(BundleError, match=f"archive member 'stages/head.onnx' declares {BIG} bytes; the manifest says {size} \\(truncated or altered\\)"):
