@@ -55,6 +55,7 @@ import numpy as np
 from onnxpipe._errors import BundleError, ConfigError, InputError
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._protoscan import Relocation, external_locations, relocate_external
+from onnxpipe.runtime._session import maps_archive_data
 from onnxpipe.runtime._settings import host_cores
 from onnxpipe.runtime._spec import PipelineSpec, StageSpec
 
@@ -526,7 +527,7 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
                     continue  # unpacked and read first
                 target.parent.mkdir(parents=True, exist_ok=True)
                 offset = _data_offset(zf, m)
-                if offset is not None and name.endswith(".data"):
+                if offset is not None and name.endswith(".data") and maps_archive_data():
                     kept[name] = Relocation(str(archive.resolve()), offset, m.file_size)
                 else:
                     _extract(zf, m, target)
