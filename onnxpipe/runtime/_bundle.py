@@ -13,8 +13,10 @@ Note: loading is checked before anything runs.
     normalized and inside the bundle; every file listed in the manifest with the right size and
     sha256, and no file that is not listed; sizes and counts within :class:`Limits`; a known
     schema version; a wiring that validates; stage modules and the external-data files they name
-    (found by a wire scan, see ``_protoscan``) listed in the manifest. An archive is unpacked into a
-    private temporary folder, member by member, and nothing is ever written outside it. No pickle is
+    (found by a wire scan, see ``_protoscan``) listed in the manifest; stage settings within the
+    host's thread and replica caps (see ``_check_caps``). An archive is unpacked into a private
+    temporary folder, member by member, only once its zip directory agrees with its manifest (see
+    ``_unpack``), and nothing is ever written outside it. No pickle is
     read anywhere (numpy files are loaded with ``allow_pickle=False``). Every hash is computed in
     chunks of ``_CHUNK`` bytes: no file is ever read whole to check it.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import posixpath
 import shutil
@@ -50,8 +53,11 @@ from typing import Any
 
 import numpy as np
 
-from onnxpipe._errors import BundleError, ConfigError
+from onnxpipe._errors import BundleError, ConfigError, InputError
+from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._protoscan import Relocation, external_locations, relocate_external
+from onnxpipe.runtime._session import maps_archive_data
+from onnxpipe.runtime._settings import host_cores
 from onnxpipe.runtime._spec import PipelineSpec, StageSpec, describe_json, parse_json
 
 __all__ = [
@@ -98,12 +104,64 @@ class Limits:
         max_file_bytes: Size of one file.
         max_total_bytes: Size of all files together.
         max_json_bytes: Size of the config and of the manifest.
+        max_compression_ratio: Unpacked size over compressed size of an archive member (members
+            of 1 MiB and less unpacked are exempt: they cannot exhaust anything).
+        max_reference_bytes: Bytes of all reference arrays together, as their headers declare.
+        max_threads: Intra-op and inter-op threads of one stage session (``None``: 4 x the cores
+            this process may use).
+        max_replicas: Replicas of one stage (``None``: 4 x the cores this process may use).
+        max_pipeline_threads: Threads of all stages together, every replica's worker and thread
+            pools counted (``None``: 16 x the cores this process may use).
+
+    Only the host sets these (``load(..., limits=Limits(...))``); nothing in a bundle changes them.
     """
 
     max_files: int = 10_000
     max_file_bytes: int = 64 << 30
     max_total_bytes: int = 256 << 30
     max_json_bytes: int = 16 << 20
+    max_compression_ratio: float = 100
+    max_reference_bytes: int = 1 << 30
+    max_threads: int | None = None
+    max_replicas: int | None = None
+    max_pipeline_threads: int | None = None
+
+
+def _check_caps(spec: PipelineSpec, limits: Limits) -> None:
+    """Refuse stage settings that would start more threads or replicas than this host allows.
+
+    Note: thread and replica caps.
+        A bundle's settings are the builder's wish, not the host's: ``intra_op_threads: 2000``
+        would start thousands of threads. Each of a stage's ``intra_op_threads``,
+        ``inter_op_threads`` and ``replicas`` is capped at ``4 x`` the cores this process may use
+        (more never runs faster, but a bundle built on a bigger host still loads), and the threads
+        of all stages together (:meth:`StageSettings.thread_count` per replica) at ``16 x``. The
+        host changes them with :class:`Limits`; nothing in a bundle does. A setting over its cap
+        is refused rather than lowered silently, like every other limit.
+    """
+    cores = host_cores()
+
+    def cap(value: int | None, times: int, knob: str) -> tuple[int, str]:
+        if value is not None:
+            return value, f"Limits.{knob}"
+        return times * cores, f"{times} x the {cores} core(s) this process may use"
+
+    how = "lower it in the bundle's settings, or raise the cap on this host with load(..., limits=Limits({}=...))"
+    threads, threads_why = cap(limits.max_threads, 4, "max_threads")
+    replicas, replicas_why = cap(limits.max_replicas, 4, "max_replicas")
+    for stage in spec.stages:
+        s = stage.settings
+        for setting, value, most, why, knob in (
+            ("intra_op_threads", s.intra_op_threads, threads, threads_why, "max_threads"),
+            ("inter_op_threads", s.inter_op_threads, threads, threads_why, "max_threads"),
+            ("replicas", s.replicas, replicas, replicas_why, "max_replicas"),
+        ):
+            if value > most:
+                raise BundleError(f"stage '{stage.name}': {setting} {value} is over this host's cap of {most} ({why}); " + how.format(knob))
+    total, total_why = cap(limits.max_pipeline_threads, 16, "max_pipeline_threads")
+    count = sum(s.settings.replicas * s.settings.thread_count(cores) for s in spec.stages)
+    if count > total:
+        raise BundleError(f"the stages' settings start {count} threads in all; this host's cap is {total} ({total_why}); " + how.format("max_pipeline_threads"))
 
 
 @dataclass(frozen=True)
@@ -265,10 +323,20 @@ class Bundle:
     folder, removed by :meth:`close` (or when the object is collected).
     """
 
-    def __init__(self, root: Path, spec: PipelineSpec, manifest: Manifest, tmp: Path | None = None, in_archive: Mapping[str, Relocation] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        spec: PipelineSpec,
+        manifest: Manifest,
+        tmp: Path | None = None,
+        in_archive: Mapping[str, Relocation] | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self.root = root
         self.spec = spec
         self.manifest = manifest
+        #: The limits it was read with; they also bound its reference data (see :meth:`reference`).
+        self.limits = limits or Limits()
         #: Files left in the archive (see the note "external data left in the archive"), by bundle path.
         self.in_archive = dict(in_archive or {})
         self._cleanup = weakref.finalize(self, shutil.rmtree, tmp, True) if tmp else None
@@ -304,8 +372,31 @@ class Bundle:
         return self.root / spec.module
 
     def reference(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
-        """The reference (inputs, outputs) pairs stored in the bundle, possibly none."""
-        return [(load_npz(self.root / i), load_npz(self.root / o)) for i, o in self.manifest.reference]
+        """The reference (inputs, outputs) pairs stored in the bundle, possibly none.
+
+        Every array's header is checked before any data is read: its dtype and shape against the
+        pipeline's inputs (or outputs), its size against its file, and the size of all of them
+        against ``limits.max_reference_bytes``.
+
+        Raises:
+            BundleError: a reference file is not an .npz of arrays, an array does not match the
+                pipeline, or the arrays together are too large.
+        """
+        total = 0
+        for pair in self.manifest.reference:
+            for rel, specs, what in zip(pair, (self.spec.inputs, self.spec.outputs), ("input", "output"), strict=True):
+                layout = _npz_layout(self.root / rel, self.limits)
+                try:
+                    check_inputs(specs, layout, what=f"reference {what}")
+                except InputError as e:
+                    raise BundleError(f"reference file '{rel}': {e}") from e
+                total += sum(a.nbytes for a in layout.values())
+        if total > self.limits.max_reference_bytes:
+            raise BundleError(
+                f"the reference arrays declare {total} bytes in all; the limit is {self.limits.max_reference_bytes} "
+                "(a host that trusts the bundle can raise it with Limits(max_reference_bytes=...))"
+            )
+        return [(load_npz(self.root / i, self.limits), load_npz(self.root / o, self.limits)) for i, o in self.manifest.reference]
 
     def close(self) -> None:
         """Remove the temporary folder of an unpacked archive (nothing for a folder bundle)."""
@@ -322,12 +413,20 @@ class Bundle:
         return f"Bundle({str(self.root)!r}, stages={[s.name for s in self.spec.stages]})"
 
 
-def load_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+def load_npz(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, np.ndarray]:
     """The arrays of an .npz file by name, read without pickle.
+
+    Every array's header is read and checked first (see :func:`_npz_layout`), so no array is
+    allocated bigger than the bytes its file holds.
+
+    Args:
+        path: The .npz file.
+        limits: Also refuse a member deflated beyond ``limits.max_compression_ratio``.
 
     Raises:
         BundleError: the file is missing or not an .npz of plain arrays.
     """
+    _npz_layout(path, limits)
     try:
         data = np.load(path, allow_pickle=False)
         if not isinstance(data, np.lib.npyio.NpzFile):
@@ -338,6 +437,49 @@ def load_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         raise BundleError(f"'{path}' does not exist") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise BundleError(f"cannot read '{Path(path).name}' as an .npz of arrays: {e}") from e
+
+
+def _npz_layout(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, np.ndarray]:
+    """Stand-ins for the arrays of an .npz file, read from the ``.npy`` headers only: each a
+    read-only broadcast view of one zero, of the array's dtype and shape, taking no memory.
+
+    Each header is checked against its zip member: the member holds exactly the header and the
+    bytes the header's dtype and shape make (a 16 KiB file cannot declare a 2 GiB array), and no
+    array holds Python objects.
+
+    Args:
+        path: The .npz file.
+        limits: Also refuse a member deflated beyond ``limits.max_compression_ratio``.
+
+    Raises:
+        BundleError: the file is missing, not an .npz of arrays, or an array's header lies.
+    """
+    fmt = np.lib.format
+    name = Path(path).name
+    layout: dict[str, np.ndarray] = {}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for m in zf.infolist():
+                if not m.filename.endswith(".npy"):
+                    raise BundleError(f"'{name}' member '{m.filename}' is not an .npy array")
+                if limits is not None:
+                    _check_ratio(m, m.filename, limits, f"'{name}' member")
+                with zf.open(m) as f:
+                    major, _ = fmt.read_magic(f)
+                    shape, _, dtype = fmt.read_array_header_1_0(f) if major == 1 else fmt.read_array_header_2_0(f)
+                    header = f.tell()
+                if dtype.hasobject:
+                    raise BundleError(f"'{name}' array '{m.filename}' holds Python objects; only plain arrays are read (no pickle)")
+                nbytes = math.prod(shape) * dtype.itemsize
+                if header + nbytes != m.file_size:
+                    held = m.file_size - header
+                    raise BundleError(f"'{name}' array '{m.filename}' declares {dtype} {list(shape)} ({nbytes} bytes) but its member holds {held}")
+                layout[m.filename.removesuffix(".npy")] = np.broadcast_to(np.zeros((), dtype), shape)
+    except FileNotFoundError:
+        raise BundleError(f"'{path}' does not exist") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise BundleError(f"cannot read '{name}' as an .npz of arrays: {e}") from e
+    return layout
 
 
 def save_npz(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray]) -> Path:
@@ -395,21 +537,33 @@ def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> B
 
 
 def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
-    """Unpack the archive into ``dest``, but for the members left in it (returned by bundle path)."""
+    """Unpack the archive into ``dest``, but for the members left in it (returned by bundle path).
+
+    Note: sizes before bytes.
+        Every member of the zip directory is checked (path, type, declared size, compression
+        ratio), then the manifest, itself a member of at most ``max_json_bytes``, is unpacked and
+        read, and every other member is compared with it (listed, same size) before a byte of any
+        of them is written. While unpacking, no more than a member's declared size is copied.
+        Unpacking therefore writes at most what the manifest declares, within ``Limits``.
+    """
     if not zipfile.is_zipfile(archive):
         raise BundleError(f"'{archive}' is not a bundle: not a folder and not a zip archive")
     try:
         with zipfile.ZipFile(archive) as zf:
-            members = _members(zf, limits)
+            members = _directory(zf, limits)
+            manifest = _archive_manifest(zf, members, dest, limits, str(archive))
+            _compare_with_manifest(members, manifest)
             kept: dict[str, Relocation] = {}
             for name, m in members.items():
                 target = dest / name
                 if m.is_dir():
                     target.mkdir(parents=True, exist_ok=True)
                     continue
+                if name == MANIFEST_NAME:
+                    continue  # unpacked and read first
                 target.parent.mkdir(parents=True, exist_ok=True)
                 offset = _data_offset(zf, m)
-                if offset is not None and name.endswith(".data"):
+                if offset is not None and name.endswith(".data") and maps_archive_data():
                     kept[name] = Relocation(str(archive.resolve()), offset, m.file_size)
                 else:
                     _extract(zf, m, target)
@@ -422,8 +576,8 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
     return kept
 
 
-def _members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.ZipInfo]:
-    """The archive's members by bundle path, each checked (see the note at the top) before any is unpacked."""
+def _directory(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.ZipInfo]:
+    """The archive's members by bundle path, each checked from the zip directory alone."""
     members = zf.infolist()
     if len(members) > limits.max_files + 1:
         raise BundleError(f"archive has {len(members)} members; the limit is {limits.max_files}")
@@ -451,6 +605,7 @@ def _members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.ZipInfo]:
             raise BundleError(f"archive member '{name}' is encrypted; bundles are not")
         if m.compress_type not in _COMPRESSIONS:
             raise BundleError(f"archive member '{name}' uses compression method {m.compress_type}; bundles use {' or '.join(_COMPRESSIONS.values())}")
+        _check_ratio(m, name, limits, "archive member")
         checked[name] = m
     files = {name for name, m in checked.items() if not m.is_dir()}
     for name in checked:
@@ -460,6 +615,45 @@ def _members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.ZipInfo]:
                 raise BundleError(f"archive member '{folder}' is a file, yet the archive also holds '{name}' inside it")
             folder = posixpath.dirname(folder)
     return checked
+
+
+def _check_ratio(member: zipfile.ZipInfo, name: str, limits: Limits, what: str) -> None:
+    """Refuse a zip member that inflates more than ``max_compression_ratio`` times (a zip bomb)."""
+    # Small members are exempt: legitimate small files (a JSON file, a module of zeros) can deflate
+    # beyond any sane ratio, and 1 MiB cannot exhaust anything.
+    if member.file_size > _CHUNK and member.file_size > limits.max_compression_ratio * member.compress_size:
+        ratio = member.file_size / max(member.compress_size, 1)
+        raise BundleError(
+            f"{what} '{name}' inflates {member.compress_size} bytes to {member.file_size} (ratio {ratio:.0f}:1); "
+            f"the limit is {limits.max_compression_ratio:g}:1 (a host that trusts the bundle can raise it with "
+            "Limits(max_compression_ratio=...))"
+        )
+
+
+def _archive_manifest(zf: zipfile.ZipFile, members: Mapping[str, zipfile.ZipInfo], dest: Path, limits: Limits, label: str) -> Manifest:
+    """Unpack and read the manifest alone (at most ``max_json_bytes``), before any other member."""
+    member = members.get(MANIFEST_NAME)
+    if member is None or member.is_dir():
+        raise BundleError(f"'{label}' is not a bundle: it has no {MANIFEST_NAME}")
+    if member.file_size > limits.max_json_bytes:
+        raise BundleError(f"{MANIFEST_NAME} is {member.file_size} bytes; the limit is {limits.max_json_bytes}")
+    _extract(zf, member, dest / MANIFEST_NAME)
+    return Manifest.from_dict(_read_json(dest / MANIFEST_NAME, limits, MANIFEST_NAME), limits)
+
+
+def _compare_with_manifest(members: Mapping[str, zipfile.ZipInfo], manifest: Manifest) -> None:
+    """Every file member is listed in the manifest with the size the zip directory declares, and
+    every listed file is a member."""
+    files = {name: m for name, m in members.items() if not m.is_dir() and name != MANIFEST_NAME}
+    for name, m in files.items():
+        entry = manifest.files.get(name)
+        if entry is None:
+            raise BundleError(f"archive member '{name}' ({m.file_size} bytes) is not listed in the manifest; a bundle holds exactly what its manifest lists")
+        if m.file_size != entry.size:
+            raise BundleError(f"archive member '{name}' declares {m.file_size} bytes; the manifest says {entry.size} (truncated or altered)")
+    missing = sorted(set(manifest.files) - set(files))
+    if missing:
+        raise BundleError(f"bundle file '{missing[0]}' is listed in the manifest but missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
 def _data_offset(zf: zipfile.ZipFile, member: zipfile.ZipInfo) -> int | None:
@@ -477,15 +671,21 @@ def _data_offset(zf: zipfile.ZipFile, member: zipfile.ZipInfo) -> int | None:
 
 
 def _extract(zf: zipfile.ZipFile, member: zipfile.ZipInfo, target: Path) -> None:
-    written = 0
+    """Copy one member, never more than its declared size (one byte more is read to see a liar)."""
+    left = member.file_size
     # O_EXCL: never follow or overwrite anything; the folder is ours and fresh.
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as out, zf.open(member) as src:
-        while chunk := src.read(_CHUNK):
-            written += len(chunk)
-            if written > member.file_size:
-                raise BundleError(f"archive member '{member.filename}' holds more bytes than it declares")
-            out.write(chunk)
+        try:
+            while chunk := src.read(min(_CHUNK, left + 1)):
+                if len(chunk) > left:
+                    raise BundleError(f"archive member '{member.filename}' holds more bytes than the {member.file_size} it declares")
+                out.write(chunk)
+                left -= len(chunk)
+        except EOFError:  # a deflate stream cut short
+            pass
+    if left:
+        raise BundleError(f"archive member '{member.filename}' holds {member.file_size - left} bytes; it declares {member.file_size} (truncated)")
 
 
 def _copy_range(source: Relocation, target: Path) -> None:
@@ -555,6 +755,7 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept
         spec.validate()
     except ConfigError as e:
         raise BundleError(f"{CONFIG_NAME}: {e}") from e
+    _check_caps(spec, limits)
     used: set[str] = set()
     for stage in spec.stages:
         module = check_relative(stage.module, f"module of stage '{stage.name}'")
@@ -578,7 +779,7 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept
                 raise BundleError(f"reference file '{rel}' is not in the bundle")
     for rel in sorted(set(kept) - used):  # not a stage's external data after all: unpack it
         _copy_range(kept.pop(rel), root / rel)
-    bundle = Bundle(root, spec, manifest, tmp, kept)
+    bundle = Bundle(root, spec, manifest, tmp, kept, limits)
     for stage in spec.stages:
         bundle.session_source(stage)  # every tensor that points into the archive fits in its member
     return bundle

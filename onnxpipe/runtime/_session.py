@@ -12,7 +12,22 @@ from onnxpipe._errors import BundleError
 from onnxpipe.runtime._settings import StageSettings
 from onnxpipe.runtime._spec import StageSpec
 
-__all__ = ["load_optimization", "make_session"]
+__all__ = ["load_optimization", "make_session", "maps_archive_data"]
+
+
+def maps_archive_data() -> bool:
+    """Whether this onnxruntime can read a stage's weights in place from a bundle archive.
+
+    That needs a module given as bytes to find its external data through the session config entry
+    ``session.model_external_initializers_file_folder_path``. onnxruntime 1.18-1.20 have the entry
+    but their optimizers still want a model path ("model_path must not be empty", measured with
+    1.18.0, 1.19.2, 1.20.1; 1.21.1 and later work), so there such weights are unpacked instead.
+    """
+    try:
+        major, minor = (int(part) for part in ort.__version__.split(".")[:2])
+    except ValueError:  # a development build: assume it is recent
+        return True
+    return (major, minor) >= (1, 21)
 
 
 def load_optimization(stage: StageSpec, settings: StageSettings) -> str:

@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, closest
 
-__all__ = ["OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "resolve_provider"]
+__all__ = ["OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "host_cores", "resolve_provider"]
 
 #: Short names for execution providers; any full name onnxruntime knows is accepted too.
 PROVIDER_ALIASES: dict[str, str] = {
@@ -182,6 +182,14 @@ class StageSettings:
             return self
         return self.replace(affinity=cores[replica * threads : (replica + 1) * threads])
 
+    def thread_count(self, cores: int) -> int:
+        """Threads one replica runs: its worker (also intra-op thread 0) and the intra-op pool, and
+        the inter-op pool in parallel mode; a count of 0 (onnxruntime's default) counts as ``cores``."""
+        threads = self.intra_op_threads or cores
+        if self.execution_mode == "parallel":
+            threads += self.inter_op_threads or cores
+        return threads
+
     def worker_cores(self) -> set[int] | None:
         """Cores for the stage's worker thread (which is also onnxruntime's first intra-op thread)."""
         if self.affinity is None:
@@ -240,6 +248,11 @@ class StageSettings:
         if name != "CPUExecutionProvider" and self.fallback:
             chain.append(("CPUExecutionProvider", {}))
         return chain
+
+
+def host_cores() -> int:
+    """How many cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_cores(cores: Sequence[int]) -> None:
