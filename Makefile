@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= demo-out
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-oldest-ort lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,23 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -n 2 -q
 
+# The bundle-safety suite under the oldest onnxruntime pyproject.toml admits: onnxpipe's own checks
+# must refuse hostile bundles whatever onnxruntime would do with them (docs/bundle-format.md). A
+# throwaway venv with that onnxruntime and the onnx and numpy of its time; .ci/run runs it after `make test`.
+OLDEST_ORT := onnxruntime==1.18.0 onnx==1.17.0 "numpy<2"
+OLDEST := .venv-oldest-ort
+SAFETY_TESTS := tests/runtime/test_bundle.py tests/runtime/test_bundle_hostile.py tests/runtime/test_protoscan.py tests/runtime/test_bundle_limits.py
+
+$(OLDEST)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet -e '.[dev]' $(OLDEST_ORT)
+	touch $@
+
+test-oldest-ort: $(OLDEST)/.installed
+	$(OLDEST)/bin/python -c 'import onnxruntime; print("onnxruntime", onnxruntime.__version__)'
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(SAFETY_TESTS)
+
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check onnxpipe tests benchmarks
 	$(BIN)/mypy
@@ -50,4 +67,4 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks --out bench-out
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) $(DEMO_OUT) .pytest_cache .hypothesis
