@@ -190,30 +190,20 @@ def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
 
 
 def read_npz_layout(path: Path, what: str) -> dict[str, np.ndarray]:
-    """Stand-ins for the arrays of an .npz file: each array's name, dtype and shape, read from the
-    headers only, so that ``check_inputs`` can check thousands of files without reading their data.
-
-    A stand-in is a read-only broadcast view of a single zero: it takes no memory whatever its shape.
+    """Stand-ins for the arrays of an .npz file, from the headers only (:func:`onnxpipe.runtime.npz_layout`).
 
     Raises:
-        UserError: the file is missing or is not an .npz of arrays.
+        UserError: the file is missing, is not an .npz of arrays, or a header lies about its array.
     """
-    import numpy as np
+    from onnxpipe._errors import BundleError
+    from onnxpipe.runtime import npz_layout
 
     if not path.is_file():
         raise UserError(f"{what} '{path}' does not exist")
-    fmt = np.lib.format
-    layout: dict[str, np.ndarray] = {}
     try:
-        with zipfile.ZipFile(path) as zf:
-            for member in zf.namelist():
-                with zf.open(member) as f:
-                    major, _ = fmt.read_magic(f)
-                    shape, _, dtype = fmt.read_array_header_1_0(f) if major == 1 else fmt.read_array_header_2_0(f)
-                layout[member.removesuffix(".npy")] = np.broadcast_to(np.zeros((), dtype), shape)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise UserError(f"{what} '{path}': cannot read it as an .npz of arrays: {e}") from e
-    return layout
+        return npz_layout(path)
+    except BundleError as e:
+        raise UserError(f"{what} '{path}': {e}") from e
 
 
 def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:

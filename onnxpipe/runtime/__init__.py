@@ -1,7 +1,7 @@
 """The runtime: the pipeline spec, bundles and the executors. Imports only stdlib, numpy and onnxruntime."""
 
 from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
-from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, read_bundle, save_npz
+from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, npz_layout, read_bundle, save_npz
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import check_dims, check_inputs, random_inputs, sample_shapes
@@ -49,6 +49,7 @@ __all__ = [
     "is_bundle",
     "load",
     "load_npz",
+    "npz_layout",
     "numpy_dtype",
     "random_inputs",
     "read_bundle",

@@ -72,6 +72,7 @@ __all__ = [
     "check_relative",
     "is_bundle",
     "load_npz",
+    "npz_layout",
     "read_bundle",
     "save_npz",
     "sha256_file",
@@ -385,7 +386,7 @@ class Bundle:
         total = 0
         for pair in self.manifest.reference:
             for rel, specs, what in zip(pair, (self.spec.inputs, self.spec.outputs), ("input", "output"), strict=True):
-                layout = _npz_layout(self.root / rel, self.limits)
+                layout = npz_layout(self.root / rel, self.limits)
                 try:
                     check_inputs(specs, layout, what=f"reference {what}")
                 except InputError as e:
@@ -416,7 +417,7 @@ class Bundle:
 def load_npz(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, np.ndarray]:
     """The arrays of an .npz file by name, read without pickle.
 
-    Every array's header is read and checked first (see :func:`_npz_layout`), so no array is
+    Every array's header is read and checked first (see :func:`npz_layout`), so no array is
     allocated bigger than the bytes its file holds.
 
     Args:
@@ -426,7 +427,7 @@ def load_npz(path: str | os.PathLike[str], limits: Limits | None = None) -> dict
     Raises:
         BundleError: the file is missing or not an .npz of plain arrays.
     """
-    _npz_layout(path, limits)
+    npz_layout(path, limits)
     try:
         data = np.load(path, allow_pickle=False)
         if not isinstance(data, np.lib.npyio.NpzFile):
@@ -439,9 +440,10 @@ def load_npz(path: str | os.PathLike[str], limits: Limits | None = None) -> dict
         raise BundleError(f"cannot read '{Path(path).name}' as an .npz of arrays: {e}") from e
 
 
-def _npz_layout(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, np.ndarray]:
+def npz_layout(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, np.ndarray]:
     """Stand-ins for the arrays of an .npz file, read from the ``.npy`` headers only: each a
-    read-only broadcast view of one zero, of the array's dtype and shape, taking no memory.
+    read-only broadcast view of one zero, of the array's dtype and shape, taking no memory (so
+    ``check_inputs`` can check thousands of files, or a hostile one, without reading their data).
 
     Each header is checked against its zip member: the member holds exactly the header and the
     bytes the header's dtype and shape make (a 16 KiB file cannot declare a 2 GiB array), and no

@@ -151,7 +151,7 @@ def test_run_checks_every_file_before_anything_runs(hand: Path, tmp_path: Path) 
     np.savez(files[17], y=np.zeros((2, 4), np.float32))
     assert_user_error(run(*args), f"inputs file '{files[17]}': unknown input 'y'")
     files[17].write_text("not numpy")
-    assert_user_error(run(*args), f"inputs file '{files[17]}': cannot read it as an .npz of arrays")
+    assert_user_error(run(*args), f"inputs file '{files[17]}': cannot read '{files[17].name}' as an .npz of arrays")
     assert not out.exists()
 
 
