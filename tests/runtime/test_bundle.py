@@ -10,9 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +64,6 @@ def bundle(good_bundle: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "bundle"
     shutil.copytree(good_bundle, copy)
     return copy
-
-
-@pytest.fixture()
-def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Route tempfile into a folder of our own, to see what the loader leaves behind."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    yield folder
-    assert list(folder.iterdir()) == [], "the loader left files in its temporary folder"
 
 
 def _rehash(root: Path) -> None:

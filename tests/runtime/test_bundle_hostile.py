@@ -9,9 +9,7 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +83,6 @@ def bundle(good: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "bundle"
     shutil.copytree(good, copy)
     return copy
-
-
-@pytest.fixture()
-def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Route tempfile into a folder of our own, to see that a refused archive leaves nothing behind."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    yield folder
-    assert list(folder.iterdir()) == [], "the loader left files in its temporary folder"
 
 
 def _external(location: str) -> onnx.TensorProto:

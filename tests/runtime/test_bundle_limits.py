@@ -8,7 +8,6 @@ import io
 import json
 import shutil
 import struct
-import tempfile
 import threading
 import tracemalloc
 import zipfile
@@ -47,16 +46,6 @@ def bundle(small_bundle: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "bundle"
     shutil.copytree(small_bundle, copy)
     return copy
-
-
-@pytest.fixture()
-def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Route tempfile into a folder of our own, to see that the loader leaves nothing behind."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    yield
-    assert list(folder.iterdir()) == [], "the loader left files in its temporary folder"
 
 
 @pytest.fixture()
@@ -109,7 +98,7 @@ def _edit_settings(root: Path, **settings: object) -> None:
 # -- the archive: sizes before bytes ---------------------------------------------------------------
 
 
-def test_an_unlisted_member_is_refused_before_anything_is_unpacked(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
+def test_an_unlisted_member_is_refused_before_anything_is_unpacked(bundle: Path, tmp_path: Path, private_tmp: Path, unpacked: list[int]) -> None:
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/zeros.bin": bytes(BIG)})
     assert archive.stat().st_size < 1 << 20
     trusting = Limits(max_compression_ratio=10_000)  # past the ratio check, to reach the manifest's
@@ -118,7 +107,7 @@ def test_an_unlisted_member_is_refused_before_anything_is_unpacked(bundle: Path,
     assert unpacked and max(unpacked) < 64 << 10  # the manifest alone
 
 
-def test_a_member_larger_than_the_manifest_says_is_refused_first(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
+def test_a_member_larger_than_the_manifest_says_is_refused_first(bundle: Path, tmp_path: Path, private_tmp: Path, unpacked: list[int]) -> None:
     size = (bundle / "stages" / "head.onnx").stat().st_size
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/head.onnx": bytes(BIG)})
     with pytest.raises(BundleError, match=f"archive member 'stages/head.onnx' declares {BIG} bytes; the manifest says {size} \\(truncated or altered\\)"):
@@ -126,7 +115,7 @@ def test_a_member_larger_than_the_manifest_says_is_refused_first(bundle: Path, t
     assert unpacked and max(unpacked) < 64 << 10
 
 
-def test_a_member_inflating_past_its_declared_size_stops_there(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
+def test_a_member_inflating_past_its_declared_size_stops_there(bundle: Path, tmp_path: Path, private_tmp: Path, unpacked: list[int]) -> None:
     size = (bundle / "stages" / "head.onnx").stat().st_size
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/head.onnx": bytes(BIG)})
     _set_declared_size(archive, "stages/head.onnx", size)  # the directory agrees with the manifest; the stream does not
@@ -135,7 +124,7 @@ def test_a_member_inflating_past_its_declared_size_stops_there(bundle: Path, tmp
     assert unpacked and max(unpacked) < 64 << 10
 
 
-def test_a_member_holding_fewer_bytes_than_declared_is_refused(bundle: Path, tmp_path: Path, private_tmp: None) -> None:
+def test_a_member_holding_fewer_bytes_than_declared_is_refused(bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
     size = (bundle / "stages" / "head.onnx").stat().st_size
     manifest = json.loads((bundle / MANIFEST_NAME).read_text())
     manifest["files"]["stages/head.onnx"]["size"] = size + 1000
@@ -147,7 +136,7 @@ def test_a_member_holding_fewer_bytes_than_declared_is_refused(bundle: Path, tmp
             load(archive)
 
 
-def test_a_zip_bomb_member_is_refused_by_its_compression_ratio(bundle: Path, tmp_path: Path, private_tmp: None, unpacked: list[int]) -> None:
+def test_a_zip_bomb_member_is_refused_by_its_compression_ratio(bundle: Path, tmp_path: Path, private_tmp: Path, unpacked: list[int]) -> None:
     archive = _archive(bundle, tmp_path / "b.onnxpipe", {"stages/zeros.bin": bytes(BIG)})
     with pytest.raises(
         BundleError,
