@@ -33,9 +33,11 @@ __all__ = [
     "fp16_if_decoder",
     "functions",
     "hand_wired",
+    "head_then_tail",
     "ir3_initializer_inputs",
     "light_model_path",
     "long_names",
+    "matmul_tail",
     "outer_scope",
     "sequence_boundary",
     "symbolic_batch",
@@ -603,6 +605,33 @@ def slow_stage(size: int = 768) -> ModelProto:
         initializer=[w],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def matmul_tail(columns: int) -> ModelProto:
+    """``h[N,4] -> y = h @ w`` with ``w`` [4, columns] of 0.5: 16 x ``columns`` bytes of weights, enough
+    for an external ``.data`` file from 1 << 16 columns on."""
+    w = numpy_helper.from_array(np.full((4, columns), 0.5, np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "w"], ["y"])],
+        "tail",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", columns])],
+        initializer=[w],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def head_then_tail(columns: int) -> Any:
+    """Two stages, :func:`stage_head` then :func:`matmul_tail`: ``x -> head -h-> tail -> y``."""
+    from onnxpipe.builder import PipelineConfig
+
+    config = PipelineConfig("two")
+    head = config.add_stage(stage_head(), "head")
+    tail = config.add_stage(matmul_tail(columns), "tail")
+    config.input("x").connect(head.input("x"))
+    head.output("h").connect(tail.input("h"))
+    tail.output("y").connect(config.output("y"))
+    return config
 
 
 def bundle_of(config: object, folder: str | os.PathLike[str]) -> Path:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 from onnxpipe._errors import InputError, StageError, closest
 from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._session import make_session
-from onnxpipe.runtime._spec import Endpoint, PipelineSpec
+from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
 
 __all__ = ["SequentialPipeline"]
 
@@ -34,11 +35,14 @@ class SequentialPipeline:
     def __init__(self, spec: PipelineSpec, base_dir: str | Path | Bundle, target: str | None = None) -> None:
         spec.validate()
         self.spec = spec
-        if isinstance(base_dir, Bundle):
-            bundle = base_dir
-            self._sessions = {s.name: make_session(bundle.session_source(s)[0], s, target, bundle.session_source(s)[1]) for s in spec.stages}
-        else:
-            self._sessions = {s.name: make_session(Path(base_dir) / s.module, s, target) for s in spec.stages}
+        self._sessions = {s.name: self._session(base_dir, s, target) for s in spec.stages}
+
+    @staticmethod
+    def _session(base_dir: str | Path | Bundle, stage: StageSpec, target: str | None) -> ort.InferenceSession:
+        if not isinstance(base_dir, Bundle):
+            return make_session(Path(base_dir) / stage.module, stage, target)
+        module, config = base_dir.session_source(stage)  # reads (and may rewrite) the module once
+        return make_session(module, stage, target, config)
 
     def run(self, feeds: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, np.ndarray]:
         """Run one request through every stage.

@@ -19,7 +19,7 @@ import onnx
 import pytest
 
 from onnxpipe import BundleError
-from onnxpipe.builder import PipelineConfig, build, export
+from onnxpipe.builder import build, export
 from onnxpipe.builder._export import _write_archive
 from onnxpipe.runtime import Limits, SequentialPipeline, load, read_bundle
 from onnxpipe.runtime._bundle import MANIFEST_NAME, Manifest, write_manifest
@@ -28,7 +28,7 @@ from onnxpipe.runtime._session import maps_archive_data
 from tests import models
 
 # onnxruntime 1.18-1.20 cannot read weights in place from an archive: there they are unpacked (and
-# the test above with maps_archive_data patched covers that path on every version).
+# test_an_onnxruntime_that_cannot_map_archive_data_gets_it_unpacked covers that path on every version).
 _MAPS_IN_PLACE = pytest.mark.skipif(not maps_archive_data(), reason="this onnxruntime unpacks archive data instead of mapping it")
 
 
@@ -36,27 +36,9 @@ _MAPS_IN_PLACE = pytest.mark.skipif(not maps_archive_data(), reason="this onnxru
 def good_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-stage bundle folder whose second stage keeps its weights in external data."""
     root = tmp_path_factory.mktemp("good")
-    config = PipelineConfig("two")
-    head = config.add_stage(models.stage_head(), "head")
-    tail = config.add_stage(_big_tail(), "tail")
-    config.input("x").connect(head.input("x"))
-    head.output("h").connect(tail.input("h"))
-    tail.output("y").connect(config.output("y"))
+    config = models.head_then_tail(1 << 18)  # 4 MiB of weights in the tail
     x = np.ones((2, 4), np.float32)
     return export(build(config, root / "built").path, root / "bundle", reference_inputs=[{"x": x}])
-
-
-def _big_tail() -> onnx.ModelProto:
-    """h[N,4] -> y = h @ w, with w [4, 2**18] (4 MiB): large enough for an external .data file."""
-    w = onnx.numpy_helper.from_array(np.full((4, 1 << 18), 0.5, np.float32), "w")
-    graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("MatMul", ["h", "w"], ["y"])],
-        "tail",
-        [onnx.helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, ["N", 4])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1 << 18])],
-        initializer=[w],
-    )
-    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
 
 
 @pytest.fixture()

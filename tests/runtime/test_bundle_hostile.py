@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from onnxpipe import BundleError
-from onnxpipe.builder import PipelineConfig, build, export
+from onnxpipe.builder import build, export
 from onnxpipe.builder._export import _write_archive
 from onnxpipe.runtime import SequentialPipeline, load, read_bundle
 from onnxpipe.runtime._bundle import MANIFEST_NAME, sha256_file, write_manifest
@@ -34,28 +34,10 @@ LEAK = "../../../../etc/passwd"
 MEM = "*/_ORT_MEM_ADDR_/*"
 
 
-def _tail() -> onnx.ModelProto:
-    """h[N,4] -> y = h @ w, with w [4, 65536] (1 MiB): just large enough for an external .data file."""
-    w = onnx.numpy_helper.from_array(np.full((4, 1 << 16), 0.5, np.float32), "w")
-    graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("MatMul", ["h", "w"], ["y"])],
-        "tail",
-        [onnx.helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, ["N", 4])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1 << 16])],
-        initializer=[w],
-    )
-    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hostile")
-    config = PipelineConfig("two")
-    head = config.add_stage(models.stage_head(), "head")
-    tail = config.add_stage(_tail(), "tail")
-    config.input("x").connect(head.input("x"))
-    head.output("h").connect(tail.input("h"))
-    tail.output("y").connect(config.output("y"))
+    config = models.head_then_tail(1 << 16)  # 1 MiB of weights in the tail
     return build(config, root / "built").path
 
 
