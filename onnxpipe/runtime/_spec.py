@@ -40,7 +40,11 @@ __all__ = [
 ]
 
 SPEC_FORMAT = "onnxpipe.pipeline"
-SPEC_VERSION = 1
+#: The version this onnxpipe writes. Version 2 adds stage kinds (code stages) and state links; a
+#: reader that ignored them would run a different pipeline, so version 1 readers refuse it.
+SPEC_VERSION = 2
+#: The versions this onnxpipe reads: a version 1 spec is a version 2 spec without the new fields.
+READ_VERSIONS = (1, 2)
 
 #: One dimension of a shape: a size, a symbolic name (``"batch"``), or ``None`` when dynamic
 #: without a name (see Note: dynamic dims).
@@ -509,8 +513,9 @@ def _from_dict(data: Any) -> PipelineSpec:
     if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT:
         raise ConfigError(f"not a pipeline spec: expected \"format\": \"{SPEC_FORMAT}\"")
     version = data.get("version")
-    if version != SPEC_VERSION or isinstance(version, bool):
-        raise ConfigError(f"pipeline spec version {describe_json(version)} is not supported; this onnxpipe reads version {SPEC_VERSION}")
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        readable = " and ".join(str(v) for v in READ_VERSIONS)
+        raise ConfigError(f"pipeline spec version {describe_json(version)} is not supported; this onnxpipe reads versions {readable}")
     where = "pipeline spec"
     groups = tuple(
         ParamGroup(_need(g, "name", str, w), _need(g, "stage", str, w), tuple(_tensor_from_dict(t, pw) for pw, t in _items(g, "params", w)))

@@ -177,7 +177,7 @@ def test_hash_mismatch_truncation_missing_and_extra_files(bundle: Path) -> None:
 
 def test_unknown_versions_are_refused(bundle: Path) -> None:
     _edit_config(bundle, lambda d: d.update(version=99))
-    with pytest.raises(BundleError, match="pipeline spec version 99 is not supported; this onnxpipe reads version 1"):
+    with pytest.raises(BundleError, match="pipeline spec version 99 is not supported; this onnxpipe reads versions 1 and 2"):
         load(bundle)
     manifest = json.loads((bundle / MANIFEST_NAME).read_text())
     manifest["version"] = 7

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from onnxpipe import BundleError
 from onnxpipe.builder import build, export
 from onnxpipe.builder._export import _write_archive
-from onnxpipe.runtime import SequentialPipeline, load, read_bundle
+from onnxpipe.runtime import SPEC_VERSION, SequentialPipeline, load, read_bundle
 from onnxpipe.runtime._bundle import MANIFEST_NAME, sha256_file, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
 from onnxpipe.runtime._session import maps_archive_data
@@ -265,7 +265,7 @@ def test_json_that_python_cannot_read_safely_is_refused(bundle: Path) -> None:
     for bad, message in [
         ('{"a": ' * 50_000 + "1" + "}" * 50_000, "pipeline.json is not valid JSON: nested too deeply"),
         (text.replace('"links":', '"links": [], "links":'), "pipeline.json: key 'links' appears twice in one object"),
-        (text.replace('"version": 1', '"version": ' + "9" * 5000), "pipeline.json is not valid JSON: Exceeds the limit"),
+        (text.replace(f'"version": {SPEC_VERSION}', '"version": ' + "9" * 5000), "pipeline.json is not valid JSON: Exceeds the limit"),
     ]:
         config.write_text(bad)
         _rehash(bundle)

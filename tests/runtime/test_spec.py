@@ -7,7 +7,7 @@ import json
 import pytest
 
 from onnxpipe import ConfigError
-from onnxpipe.runtime import Endpoint, Link, PipelineSpec, StageSpec, TensorSpec
+from onnxpipe.runtime import SPEC_VERSION, Endpoint, Link, PipelineSpec, StageSpec, TensorSpec
 
 F = "float32"
 
@@ -35,8 +35,15 @@ def test_valid_spec_round_trips_through_json() -> None:
     again = PipelineSpec.from_json(spec.to_json())
     assert again == spec
     data = json.loads(spec.to_json())
-    assert data["format"] == "onnxpipe.pipeline" and data["version"] == 1
+    assert data["format"] == "onnxpipe.pipeline" and data["version"] == SPEC_VERSION == 2
     assert data["links"][0] == {"from": {"input": "x"}, "to": {"stage": "a", "tensor": "x"}}
+
+
+def test_version_1_specs_still_read() -> None:
+    """Bundles exported before version 2 (no code stages, no state links) load unchanged."""
+    data = json.loads(_spec().to_json())
+    data["version"] = 1
+    assert PipelineSpec.from_dict(data) == _spec()
 
 
 def test_symbolic_dims_match_fixed_ones_but_fixed_sizes_must_agree() -> None:
@@ -114,7 +121,7 @@ def test_self_link_dtype_mismatch_and_duplicates() -> None:
     [
         ("{", "not valid JSON"),
         ('{"format": "other"}', "not a pipeline spec"),
-        ('{"format": "onnxpipe.pipeline", "version": 99}', "version 99 is not supported; this onnxpipe reads version 1"),
+        ('{"format": "onnxpipe.pipeline", "version": 99}', "version 99 is not supported; this onnxpipe reads versions 1 and 2"),
         ('{"format": "onnxpipe.pipeline", "version": 1, "inputs": []}', "pipeline spec: 'outputs' is missing"),
         (
             '{"format": "onnxpipe.pipeline", "version": 1, "inputs": [{"name": "x", "dtype": "float32", "shape": [true]}],'
