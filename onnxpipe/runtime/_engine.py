@@ -2,7 +2,7 @@
 process (onnxruntime releases the GIL while it runs, so stages compute at the same time).
 
 Note: the engine boundary.
-    An engine receives the stage plans and a session factory, takes requests with :meth:`submit`,
+    An engine receives the stage plans and a runner factory, takes requests with :meth:`submit`,
     and hands each finished request to ``request.done``. It knows nothing of futures, ordering,
     inputs or parameters: those live in the pipeline, and what a stage does lives in
     :class:`~onnxpipe.runtime._stage.StageRunner`. Another engine (processes, Ray actors) implements
@@ -17,17 +17,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import onnxruntime as ort
-
 from onnxpipe._errors import ConfigError, StageError
 from onnxpipe.runtime._channel import Channel, Closed
 from onnxpipe.runtime._stage import Request, StagePlan, StageRunner
 from onnxpipe.runtime._stats import StageRecorder
 
-__all__ = ["DEFAULT_QUEUE_DEPTH", "Engine", "SessionFactory", "ThreadEngine"]
+__all__ = ["DEFAULT_QUEUE_DEPTH", "Engine", "RunnerFactory", "ThreadEngine"]
 
-#: Makes the session of one replica of one stage.
-SessionFactory = Callable[[StagePlan, int], ort.InferenceSession]
+#: Makes the runner (and so the session) of one replica of one stage: see ``make_runner``.
+RunnerFactory = Callable[[StagePlan, int], StageRunner]
 
 _JOIN_TIMEOUT_S = 5.0
 #: Requests that may wait in front of each stage. Deep enough to absorb a stage's jitter (a queue
@@ -64,7 +62,7 @@ class ThreadEngine:
 
     Args:
         plans: The stage plans, in pipeline order.
-        factory: Makes each replica's session.
+        factory: Makes each replica's runner.
         queue_depth: Requests that may wait in front of each stage.
         trace: Record every stage run for a timeline.
 
@@ -73,11 +71,11 @@ class ThreadEngine:
         BundleError: a session could not be created.
     """
 
-    def __init__(self, plans: Sequence[StagePlan], factory: SessionFactory, queue_depth: int = DEFAULT_QUEUE_DEPTH, trace: bool = False) -> None:
+    def __init__(self, plans: Sequence[StagePlan], factory: RunnerFactory, queue_depth: int = DEFAULT_QUEUE_DEPTH, trace: bool = False) -> None:
         if queue_depth < 1:
             raise ConfigError(f"queue_depth must be at least 1, got {queue_depth}")
         self._plans = list(plans)
-        self._runners = [[StageRunner(p, factory(p, r)) for r in range(p.stage.settings.replicas)] for p in self._plans]
+        self._runners = [[factory(p, r) for r in range(p.stage.settings.replicas)] for p in self._plans]
         self._recorders = [[StageRecorder(p.stage.name, r, trace) for r in range(p.stage.settings.replicas)] for p in self._plans]
         self._channels: list[Channel[Request]] = [Channel(queue_depth) for _ in self._plans]
         self._orphans: list[Request] = []

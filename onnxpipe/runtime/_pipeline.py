@@ -15,7 +15,6 @@ Note: ordering and failures.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 import threading
 import time
@@ -35,9 +34,8 @@ from onnxpipe.runtime._channel import Closed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
-from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
-from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, plan_stages
+from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, write_trace
 
 __all__ = ["Pipeline", "ReferenceCheck", "load"]
@@ -86,18 +84,15 @@ class Pipeline(InferenceSessionAPI):
         self._origin = time.perf_counter()
         self._closed = False
         self._session_facts: list[SessionFacts] = []
-        self._engine: Engine = ThreadEngine(plans, self._make_session, queue_depth, trace)
+        self._engine: Engine = ThreadEngine(plans, self._make_runner, queue_depth, trace)
         # A pipeline dropped without close() must not leave its workers running.
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
 
-    def _make_session(self, plan: StagePlan, replica: int) -> ort.InferenceSession:
-        stage = plan.stage
-        settings = stage.settings.for_replica(replica)
-        module, config = self.bundle.session_source(stage)
-        session = make_session(module, dataclasses.replace(stage, settings=settings), self._target, config)
-        self._session_facts.append(SessionFacts.of(session))
-        return session
+    def _make_runner(self, plan: StagePlan, replica: int) -> StageRunner:
+        runner = make_runner(self.bundle, plan, replica, self._target)
+        self._session_facts.append(SessionFacts.of(runner.session))
+        return runner
 
     # -- what the pipeline looks like ------------------------------------------------------------
 

@@ -12,6 +12,7 @@ Note: the request's bag.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +20,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from onnxpipe.runtime._bundle import Bundle
+from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
 
-__all__ = ["Request", "StagePlan", "StageRunner", "plan_stages"]
+__all__ = ["Request", "StagePlan", "StageRunner", "make_runner", "plan_stages"]
 
 
 @dataclass(eq=False)
@@ -104,3 +107,22 @@ class StageRunner:
     def cancel(self) -> None:
         """Make a run in progress return early (onnxruntime's ``RunOptions.terminate``)."""
         self.run_options.terminate = True
+
+
+def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | None = None) -> StageRunner:
+    """The runner of one replica of one stage, with its own session: what every engine's workers
+    call, wherever they live (a thread here, an actor on another host).
+
+    Args:
+        bundle: The checked bundle the stage's module comes from.
+        plan: The stage's plan.
+        replica: Which replica (its settings may differ, e.g. its cores).
+        target: Run on this target instead of the stage's own.
+
+    Raises:
+        BundleError: the session could not be created (provider missing, module refused).
+    """
+    stage = plan.stage
+    module, config = bundle.session_source(stage)
+    session = make_session(module, dataclasses.replace(stage, settings=stage.settings.for_replica(replica)), target, config)
+    return StageRunner(plan, session)

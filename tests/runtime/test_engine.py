@@ -13,7 +13,7 @@ import pytest
 from onnxpipe import StageError
 from onnxpipe.runtime import Endpoint, Link, PipelineSpec, StageSettings, StageSpec, TensorSpec
 from onnxpipe.runtime._engine import ThreadEngine
-from onnxpipe.runtime._stage import Request, StagePlan, plan_stages
+from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, plan_stages
 
 
 class FakeSession:
@@ -49,7 +49,7 @@ def _engine(
 
     def factory(plan: StagePlan, replica: int) -> Any:
         # Stage 1 fails for the listed values (as they arrive there: input + 1).
-        return FakeSession(1.0, (fail_on or set()) if plan.stage.name == "s1" else set(), delay)
+        return StageRunner(plan, FakeSession(1.0, (fail_on or set()) if plan.stage.name == "s1" else set(), delay))
 
     return ThreadEngine(plans, factory, queue_depth=queue_depth), finals["v"]
 
@@ -106,7 +106,7 @@ def test_close_returns_unfinished_requests_promptly() -> None:
 def test_queue_depth_must_be_positive() -> None:
     plans, _ = plan_stages(_chain_spec(2, 1))
     with pytest.raises(Exception, match="queue_depth must be at least 1"):
-        ThreadEngine(plans, lambda p, r: FakeSession(0, set(), 0), queue_depth=0)
+        ThreadEngine(plans, lambda p, r: StageRunner(p, FakeSession(0, set(), 0)), queue_depth=0)
 
 
 class RecordingSession:
@@ -132,7 +132,7 @@ def test_stages_hand_over_the_very_arrays_they_make() -> None:
 
     plans, final = plan_stages(_chain_spec(3, 1))
     sessions = {p.stage.name: RecordingSession() for p in plans}
-    engine = ThreadEngine(plans, lambda p, r: sessions[p.stage.name], queue_depth=2)
+    engine = ThreadEngine(plans, lambda p, r: StageRunner(p, sessions[p.stage.name]), queue_depth=2)
     done: list[Request] = []
     inputs = [np.full(4, float(i)) for i in range(20)]
     for i, x in enumerate(inputs):
