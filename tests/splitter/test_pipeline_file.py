@@ -99,8 +99,8 @@ def test_a_model_split_in_place(tmp_path: Path, how: str) -> None:
     [
         (('"g", dtype', '"gg", dtype'), r"stage 'combine' input 'gg' reads tensor 'gg', which no stage makes and which is not a pipeline input; closest: 'g'"),
         (('outputs = ["y"]', 'outputs = ["why"]'), r"pipeline output 'why' is tensor 'why', which no stage makes"),
-        (('params = {', 'input_map = { hh = "h" }\nparams = {'), r"stages\[1\] \('combine'\): input_map names input 'hh', which the stage does not have; closest: 'h'"),
-        (('params = {', 'output_map = { y = "h" }\nparams = {'), r"tensor 'h' is made by stage 'head' \(output 'h'\) and by stage 'combine' \(output 'y'\); give one another name with output_map"),
+        (('params = {', 'input_map = { hh = "h" }\nparams = {'), r"stages\[1\] \('combine'\): input_map names input 'hh', which the stage does not have"),
+        (('params = {', 'output_map = { y = "h" }\nparams = {'), r"tensor 'h' is made by stage 'head' \(output 'h'\) and by stage 'combine' \(output 'y'\)"),
         (('inputs = ["x"]', 'inputs = ["x", "z"]'), r"pipeline input 'z' feeds no stage"),
         (('code = "tests.code_stages:combine"', 'code = "tests.code_stages"'), r"stage 'combine': entry point \"tests\.code_stages\" is malformed"),
         (('model = "head.onnx"', 'model = "head.onnx"\ncode = "a:b"'), r"a stage has exactly one of 'model' .* or 'code'"),
