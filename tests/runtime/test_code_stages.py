@@ -258,6 +258,31 @@ def test_custom_ops_package_without_a_library_is_refused(tmp_path: Path) -> None
         runtime.load(bundle, allow_code=["tests.code_guard"])
 
 
+def test_a_real_custom_op_library_runs_once_the_host_allows_it(tmp_path: Path) -> None:
+    """onnxruntime-extensions' Inverse op (domain ai.onnx.contrib): built, exported, refused, then run."""
+    extensions = pytest.importorskip("onnxruntime_extensions")
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Inverse", ["x"], ["y"], domain="ai.onnx.contrib")],
+        "inverse",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)])
+    config = PipelineConfig("contrib")
+    stage = config.add_stage(model, "inverse", settings=runtime.StageSettings(custom_ops=("onnxruntime_extensions",)))
+    config.input("x").connect(stage.input("x"))
+    stage.output("y").connect(config.output("y"))
+    bundle = export(build(config, tmp_path / "built").path, tmp_path / "bundle")
+    with pytest.raises(BundleError, match=r"not allowed: custom-op library of package 'onnxruntime_extensions' \(stage 'inverse'\)"):
+        runtime.load(bundle)
+    x = np.array([[2, 0, 0], [0, 4, 0], [1, 0, 8]], np.float32)
+    with runtime.load(bundle, allow_code=["onnxruntime_extensions"]) as pipe:
+        np.testing.assert_allclose(pipe({"x": x})["y"], np.linalg.inv(x), rtol=1e-6, atol=1e-6)
+    assert extensions.get_library_path()
+
+
 @pytest.mark.parametrize("value", ["/usr/lib/libevil.so", ["../libevil.so"], [""], "onnxruntime_extensions"])
 def test_custom_ops_is_never_a_path(value: object) -> None:
     with pytest.raises(ConfigError, match="custom_ops must be a list of Python package names"):
