@@ -28,17 +28,21 @@ from typing import Any, overload
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import InputError, StageError, closest
+from onnxpipe._errors import ConfigError, InputError, StageError, closest
 from onnxpipe.runtime._bundle import Bundle, Limits, read_bundle
 from onnxpipe.runtime._channel import Closed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
+from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is imported only when a RayEngine starts
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, write_trace
 
-__all__ = ["Pipeline", "ReferenceCheck", "load"]
+__all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
+
+#: Where a pipeline's stage workers can live (see :class:`Pipeline`).
+ENGINES = ("thread", "ray")
 
 Outputs = dict[str, np.ndarray]
 _TVM: Any = object()  # run() called without arguments: the TVM protocol
@@ -67,9 +71,24 @@ class Pipeline(InferenceSessionAPI):
         queue_depth: Requests that may wait in front of each stage; a full queue blocks the
             stage before it, and a full first queue blocks :meth:`submit` (backpressure).
         trace: Record every stage run, for :meth:`save_trace`.
+        engine: Where the stage workers live: ``"thread"`` (threads of this process) or ``"ray"``
+            (Ray actors on a Ray cluster, see ``docs/distributed.md``).
+        address: The Ray cluster (``"auto"`` or ``"HOST:PORT"``; engine ``"ray"`` only).
+        ray_options: Placement, shipping and supervision on Ray (engine ``"ray"`` only).
+        source: The bundle's path, for ``RayOptions(shared=True)``.
     """
 
-    def __init__(self, bundle: Bundle, target: str | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH, trace: bool = False) -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        target: str | None = None,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        trace: bool = False,
+        engine: str = "thread",
+        address: str | None = None,
+        ray_options: RayOptions | None = None,
+        source: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.bundle = bundle
         self._target = target
         plans, self._finals = plan_stages(bundle.spec)
@@ -84,7 +103,18 @@ class Pipeline(InferenceSessionAPI):
         self._origin = time.perf_counter()
         self._closed = False
         self._session_facts: list[SessionFacts] = []
-        self._engine: Engine = ThreadEngine(plans, self._make_runner, queue_depth, trace)
+        self._engine: Engine
+        if engine == "thread":
+            if address is not None or ray_options is not None:
+                raise ConfigError("address and ray_options are for engine='ray'; the thread engine runs in this process")
+            self._engine = ThreadEngine(plans, self._make_runner, queue_depth, trace)
+        elif engine == "ray":
+            ray_engine = RayEngine(bundle, plans, target, queue_depth, trace, address, ray_options or RayOptions(), source)
+            self._session_facts = ray_engine.session_facts
+            self._engine = ray_engine
+        else:
+            raise ConfigError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+        self.engine = engine
         # A pipeline dropped without close() must not leave its workers running.
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
@@ -334,8 +364,11 @@ class Pipeline(InferenceSessionAPI):
         ever needs a second session (a second copy of its weights).
 
         Raises:
-            StageError: requests are in flight, so a stage would not run alone.
+            StageError: requests are in flight, so a stage would not run alone, or the stages run
+                on Ray actors (no session is in this process).
         """
+        if self.engine != "thread":
+            raise StageError(f"the stages run on {self.engine} actors, not in this process: running a stage alone needs engine='thread'")
         if self._in_flight:
             raise StageError(f"{self._in_flight} request(s) are in flight; stages run alone only while the pipeline is idle")
         return [runners[0] for runners in self._engine.runners()]
@@ -403,6 +436,9 @@ def load(
     queue_depth: int = DEFAULT_QUEUE_DEPTH,
     trace: bool = False,
     limits: Limits | None = None,
+    engine: str = "thread",
+    address: str | None = None,
+    ray_options: RayOptions | None = None,
 ) -> Pipeline:
     """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime, and start it.
 
@@ -414,15 +450,20 @@ def load(
         queue_depth: Requests that may wait in front of each stage.
         trace: Record a timeline of every stage run (see :meth:`Pipeline.save_trace`).
         limits: Size and count limits for the bundle.
+        engine: ``"thread"`` (default: every stage in this process) or ``"ray"`` (each stage
+            replica a Ray actor on a Ray cluster; needs ``pip install 'onnxpipe[ray]'``).
+        address: The Ray cluster's address, ``"auto"`` or ``"HOST:PORT"`` (engine ``"ray"``).
+        ray_options: Placement, shipping and supervision on Ray (:class:`RayOptions`).
 
     Raises:
         BundleError: the bundle is missing, broken or refused as unsafe, or a stage's provider is
-            not available here.
-        ConfigError: the OS refused a stage's CPU affinity.
+            not available here (or, on Ray, on the node its actor landed on).
+        ConfigError: the OS refused a stage's CPU affinity; an unknown engine; on Ray: Ray is not
+            installed, the cluster cannot be reached, or a stage cannot be placed.
     """
-    bundle = read_bundle(path, limits)
+    bundle = read_bundle(path, limits)  # a hostile bundle is refused here, before anything ships
     try:
-        return Pipeline(bundle, target, queue_depth, trace)
+        return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path)
     except BaseException:
         bundle.close()
         raise

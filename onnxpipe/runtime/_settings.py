@@ -14,6 +14,7 @@ Note: threads and affinity.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -54,6 +55,8 @@ OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+#: What a Kubernetes-style label value (and so a Ray node label value) may be.
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 _PROVIDERS_WITH_DEVICE = {"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider",
                           "DmlExecutionProvider", "CANNExecutionProvider"}
 
@@ -96,6 +99,9 @@ class StageSettings:
         optimization: Graph optimization level: ``disable``, ``basic``, ``extended``, ``all``.
         session_config: Extra ``add_session_config_entry`` keys and values.
         replicas: Workers running this stage, each with its own session.
+        host: With the Ray engine, run the stage on nodes labelled ``onnxpipe/host=HOST``
+            (``ray start --labels onnxpipe/host=HOST``); None: any node. The thread engine ignores it.
+            Written to ``pipeline.json`` only when set.
     """
 
     target: str = "cpu"
@@ -109,6 +115,7 @@ class StageSettings:
     optimization: str = "all"
     session_config: Mapping[str, str] = field(default_factory=dict)
     replicas: int = 1
+    host: str | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("target", str), ("execution_mode", str), ("optimization", str), ("fallback", bool), ("spinning", bool)):
@@ -135,6 +142,8 @@ class StageSettings:
             if not cores or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores):
                 raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
             object.__setattr__(self, "affinity", cores)
+        if self.host is not None and (not isinstance(self.host, str) or not _LABEL_VALUE.fullmatch(self.host)):
+            raise ConfigError(f"host must be a node label value (up to 63 letters, digits, '-', '_', '.', starting and ending with a letter or digit), got {self.host!r}")
         for key, value in (*self.provider_options.items(), *self.session_config.items()):
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ConfigError(f"provider options and session config take string keys and values, got {key!r}: {value!r}")
@@ -159,6 +168,8 @@ class StageSettings:
         data["provider_options"] = dict(self.provider_options)
         data["session_config"] = dict(self.session_config)
         data["affinity"] = list(self.affinity) if self.affinity is not None else None
+        if self.host is None:
+            del data["host"]  # absent = any node: bundles without a host read as before
         return data
 
     @classmethod
