@@ -148,6 +148,9 @@ def benchmark(
         ConfigError: the OS refused ``caller_cores``.
     """
     notes: list[str] = []
+    if standalone_runs and pipe.engine != "thread":
+        notes.append(f"no standalone stage times: the stages run on {pipe.engine} actors, not in this process")
+        standalone_runs = 0
     if inputs is None:
         inputs, notes = random_inputs(pipe.spec.inputs, dims)
     standalone: list[float] | None = None

@@ -337,6 +337,7 @@ class RayEngine:
         else:
             # One object for every node: Ray copies it to a node once, however many actors read it there.
             payload, path = ray.put(np.frombuffer(_pack(bundle), np.uint8)), None
+        self._payload = payload  # kept for as long as the engine runs: a restarting actor reads it again
         remote = ray.remote(concurrency_groups={"control": 1})(_StageActor)  # ready/shutdown answer while a run is in progress
         limits = dataclasses.asdict(bundle.limits)
         run_id = uuid.uuid4().hex

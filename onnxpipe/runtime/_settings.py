@@ -143,7 +143,8 @@ class StageSettings:
                 raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
             object.__setattr__(self, "affinity", cores)
         if self.host is not None and (not isinstance(self.host, str) or not _LABEL_VALUE.fullmatch(self.host)):
-            raise ConfigError(f"host must be a node label value (up to 63 letters, digits, '-', '_', '.', starting and ending with a letter or digit), got {self.host!r}")
+            raise ConfigError(f"host must be a node label value (up to 63 letters, digits, '-', '_', '.', "
+                              f"starting and ending with a letter or digit), got {self.host!r}")
         for key, value in (*self.provider_options.items(), *self.session_config.items()):
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ConfigError(f"provider options and session config take string keys and values, got {key!r}: {value!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,43 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         ray.init(address=cluster.address, logging_level="error", log_to_driver=False)
         yield cluster
     finally:
+        ours = _descendants({p.process.pid for node in cluster.list_all_nodes() for ps in node.all_processes.values() for p in ps})
         ray.shutdown()
         cluster.shutdown()
+        deadline = time.monotonic() + 10
+        while [p for p in ours if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    left = [p for p in ours if _alive(p)]
+    assert left == [], f"Ray processes of the test cluster still running: {left}"
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process below them (read from /proc: never by name)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found = set(roots)
+    grew = True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in found} - found
+        grew = bool(more)
+        found |= more
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -21,6 +21,7 @@ from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import Pipeline, RayOptions, load
 from onnxpipe.splitter import split
 from tests import models
+from tests.runtime.conftest import _alive
 
 # One cluster per test session: every test of this file goes to the same xdist worker.
 pytestmark = pytest.mark.xdist_group("ray")
@@ -50,14 +51,6 @@ def ray_pids(ray_cluster: Any) -> Iterator[set[int]]:
     while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p for p in pids if _alive(p)] == []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def _actor_pids(pipe: Pipeline) -> list[int]:
