@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,7 +29,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     ``onnxpipe/host=a`` and ``b``, on loopback, quiet, with small object stores, its files under the
     test's tmp; shut down through Ray's API. Yields the ``ray.cluster_utils.Cluster``; the tests that
     need a node of their own add and remove it. Skips without ray (``pip install 'onnxpipe[ray]'``)."""
-    root = tmp_path_factory.mktemp("ray")
+    # Short, private and removed at the end: Ray's Unix socket paths (temp_dir/session_.../sockets/...)
+    # must stay under 108 bytes, which pytest's own tmp folders under xdist exceed.
+    root = Path(tempfile.mkdtemp(prefix="onnxpipe-ray-"))
     # Set before ray is imported: it reads them then.
     env = {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # loopback node addresses, as Ray documents for local clusters
@@ -65,6 +68,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             else:
                 os.environ[k] = v
     left = [p for p in ours if _alive(p)]
+    shutil.rmtree(root, ignore_errors=True)
     assert left == [], f"Ray processes of the test cluster still running: {left}"
 
 

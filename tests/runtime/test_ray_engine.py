@@ -183,3 +183,22 @@ def test_a_stage_no_node_can_take_fails_load_naming_it(tmp_path: Path, ray_pids:
     with pytest.raises(ConfigError, match=r"stage 'head' asks for CPU 3 on a node labelled onnxpipe/host=a; no node"):
         load(bundle, engine="ray")
     assert time.monotonic() - start < 30
+
+
+def test_cli_run_and_bench_on_ray(tmp_path: Path, ray_cluster: Any, ray_pids: set[int]) -> None:
+    from click.testing import CliRunner
+
+    from onnxpipe.cli import main
+    from onnxpipe.runtime import save_npz
+
+    bundle = _bundle(models.head_then_tail(4), tmp_path, ["a", "b"])
+    save_npz(tmp_path / "in.npz", {"x": np.ones((1, 4), np.float32)})
+    runner = CliRunner()
+    out = runner.invoke(main, ["run", str(bundle), "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "out.npz"), "--engine", "ray"])
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "out.npz").is_file()
+    out = runner.invoke(main, ["bench", str(bundle), "--engine", "ray", "--requests", "10", "--warmup", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    assert "no standalone stage times: the stages run on ray actors" in out.output
+    out = runner.invoke(main, ["bench", str(bundle), "--address", "auto"])
+    assert out.exit_code == 2 and "--address: only used with --engine ray" in out.output
