@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
 	touch $@ $(VENV)/.installed
 
 LIGHT_MODEL = $(BIN)/python -c 'import onnx, os; print(os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", "light_$(1).onnx"))'
@@ -65,6 +65,7 @@ lint: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks --out bench-out
+	$(BIN)/python -m benchmarks.engines
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(DEMO_OUT) .pytest_cache .hypothesis

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
@@ -232,6 +232,30 @@ QUEUE_DEPTH = click.option(
     metavar="Q",
     help="Requests that may wait in front of each stage; more smooths out uneven stages, at the cost of memory.",
 )
+ENGINE = click.option(
+    "--engine",
+    "engine",
+    type=click.Choice(["thread", "ray"]),
+    default="thread",
+    show_default=True,
+    help="Where the stages run: threads of this process, or Ray actors on a Ray cluster (pip install 'onnxpipe[ray]'; "
+    "a stage with host=NAME goes to nodes started with --labels onnxpipe/host=NAME; see docs/distributed.md).",
+)
+ADDRESS = click.option(
+    "--address",
+    "address",
+    metavar="auto|HOST:PORT",
+    help="The Ray cluster for --engine ray (default: auto, the cluster this host is part of).",
+)
+
+
+def _engine_args(engine: str, address: str | None) -> dict[str, Any]:
+    """The load() arguments of --engine and --address."""
+    if address is not None and engine != "ray":
+        raise click.UsageError("--address: only used with --engine ray")
+    return {"engine": engine, "address": address} if engine == "ray" else {}
+
+
 TRACE = click.option(
     "--trace",
     "trace",
@@ -350,11 +374,22 @@ def _stream(pipe: Pipeline, files: Sequence[Path], destinations: Sequence[Path],
 )
 @TARGET
 @QUEUE_DEPTH
+@ENGINE
+@ADDRESS
 @TRACE
 @ALLOW_CODE
 @click.option("--json", "as_json", is_flag=True, help="Print the files written and the run's statistics as JSON, nothing else.")
 def run(
-    bundle: Path, input_paths: Sequence[Path], out: Path, target: str | None, queue_depth: int, trace: Path | None, allow_code: Sequence[str], as_json: bool
+    bundle: Path,
+    input_paths: Sequence[Path],
+    out: Path,
+    target: str | None,
+    queue_depth: int,
+    engine: str,
+    address: str | None,
+    trace: Path | None,
+    allow_code: Sequence[str],
+    as_json: bool,
 ) -> None:
     """Stream every --inputs request through BUNDLE (folder or .onnxpipe archive); write the outputs as they come.
 
@@ -383,15 +418,17 @@ def run(
       onnxpipe run model.onnxpipe --inputs a.npz --inputs more/ --outputs out/ --trace run.json
       onnxpipe run gpu-bundle/ --inputs x.npz --outputs y.npz --target cpu
       onnxpipe run ocr.onnxpipe --inputs page.npz --outputs text.npz --allow-code 'mypkg.*'
+      onnxpipe run model.onnxpipe --inputs images/ --outputs scores/ --engine ray --address HEAD:6379
     """
     from onnxpipe.runtime import Pipeline, read_bundle
 
+    where_run = _engine_args(engine, address)
     files = _input_files(input_paths)
     destinations = _destinations(out, files)
     quiet_onnxruntime()
     with read_bundle(bundle, allow_code=allow_code) as checked:
         _check_input_files(checked.spec.inputs, files)
-        with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None) as pipe:
+        with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None, **where_run) as pipe:
             pipe.reset_stats()  # from the first request, not from load
             try:
                 first = _stream(pipe, files, destinations, as_json)
@@ -422,6 +459,8 @@ def run(
 )
 @TARGET
 @QUEUE_DEPTH
+@ENGINE
+@ADDRESS
 @click.option(
     "--standalone-runs",
     "standalone_runs",
@@ -451,6 +490,8 @@ def bench(
     input_file: Path | None,
     target: str | None,
     queue_depth: int,
+    engine: str,
+    address: str | None,
     standalone_runs: int,
     caller_cores: str | None,
     trace: Path | None,
@@ -475,7 +516,9 @@ def bench(
       onnxpipe bench model.onnxpipe --inputs image.npz --trace bench.json --json
       onnxpipe bench gpu-bundle/ --target cpu --standalone-runs 0
       onnxpipe bench model.onnxpipe --caller-cores auto
+      onnxpipe bench model.onnxpipe --engine ray --address auto   # stages on Ray actors: no standalone times
     """
+    where_run = _engine_args(engine, address)
     cores = _parse_caller_cores(caller_cores)
     if input_file is not None and dims:
         raise click.UsageError("--dim: only used for random inputs; the --inputs file fixes the shapes")
@@ -484,7 +527,7 @@ def bench(
 
     quiet_onnxruntime()
     inputs = read_npz(input_file, "inputs file") if input_file is not None else None
-    with load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code) as pipe:
+    with load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code, **where_run) as pipe:
         if inputs is not None:
             try:
                 inputs = check_inputs(pipe.spec.inputs, inputs)

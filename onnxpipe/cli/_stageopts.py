@@ -39,6 +39,10 @@ def _count(value: str) -> int:
         raise ValueError(f"must be an integer, got {value!r}") from None
 
 
+def _host(value: str) -> str | None:
+    return None if value.lower() in ("", "any", "none") else value
+
+
 def _switch(value: str) -> bool:
     try:
         return _SWITCHES[value.lower()]
@@ -94,8 +98,9 @@ STAGE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "opt": ("optimization", _text),
     "fallback": ("fallback", _switch),
     "replicas": ("replicas", _count),
+    "host": ("host", _host),
 }
-_VALID_KEYS = "target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas"
+_VALID_KEYS = "target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas, host"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, nu
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import check_dims, check_inputs, random_inputs, sample_shapes
 from onnxpipe.runtime._ortapi import ModelMetadata, NodeArg
-from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
+from onnxpipe.runtime._pipeline import ENGINES, Pipeline, ReferenceCheck, load
+from onnxpipe.runtime._ray import RayOptions
 from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
@@ -18,6 +19,7 @@ __all__ = [
     "ARCHIVE_SUFFIX",
     "DEFAULT_QUEUE_DEPTH",
     "DTYPES",
+    "ENGINES",
     "PROVIDER_ALIASES",
     "SPEC_VERSION",
     "BenchReport",
@@ -34,6 +36,7 @@ __all__ = [
     "Pipeline",
     "PipelineSpec",
     "PipelineStats",
+    "RayOptions",
     "ReferenceCheck",
     "Rounds",
     "SequentialPipeline",

@@ -163,6 +163,9 @@ def benchmark(
     notes: list[str] = []
     if inputs is None:
         inputs, notes = random_inputs(pipe.spec.inputs, dims)
+    if standalone_runs and pipe.engine != "thread":
+        notes.append(f"no standalone stage times: the stages run on {pipe.engine} actors, not in this process")
+        standalone_runs = 0
     standalone: list[float] | None = None
     if caller_cores == "auto" and standalone_runs:  # the stages' slack decides where the caller goes
         standalone = _standalone_ms(pipe, inputs, standalone_runs)

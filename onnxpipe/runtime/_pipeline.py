@@ -28,18 +28,22 @@ from typing import Any, overload
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import InputError, StageError, closest
+from onnxpipe._errors import ConfigError, InputError, StageError, closest
 from onnxpipe.runtime._bundle import Bundle, Limits, read_bundle
 from onnxpipe.runtime._channel import Closed
 from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
+from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is imported only when a RayEngine starts
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import Request, Runner, StagePlan, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, write_trace
 
-__all__ = ["Pipeline", "ReferenceCheck", "load"]
+__all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
+
+#: Where a pipeline's stage workers can live (see :class:`Pipeline`).
+ENGINES = ("thread", "ray")
 
 Outputs = dict[str, np.ndarray]
 _TVM: Any = object()  # run() called without arguments: the TVM protocol
@@ -68,6 +72,11 @@ class Pipeline(InferenceSessionAPI):
         queue_depth: Requests that may wait in front of each stage; a full queue blocks the
             stage before it, and a full first queue blocks :meth:`submit` (backpressure).
         trace: Record every stage run, for :meth:`save_trace`.
+        engine: Where the stage workers live: ``"thread"`` (threads of this process) or ``"ray"``
+            (Ray actors on a Ray cluster, see ``docs/distributed.md``).
+        address: The Ray cluster (``"auto"`` or ``"HOST:PORT"``; engine ``"ray"`` only).
+        ray_options: Placement, shipping and supervision on Ray (engine ``"ray"`` only).
+        source: The bundle's path, for ``RayOptions(shared=True)``.
 
     Raises:
         BundleError: the bundle names Python (code stages, custom-op libraries) that
@@ -75,7 +84,17 @@ class Pipeline(InferenceSessionAPI):
             this host.
     """
 
-    def __init__(self, bundle: Bundle, target: str | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH, trace: bool = False) -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        target: str | None = None,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        trace: bool = False,
+        engine: str = "thread",
+        address: str | None = None,
+        ray_options: RayOptions | None = None,
+        source: str | os.PathLike[str] | None = None,
+    ) -> None:
         check_allowed(bundle.spec, bundle.allow_code)  # every refusal in one message, before any import
         self.bundle = bundle
         self._target = target
@@ -91,7 +110,18 @@ class Pipeline(InferenceSessionAPI):
         self._origin = time.perf_counter()
         self._closed = False
         self._session_facts: list[SessionFacts] = []
-        self._engine: Engine = ThreadEngine(plans, self._make_runner, queue_depth, trace)
+        self._engine: Engine
+        if engine == "thread":
+            if address is not None or ray_options is not None:
+                raise ConfigError("address and ray_options are for engine='ray'; the thread engine runs in this process")
+            self._engine = ThreadEngine(plans, self._make_runner, queue_depth, trace)
+        elif engine == "ray":
+            ray_engine = RayEngine(bundle, plans, target, queue_depth, trace, address, ray_options or RayOptions(), source)
+            self._session_facts = ray_engine.session_facts
+            self._engine = ray_engine
+        else:
+            raise ConfigError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+        self.engine = engine
         # A pipeline dropped without close() must not leave its workers running.
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
@@ -342,8 +372,11 @@ class Pipeline(InferenceSessionAPI):
         ever needs a second session (a second copy of its weights).
 
         Raises:
-            StageError: requests are in flight, so a stage would not run alone.
+            StageError: requests are in flight, so a stage would not run alone, or the stages run
+                on Ray actors (no session is in this process).
         """
+        if self.engine != "thread":
+            raise StageError(f"the stages run on {self.engine} actors, not in this process: running a stage alone needs engine='thread'")
         if self._in_flight:
             raise StageError(f"{self._in_flight} request(s) are in flight; stages run alone only while the pipeline is idle")
         return [runners[0] for runners in self._engine.runners()]
@@ -412,6 +445,9 @@ def load(
     trace: bool = False,
     limits: Limits | None = None,
     allow_code: Sequence[str] = (),
+    engine: str = "thread",
+    address: str | None = None,
+    ray_options: RayOptions | None = None,
 ) -> Pipeline:
     """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime, and start it.
 
@@ -427,16 +463,22 @@ def load(
             stages' entry points (``"mypkg.*"`` allows ``"mypkg.ocr:decode"``) and custom-op
             packages (``"onnxruntime_extensions"``). Default: none; a bundle naming any is refused,
             naming each, before anything is imported (docs/pipelines.md).
+        engine: ``"thread"`` (default: every stage in this process) or ``"ray"`` (each stage
+            replica a Ray actor on a Ray cluster; needs ``pip install 'onnxpipe[ray]'``).
+        address: The Ray cluster's address, ``"auto"`` or ``"HOST:PORT"`` (engine ``"ray"``).
+        ray_options: Placement, shipping and supervision on Ray (:class:`RayOptions`).
 
     Raises:
         BundleError: the bundle is missing, broken or refused as unsafe, a stage's provider is
-            not available here, or it names Python ``allow_code`` does not allow or this host
-            does not have.
-        ConfigError: the OS refused a stage's CPU affinity.
+            not available here (or, on Ray, on the node its actor landed on), or it names Python
+            ``allow_code`` does not allow or this host does not have.
+        ConfigError: the OS refused a stage's CPU affinity; an unknown engine; on Ray: Ray is not
+            installed, the cluster cannot be reached, or a stage cannot be placed.
     """
+    # A hostile bundle, or code the host does not allow, is refused here, before anything ships.
     bundle = read_bundle(path, limits, allow_code=allow_code)
     try:
-        return Pipeline(bundle, target, queue_depth, trace)
+        return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path)
     except BaseException:
         bundle.close()
         raise

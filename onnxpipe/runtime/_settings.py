@@ -14,6 +14,7 @@ Note: threads and affinity.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -54,6 +55,8 @@ OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+#: What a Kubernetes-style label value (and so a Ray node label value) may be.
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 _PROVIDERS_WITH_DEVICE = {"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider",
                           "DmlExecutionProvider", "CANNExecutionProvider"}
 
@@ -100,6 +103,9 @@ class StageSettings:
             that ships it (e.g. ``onnxruntime_extensions``); the host resolves the library by
             importing the package and calling its ``get_library_path()``, and only when its
             allow-list permits the package (see ``onnxpipe.runtime._code``). Never a path.
+        host: With the Ray engine, run the stage on nodes labelled ``onnxpipe/host=HOST``
+            (``ray start --labels onnxpipe/host=HOST``); None: any node. The thread engine ignores it.
+            Written to ``pipeline.json`` only when set.
     """
 
     target: str = "cpu"
@@ -114,6 +120,7 @@ class StageSettings:
     session_config: Mapping[str, str] = field(default_factory=dict)
     replicas: int = 1
     custom_ops: tuple[str, ...] = ()
+    host: str | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("target", str), ("execution_mode", str), ("optimization", str), ("fallback", bool), ("spinning", bool)):
@@ -145,6 +152,9 @@ class StageSettings:
         ):
             raise ConfigError(f"custom_ops must be a list of Python package names (e.g. ['onnxruntime_extensions']), never paths; got {self.custom_ops!r}")
         object.__setattr__(self, "custom_ops", tuple(self.custom_ops))
+        if self.host is not None and (not isinstance(self.host, str) or not _LABEL_VALUE.fullmatch(self.host)):
+            raise ConfigError(f"host must be a node label value (up to 63 letters, digits, '-', '_', '.', "
+                              f"starting and ending with a letter or digit), got {self.host!r}")
         for key, value in (*self.provider_options.items(), *self.session_config.items()):
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ConfigError(f"provider options and session config take string keys and values, got {key!r}: {value!r}")
@@ -172,6 +182,8 @@ class StageSettings:
         data["custom_ops"] = list(self.custom_ops)
         if not self.custom_ops:
             del data["custom_ops"]  # absent = none: settings without custom ops read as they did before
+        if self.host is None:
+            del data["host"]  # absent = any node: bundles without a host read as before
         return data
 
     @classmethod

@@ -1,0 +1,684 @@
+"""The Ray engine: each stage replica is a Ray actor, on a node its settings ask for.
+
+Ray is imported only when this engine is started (``load(..., engine="ray")``), so importing the
+runtime never pulls it in; without it, starting the engine is one error naming the extra to install.
+
+Note: placement.
+    One actor per stage replica, asking Ray for ``num_cpus`` = the stage's intra-op threads (its
+    onnxruntime pool is sized to the same number: Ray does not size it), ``num_gpus=1`` for a GPU
+    target, and, when the stage's settings name a ``host``, a label selector
+    ``{"onnxpipe/host": host}``: only nodes started with ``ray start --labels onnxpipe/host=NAME``
+    take it. Before any actor is made, every stage is checked against the nodes the cluster has
+    (``ray.nodes()``): a stage no live node can take fails ``load`` at once, naming the stage, what
+    it asks for, and each node's labels and resources; a stage that is feasible but not placed
+    within ``RayOptions.placement_timeout_s`` (the resources are taken) fails the same way.
+
+Note: the data plane.
+    The driver never fetches an intermediate tensor: it submits every stage of a request at once,
+    each actor call taking the object references of the values it reads (pipeline inputs, outputs
+    of any earlier stage: skip edges and fan-out are references handed to several calls) and
+    returning each output it keeps as its own object plus a small timing record. Ray moves the
+    values from the producing node to the consuming one (objects up to Ray's inline limit,
+    100 KiB by default, travel in the call messages through the driver's process). Only the timing
+    records and the pipeline outputs are fetched. The pipeline's capacity bounds the requests in
+    flight, as in the thread engine; replicas of a stage share its work (:meth:`RayEngine._replica`,
+    the one place a replica is chosen for a request).
+
+Note: faults.
+    A call that fails because its actor died (process killed, node gone) or because a value it read
+    was lost re-runs the request: from the stage that failed, or from the first stage when a value
+    was lost. Actors restart (``max_restarts``), each re-reading and re-checking the bundle; a
+    request completes once, in order. A replica that died is probed; one that is not back within
+    ``restart_timeout_s``, or for which no live node has the labels and resources it needs, is
+    dead, and once every replica of a stage is dead, the requests still needing it fail with
+    :class:`StageError` naming the stage and the cause. An error raised by the stage itself (a bad
+    input) fails that request only, as in the thread engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError, StageError
+from onnxpipe.runtime._bundle import MANIFEST_NAME, Bundle, Limits, read_bundle, sha256_file
+from onnxpipe.runtime._channel import Closed
+from onnxpipe.runtime._ortapi import ModelMetadata, SessionFacts
+from onnxpipe.runtime._spec import Endpoint
+from onnxpipe.runtime._stage import Request, Runner, StagePlan, make_runner, plan_stages
+from onnxpipe.runtime._stats import StageRecorder
+
+__all__ = ["HOST_LABEL", "RayEngine", "RayOptions", "import_ray"]
+
+#: The node label a stage's ``host`` setting selects (``ray start --labels onnxpipe/host=NAME``).
+HOST_LABEL = "onnxpipe/host"
+_GPU_PROVIDERS = {"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider"}
+#: How often one request may be re-run after faults before it fails.
+_MAX_ATTEMPTS = 8
+#: How long close() waits for actors to remove their files before killing them.
+_SHUTDOWN_WAIT_S = 2.0
+_TICK_S = 0.2
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the Ray engine places, ships and supervises the stages.
+
+    Attributes:
+        shared: The bundle's path is the same on every node (a shared file system): actors read it
+            there instead of receiving its bytes through Ray's object store.
+        placement_timeout_s: Give up loading when a stage has no actor ready after this long.
+        restart_timeout_s: A replica that died and is not back after this long is dead.
+        max_restarts: Times Ray restarts each stage actor.
+    """
+
+    shared: bool = False
+    placement_timeout_s: float = 60.0
+    restart_timeout_s: float = 30.0
+    max_restarts: int = 3
+
+
+def import_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError("the Ray engine needs Ray, which is not installed: pip install 'onnxpipe[ray]'") from e
+    return ray
+
+
+# -- the actor (runs on a node of the cluster) -----------------------------------------------------
+
+
+class _StageActor:
+    """One replica of one stage: re-reads and re-checks the bundle on its node, makes its runner
+    with ``make_runner`` and runs requests' stage with it. Errors are returned as text, never raised:
+    a failing request must not become a Ray task error carrying a pickled exception."""
+
+    def __init__(self, payload: Any, path: str | None, manifest_sha: str, limits: Mapping[str, Any], index: int, replica: int,
+                 target: str | None, folder: str, returns: Sequence[str], allow_code: Sequence[str]) -> None:
+        self._error: str | None = None
+        self._bundle: Bundle | None = None
+        self._runner: Runner | None = None
+        self._returns = tuple(returns)
+        # A private folder named by the driver: a restarted actor removes what its previous
+        # incarnation left, and close() removes it. read_bundle unpacks in there too.
+        self._folder = Path(tempfile.gettempdir()) / folder
+        try:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder.mkdir(mode=0o700)
+            tempfile.tempdir = str(self._folder)
+            if path is None:
+                archive = self._folder / "bundle.onnxpipe"
+                archive.write_bytes(memoryview(payload))
+                path = str(archive)
+            # The driver's allow-list travels with the bundle: code is imported only if it allows it.
+            self._bundle = read_bundle(path, Limits(**limits), allow_code=allow_code)
+            if sha256_file(self._bundle.root / MANIFEST_NAME) != manifest_sha:
+                raise BundleError(f"the bundle at '{path}' is not the one the driver checked (its manifest differs)")
+            plan = plan_stages(self._bundle.spec)[0][index]
+            settings = plan.stage.settings
+            if settings.intra_op_threads == 0:  # onnxruntime's default would use every core of the node
+                settings = settings.replace(intra_op_threads=_cpus(settings))
+            plan = dataclasses.replace(plan, stage=dataclasses.replace(plan.stage, settings=settings))
+            cores = settings.for_replica(replica).worker_cores()
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
+            self._runner = make_runner(self._bundle, plan, replica, target)
+        except OnnxpipeError as e:
+            self._error = str(e)
+        except OSError as e:
+            self._error = f"{type(e).__name__}: {e}"
+
+    def ready(self) -> dict[str, Any]:
+        """Where this actor runs, its session's facts, or why it could not start."""
+        import ray
+
+        info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(), "error": self._error}
+        if self._runner is not None and self._runner.session is not None:  # code stages have no session
+            s = self._runner.session
+            info["facts"] = {"providers": list(s.get_providers()), "provider_options": dict(s.get_provider_options()),
+                             "meta": dataclasses.asdict(ModelMetadata.of(s.get_modelmeta()))}
+        return info
+
+    def run(self, request: int, params: Mapping[str, np.ndarray] | None, keys: Sequence[tuple[str | None, str]], *values: Any) -> Any:
+        """Run the stage on one request; returns each kept output, then the timing record."""
+        timing: dict[str, Any] = {"start": time.time(), "end": 0.0, "error": None, "skipped": False}
+        outputs: list[Any] = [None] * len(self._returns)
+        if any(v is None for v in values):  # an earlier stage failed: pass the request on untouched
+            timing["skipped"] = True
+        elif self._runner is None:
+            timing["error"] = self._error or "the stage has no session"
+        else:
+            name = self._runner.name
+            req = Request(request, {Endpoint(s, t): v for (s, t), v in zip(keys, values, strict=True)}, {name: params} if params else {}, 0.0)
+            try:
+                self._runner(req)
+                outputs = [req.values[Endpoint(name, o)] for o in self._returns]
+            except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
+                timing["error"] = str(e)
+        timing["end"] = time.time()
+        return (*outputs, timing) if outputs else timing
+
+    def shutdown(self) -> None:
+        """Stop a run in progress and remove the actor's files."""
+        if self._runner is not None:
+            self._runner.cancel()
+        if self._bundle is not None:
+            self._bundle.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _cpus(settings: Any) -> int:
+    import ray
+
+    return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+
+
+# -- the driver side ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Replica:
+    """The driver's view of one stage actor."""
+
+    actor: Any
+    info: dict[str, Any] = field(default_factory=dict)
+    outstanding: int = 0
+    state: str = "ok"  # ok | suspect (died, being probed) | dead
+    since: float = 0.0
+    cause: str = ""
+    probe: int = 0  # generation of the probe in progress
+
+
+@dataclass
+class _Flight:
+    """A request in flight: the references of its values, which stages finished, which attempt."""
+
+    request: Request
+    bag: dict[Endpoint, Any] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    attempt: int = 0
+    done: bool = False
+
+
+class RayEngine:
+    """Stage replicas as Ray actors (see the notes above); the pipeline's engine boundary.
+
+    Args:
+        bundle: The checked bundle (checked on the driver before anything ships).
+        plans: The stage plans, in pipeline order.
+        target: Run every stage on this target instead of its own.
+        queue_depth: Requests that may wait in front of each stage (bounds the requests in flight).
+        trace: Record every stage run for a timeline.
+        address: The cluster's address (``"auto"``, ``"HOST:PORT"``); None: the Ray this process is
+            connected to, or ``"auto"``.
+        options: Placement, shipping and supervision (:class:`RayOptions`).
+        source: The bundle's path (read by the actors when ``options.shared``).
+
+    Raises:
+        ConfigError: Ray is missing, the cluster cannot be reached, or a stage cannot be placed.
+        BundleError: an actor refused the bundle or could not make its session.
+    """
+
+    def __init__(self, bundle: Bundle, plans: Sequence[StagePlan], target: str | None, queue_depth: int, trace: bool,
+                 address: str | None, options: RayOptions, source: str | os.PathLike[str] | None = None) -> None:
+        if queue_depth < 1:
+            raise ConfigError(f"queue_depth must be at least 1, got {queue_depth}")
+        ray = self._ray = import_ray()
+        self._exc = ray.exceptions
+        self._options = options
+        self._plans = list(plans)
+        self._recorders = [[StageRecorder(p.stage.name, r, trace) for r in range(p.stage.settings.replicas)] for p in self._plans]
+        self._capacity = sum(queue_depth + p.stage.settings.replicas for p in self._plans)
+        self._queue_depth = queue_depth
+        self._high_water = [0] * len(self._plans)
+        self._wall_to_perf = time.time() - time.perf_counter()
+        _, finals = plan_stages(bundle.spec)
+        self._finals = set(finals.values())
+        self._returns = [self._kept(i) for i in range(len(self._plans))]
+        self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)
+        self._flights: dict[int, _Flight] = {}
+        self._params: dict[int, tuple[Mapping[str, np.ndarray], Any]] = {}
+        self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._closing = False
+        self._lost: dict[int, str] = {}  # stage index -> why it cannot come back
+        self._watched = 0.0
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            try:
+                ray.init(address=address or "auto", logging_level="warning")
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"cannot connect to the Ray cluster at '{address or 'auto'}': {e}") from e
+        self._replicas: list[list[_Replica]] = []
+        try:
+            self._check_feasible()
+            self._start(bundle, target, source)
+        except BaseException:
+            self._kill_all()
+            self._disconnect()
+            raise
+        self._thread = threading.Thread(target=self._collect, name="onnxpipe-ray-collector", daemon=True)
+        self._thread.start()
+
+    # -- placement ----------------------------------------------------------------------------
+
+    def _kept(self, i: int) -> tuple[str, ...]:
+        """The outputs of stage ``i`` that a later stage or the pipeline reads."""
+        read = {key for p in self._plans[i + 1 :] for _, key in p.sources} | self._finals
+        return tuple(o for o in self._plans[i].outputs if Endpoint(self._plans[i].stage.name, o) in read)
+
+    def _asks(self, plan: StagePlan) -> tuple[dict[str, float], dict[str, str]]:
+        """The resources and labels one replica of a stage asks Ray for."""
+        s = plan.stage.settings
+        resources = {"CPU": float(max(s.intra_op_threads, 1))}
+        if s.provider in _GPU_PROVIDERS:
+            resources["GPU"] = 1.0
+        return resources, ({HOST_LABEL: s.host} if s.host else {})
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        return [n for n in self._ray.nodes() if n.get("Alive")]
+
+    def _cluster(self) -> str:
+        """Each live node's address, labels and resources, for error messages."""
+        rows = []
+        for n in self._nodes():
+            labels = {k: v for k, v in (n.get("Labels") or {}).items() if not k.startswith("ray.io/")}
+            res = {k: v for k, v in n.get("Resources", {}).items() if k in ("CPU", "GPU")}
+            rows.append(f"{n.get('NodeManagerAddress')} labels {labels or '{}'} resources {res or '{}'}")
+        return "; ".join(rows) or "no live node"
+
+    def _can_place(self, plan: StagePlan) -> bool:
+        resources, labels = self._asks(plan)
+        for n in self._nodes():
+            have = n.get("Resources", {})
+            node_labels = n.get("Labels") or {}
+            if all(node_labels.get(k) == v for k, v in labels.items()) and all(have.get(k, 0) >= v for k, v in resources.items()):
+                return True
+        return False
+
+    def _describe_ask(self, plan: StagePlan) -> str:
+        resources, labels = self._asks(plan)
+        ask = ", ".join(f"{k} {v:g}" for k, v in resources.items())
+        return ask + (f" on a node labelled {HOST_LABEL}={labels[HOST_LABEL]}" if labels else "")
+
+    def _check_feasible(self) -> None:
+        for plan in self._plans:
+            if not self._can_place(plan):
+                raise ConfigError(f"stage '{plan.stage.name}' asks for {self._describe_ask(plan)}; no node of the cluster can take it. "
+                                  f"The cluster has: {self._cluster()}")
+
+    def _start(self, bundle: Bundle, target: str | None, source: str | os.PathLike[str] | None) -> None:
+        ray = self._ray
+        manifest_sha = sha256_file(bundle.root / MANIFEST_NAME)
+        if self._options.shared:
+            if source is None:
+                raise ConfigError("RayOptions(shared=True) needs the bundle's path: load it with runtime.load(path, ...)")
+            payload, path = None, os.path.abspath(source)
+        else:
+            # One object for every node: Ray copies it to a node once, however many actors read it there.
+            payload, path = ray.put(np.frombuffer(_pack(bundle), np.uint8)), None
+        self._payload = payload  # kept for as long as the engine runs: a restarting actor reads it again
+        remote = ray.remote(concurrency_groups={"control": 1})(_StageActor)  # ready/shutdown answer while a run is in progress
+        limits = dataclasses.asdict(bundle.limits)
+        run_id = uuid.uuid4().hex
+        for i, plan in enumerate(self._plans):
+            resources, labels = self._asks(plan)
+            options: dict[str, Any] = {"num_cpus": resources["CPU"], "num_gpus": resources.get("GPU", 0), "max_restarts": self._options.max_restarts,
+                                       "max_task_retries": 0}
+            if labels:
+                options["label_selector"] = labels
+            row = []
+            for r in range(plan.stage.settings.replicas):
+                folder = f"onnxpipe-ray-{run_id}-{i}-{r}"
+                row.append(_Replica(remote.options(**options).remote(payload, path, manifest_sha, limits, i, r, target, folder, self._returns[i],
+                                                                     list(bundle.allow_code))))
+            self._replicas.append(row)
+        calls = {self._ping(rep): (i, r) for i, row in enumerate(self._replicas) for r, rep in enumerate(row)}
+        ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=self._options.placement_timeout_s)
+        if pending:
+            late = sorted({calls[ref][0] for ref in pending})
+            names = ", ".join(f"'{self._plans[i].stage.name}' (asks for {self._describe_ask(self._plans[i])})" for i in late)
+            raise ConfigError(f"stage(s) {names} not placed within {self._options.placement_timeout_s:g} s "
+                              f"(the nodes that could take them are busy). The cluster has: {self._cluster()}")
+        for ref in ready:
+            i, r = calls[ref]
+            try:
+                info = ray.get(ref)
+            except self._exc.RayError as e:
+                raise BundleError(f"stage '{self._plans[i].stage.name}' replica {r}: its actor failed to start: {e}") from None
+            if info["error"]:
+                raise BundleError(f"stage '{self._plans[i].stage.name}' replica {r} on {info['host']}: {info['error']}")
+            self._replicas[i][r].info = info
+
+    def _ping(self, replica: _Replica) -> Any:
+        return replica.actor.ready.options(concurrency_group="control").remote()
+
+    @property
+    def session_facts(self) -> list[SessionFacts]:
+        """The first replica's session facts of each stage, in pipeline order."""
+        facts = []
+        for row in self._replicas:
+            f = row[0].info.get("facts")
+            if f is None:  # a code stage
+                continue
+            facts.append(SessionFacts(tuple(f["providers"]), f["provider_options"], ModelMetadata(**f["meta"])))
+        return facts
+
+    def placements(self) -> list[list[dict[str, Any]]]:
+        """Where each replica of each stage runs: its node's id, address and labels, and its process id."""
+        nodes = {n["NodeID"]: n for n in self._ray.nodes()}
+        rows = []
+        for row in self._replicas:
+            out = []
+            for rep in row:
+                node = nodes.get(rep.info.get("node_id"), {})
+                labels = {k: v for k, v in (node.get("Labels") or {}).items() if not k.startswith("ray.io/")}
+                out.append({"node_id": rep.info.get("node_id"), "address": node.get("NodeManagerAddress"), "labels": labels,
+                            "pid": rep.info.get("pid"), "state": rep.state})
+            rows.append(out)
+        return rows
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Start a request; blocks while the pipeline holds its capacity of requests."""
+        with self._room:
+            while len(self._flights) >= self._capacity and not self._closing:
+                self._room.wait()
+            if self._closing:
+                raise Closed
+            flight = _Flight(request)
+            self._flights[request.id] = flight
+            uses: dict[Endpoint, int] = {}
+            for p in self._plans:
+                for _, key in p.sources:
+                    uses[key] = uses.get(key, 0) + 1
+            for key, value in request.values.items():
+                # A pipeline input read by several stages is put once, not sent with each call.
+                flight.bag[key] = self._ray.put(value) if uses.get(key, 0) > 1 else value
+            self._dispatch(flight, 0)
+
+    def _replica(self, i: int, request: Request) -> int:
+        """The replica of stage ``i`` that runs ``request``: the live one with the fewest calls
+        outstanding (ties go round-robin by request id). The one place a replica is chosen."""
+        row = self._replicas[i]
+        alive = [r for r, rep in enumerate(row) if rep.state == "ok"] or [r for r, rep in enumerate(row) if rep.state != "dead"]
+        return min(alive, key=lambda r: (row[r].outstanding, (r - request.id) % len(row)))
+
+    def _dispatch(self, flight: _Flight, start: int) -> None:
+        """Submit stages ``start`` onwards of a request; each call reads references from its bag."""
+        request = flight.request
+        flight.attempt += 1
+        for i in range(start, len(self._plans)):
+            flight.finished.discard(i)
+        for i in range(start, len(self._plans)):
+            if i in self._lost:
+                self._fail(flight, StageError(f"stage '{self._plans[i].stage.name}' cannot run request {request.id}: {self._lost[i]}",
+                                              stage=self._plans[i].stage.name, request=request.id))
+                return
+            plan = self._plans[i]
+            r = self._replica(i, request)
+            rep = self._replicas[i][r]
+            keys = tuple((k.stage, k.tensor) for _, k in plan.sources)
+            values = [flight.bag[k] for _, k in plan.sources]
+            returns = self._returns[i]
+            refs = rep.actor.run.options(num_returns=len(returns) + 1).remote(request.id, self._params_ref(request, plan), keys, *values)
+            refs = refs if isinstance(refs, list) else [refs]
+            for name, ref in zip(returns, refs, strict=False):
+                flight.bag[Endpoint(plan.stage.name, name)] = ref
+            rep.outstanding += 1
+            waiting = sum(x.outstanding for x in self._replicas[i]) - len(self._replicas[i])
+            self._high_water[i] = max(self._high_water[i], waiting)
+            attempt = flight.attempt
+            refs[-1].future().add_done_callback(lambda f, fl=flight, a=attempt, i=i, r=r: self._events.put(("run", fl, a, i, r, f)))
+
+    def _params_ref(self, request: Request, plan: StagePlan) -> Any:
+        """The stage's parameter snapshot as one object, put once per ``set_params`` (see Request.params)."""
+        own = request.params.get(plan.stage.name)
+        if not own:
+            return None
+        hit = self._params.get(id(own))
+        if hit is None or hit[0] is not own:
+            if len(self._params) > 64:
+                self._params.clear()  # calls already submitted hold their own references
+            hit = self._params[id(own)] = (own, self._ray.put(dict(own)))
+        return hit[1]
+
+    # -- results, faults ----------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                event = self._events.get(timeout=_TICK_S)
+            except queue.Empty:
+                event = None
+            if event is not None and event[0] == "stop":
+                return
+            with self._lock:
+                if event is not None and event[0] == "run":
+                    self._ran(*event[1:])
+                elif event is not None and event[0] == "probe":
+                    self._probed(*event[1:])
+                self._watch()
+
+    def _ran(self, flight: _Flight, attempt: int, i: int, r: int, future: Any) -> None:
+        rep = self._replicas[i][r]
+        rep.outstanding -= 1
+        if flight.done or attempt != flight.attempt:
+            return  # an earlier attempt of a request that was re-run
+        error = future.exception()
+        if error is None:
+            self._record(flight, i, r, future.result())
+        elif not self._is_fault(error):
+            self._fail(flight, StageError(f"stage '{self._plans[i].stage.name}' failed on request {flight.request.id}: {error}",
+                                          stage=self._plans[i].stage.name, request=flight.request.id))
+        else:
+            self._fault(flight, i, r, error)
+
+    def _is_fault(self, error: BaseException) -> bool:
+        """Whether a failed call is Ray's doing (an actor, a node, a value lost), not the stage's."""
+        faults = (self._exc.RayActorError, self._exc.ObjectLostError, self._exc.NodeDiedError, self._exc.WorkerCrashedError,
+                  self._exc.LocalRayletDiedError)
+        if any(isinstance(e, faults) for e in (error, getattr(error, "cause", None))):
+            return True
+        return not isinstance(error, self._exc.RayTaskError)
+
+    def _record(self, flight: _Flight, i: int, r: int, timing: Mapping[str, Any]) -> None:
+        request = flight.request
+        name = self._plans[i].stage.name
+        if not timing["skipped"]:
+            start, end = timing["start"] - self._wall_to_perf, timing["end"] - self._wall_to_perf
+            self._recorders[i][r].record(request.id, start, end, timing["error"] is None)
+        if timing["error"] is not None and request.error is None:
+            request.error = StageError(f"stage '{name}' failed on request {request.id}: {timing['error']}", stage=name, request=request.id)
+        flight.finished.add(i)
+        if len(flight.finished) == len(self._plans):
+            self._finish(flight)
+
+    def _fault(self, flight: _Flight, i: int, r: int, error: BaseException) -> None:
+        """A call failed because of Ray (an actor died, a value was lost): re-run the request."""
+        if isinstance(error, self._exc.RayActorError):
+            self._suspect(i, r, error)
+        if flight.attempt >= _MAX_ATTEMPTS:
+            name = self._plans[i].stage.name
+            self._fail(flight, StageError(f"stage '{name}' failed on request {flight.request.id} after {flight.attempt} attempts: {_brief(error)}",
+                                          stage=name, request=flight.request.id))
+            return
+        lost = any(isinstance(e, self._exc.ObjectLostError) for e in (error, getattr(error, "cause", None)))
+        first = 0 if lost else min(set(range(len(self._plans))) - flight.finished)
+        self._dispatch(flight, first)
+
+    def _suspect(self, i: int, r: int, error: BaseException) -> None:
+        rep = self._replicas[i][r]
+        if rep.state != "ok":
+            return
+        rep.state, rep.since, rep.cause, rep.probe = "suspect", time.monotonic(), _brief(error), rep.probe + 1
+        generation = rep.probe
+        self._ping(rep).future().add_done_callback(lambda f: self._events.put(("probe", i, r, generation, f)))
+
+    def _probed(self, i: int, r: int, generation: int, future: Any) -> None:
+        rep = self._replicas[i][r]
+        if rep.state != "suspect" or generation != rep.probe:
+            return
+        error = future.exception()
+        if error is None and not future.result()["error"]:
+            rep.state, rep.info = "ok", future.result()
+        elif error is None:
+            self._dead(i, r, f"its restarted actor could not start: {future.result()['error']}")
+        elif isinstance(error, self._exc.ActorUnavailableError):
+            self._suspect_again(i, r)
+        else:
+            self._dead(i, r, f"{rep.cause}; it could not be restarted: {_brief(error)}")
+
+    def _suspect_again(self, i: int, r: int) -> None:
+        rep = self._replicas[i][r]
+        rep.probe += 1
+        generation = rep.probe
+        self._ping(rep).future().add_done_callback(lambda f: self._events.put(("probe", i, r, generation, f)))
+
+    def _watch(self) -> None:
+        """Declare dead the replicas that cannot come back (no node for them, or too long away)."""
+        now = time.monotonic()
+        suspects = [(i, r) for i, row in enumerate(self._replicas) for r, rep in enumerate(row) if rep.state == "suspect"]
+        if not suspects or now - self._watched < _TICK_S:
+            return
+        self._watched = now
+        for i, r in suspects:
+            rep = self._replicas[i][r]
+            if not self._can_place(self._plans[i]):
+                self._dead(i, r, f"{rep.cause}; no live node can take it: it asks for {self._describe_ask(self._plans[i])}; "
+                                 f"the cluster has: {self._cluster()}")
+            elif now - rep.since > self._options.restart_timeout_s:
+                self._dead(i, r, f"{rep.cause}; it was not back within {self._options.restart_timeout_s:g} s")
+
+    def _dead(self, i: int, r: int, why: str) -> None:
+        rep = self._replicas[i][r]
+        rep.state, rep.cause = "dead", why
+        if all(x.state == "dead" for x in self._replicas[i]):
+            self._lost[i] = f"its actor died ({why})"
+        for flight in list(self._flights.values()):
+            if i not in flight.finished and not flight.done:
+                self._dispatch(flight, min(set(range(len(self._plans))) - flight.finished))
+
+    def _finish(self, flight: _Flight) -> None:
+        request = flight.request
+        if request.error is None:
+            keys = list(self._finals)
+            try:
+                values = self._ray.get([flight.bag[k] for k in keys])
+            except self._exc.RayError as e:  # an output was lost with its node: run the request again
+                self._fault(flight, len(self._plans) - 1, 0, e)
+                return
+            request.values = dict(zip(keys, values, strict=True))
+        self._complete(flight)
+
+    def _fail(self, flight: _Flight, error: StageError) -> None:
+        flight.request.error = flight.request.error or error
+        self._complete(flight)
+
+    def _complete(self, flight: _Flight) -> None:
+        flight.done = True
+        flight.bag.clear()
+        with self._room:
+            self._flights.pop(flight.request.id, None)
+            self._room.notify()
+        done = flight.request.done
+        assert done is not None
+        done(flight.request)
+
+    # -- lifetime, observability -----------------------------------------------------------------
+
+    def close(self) -> list[Request]:
+        """Remove the actors' files, kill the actors, return the requests that did not finish."""
+        with self._room:
+            if self._closing:
+                return []
+            self._closing = True
+            self._room.notify_all()
+        self._events.put(("stop",))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5.0)
+        live = [rep for row in self._replicas for rep in row if rep.state == "ok"]
+        if live:
+            self._ray.wait([rep.actor.shutdown.options(concurrency_group="control").remote() for rep in live], num_returns=len(live),
+                           timeout=_SHUTDOWN_WAIT_S)
+        self._kill_all()
+        with self._lock:
+            left = [f.request for f in self._flights.values() if not f.done]
+            self._flights.clear()
+        self._disconnect()
+        return left
+
+    def _kill_all(self) -> None:
+        for row in self._replicas:
+            for rep in row:
+                self._ray.kill(rep.actor, no_restart=True)
+
+    def _disconnect(self) -> None:
+        if self._owns_ray:
+            self._ray.shutdown()
+
+    def recorders(self) -> list[list[StageRecorder]]:
+        """Each stage's replicas' recorders, filled from the timings the actors return."""
+        return self._recorders
+
+    def queues(self) -> list[tuple[int, int, int]]:
+        """Each stage's calls waiting for a replica: now, high water, capacity."""
+        out = []
+        for i, row in enumerate(self._replicas):
+            waiting = max(0, sum(rep.outstanding for rep in row) - len(row))
+            out.append((waiting, self._high_water[i], self._queue_depth))
+        return out
+
+    def runners(self) -> list[list[Runner]]:
+        """No local runners: the sessions live in the actors."""
+        return [[] for _ in self._plans]
+
+
+def _brief(error: BaseException) -> str:
+    """The first line of a Ray error (its messages carry whole tracebacks)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _pack(bundle: Bundle) -> bytes:
+    """The checked bundle as one archive, for the object store: exactly the files its manifest lists."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as zf:
+        zf.write(bundle.root / MANIFEST_NAME, MANIFEST_NAME)
+        for rel in sorted(bundle.manifest.files):
+            kept = bundle.in_archive.get(rel)
+            if kept is None:
+                zf.write(bundle.root / rel, rel)
+                continue
+            with open(kept.location, "rb") as src, zf.open(zipfile.ZipInfo(rel), "w", force_zip64=True) as dst:
+                src.seek(kept.offset)
+                left = kept.size
+                while left:
+                    chunk = src.read(min(left, 1 << 20))
+                    if not chunk:
+                        raise BundleError(f"bundle file '{rel}' ended early while it was packed for the cluster")
+                    dst.write(chunk)
+                    left -= len(chunk)
+    return buffer.getvalue()

@@ -1,0 +1,204 @@
+"""The Ray engine on a real multi-node Ray cluster on loopback (the ``ray_cluster`` fixture): stages
+pinned to nodes by label, outputs equal the whole model, order under load, skip edges and fan-out,
+parameters, a stage failing alone, an actor killed mid-stream, a node removed, impossible placement,
+and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from onnxpipe import ConfigError, StageError
+from onnxpipe.builder import PipelineConfig, build, export
+from onnxpipe.runtime import Pipeline, RayOptions, load
+from onnxpipe.splitter import split
+from tests import models
+from tests.runtime.conftest import _alive
+
+# One cluster per test session: every test of this file goes to the same xdist worker.
+pytestmark = pytest.mark.xdist_group("ray")
+
+SQUEEZENET = models.light_model_path("squeezenet")
+CUTS = {2: [("Concat", 2)], 3: [("Concat", 2), ("Concat", 5)]}
+
+
+def _bundle(config: Any, folder: Path, hosts: list[str | None], **settings: Any) -> Path:
+    config = getattr(config, "config", config)
+    for stage, host in zip(config.stages, hosts, strict=True):
+        stage.configure(host=host, **settings)
+    return export(build(config, folder / "built").path, folder / "model.onnxpipe")
+
+
+def _labels(pipe: Pipeline) -> list[str]:
+    """The host label of the node each stage's first replica runs on."""
+    return [row[0]["labels"].get("onnxpipe/host") for row in pipe._engine.placements()]  # type: ignore[attr-defined]
+
+
+@pytest.fixture()
+def ray_pids(ray_cluster: Any) -> Iterator[set[int]]:
+    """Actor process ids seen by a test; afterwards every one of them must be gone."""
+    pids: set[int] = set()
+    yield pids
+    deadline = time.monotonic() + 10
+    while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []
+
+
+def _actor_pids(pipe: Pipeline) -> list[int]:
+    return [rep["pid"] for row in pipe._engine.placements() for rep in row]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_squeezenet_stages_on_labelled_nodes_equal_the_whole_model(tmp_path: Path, stages: int, ray_pids: set[int]) -> None:
+    hosts = ["a", "b", "a"][:stages]
+    bundle = _bundle(split(SQUEEZENET, CUTS[stages]), tmp_path, hosts)
+    whole = ort.InferenceSession(str(SQUEEZENET), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(stages)
+    inputs = [{"data_0": rng.standard_normal((1, 3, 224, 224)).astype(np.float32)} for _ in range(6)]
+    with load(bundle, engine="ray", trace=True) as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        assert _labels(pipe) == hosts
+        for got, x in zip(pipe.map(inputs), inputs, strict=True):
+            np.testing.assert_allclose(got["softmaxout_1"], whole.run(None, x)[0], rtol=1e-4, atol=1e-5)
+        stats = pipe.stats()
+        assert stats.completed == 6 and [s.count for s in stats.stages] == [6] * stages
+        assert pipe.get_providers() == ["CPUExecutionProvider"]
+        trace = pipe.save_trace(tmp_path / "trace.json")
+        assert trace.stat().st_size > 0
+        with pytest.raises(StageError, match="the stages run on ray actors"):
+            pipe.idle_runners()
+
+
+def test_200_requests_in_flight_with_skip_edges_and_fan_out_keep_order(tmp_path: Path, ray_pids: set[int]) -> None:
+    # branchy in 4 stages: 'a' fans out to stages 1 and 3 (a skip edge over two stages), 'b' and 'c' cross one cut.
+    bundle = _bundle(split(models.branchy(), ["a", ["b", "c"], "e"]), tmp_path, ["a", "b", "a", "b"])
+    whole = ort.InferenceSession(models.branchy().SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    inputs = [{"X": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(200)]
+    with load(bundle, engine="ray", queue_depth=64) as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        assert _labels(pipe) == ["a", "b", "a", "b"]
+        futures = [pipe.submit(x) for x in inputs]
+        for future, x in zip(futures, inputs, strict=True):
+            np.testing.assert_allclose(future.result(timeout=60)["Y"], whole.run(None, x)[0], rtol=1e-6)
+        assert pipe.stats().completed == 200
+
+
+def test_replicas_share_work_and_params_reach_every_replica_in_order(tmp_path: Path, ray_pids: set[int]) -> None:
+    config = models.hand_wired(param_group="scale")
+    bundle = _bundle(config, tmp_path, [None, None, None])
+    config.stages[2].configure(replicas=2)
+    bundle = export(build(config, tmp_path / "built2").path, tmp_path / "replicas.onnxpipe")
+    whole = ort.InferenceSession(models.stages_whole().SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    ones, twos = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
+    with load(bundle, engine="ray") as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        before = [pipe.submit({"x": x}) for _ in range(20)]
+        pipe.set_params("scale", {"scale": twos})
+        after = [pipe.submit({"x": x}) for _ in range(20)]
+        for f in before:
+            np.testing.assert_allclose(f.result(timeout=60)["y"], whole.run(None, {"x": x, "scale": ones})[0], rtol=1e-6)
+        for f in after:
+            np.testing.assert_allclose(f.result(timeout=60)["y"], whole.run(None, {"x": x, "scale": twos})[0], rtol=1e-6)
+        tail = pipe._engine.recorders()[2]  # type: ignore[attr-defined]
+        assert len(tail) == 2 and all(r.count > 0 for r in tail), "both replicas of 'tail' ran requests"
+
+
+def test_a_failing_request_fails_alone(tmp_path: Path, ray_pids: set[int]) -> None:
+    head, tail = models.failing_pair()
+    config = PipelineConfig()
+    a = config.add_stage(head, "head")
+    b = config.add_stage(tail, "reshape")
+    config.input("x").connect(a.input("x"))
+    a.output("h").connect(b.input("h"))
+    b.output("y").connect(config.output("y"))
+    with load(_bundle(config, tmp_path, ["a", "b"]), engine="ray") as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        rows = [2, 3, 2]  # the request with 3 rows cannot be reshaped to [2, 4]
+        futures = [pipe.submit({"x": np.full((n, 4), i, np.float32)}) for i, n in enumerate(rows)]
+        with pytest.raises(StageError, match="stage 'reshape' failed on request 1: .*"):
+            futures[1].result(timeout=60)
+        for i in (0, 2):
+            np.testing.assert_array_equal(futures[i].result(timeout=60)["y"], np.full((2, 4), i, np.float32))
+        assert [s.failed for s in pipe.stats().stages] == [0, 1]
+
+
+def test_a_killed_stage_actor_loses_no_request(tmp_path: Path, ray_pids: set[int]) -> None:
+    bundle = _bundle(split(models.branchy(), ["a", ["b", "c"]]), tmp_path, ["a", "b", "a"])
+    whole = ort.InferenceSession(models.branchy().SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    inputs = [{"X": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(120)]
+    with load(bundle, engine="ray", queue_depth=16) as pipe:
+        victim = pipe._engine.placements()[1][0]["pid"]  # type: ignore[attr-defined]
+        ray_pids.update(_actor_pids(pipe))
+        got = []
+        for n, out in enumerate(pipe.map(inputs)):
+            got.append(out["Y"])
+            if n == 20:
+                os.kill(victim, signal.SIGKILL)
+        for y, x in zip(got, inputs, strict=True):
+            np.testing.assert_allclose(y, whole.run(None, x)[0], rtol=1e-6)
+        stats = pipe.stats()
+        assert (stats.completed, stats.failed) == (120, 0)
+        after = pipe._engine.placements()[1][0]  # type: ignore[attr-defined]
+        assert after["pid"] != victim and after["labels"] == {"onnxpipe/host": "b"}
+        ray_pids.update(_actor_pids(pipe))
+
+
+def test_a_stage_whose_only_node_is_removed_fails_its_requests_by_name(tmp_path: Path, ray_cluster: Any, ray_pids: set[int]) -> None:
+    node = ray_cluster.add_node(num_cpus=1, labels={"onnxpipe/host": "c"}, **ray_cluster.common_node_args)
+    bundle = _bundle(models.head_then_tail(4), tmp_path, ["a", "c"])
+    pipe = load(bundle, engine="ray", ray_options=RayOptions(restart_timeout_s=20))
+    try:
+        ray_pids.update(_actor_pids(pipe))
+        assert _labels(pipe) == ["a", "c"]
+        assert pipe({"x": np.ones((1, 4), np.float32)})["y"].shape == (1, 4)
+        ray_cluster.remove_node(node)
+        futures = [pipe.submit({"x": np.ones((1, 4), np.float32)}) for _ in range(5)]
+        for f in futures:
+            with pytest.raises(StageError, match=r"stage 'tail' cannot run request \d+: its actor died .*no live node can take it: .*onnxpipe/host=c"):
+                f.result(timeout=30)
+    finally:
+        start = time.monotonic()
+        pipe.close()
+        assert time.monotonic() - start < 5
+
+
+def test_a_stage_no_node_can_take_fails_load_naming_it(tmp_path: Path, ray_pids: set[int]) -> None:
+    bundle = _bundle(models.head_then_tail(4), tmp_path, ["a", "nowhere"])
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"stage 'tail' asks for CPU 1 on a node labelled onnxpipe/host=nowhere; no node .* labels \{'onnxpipe/host': 'a'\}"):
+        load(bundle, engine="ray")
+    bundle = _bundle(models.head_then_tail(4), tmp_path / "big", ["a", "b"], intra_op_threads=3)
+    with pytest.raises(ConfigError, match=r"stage 'head' asks for CPU 3 on a node labelled onnxpipe/host=a; no node"):
+        load(bundle, engine="ray")
+    assert time.monotonic() - start < 30
+
+
+def test_cli_run_and_bench_on_ray(tmp_path: Path, ray_cluster: Any, ray_pids: set[int]) -> None:
+    from click.testing import CliRunner
+
+    from onnxpipe.cli import main
+    from onnxpipe.runtime import save_npz
+
+    bundle = _bundle(models.head_then_tail(4), tmp_path, ["a", "b"])
+    save_npz(tmp_path / "in.npz", {"x": np.ones((1, 4), np.float32)})
+    runner = CliRunner()
+    out = runner.invoke(main, ["run", str(bundle), "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "out.npz"), "--engine", "ray"])
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "out.npz").is_file()
+    out = runner.invoke(main, ["bench", str(bundle), "--engine", "ray", "--requests", "10", "--warmup", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    assert "no standalone stage times: the stages run on ray actors" in out.output
+    out = runner.invoke(main, ["bench", str(bundle), "--address", "auto"])
+    assert out.exit_code == 2 and "--address: only used with --engine ray" in out.output
