@@ -133,6 +133,24 @@ def test_a_failing_request_fails_alone(tmp_path: Path, ray_pids: set[int]) -> No
         assert [s.failed for s in pipe.stats().stages] == [0, 1]
 
 
+def test_a_code_stage_runs_on_its_actor_once_the_host_allows_it(tmp_path: Path, ray_pids: set[int]) -> None:
+    """An ONNX stage on node a, a code stage on node b: the actor imports the entry point only
+    because the driver's allow-list, which travels with the bundle, allows it."""
+    from onnxpipe import BundleError
+    from tests import code_stages
+
+    bundle = _bundle(code_stages.config(), tmp_path, ["a", "b"])
+    with pytest.raises(BundleError, match=r"not allowed: 'tests\.code_stages:combine' \(stage 'combine'\)"):
+        load(bundle, engine="ray")
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    with load(bundle, engine="ray", allow_code=["tests.code_stages:*"]) as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        assert _labels(pipe) == ["a", "b"]
+        assert pipe.get_providers() == ["CPUExecutionProvider"]  # the ONNX stage's; the code stage has none
+        for n in (1, 3, 5):  # N changes from request to request, within the declared symbolic dim
+            np.testing.assert_allclose(pipe({"x": np.resize(x, (n, 4))})["y"], code_stages.expected(np.resize(x, (n, 4))), rtol=1e-6)
+
+
 def test_a_killed_stage_actor_loses_no_request(tmp_path: Path, ray_pids: set[int]) -> None:
     bundle = _bundle(split(models.branchy(), ["a", ["b", "c"]]), tmp_path, ["a", "b", "a"])
     whole = ort.InferenceSession(models.branchy().SerializeToString(), providers=["CPUExecutionProvider"])
