@@ -441,8 +441,10 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
         _line(console, f"stage {k} '{s.name}': {s.module}, {human_bytes(stage_module_bytes(bundle, s))}")
         _line(console, f"  settings: {_settings(s.settings)}")
         _line(console, f"  build:    {_build_detail(s)}")
+        states = {st.input: st for st in spec.states_of(s.name)}
         for t in s.inputs:
-            _line(console, f"  in  {t}  <- {spec.source_of(Endpoint(s.name, t.name))}")
+            source = f"state {states[t.name].output} (previous step)" if t.name in states else spec.source_of(Endpoint(s.name, t.name))
+            _line(console, f"  in  {t}  <- {source}")
         for t in s.outputs:
             targets = by_src.get(Endpoint(s.name, t.name), [])
             _line(console, f"  out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")

@@ -35,6 +35,7 @@ __all__ = [
     "StageSpec",
     "StateLink",
     "TensorSpec",
+    "check_state_ends",
     "describe_json",
     "find_tensor",
     "parse_json",
@@ -171,6 +172,30 @@ class StageSpec:
     def output(self, name: str) -> TensorSpec:
         """The output named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
         return find_tensor(self.outputs, name, f"stage '{self.name}' has no output")
+
+
+def check_state_ends(state: StateLink, inputs: Iterable[TensorSpec], outputs: Iterable[TensorSpec]) -> TensorSpec:
+    """Check that a state link's output and input exist in its stage (whose boundary is given) and
+    fit: same dtype and rank, a known rank, an ``empty_axis`` in range. Returns the input's spec.
+
+    Raises:
+        ConfigError: naming the link and the valid choices.
+    """
+    where = f"state link {state.output} -> {state.input}"
+    out = find_tensor(outputs, state.output, f"{where}: stage '{state.stage}' has no output")
+    inp = find_tensor(inputs, state.input, f"{where}: stage '{state.stage}' has no input")
+    if out.dtype != inp.dtype:
+        raise ConfigError(f"{where}: dtype {out.dtype} != {inp.dtype}; a state output must have its input's dtype")
+    if inp.shape is None:
+        raise ConfigError(f"{where}: the rank of input '{inp.name}' is unknown, so its initial value has no shape")
+    if out.shape is not None and len(out.shape) != len(inp.shape):
+        raise ConfigError(f"{where}: rank {len(out.shape)} != {len(inp.shape)} ({_shape(out.shape)} vs {_shape(inp.shape)})")
+    axis = state.empty_axis
+    if axis is not None and not 0 <= axis < len(inp.shape):
+        raise ConfigError(f"{where}: empty_axis {axis} is out of range for {inp}; valid: 0..{len(inp.shape) - 1}")
+    if axis is not None and isinstance(inp.shape[axis], int) and inp.shape[axis] != 0:
+        raise ConfigError(f"{where}: empty_axis {axis} of {inp} has the fixed size {inp.shape[axis]}, so it cannot start empty")
+    return inp
 
 
 def find_tensor(specs: Iterable[TensorSpec], name: str, what: str) -> TensorSpec:
@@ -312,32 +337,20 @@ class PipelineSpec:
                 raise ConfigError(f"pipeline output '{t.name}' is not fed by any link")
 
     def _check_state(self, state: StateLink, fed: Mapping[Endpoint, Link]) -> None:
-        """One state link: both ends in its stage, same dtype and rank, its input fed by it alone,
-        and an initial value whose every size is known (see Note: initial values)."""
+        """One state link: its ends (see :func:`check_state_ends`), its input fed by it alone, and
+        an initial value whose every size is known (see Note: initial values)."""
         where = f"state link {state.output} -> {state.input}"
         try:
             stage = self.stage(state.stage)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
-        out = find_tensor(stage.outputs, state.output, f"{where}: stage '{stage.name}' has no output")
-        inp = find_tensor(stage.inputs, state.input, f"{where}: stage '{stage.name}' has no input")
+        inp = check_state_ends(state, stage.inputs, stage.outputs)
         if Endpoint(stage.name, inp.name) in fed:
             other = fed[Endpoint(stage.name, inp.name)].src
             raise ConfigError(f"{where}: input '{inp.name}' of stage '{stage.name}' is fed twice: by {other} and by its state")
-        if out.dtype != inp.dtype:
-            raise ConfigError(f"{where}: dtype {out.dtype} != {inp.dtype}; a state output must have its input's dtype")
-        if inp.shape is None:
-            raise ConfigError(f"{where}: the rank of input '{inp.name}' is unknown, so its initial value has no shape")
-        if out.shape is not None and len(out.shape) != len(inp.shape):
-            raise ConfigError(f"{where}: rank {len(out.shape)} != {len(inp.shape)} ({_shape(out.shape)} vs {_shape(inp.shape)})")
-        axis = state.empty_axis
-        if axis is not None and not 0 <= axis < len(inp.shape):
-            raise ConfigError(f"{where}: empty_axis {axis} is out of range for {inp}; valid: 0..{len(inp.shape) - 1}")
-        if axis is not None and isinstance(inp.shape[axis], int) and inp.shape[axis] != 0:
-            raise ConfigError(f"{where}: empty_axis {axis} of {inp} has the fixed size {inp.shape[axis]}, so it cannot start empty")
         named = {d for t in self.inputs for d in (t.shape or ()) if isinstance(d, str)}
-        for i, d in enumerate(inp.shape):
-            if i != axis and not isinstance(d, int) and d not in named:
+        for i, d in enumerate(inp.shape or ()):
+            if i != state.empty_axis and not isinstance(d, int) and d not in named:
                 dim = "unnamed" if d is None else f"'{d}'"
                 choices = ", ".join(repr(n) for n in sorted(named)) or "none"
                 raise ConfigError(

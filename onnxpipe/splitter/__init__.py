@@ -7,6 +7,7 @@ from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
 from onnxpipe.splitter._plan import SplitPlan, SplitStage, split
 from onnxpipe.splitter._planner import PlanCandidate, PlanChoice, PlanResult, plan_pipeline
+from onnxpipe.splitter._states import StatePair, pair_states
 from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
 __all__ = [
@@ -26,12 +27,14 @@ __all__ = [
     "SplitPlan",
     "SplitPolicy",
     "SplitStage",
+    "StatePair",
     "TensorCut",
     "UniformPolicy",
     "VerifyReport",
     "inspect_model",
     "load_model",
     "make_policy",
+    "pair_states",
     "plan_pipeline",
     "profile_model",
     "split",
