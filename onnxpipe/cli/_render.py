@@ -131,6 +131,9 @@ def split_plan(plan: SplitPlan, folder: Path, threads: int | None = None) -> Non
     _table(console, table)
     if plan.auto is not None:
         _line(console, _auto_summary(plan, threads))
+    kept = {link.input: link.stage for link in plan.config.states}
+    for pair in plan.states:
+        _line(console, f"state: {pair}, kept in {kept[pair.input]}")
     _notes(console, plan.notes)
     files = sorted(p.name for p in folder.iterdir())
     _line(console, f"wrote {folder}: {', '.join(files)}")

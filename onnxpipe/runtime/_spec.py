@@ -190,6 +190,9 @@ def check_state_ends(state: StateLink, inputs: Iterable[TensorSpec], outputs: It
         raise ConfigError(f"{where}: the rank of input '{inp.name}' is unknown, so its initial value has no shape")
     if out.shape is not None and len(out.shape) != len(inp.shape):
         raise ConfigError(f"{where}: rank {len(out.shape)} != {len(inp.shape)} ({_shape(out.shape)} vs {_shape(inp.shape)})")
+    for i, (a, b) in enumerate(zip(inp.shape, out.shape or (), strict=False)):
+        if i != state.empty_axis and isinstance(a, int) and isinstance(b, int) and a != b:
+            raise ConfigError(f"{where}: dim {i} is {b} in the output but {a} in the input ({_shape(out.shape)} vs {_shape(inp.shape)})")
     axis = state.empty_axis
     if axis is not None and not 0 <= axis < len(inp.shape):
         raise ConfigError(f"{where}: empty_axis {axis} is out of range for {inp}; valid: 0..{len(inp.shape) - 1}")

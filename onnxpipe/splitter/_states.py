@@ -97,6 +97,9 @@ def pair_states(
             raise SplitError(f"state {out_name}={in_name}: output '{out_name}' is {out.dtype} but input '{in_name}' is {inp.dtype}; a state keeps its dtype")
         if out.shape is not None and inp.shape is not None and len(out.shape) != len(inp.shape):
             raise SplitError(f"state {out_name}={in_name}: output has rank {len(out.shape)} but input has rank {len(inp.shape)}")
+        for axis, (a, b) in enumerate(zip(inp.shape or (), out.shape or (), strict=False)):
+            if isinstance(a, int) and isinstance(b, int) and a != b:
+                raise SplitError(f"state {out_name}={in_name}: dim {axis} is {b} in output '{out_name}' but {a} in input '{in_name}'")
         pairs.append(StatePair(out_name, in_name, _empty_axis(out, inp)))
     return pairs
 
@@ -149,5 +152,5 @@ def check_together(pairs: Sequence[StatePair], readers: Mapping[str, Sequence[in
             where = ", ".join(f"stage{s}" for s in read)
             raise SplitError(
                 f"the cuts separate state '{pair.input}' (read by {where}) from '{pair.output}' (made by stage{maker}): "
-                f"a state stays in one stage; cut before the first node reading '{pair.input}' or after the node making '{pair.output}'"
+                f"a state stays in one stage; move the cut so that the nodes reading '{pair.input}' and the node making '{pair.output}' are in one stage"
             )
