@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-__all__ = ["decoder_feeds", "generate", "gpt_decoder", "recurrent", "whole_generate", "whole_recurrent"]
+__all__ = ["decoder_feeds", "decoder_session", "generate", "gpt_decoder", "recurrent", "session_generate", "whole_generate", "whole_recurrent"]
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -188,11 +188,16 @@ def generate(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]
     return tokens[len(prompt):], logits
 
 
-def whole_generate(model: ModelProto, prompt: list[int], count: int, threads: int = 1) -> tuple[list[int], list[np.ndarray]]:
-    """:func:`generate` with the whole model in one session, the KV cache fed by hand."""
+def decoder_session(model: ModelProto, threads: int = 1) -> ort.InferenceSession:
+    """The whole model in one onnxruntime session with ``threads`` intra-op threads."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def session_generate(session: ort.InferenceSession, prompt: list[int], count: int) -> tuple[list[int], list[np.ndarray]]:
+    """:func:`generate` with the whole model in one session, the KV cache fed by hand."""
     past_names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     shapes = {i.name: i.shape for i in session.get_inputs()}
     cache = {n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), np.float32) for n in past_names}
@@ -205,3 +210,8 @@ def whole_generate(model: ModelProto, prompt: list[int], count: int, threads: in
         return results
 
     return generate(step, prompt, count)
+
+
+def whole_generate(model: ModelProto, prompt: list[int], count: int, threads: int = 1) -> tuple[list[int], list[np.ndarray]]:
+    """:func:`session_generate` with a new session of the whole model."""
+    return session_generate(decoder_session(model, threads), prompt, count)
