@@ -13,6 +13,7 @@ session, feeding the KV cache by hand, as a user of onnxruntime alone would.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -92,7 +93,7 @@ def gpt_decoder(layers: int = 4, hidden: int = 32, heads: int = 2, vocab: int = 
         inits.append(numpy_helper.from_array(value, name))
         return name
 
-    def node(op: str, ins: list[str], out: str, **attrs: object) -> str:
+    def node(op: str, ins: list[str], out: str, **attrs: Any) -> str:
         nodes.append(helper.make_node(op, ins, [out], name=out, **attrs))
         return out
 
@@ -148,7 +149,7 @@ def gpt_decoder(layers: int = 4, hidden: int = 32, heads: int = 2, vocab: int = 
         x = node("Add", [x, node("MatMul", [up, w(f"{p}.W2", 4 * hidden, hidden)], f"{p}.down")], f"{p}.out")
     final = node("LayerNormalization", [x, "ln_scale", "ln_bias"], "ln_f", axis=-1)
     node("MatMul", [final, w("lm_head", hidden, vocab)], "logits")
-    kv = ["batch", heads, "past_seq", d]
+    kv: list[str | int | None] = ["batch", heads, "past_seq", d]
     inputs = [
         helper.make_tensor_value_info("input_ids", I64, ["batch", "seq"]),
         helper.make_tensor_value_info("attention_mask", I64, ["batch", "total_seq"]),

@@ -23,17 +23,14 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from onnxpipe._errors import InputError, StageError, StreamError
 from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
 
-if TYPE_CHECKING:
-    from onnxpipe.runtime._pipeline import Pipeline
-
-__all__ = ["Stream", "bind_dims", "state_dims"]
+__all__ = ["Stream", "StreamHost", "bind_dims", "state_dims"]
 
 Outputs = dict[str, np.ndarray]
 
@@ -57,6 +54,23 @@ def bind_dims(specs: Sequence[TensorSpec], arrays: Mapping[str, np.ndarray], nam
     return sizes
 
 
+class StreamHost(Protocol):
+    """What a stream needs from its pipeline (``Pipeline`` is one; the protocol keeps the import one-way)."""
+
+    @property
+    def spec(self) -> PipelineSpec: ...
+
+    _state_dims: frozenset[str]
+
+    def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
+
+    def _submit_step(self, arrays: Mapping[str, np.ndarray], stream: Stream, step: int) -> Future[Outputs]: ...
+
+    def _close_stream(self, stream: Stream) -> None: ...
+
+    def _expire_idle(self, caller: Stream | None) -> None: ...
+
+
 class Stream:
     """A sequence of steps through a pipeline whose stages keep the stream's state.
 
@@ -68,7 +82,7 @@ class Stream:
         id: The stream's number in its pipeline (from 0); also what engines route it by.
     """
 
-    def __init__(self, pipeline: Pipeline, stream_id: int) -> None:
+    def __init__(self, pipeline: StreamHost, stream_id: int) -> None:
         self.id = stream_id
         self._pipeline = pipeline
         self._lock = threading.Lock()
