@@ -102,3 +102,17 @@ def test_cli_split_shows_the_pairs_and_refuses_bad_ones(tmp_path: Path) -> None:
     assert_user_error(run("split", model, "-o", tmp_path / "bad", "--at", "state1N", "--state", "stat1N=state1"), "no output 'stat1N'")
     assert_usage_error(run("split", model, "-o", tmp_path / "bad", "--at", "state1N", "--state", "state1N"), "is not OUT=IN")
     assert_usage_error(run("split", model, "-o", tmp_path / "bad", "--at", "state1N", "--state", "auto", "--state", "a=b"), "give 'auto' alone")
+
+
+def test_cli_builds_exports_and_shows_a_bundle_with_state(tmp_path: Path) -> None:
+    model = tmp_path / "rnn.onnx"
+    onnx.save(recurrent(), model)
+    ok("split", model, "-o", tmp_path / "split", "--at", "state1N", "--state", "auto")
+    ok("build", tmp_path / "split", "-o", tmp_path / "built")
+    assert_user_error(
+        run("export", tmp_path / "built", "-o", tmp_path / "ref.onnxpipe", "--reference", "1", "--model", model),
+        "reference samples are single requests, but this pipeline keeps state between steps",
+    )
+    ok("export", tmp_path / "built", "-o", tmp_path / "rnn.onnxpipe")
+    shown = ok("inspect", tmp_path / "rnn.onnxpipe").output
+    assert "in  state1: float32[batch, 8]  <- state state1N (previous step)" in shown
