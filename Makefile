@@ -66,6 +66,7 @@ lint: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks --out bench-out
 	$(BIN)/python -m benchmarks.engines
+	$(BIN)/python -m benchmarks.streams
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(DEMO_OUT) .pytest_cache .hypothesis

@@ -16,6 +16,7 @@ from onnxpipe._errors import (
     OnnxpipeError,
     SplitError,
     StageError,
+    StreamError,
 )
 
 __version__ = "0.1.0"
@@ -28,5 +29,6 @@ __all__ = [
     "OnnxpipeError",
     "SplitError",
     "StageError",
+    "StreamError",
     "__version__",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "OnnxpipeError",
     "SplitError",
     "StageError",
+    "StreamError",
     "closest",
 ]
 
@@ -54,6 +55,19 @@ class StageError(OnnxpipeError):
         super().__init__(message)
         self.stage = stage
         self.request = request
+
+
+class StreamError(StageError):
+    """A stream cannot take a step (closed, timed out, too many streams), or one of its steps failed.
+
+    Attributes:
+        state_valid: For a failed step: whether the stream's state is still what it was before the
+            step (the stream can go on), or not (close it). ``None`` when no step failed.
+    """
+
+    def __init__(self, message: str, *, stage: str | None = None, request: int | None = None, state_valid: bool | None = None) -> None:
+        super().__init__(message, stage=stage, request=request)
+        self.state_valid = state_valid
 
 
 class InputError(OnnxpipeError):

@@ -119,3 +119,12 @@ def test_measurements_and_figures(executed: tuple[Any, dict[str, Any], Path]) ->
 def test_temporary_bundles_are_removed(executed: tuple[Any, dict[str, Any], Path]) -> None:
     _, summary, _ = executed
     assert not Path(summary["work"]).exists()
+
+
+@pytest.mark.slow
+def test_decoder_streams_match_one_session(executed: tuple[Any, dict[str, Any], Path]) -> None:
+    """Section 8: greedy decoding of 3 interleaved streams on top of stream.step equals one session; all closed."""
+    nb, summary, _ = executed
+    assert summary["streams"] == {"match": True, "streams": 3, "open_after": []}
+    shown = _stdout(nb, "import threading")
+    assert shown.count("(one session: same)") == 3

@@ -10,6 +10,10 @@ Stages come from .onnx files or in-memory models, or are Python code named by en
     s0.output("features").connect(s1.input("features"))
     s1.output("prob").connect(config.output("prob"))
 
+A stage output that feeds the same stage's input on a stream's next step (a recurrent state, a KV
+cache) is a *state link*, stated with :meth:`PipelineConfig.add_state`; the pipeline feeds such
+inputs itself, so they are not pipeline inputs (docs/streams.md).
+
 A global input or output that is connected before it was declared takes the dtype and shape of the
 stage port it is connected to. Every connect is checked at once (direction, self-links, dtype and
 shape); :meth:`PipelineConfig.to_spec` checks the whole (every input fed once, acyclic) and lists the
@@ -31,8 +35,8 @@ from onnx import ModelProto
 
 from onnxpipe._errors import ConfigError, closest
 from onnxpipe.builder._modules import io_specs, save_model, weight_specs
-from onnxpipe.runtime import Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, TensorSpec
-from onnxpipe.runtime._spec import CodeSpec, check_entry_point, find_tensor
+from onnxpipe.runtime import Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, TensorSpec
+from onnxpipe.runtime._spec import CodeSpec, check_entry_point, check_state_ends, find_tensor
 
 __all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "Stage"]
 
@@ -133,6 +137,7 @@ class PipelineConfig:
         self._outputs: dict[str, TensorSpec] = {}
         self._links: dict[Endpoint, Link] = {}  # by destination: each is fed once
         self._groups: dict[str, ParamGroup] = {}
+        self._states: dict[Endpoint, StateLink] = {}  # by state input
 
     # -- building up -------------------------------------------------------------------------------
 
@@ -273,6 +278,48 @@ class PipelineConfig:
         group = self._groups[name] = ParamGroup(name, target.name, specs)
         return group
 
+    def add_state(self, output: Port, input: Port, empty_axis: int | None = None) -> StateLink:
+        """State that a stage output feeds the same stage's input on the stream's next step.
+
+        On a stream's first step the input is fed zeros (see ``StateLink``'s Note: initial values),
+        empty along ``empty_axis`` if given (as a decoder's first step feeds an empty past).
+
+        Args:
+            output: The stage output holding the new state (``stage.output("present.0.key")``).
+            input: The same stage's input it feeds (``stage.input("past_key_values.0.key")``).
+            empty_axis: The axis along which the initial state is empty.
+
+        Returns:
+            The state link.
+
+        Raises:
+            ConfigError: the ports are not an output and an input of one stage, the input is
+                already fed, or dtypes, ranks or the initial value's sizes do not fit (named).
+        """
+        if not output.is_source or output.endpoint.stage is None:
+            raise ConfigError(f"a state link starts at a stage output, not {output}")
+        if input.is_source or input.endpoint.stage is None:
+            raise ConfigError(f"a state link ends at a stage input, not {input}")
+        if output.endpoint.stage != input.endpoint.stage:
+            raise ConfigError(
+                f"state link {output} -> {input} is not within one stage: a state stays in the stage that makes it; "
+                f"link {output} to an input of stage '{output.endpoint.stage}', or split so that both are in one stage"
+            )
+        stage = self.stage(output.endpoint.stage)
+        link = StateLink(stage.name, output.endpoint.tensor, input.endpoint.tensor, empty_axis)
+        if input.endpoint in self._links:
+            raise ConfigError(f"state link {link}: {input} is already fed by {self._links[input.endpoint].src}")
+        if input.endpoint in self._states:
+            raise ConfigError(f"state link {link}: {input} is already fed by state {self._states[input.endpoint].output}")
+        check_state_ends(link, stage.inputs, stage.outputs)
+        self._states[input.endpoint] = link
+        return link
+
+    @property
+    def states(self) -> tuple[StateLink, ...]:
+        """The state links, in the order they were added."""
+        return tuple(self._states.values())
+
     @property
     def param_groups(self) -> tuple[ParamGroup, ...]:
         """The parameter groups, in the order they were added."""
@@ -321,6 +368,8 @@ class PipelineConfig:
             raise ConfigError(f"cannot connect {src} to {dst}: a stage cannot feed itself")
         if dst.endpoint in self._links:
             raise ConfigError(f"{dst} is already fed by {self._links[dst.endpoint].src}")
+        if dst.endpoint in self._states:
+            raise ConfigError(f"{dst} is already fed by state {self._states[dst.endpoint].output}")
         src_spec = self._spec_of(src)
         dst_spec = self._spec_of(dst)
         if src_spec is None and dst_spec is None:
@@ -377,6 +426,7 @@ class PipelineConfig:
             links=tuple(self._links.values()),
             metadata={"name": self.name, **self.metadata},
             param_groups=tuple(self._groups.values()),
+            states=tuple(self._states.values()),
         )
         spec.validate()
         return spec
@@ -461,6 +511,8 @@ class PipelineConfig:
             config._links[link.dst] = link
         for group in spec.param_groups:
             config.add_param_group(group.name, group.stage, [t.name for t in group.params])
+        for state in spec.states:
+            config._states[Endpoint(state.stage, state.input)] = state
         return config
 
     # -- display -----------------------------------------------------------------------------------
@@ -483,7 +535,9 @@ class PipelineConfig:
             lines.append(f"  stage '{s.name}' ({what}; {_describe(s.settings)})")
             for t in s.inputs:
                 feed = self._links.get(Endpoint(s.name, t.name))
-                lines.append(f"    in  {t}  <- {feed.src if feed else 'UNBOUND'}")
+                state = self._states.get(Endpoint(s.name, t.name))
+                source = feed.src if feed else f"state {state.output} (previous step)" if state else "UNBOUND"
+                lines.append(f"    in  {t}  <- {source}")
             for t in s.outputs:
                 targets = by_src.get(Endpoint(s.name, t.name), [])
                 lines.append(f"    out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")

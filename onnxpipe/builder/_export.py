@@ -62,12 +62,16 @@ def export(
         The bundle's path.
 
     Raises:
-        BuildError: ``build_dir`` is not a build folder, ``out`` exists, or computing the
-            reference outputs needs code ``allow_code`` does not allow.
+        BuildError: ``build_dir`` is not a build folder, ``out`` exists, computing the reference
+            outputs needs code ``allow_code`` does not allow, or reference samples are given for a
+            pipeline with state links.
     """
     src = Path(build_dir)
     out = Path(out)
     spec = read_build(src)
+    if spec.states and reference_inputs:
+        # A reference sample is one stateless request; a pipeline with state runs streams of steps.
+        raise BuildError(f"reference samples are single requests, but this pipeline keeps state between steps ({spec.states[0]}, ...); export it without them")
     if reference_outputs is None and reference_model is not None and reference_inputs:
         reference_outputs = _model_outputs(reference_model, spec, reference_inputs)
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):

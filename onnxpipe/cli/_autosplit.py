@@ -40,12 +40,14 @@ def policy_split(
     dims: Mapping[str, int],
     asked: Sequence[str],
     overwrite: bool,
+    states: str | Sequence[tuple[str, str]] | None = None,
 ) -> None:
     """Split ``model`` with the named policy and write the stages to ``out``.
 
     Args:
         count: ``{"stages": N}`` or ``{"max_stages": K}``.
         asked: The options the user set (as flags), to refuse those the policy does not take.
+        states: State pairs to keep in one stage each (``split``'s ``states``).
 
     Raises:
         click.UsageError: an option the policy does not take.
@@ -65,7 +67,7 @@ def policy_split(
     _check_paths(model, out, overwrite)
     quiet_onnxruntime()
     with working(f"splitting {model.name} with policy '{policy}'" + (" (profiling node costs unless cached)" if "settings" in takes else "")):
-        plan = split(model, policy=make_policy(policy, **count, **options))
+        plan = split(model, policy=make_policy(policy, **count, **options), states=states)
     folder = plan.save(out, overwrite=overwrite)
     _render.split_plan(plan, folder, threads if "settings" in takes else None)
 

@@ -164,6 +164,14 @@ main.add_command(bench)
     metavar="M",
     help="With --cores: measure the M best-predicted pipelines (the best one-session and replicas plans always are).",
 )
+@click.option(
+    "--state",
+    "state",
+    multiple=True,
+    metavar="auto|OUT=IN",
+    help="State carried to a stream's next step: 'auto' pairs present.N... -> past_key_values.N..., stateN -> state; "
+    "or give OUT=IN. Repeatable. Each pair stays in one stage (docs/streams.md).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.pass_context
 def split(
@@ -185,6 +193,7 @@ def split(
     rounds: int,
     requests: int,
     measure: int,
+    state: Sequence[str],
     overwrite: bool,
 ) -> None:
     """Split MODEL into stages and write them, with their wiring, to OUT.
@@ -222,13 +231,15 @@ def split(
       onnxpipe split model.onnx -o out --auto --max-stages 4 --max-stage-weights 512MiB --pin conv1=0
       onnxpipe split model.onnx -o out --auto --stages 3 --policy params
       onnxpipe split model.onnx -o plan --auto --cores 4 && onnxpipe build plan -o built
+      onnxpipe split decoder.onnx -o out --at layer3.out --state auto   # KV cache stays in its stage
 
     `onnxpipe inspect MODEL` proposes cuts with the exact --at value to use; `onnxpipe inspect MODEL
     --profile` shows the measured node costs and the best cut for each number of stages.
     """
     by_hand = [flag for flag, value in (("--at", at), ("--at-op", at_op), ("--assign", assign)) if value]
+    states = _states(state)
     if auto:
-        _split_auto(ctx, model, out, by_hand, overwrite)
+        _split_auto(ctx, model, out, by_hand, overwrite, states)
         return
     auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "rounds", "requests", "measure")
     if auto_only:
@@ -240,15 +251,34 @@ def split(
     from onnxpipe.splitter import split as split_model
 
     if assign is not None:
-        plan = split_model(model, assignment=_read_assignment(assign))
+        plan = split_model(model, assignment=_read_assignment(assign), states=states)
     else:
         cuts: list[object] = [_tensor_cut(a) for a in at] if at else list(at_op)
-        plan = split_model(model, cuts)
+        plan = split_model(model, cuts, states=states)
     folder = plan.save(out, overwrite=overwrite)
     _render.split_plan(plan, folder)
 
 
-def _split_auto(ctx: click.Context, model: Path, out: Path, by_hand: list[str], overwrite: bool) -> None:
+def _states(values: Sequence[str]) -> str | list[tuple[str, str]] | None:
+    """``--state`` values: ``auto``, or ``OUT=IN`` pairs (not both)."""
+    if not values:
+        return None
+    if "auto" in values:
+        if len(values) > 1:
+            raise click.BadParameter("give 'auto' alone, or OUT=IN pairs", param_hint="'--state'")
+        return "auto"
+    pairs = []
+    for value in values:
+        out, sep, inp = value.partition("=")
+        if not sep or not out.strip() or not inp.strip():
+            raise click.BadParameter(f"{value!r} is not OUT=IN (e.g. present.0.key=past_key_values.0.key) or 'auto'", param_hint="'--state'")
+        pairs.append((out.strip(), inp.strip()))
+    return pairs
+
+
+def _split_auto(
+    ctx: click.Context, model: Path, out: Path, by_hand: list[str], overwrite: bool, states: str | list[tuple[str, str]] | None = None
+) -> None:
     """``split --auto``: check which options go together, then the policy or the planner."""
     from onnxpipe.cli import _autosplit
 
@@ -260,7 +290,7 @@ def _split_auto(ctx: click.Context, model: Path, out: Path, by_hand: list[str], 
         problem = f"not {' and '.join(counts)}" if counts else "none given"
         raise click.UsageError(f"--auto needs exactly one of --stages N, --max-stages K or --cores C ({problem})")
     if p["cores"] is not None:
-        not_planner = given(ctx, "policy", "max_stage_weights", "pins", "threads")
+        not_planner = given(ctx, "policy", "max_stage_weights", "pins", "threads", "state")
         if not_planner:
             raise click.UsageError(f"{', '.join(not_planner)}: not with --cores; the planner profiles 1..C threads itself and cuts with the measured policy")
         _autosplit.planned_split(
@@ -281,6 +311,7 @@ def _split_auto(ctx: click.Context, model: Path, out: Path, by_hand: list[str], 
         dims=dict(p["dims"]),
         asked=given(ctx, "threads", "max_stage_weights", "pins", "dims"),
         overwrite=overwrite,
+        states=states,
     )
 
 

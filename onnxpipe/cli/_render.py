@@ -132,6 +132,9 @@ def split_plan(plan: SplitPlan, folder: Path, threads: int | None = None) -> Non
     _table(console, table)
     if plan.auto is not None:
         _line(console, _auto_summary(plan, threads))
+    kept = {link.input: link.stage for link in plan.config.states}
+    for pair in plan.states:
+        _line(console, f"state: {pair}, kept in {kept[pair.input]}")
     _notes(console, plan.notes)
     files = sorted(p.name for p in folder.iterdir())
     _line(console, f"wrote {folder}: {', '.join(files)}")
@@ -448,8 +451,10 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
             _line(console, f"stage {k} '{s.name}': {s.module}, {human_bytes(stage_module_bytes(bundle, s))}")
             _line(console, f"  settings: {_settings(s.settings)}")
             _line(console, f"  build:    {_build_detail(s)}")
+        states = {st.input: st for st in spec.states_of(s.name)}
         for t in s.inputs:
-            _line(console, f"  in  {t}  <- {spec.source_of(Endpoint(s.name, t.name))}")
+            source = f"state {states[t.name].output} (previous step)" if t.name in states else spec.source_of(Endpoint(s.name, t.name))
+            _line(console, f"  in  {t}  <- {source}")
         for t in s.outputs:
             targets = by_src.get(Endpoint(s.name, t.name), [])
             _line(console, f"  out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")

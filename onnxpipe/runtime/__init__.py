@@ -7,16 +7,18 @@ from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, nu
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import check_dims, check_inputs, random_inputs, sample_shapes
 from onnxpipe.runtime._ortapi import ModelMetadata, NodeArg
-from onnxpipe.runtime._pipeline import ENGINES, Pipeline, ReferenceCheck, load
+from onnxpipe.runtime._pipeline import DEFAULT_MAX_STREAMS, ENGINES, Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._ray import RayOptions
 from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
-from onnxpipe.runtime._spec import SPEC_VERSION, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, TensorSpec
+from onnxpipe.runtime._spec import SPEC_VERSION, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, StateLink, TensorSpec
 from onnxpipe.runtime._stats import PipelineStats, StageStats
+from onnxpipe.runtime._stream import Stream
 
 __all__ = [
     "ARCHIVE_SUFFIX",
+    "DEFAULT_MAX_STREAMS",
     "DEFAULT_QUEUE_DEPTH",
     "DTYPES",
     "ENGINES",
@@ -44,6 +46,8 @@ __all__ = [
     "StageSettings",
     "StageSpec",
     "StageStats",
+    "StateLink",
+    "Stream",
     "TensorSpec",
     "benchmark",
     "check_allowed",

@@ -7,6 +7,13 @@ Note: the engine boundary.
     inputs or parameters: those live in the pipeline, and what a stage does lives in
     :class:`~onnxpipe.runtime._stage.StageRunner`. Another engine (processes, Ray actors) implements
     the same four methods and reuses the runners, the plans and the statistics.
+
+Note: streams.
+    A request of a stream (``request.stream``) must reach the same replica of each stage as the
+    stream's other requests, since that replica's runner holds the stream's state; and it must
+    reach it after them (first in, first out). A stage with state and several replicas therefore
+    has one channel per replica, and :meth:`ThreadEngine._channel` is the one place a request's
+    replica is chosen. Stateless stages keep one channel that all their replicas take from.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Protocol
 
 from onnxpipe._errors import ConfigError, StageError
 from onnxpipe.runtime._channel import Channel, Closed
-from onnxpipe.runtime._stage import Request, Runner, StagePlan
+from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan
 from onnxpipe.runtime._stats import StageRecorder
 
 __all__ = ["DEFAULT_QUEUE_DEPTH", "Engine", "RunnerFactory", "ThreadEngine"]
@@ -77,7 +84,10 @@ class ThreadEngine:
         self._plans = list(plans)
         self._runners = [[factory(p, r) for r in range(p.stage.settings.replicas)] for p in self._plans]
         self._recorders = [[StageRecorder(p.stage.name, r, trace) for r in range(p.stage.settings.replicas)] for p in self._plans]
-        self._channels: list[Channel[Request]] = [Channel(queue_depth) for _ in self._plans]
+        # One channel per stage, or per replica of a stage with state (see Note: streams).
+        self._channels: list[list[Channel[Request]]] = [
+            [Channel(queue_depth) for _ in range(p.stage.settings.replicas if p.states else 1)] for p in self._plans
+        ]
         self._orphans: list[Request] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -104,13 +114,15 @@ class ThreadEngine:
                 os.sched_setaffinity(0, cores)  # 0: this thread, on Linux
         except OSError as e:
             errors.append(ConfigError(f"stage '{runner.name}': the OS refused CPU affinity {sorted(cores or ())}: {e.strerror}"))
-            self._channels[i].close()
+            for channel in self._channels[i]:
+                channel.close()
         recorder = self._recorders[i][r]
         recorder.thread_id = threading.get_ident()
         ready.wait()
         # Hot loop: bound methods looked up once.
-        take = self._channels[i].reader().get
-        hand_on = self._channels[i + 1].put if i + 1 < len(self._channels) else None
+        own = self._channels[i]
+        take = own[r if len(own) > 1 else 0].reader().get
+        hand_on = self._hand_on(i + 1) if i + 1 < len(self._channels) else None
         record, clock = recorder.record, time.perf_counter
         while True:
             try:
@@ -123,7 +135,8 @@ class ThreadEngine:
                     runner(request)
                 except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
                     request.error = self._failure(runner.name, request.id, e)
-                record(request.id, start, clock(), request.error is None)
+                if request.step != CLOSE:
+                    record(request.id, start, clock(), request.error is None)
             try:
                 if hand_on is None:
                     assert request.done is not None
@@ -142,16 +155,35 @@ class ThreadEngine:
             return StageError(f"the pipeline was closed before request {request} finished", request=request)
         return StageError(f"stage '{stage}' failed on request {request}: {error}", stage=stage, request=request)
 
+    def _channel(self, i: int, request: Request) -> Channel[Request]:
+        """The channel of stage ``i`` that ``request`` goes to: the one place a replica is chosen.
+
+        A stream goes to replica ``stream % replicas`` of each stage with state, so its requests
+        meet its state (streams are numbered in order, so they spread evenly); any other request
+        goes to the stage's one channel, which all its replicas take from.
+        """
+        channels = self._channels[i]
+        if len(channels) == 1:
+            return channels[0]
+        return channels[(request.stream or 0) % len(channels)]
+
+    def _hand_on(self, i: int) -> Callable[[Request], None]:
+        """How a worker puts a request into stage ``i``'s queue (a bound method when there is one queue)."""
+        if len(self._channels[i]) == 1:
+            return self._channels[i][0].put
+        return lambda request: self._channel(i, request).put(request)
+
     def submit(self, request: Request) -> None:
         """Enqueue for the first stage; blocks while its queue is full."""
-        self._channels[0].put(request)
+        self._channel(0, request).put(request)
 
     def close(self) -> list[Request]:
         """Close the channels, cancel runs in progress, join the workers."""
         self._closing = True
         left: list[Request] = []
-        for channel in self._channels:
-            left.extend(channel.close())
+        for channels in self._channels:
+            for channel in channels:
+                left.extend(channel.close())
         for runners in self._runners:
             for runner in runners:
                 runner.cancel()
@@ -170,7 +202,7 @@ class ThreadEngine:
 
     def queues(self) -> list[tuple[int, int, int]]:
         """Each stage's input queue: depth now, high water, capacity."""
-        return [(len(c), c.high_water, c.capacity) for c in self._channels]
+        return [(sum(len(c) for c in cs), sum(c.high_water for c in cs), sum(c.capacity for c in cs)) for cs in self._channels]
 
     def runners(self) -> list[list[Runner]]:
         """Each stage's replicas' runners, in pipeline order."""

@@ -28,7 +28,7 @@ from typing import Any, overload
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import ConfigError, InputError, StageError, closest
+from onnxpipe._errors import ConfigError, InputError, StageError, StreamError, closest
 from onnxpipe.runtime._bundle import Bundle, Limits, read_bundle
 from onnxpipe.runtime._channel import Closed
 from onnxpipe.runtime._code import check_allowed
@@ -37,8 +37,9 @@ from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
 from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is imported only when a RayEngine starts
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
-from onnxpipe.runtime._stage import Request, Runner, StagePlan, make_runner, plan_stages
+from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, write_trace
+from onnxpipe.runtime._stream import Stream, state_dims
 
 __all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
 
@@ -47,6 +48,8 @@ ENGINES = ("thread", "ray")
 
 Outputs = dict[str, np.ndarray]
 _TVM: Any = object()  # run() called without arguments: the TVM protocol
+#: Streams that may be open at once, by default: each holds its state in every stage with state.
+DEFAULT_MAX_STREAMS = 64
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,15 @@ class Pipeline(InferenceSessionAPI):
         address: The Ray cluster (``"auto"`` or ``"HOST:PORT"``; engine ``"ray"`` only).
         ray_options: Placement, shipping and supervision on Ray (engine ``"ray"`` only).
         source: The bundle's path, for ``RayOptions(shared=True)``.
+        max_streams: Streams that may be open at once (see :meth:`stream`).
+        stream_timeout: Close a stream idle for longer than this many seconds (``None``: never);
+            its next step then raises :class:`StreamError` saying so.
 
     Raises:
         BundleError: the bundle names Python (code stages, custom-op libraries) that
             ``bundle.allow_code`` does not allow (nothing is imported then), or that is not on
             this host.
+        ConfigError: ``max_streams`` or ``stream_timeout`` is not positive.
     """
 
     def __init__(
@@ -94,11 +101,25 @@ class Pipeline(InferenceSessionAPI):
         address: str | None = None,
         ray_options: RayOptions | None = None,
         source: str | os.PathLike[str] | None = None,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+        stream_timeout: float | None = None,
     ) -> None:
+        if max_streams < 1:
+            raise ConfigError(f"max_streams must be at least 1, got {max_streams}")
+        if stream_timeout is not None and not stream_timeout > 0:
+            raise ConfigError(f"stream_timeout must be a positive number of seconds or None, got {stream_timeout}")
         check_allowed(bundle.spec, bundle.allow_code)  # every refusal in one message, before any import
         self.bundle = bundle
+        self.max_streams = max_streams
+        self.stream_timeout = stream_timeout
+        self._streams: dict[int, Stream] = {}
+        self._closing_streams: dict[int, Stream] = {}
+        self._next_stream = 0
+        self._state_dims = state_dims(bundle.spec)
         self._target = target
         plans, self._finals = plan_stages(bundle.spec)
+        self._state_stages = [p.stage.name for p in plans if p.states]  # in pipeline order
+        self._order = {p.stage.name: i for i, p in enumerate(plans)}
         self._lock = threading.Lock()
         self._next_id = 0
         self._in_flight = 0
@@ -289,39 +310,75 @@ class Pipeline(InferenceSessionAPI):
         return self._submit(inputs)[1]
 
     def _submit(self, inputs: Mapping[str, Any]) -> tuple[int, Future[Outputs]]:
-        arrays = check_inputs(self.spec.inputs, inputs)
+        if self.spec.states:
+            raise StreamError(
+                f"this pipeline keeps state between steps ({len(self.spec.states)} state link(s), e.g. {self.spec.states[0]}): "
+                "run it through a stream, `with pipe.stream() as s: s.step(inputs)`"
+            )
+        return self._enqueue(self._check(inputs))
+
+    def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return check_inputs(self.spec.inputs, inputs)
+
+    def _enqueue(self, arrays: Mapping[str, np.ndarray], stream: Stream | None = None, step: int = 0) -> tuple[int, Future[Outputs]]:
+        """Hand one request (a stateless one, a stream's step, or a stream's close) to the engine."""
         future: Future[Outputs] = Future()
         with self._lock:
             if self._closed:
+                if stream is not None and step != CLOSE:
+                    stream._finished(step, None, ())
                 raise StageError("the pipeline is closed")
             request = Request(self._next_id, {Endpoint(None, n): a for n, a in arrays.items()}, self._params, time.perf_counter(), done=self._finish)
+            if stream is not None:
+                request.stream, request.step, request.dims = stream.id, step, stream.dims
             self._next_id += 1
             self._in_flight += 1
             self._futures[request.id] = future
         future.set_running_or_notify_cancel()
-        self._requests.submitted(request.submitted)
+        if step != CLOSE:
+            self._requests.submitted(request.submitted)
         try:
             self._engine.submit(request)
         except Closed:
             self._fail(request, StageError(f"the pipeline was closed before request {request.id} started", request=request.id))
         return request.id, future
 
+    def _submit_step(self, arrays: Mapping[str, np.ndarray], stream: Stream, step: int) -> Future[Outputs]:
+        return self._enqueue(arrays, stream, step)[1]
+
     def _finish(self, request: Request) -> None:
-        if request.error is None:
-            outputs: Outputs = {name: request.values[key] for name, key in self._finals.items()}
-        self._requests.finished(request.submitted, time.perf_counter(), request.error is None)
+        error = request.error
+        if request.step == CLOSE:
+            outputs: Outputs = {}
+        else:
+            if error is None:
+                outputs = {name: request.values[key] for name, key in self._finals.items()}
+            self._requests.finished(request.submitted, time.perf_counter(), error is None)
+            if request.stream is not None:
+                error = self._stream_finished(request)
         with self._lock:
             future = self._futures.pop(request.id, None)
             self._in_flight -= 1
         if future is None:
             return
         try:
-            if request.error is None:
+            if error is None:
                 future.set_result(outputs)
             else:
-                future.set_exception(request.error)
+                future.set_exception(error)
         except InvalidStateError:
             pass  # cancelled by its owner meanwhile
+
+    def _stream_finished(self, request: Request) -> BaseException | None:
+        """Tell the step's stream how it ended; the error its future raises (see Note: a failed step, _stream.py)."""
+        with self._lock:
+            stream = self._streams.get(request.stream) or self._closing_streams.get(request.stream)  # type: ignore[arg-type]
+        if stream is None:
+            return request.error
+        failed_at = getattr(request.error, "stage", None)
+        last = self._order.get(failed_at, -1) if failed_at else -1
+        advanced = [s for s in self._state_stages if self._order[s] < last]
+        return stream._finished(request.step, request.error, advanced)
 
     def _fail(self, request: Request, error: BaseException) -> None:
         request.error = request.error or error
@@ -348,6 +405,76 @@ class Pipeline(InferenceSessionAPI):
     def __call__(self, inputs: Mapping[str, Any]) -> Outputs:
         """Run one request and wait for its outputs."""
         return self.submit(inputs).result()
+
+    # -- streams ----------------------------------------------------------------------------------
+
+    def stream(self) -> Stream:
+        """Open a stream: a sequence of steps whose state (``PipelineSpec.states``) stays in the stages.
+
+        Each stage with state keeps the stream's state in the runner of one of its replicas, which
+        takes all of the stream's steps; steps of one stream run in order, steps of different
+        streams overlap. Close the stream (or use it as a context manager) to free its state.
+
+        Returns:
+            The new :class:`Stream`.
+
+        Raises:
+            StreamError: ``max_streams`` streams are open already (none is ever evicted to make
+                room), or the pipeline is closed.
+        """
+        self._expire_idle(None)
+        with self._lock:
+            if self._closed:
+                raise StreamError("the pipeline is closed")
+            if len(self._streams) >= self.max_streams:
+                ids = ", ".join(str(i) for i in sorted(self._streams))
+                raise StreamError(
+                    f"max_streams={self.max_streams} streams are open already (ids {ids}); close one first, "
+                    "or load the pipeline with a larger max_streams"
+                )
+            stream = Stream(self, self._next_stream)
+            self._next_stream += 1
+            self._streams[stream.id] = stream
+        return stream
+
+    @property
+    def open_streams(self) -> list[int]:
+        """The ids of the streams open now."""
+        with self._lock:
+            return sorted(self._streams)
+
+    def _close_stream(self, stream: Stream) -> None:
+        """Free a stream's state in every stage: a close request follows its steps through the pipeline."""
+        with self._lock:
+            if self._streams.pop(stream.id, None) is None:
+                return
+            self._closing_streams[stream.id] = stream  # its steps in flight still report to it
+        try:
+            if self.spec.states:
+                try:
+                    _, done = self._enqueue({}, stream, CLOSE)
+                except StageError:
+                    return  # the pipeline is closed: its runners and their states are gone with it
+                try:
+                    done.result()
+                except StageError:
+                    pass  # closed meanwhile: as above
+        finally:
+            with self._lock:
+                self._closing_streams.pop(stream.id, None)
+
+    def _expire_idle(self, caller: Stream | None) -> None:
+        """Close the streams idle for longer than ``stream_timeout`` (their next step says so)."""
+        if self.stream_timeout is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            idle = [s for s in self._streams.values() if s is not caller and s.idle_for(now) > self.stream_timeout]
+        if caller is not None and caller.idle_for(now) > self.stream_timeout:
+            idle.append(caller)
+        for stream in idle:
+            if stream._expire(f"it was idle for more than stream_timeout={self.stream_timeout:g} s, and its state was freed"):
+                self._close_stream(stream)
 
     def check(self, rtol: float = 1e-4, atol: float = 1e-5) -> list[ReferenceCheck]:
         """Run the bundle's reference inputs and compare with its reference outputs.
@@ -418,6 +545,9 @@ class Pipeline(InferenceSessionAPI):
                 return
             self._closed = True
         self._finalizer.detach()
+        for stream in list(self._streams.values()):
+            stream._expire("its pipeline was closed")
+        self._streams.clear()
         for request in self._engine.close():
             self._fail(request, StageError(f"the pipeline was closed before request {request.id} finished", request=request.id))
         with self._lock:
@@ -448,6 +578,8 @@ def load(
     engine: str = "thread",
     address: str | None = None,
     ray_options: RayOptions | None = None,
+    max_streams: int = DEFAULT_MAX_STREAMS,
+    stream_timeout: float | None = None,
 ) -> Pipeline:
     """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime, and start it.
 
@@ -467,18 +599,21 @@ def load(
             replica a Ray actor on a Ray cluster; needs ``pip install 'onnxpipe[ray]'``).
         address: The Ray cluster's address, ``"auto"`` or ``"HOST:PORT"`` (engine ``"ray"``).
         ray_options: Placement, shipping and supervision on Ray (:class:`RayOptions`).
+        max_streams: Streams that may be open at once (see :meth:`Pipeline.stream`).
+        stream_timeout: Close streams idle for longer than this many seconds (``None``: never).
 
     Raises:
         BundleError: the bundle is missing, broken or refused as unsafe, a stage's provider is
             not available here (or, on Ray, on the node its actor landed on), or it names Python
             ``allow_code`` does not allow or this host does not have.
         ConfigError: the OS refused a stage's CPU affinity; an unknown engine; on Ray: Ray is not
-            installed, the cluster cannot be reached, or a stage cannot be placed.
+            installed, the cluster cannot be reached, or a stage cannot be placed; ``max_streams`` or
+            ``stream_timeout`` is not positive.
     """
     # A hostile bundle, or code the host does not allow, is refused here, before anything ships.
     bundle = read_bundle(path, limits, allow_code=allow_code)
     try:
-        return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path)
+        return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path, max_streams=max_streams, stream_timeout=stream_timeout)
     except BaseException:
         bundle.close()
         raise

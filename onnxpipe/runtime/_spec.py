@@ -33,7 +33,9 @@ __all__ = [
     "ParamGroup",
     "PipelineSpec",
     "StageSpec",
+    "StateLink",
     "TensorSpec",
+    "check_state_ends",
     "describe_json",
     "CodeSpec",
     "check_entry_point",
@@ -257,6 +259,33 @@ class StageSpec:
         return find_tensor(self.outputs, name, f"stage '{self.name}' has no output")
 
 
+def check_state_ends(state: StateLink, inputs: Iterable[TensorSpec], outputs: Iterable[TensorSpec]) -> TensorSpec:
+    """Check that a state link's output and input exist in its stage (whose boundary is given) and
+    fit: same dtype and rank, a known rank, an ``empty_axis`` in range. Returns the input's spec.
+
+    Raises:
+        ConfigError: naming the link and the valid choices.
+    """
+    where = f"state link {state.output} -> {state.input}"
+    out = find_tensor(outputs, state.output, f"{where}: stage '{state.stage}' has no output")
+    inp = find_tensor(inputs, state.input, f"{where}: stage '{state.stage}' has no input")
+    if out.dtype != inp.dtype:
+        raise ConfigError(f"{where}: dtype {out.dtype} != {inp.dtype}; a state output must have its input's dtype")
+    if inp.shape is None:
+        raise ConfigError(f"{where}: the rank of input '{inp.name}' is unknown, so its initial value has no shape")
+    if out.shape is not None and len(out.shape) != len(inp.shape):
+        raise ConfigError(f"{where}: rank {len(out.shape)} != {len(inp.shape)} ({_shape(out.shape)} vs {_shape(inp.shape)})")
+    for i, (a, b) in enumerate(zip(inp.shape, out.shape or (), strict=False)):
+        if i != state.empty_axis and isinstance(a, int) and isinstance(b, int) and a != b:
+            raise ConfigError(f"{where}: dim {i} is {b} in the output but {a} in the input ({_shape(out.shape)} vs {_shape(inp.shape)})")
+    axis = state.empty_axis
+    if axis is not None and not 0 <= axis < len(inp.shape):
+        raise ConfigError(f"{where}: empty_axis {axis} is out of range for {inp}; valid: 0..{len(inp.shape) - 1}")
+    if axis is not None and isinstance(inp.shape[axis], int) and inp.shape[axis] != 0:
+        raise ConfigError(f"{where}: empty_axis {axis} of {inp} has the fixed size {inp.shape[axis]}, so it cannot start empty")
+    return inp
+
+
 def find_tensor(specs: Iterable[TensorSpec], name: str, what: str) -> TensorSpec:
     """The spec named ``name`` in ``specs``, or a :class:`ConfigError` starting with ``what``."""
     specs = tuple(specs)
@@ -282,6 +311,35 @@ class ParamGroup:
 
 
 @dataclass(frozen=True)
+class StateLink:
+    """A stage output that feeds the same stage's input on its stream's next step (a recurrent
+    state, a layer's KV cache): see docs/streams.md.
+
+    Note: initial values.
+        A stream's first step feeds the state input zeros of the input's declared shape. Fixed
+        sizes are taken as they are; a symbolic dim takes its size from the pipeline input that
+        names it on the stream's first step (``"batch"``); the ``empty_axis``, if given, is 0 long,
+        as a decoder's first step feeds an empty past. Any other dim (unnamed, or named by no
+        pipeline input) has no size to start from, and :meth:`PipelineSpec.validate` refuses it.
+
+    Attributes:
+        stage: The stage both tensors belong to.
+        output: The stage output holding the new state after a step (``present.0.key``).
+        input: The stage input fed the state on the next step (``past_key_values.0.key``).
+        empty_axis: The axis along which the initial state is empty (a past's sequence axis), or
+            ``None`` for zeros of the full shape.
+    """
+
+    stage: str
+    output: str
+    input: str
+    empty_axis: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.stage}.{self.output} -> {self.stage}.{self.input} (next step)"
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     """A whole pipeline: global inputs and outputs, stages in pipeline order, and the links.
 
@@ -295,6 +353,11 @@ class PipelineSpec:
     links: tuple[Link, ...]
     metadata: Mapping[str, str] = field(default_factory=dict)
     param_groups: tuple[ParamGroup, ...] = ()
+    states: tuple[StateLink, ...] = ()
+
+    def states_of(self, stage: str) -> tuple[StateLink, ...]:
+        """The state links of one stage (empty for a stateless stage)."""
+        return tuple(s for s in self.states if s.stage == stage)
 
     def stage(self, name: str) -> StageSpec:
         """The stage named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
@@ -351,6 +414,9 @@ class PipelineSpec:
             reason = src.mismatch(dst)
             if reason:
                 raise ConfigError(f"link {link}: {reason}")
+        for state in self.states:
+            self._check_state(state, fed)
+            fed[Endpoint(state.stage, state.input)] = Link(Endpoint(state.stage, state.output), Endpoint(state.stage, state.input))
         for stage in self.stages:
             for t in stage.inputs:
                 if Endpoint(stage.name, t.name) not in fed:
@@ -358,6 +424,28 @@ class PipelineSpec:
         for t in self.outputs:
             if Endpoint(None, t.name) not in fed:
                 raise ConfigError(f"pipeline output '{t.name}' is not fed by any link")
+
+    def _check_state(self, state: StateLink, fed: Mapping[Endpoint, Link]) -> None:
+        """One state link: its ends (see :func:`check_state_ends`), its input fed by it alone, and
+        an initial value whose every size is known (see Note: initial values)."""
+        where = f"state link {state.output} -> {state.input}"
+        try:
+            stage = self.stage(state.stage)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        inp = check_state_ends(state, stage.inputs, stage.outputs)
+        if Endpoint(stage.name, inp.name) in fed:
+            other = fed[Endpoint(stage.name, inp.name)].src
+            raise ConfigError(f"{where}: input '{inp.name}' of stage '{stage.name}' is fed twice: by {other} and by its state")
+        named = {d for t in self.inputs for d in (t.shape or ()) if isinstance(d, str)}
+        for i, d in enumerate(inp.shape or ()):
+            if i != state.empty_axis and not isinstance(d, int) and d not in named:
+                dim = "unnamed" if d is None else f"'{d}'"
+                choices = ", ".join(repr(n) for n in sorted(named)) or "none"
+                raise ConfigError(
+                    f"{where}: dim {i} ({dim}) of {inp} has no initial size: no pipeline input names it "
+                    f"(named dims: {choices}); make it the empty_axis or give it a fixed size or a named one"
+                )
 
     def _backward(self, link: Link, position: dict[str, int]) -> str:
         # Tell a cycle apart from a mere listing order: the first is a wiring bug, the second is not
@@ -413,6 +501,8 @@ class PipelineSpec:
                 {"name": g.name, "stage": g.stage, "params": [_tensor_to_dict(t) for t in g.params]} for g in self.param_groups
             ],
             "links": [{"from": _endpoint_to_dict(lk.src, "input"), "to": _endpoint_to_dict(lk.dst, "output")} for lk in self.links],
+            # Written only when there are some, so a stateless pipeline's JSON is as before.
+            **({"states": [_state_to_dict(s) for s in self.states]} if self.states else {}),
         }
 
     def to_json(self) -> str:
@@ -555,6 +645,21 @@ def _tensor_from_dict(d: Mapping[str, Any], where: str = "tensor") -> TensorSpec
     return TensorSpec(name, dtype, shape)
 
 
+def _state_to_dict(state: StateLink) -> dict[str, Any]:
+    data: dict[str, Any] = {"stage": state.stage, "output": state.output, "input": state.input}
+    if state.empty_axis is not None:
+        data["empty_axis"] = state.empty_axis
+    return data
+
+
+def _state_from_dict(d: Mapping[str, Any], where: str) -> StateLink:
+    unknown = set(d) - {"stage", "output", "input", "empty_axis"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid: stage, output, input, empty_axis")
+    axis = _need(d, "empty_axis", (int, type(None)), where, None)
+    return StateLink(_need(d, "stage", str, where), _need(d, "output", str, where), _need(d, "input", str, where), axis)
+
+
 def _endpoint_to_dict(ep: Endpoint, global_key: str) -> dict[str, str]:
     return {global_key: ep.tensor} if ep.stage is None else {"stage": ep.stage, "tensor": ep.tensor}
 
@@ -634,6 +739,7 @@ def _from_dict(data: Any) -> PipelineSpec:
         ),
         metadata=_strings(data, "metadata", where),
         param_groups=groups,
+        states=tuple(_state_from_dict(s, w) for w, s in _items(data, "states", where, optional=True)),
     )
     coded = [s.name for s in spec.stages if s.code is not None]
     if coded and version == 1:

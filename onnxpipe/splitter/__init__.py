@@ -8,6 +8,7 @@ from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
 from onnxpipe.splitter._pipelinefile import PIPELINE_FILE_FORMAT, PIPELINE_FILE_VERSION, is_pipeline_file, read_pipeline_file
 from onnxpipe.splitter._plan import SplitPlan, SplitStage, split
 from onnxpipe.splitter._planner import PlanCandidate, PlanChoice, PlanResult, plan_pipeline
+from onnxpipe.splitter._states import StatePair, pair_states
 from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "SplitPlan",
     "SplitPolicy",
     "SplitStage",
+    "StatePair",
     "TensorCut",
     "UniformPolicy",
     "VerifyReport",
@@ -36,6 +38,7 @@ __all__ = [
     "is_pipeline_file",
     "load_model",
     "make_policy",
+    "pair_states",
     "plan_pipeline",
     "profile_model",
     "read_pipeline_file",

@@ -21,6 +21,7 @@ from onnxpipe.runtime import ModelMetadata, PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
+from onnxpipe.splitter._states import StatePair, check_together, pair_states
 
 if TYPE_CHECKING:
     from onnxpipe.splitter._auto import AutoSplit, SplitPolicy
@@ -71,6 +72,8 @@ class SplitPlan:
         notes: Things the user should know (IR upgrades, shape inference trouble, ...).
         source_dir: Folder the stage models' external-data references are relative to.
         auto: What the automatic policy decided, for a split made with one.
+        states: The state pairs (output -> input on the next step), each inside one stage; their
+            inputs and outputs are not pipeline inputs and outputs (see docs/streams.md).
     """
 
     stages: list[SplitStage]
@@ -79,6 +82,7 @@ class SplitPlan:
     notes: list[str] = field(default_factory=list)
     source_dir: Path | None = None
     auto: AutoSplit | None = None
+    states: list[StatePair] = field(default_factory=list)
 
     @property
     def spec(self) -> PipelineSpec:
@@ -122,6 +126,7 @@ class SplitPlan:
                 f"  {s.name}: {s.nodes} nodes, {s.weights_bytes} weight bytes, "
                 f"in [{', '.join(t.name for t in s.inputs)}] out [{', '.join(t.name for t in s.outputs)}]"
             )
+        lines += [f"  state: {p}" for p in self.states]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -169,6 +174,7 @@ def split(
     policy: SplitPolicy | None = None,
     source_dir: str | os.PathLike[str] | None = None,
     check: bool = True,
+    states: str | Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
 ) -> SplitPlan:
     """Split a model into stages at hand-picked cuts, or by an explicit node -> stage assignment.
 
@@ -184,12 +190,17 @@ def split(
             :class:`ParamsPolicy`, or any object with ``name`` and ``assign``).
         source_dir: For an in-memory model with external data: the folder its data files are in.
         check: Run ``onnx.checker`` on every stage model.
+        states: State pairs (a model output that feeds a model input on a stream's next step):
+            ``"auto"`` pairs them by name (``present.N.key`` -> ``past_key_values.N.key``,
+            ``stateN`` -> ``state``...), or give them as output -> input. Each pair must end up in
+            one stage; it becomes a state link of that stage (see docs/streams.md).
 
     Returns:
         The :class:`SplitPlan`.
 
     Raises:
-        SplitError: the cuts or the assignment are invalid; the message says which and why.
+        SplitError: the cuts or the assignment are invalid, a state pair names a missing tensor
+            or differs in dtype, or the cuts separate a state pair; the message says which and why.
     """
     given = [name for name, value in (("cuts", cuts), ("assignment", assignment), ("policy", policy)) if value is not None]
     if len(given) != 1:
@@ -207,6 +218,13 @@ def split(
     else:
         stage_of = assign_explicit(index, assignment or {})
     boundary = compute_boundary(index, stage_of)
+    pairs: list[StatePair] = []
+    if states is not None:
+        pairs = pair_states([tensor_spec(types[n]) for n in index.inputs], [tensor_spec(types[n]) for n in index.outputs], states)
+        readers = {p.input: [s for s, names in enumerate(boundary.inputs) if p.input in names] for p in pairs}
+        check_together(pairs, readers, {p.output: boundary.global_sources.get(p.output) for p in pairs})
+    state_inputs = {p.input for p in pairs}
+    state_outputs = {p.output for p in pairs}
     notes = [problem] if problem else []
     crossing = dict.fromkeys(name for names in (*boundary.inputs, *boundary.outputs) for name in names)
     blind = unranked(types, crossing)
@@ -235,17 +253,26 @@ def split(
         config.add_stage(m, f"stage{i}", source_dir=folder)
     named, invented = _declared_dim_names(proto), _invented_dim_names(proto)
     for name in index.inputs:
-        config.add_input(_without_invented_dims(tensor_spec(types[name]), named, invented))
+        if name not in state_inputs:  # the pipeline feeds states itself
+            config.add_input(_without_invented_dims(tensor_spec(types[name]), named, invented))
     for name in index.outputs:
-        config.add_output(_without_invented_dims(tensor_spec(types[name]), named, invented))
+        if name not in state_outputs:
+            config.add_output(_without_invented_dims(tensor_spec(types[name]), named, invented))
     for s, names in enumerate(boundary.inputs):
         for t in names:
+            if t in state_inputs:
+                continue
             src = boundary.sources[t]
             source = config.input(t) if src is None else config.stage(f"stage{src}").output(t)
             source.connect(config.stage(f"stage{s}").input(t))
     for name, src in boundary.global_sources.items():
+        if name in state_outputs:
+            continue
         source = config.input(name) if src is None else config.stage(f"stage{src}").output(name)
         source.connect(config.output(name))
+    for p in pairs:
+        stage = config.stage(f"stage{boundary.global_sources[p.output]}")
+        config.add_state(stage.output(p.output), stage.input(p.input), p.empty_axis)
     for i, m in enumerate(models):
         stage = config.stage(f"stage{i}")
         stages.append(
@@ -266,7 +293,7 @@ def split(
     dropped = [index.label(i) for i in index.order if not index.live[i] and not index.is_weight[i]]
     if dropped:
         notes.append(f"{len(dropped)} dead node(s) left out (they contribute to no output): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}")
-    return SplitPlan(stages=stages, config=config, dropped=dropped, notes=notes, source_dir=folder, auto=auto)
+    return SplitPlan(stages=stages, config=config, dropped=dropped, notes=notes, source_dir=folder, auto=auto, states=pairs)
 
 
 def _sum_bytes(specs: Iterable[TensorSpec]) -> int | None:

@@ -1,0 +1,230 @@
+"""Streams: sequences of steps whose state stays in the stages (see docs/streams.md).
+
+A :class:`Stream` is what ``Pipeline.stream()`` returns. Its steps are requests like any other,
+tagged with the stream's id and the step's number; the state itself lives in the stage runners
+(Note: state stays in its stage, ``_stage.py``), so the stream object only keeps what the caller's
+side must know: the next step's number, the sizes its state was made with, and whether the state
+is still valid after a failure.
+
+Note: a failed step.
+    A stage that fails on a step does not commit its state, and the stages after it never see the
+    step. The stream's state is therefore still exactly as before the step when no stage *before*
+    the failing one keeps state: the error says so (``StreamError.state_valid``), and the stream
+    goes on from there (the failed step's number is used again). Otherwise an earlier stage has
+    already moved on and the stages no longer agree: the error says the state is no longer valid,
+    and every later step of the stream is refused until it is closed. Steps already in flight
+    behind a failed one fail in the stage that failed (their step number does not match its
+    state), never run on the wrong state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import numpy as np
+
+from onnxpipe._errors import InputError, StageError, StreamError
+from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
+
+__all__ = ["Stream", "StreamHost", "bind_dims", "state_dims"]
+
+Outputs = dict[str, np.ndarray]
+
+
+def state_dims(spec: PipelineSpec) -> frozenset[str]:
+    """The symbolic dims that size some state (its empty axis aside): fixed for a stream's lifetime."""
+    names: set[str] = set()
+    for link in spec.states:
+        shape = spec.stage(link.stage).input(link.input).shape or ()
+        names.update(d for axis, d in enumerate(shape) if isinstance(d, str) and axis != link.empty_axis)
+    return frozenset(names)
+
+
+def bind_dims(specs: Sequence[TensorSpec], arrays: Mapping[str, np.ndarray], names: frozenset[str]) -> dict[str, tuple[int, str]]:
+    """The size each of ``names`` has in the (checked) arrays, with the input that gave it."""
+    sizes: dict[str, tuple[int, str]] = {}
+    for spec in specs:
+        for d, size in zip(spec.shape or (), arrays[spec.name].shape, strict=False):
+            if isinstance(d, str) and d in names:
+                sizes.setdefault(d, (size, spec.name))
+    return sizes
+
+
+class StreamHost(Protocol):
+    """What a stream needs from its pipeline (``Pipeline`` is one; the protocol keeps the import one-way)."""
+
+    @property
+    def spec(self) -> PipelineSpec: ...
+
+    _state_dims: frozenset[str]
+
+    def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
+
+    def _submit_step(self, arrays: Mapping[str, np.ndarray], stream: Stream, step: int) -> Future[Outputs]: ...
+
+    def _close_stream(self, stream: Stream) -> None: ...
+
+    def _expire_idle(self, caller: Stream | None) -> None: ...
+
+
+class Stream:
+    """A sequence of steps through a pipeline whose stages keep the stream's state.
+
+    Made by :meth:`Pipeline.stream`. Steps run in the order they are submitted; steps of different
+    streams overlap in the pipeline (stage 0 runs stream B's step while stage 1 runs stream A's).
+    Closing the stream (or leaving its ``with`` block) frees its state in every stage.
+
+    Attributes:
+        id: The stream's number in its pipeline (from 0); also what engines route it by.
+    """
+
+    def __init__(self, pipeline: StreamHost, stream_id: int) -> None:
+        self.id = stream_id
+        self._pipeline = pipeline
+        self._lock = threading.Lock()
+        self._order = threading.Lock()
+        self._next = 0
+        self._dims: dict[str, int] = {}
+        self._pending = 0
+        self.last_used = time.monotonic()
+        self._closed: str | None = None  # why, once closed
+        self._invalid: str | None = None  # why its state is no longer valid
+
+    @property
+    def steps(self) -> int:
+        """Steps submitted and not failed so far (the next step's number)."""
+        return self._next
+
+    @property
+    def closed(self) -> bool:
+        """Whether the stream was closed (by :meth:`close`, its pipeline, or its idle timeout)."""
+        return self._closed is not None
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since its last step was submitted or finished; 0 while a step is in flight."""
+        return 0.0 if self._pending else now - self.last_used
+
+    def submit(self, inputs: Mapping[str, Any]) -> Future[Outputs]:
+        """Submit the stream's next step; returns a future of its outputs by name.
+
+        Args:
+            inputs: The pipeline inputs of the step (state inputs are fed by the stages).
+
+        Raises:
+            StreamError: the stream is closed, or its state is no longer valid after a failed step.
+            InputError: an input is unknown, missing, of the wrong dtype or shape, or sizes a
+                state differently than the stream's first step did (nothing is submitted: the
+                stream stays usable).
+        """
+        self._pipeline._expire_idle(self)
+        # _order keeps the steps of one stream in submission order into the engine; _lock guards the
+        # counters and is never held while waiting on the pipeline (its last stage takes it).
+        with self._order:
+            with self._lock:
+                if self._closed is not None:
+                    raise StreamError(f"stream {self.id} is closed ({self._closed}); open a new one with pipe.stream()")
+                if self._invalid is not None:
+                    raise StreamError(f"stream {self.id} cannot take more steps: {self._invalid}; close it and open a new one", state_valid=False)
+                arrays = self._pipeline._check(inputs)
+                self._check_dims(arrays)
+                step = self._next
+                self._next += 1
+                self._pending += 1
+            return self._pipeline._submit_step(arrays, self, step)
+
+    def step(self, inputs: Mapping[str, Any]) -> Outputs:
+        """Run the stream's next step and wait for its outputs (see :meth:`submit`).
+
+        Raises:
+            StreamError: as :meth:`submit`, or the step failed (its ``state_valid`` says whether the
+                stream can go on).
+        """
+        return self.submit(inputs).result()
+
+    def _check_dims(self, arrays: Mapping[str, np.ndarray]) -> None:
+        names = self._pipeline._state_dims
+        if not names:
+            return
+        bound = bind_dims(self._pipeline.spec.inputs, arrays, names)
+        if self._next == 0:
+            self._dims = {d: size for d, (size, _) in bound.items()}
+            return
+        for d, (size, name) in bound.items():
+            if self._dims.get(d, size) != size:
+                raise InputError(
+                    f"stream {self.id}, step {self._next}: input '{name}' has {d}={size}, but the stream's state was made "
+                    f"with {d}={self._dims[d]} on its first step; open a new stream for another {d}"
+                )
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The sizes of the symbolic dims of the stream's state, as its first step bound them."""
+        return dict(self._dims)
+
+    def _finished(self, step: int, error: BaseException | None, advanced: Sequence[str]) -> BaseException | None:
+        """Called when a step leaves the pipeline; returns the error its future should raise.
+
+        Args:
+            step: The step's number.
+            error: Its error, if it failed.
+            advanced: For a failed step: the stages with state that took the step before the
+                failing one (see Note: a failed step).
+        """
+        with self._lock:
+            self._pending -= 1
+            self.last_used = time.monotonic()
+            if error is None:
+                return None
+            stage = error.stage if isinstance(error, StageError) else None
+            if self._closed is not None and stage is None:
+                return error  # the pipeline was closed under it
+            if not advanced:
+                self._next = min(self._next, step)
+                return StreamError(
+                    f"{error}; the stream's state is unchanged (as after step {step - 1}): the stream can go on",
+                    stage=stage,
+                    request=getattr(error, "request", None),
+                    state_valid=True,
+                )
+            took = ", ".join(f"'{s}'" for s in advanced)
+            self._invalid = self._invalid or f"step {step} failed in stage '{stage}' after stage(s) {took} had updated their state"
+            return StreamError(
+                f"{error}; the stream's state is no longer valid: stage(s) {took} took step {step} and stage '{stage}' did not; close the stream",
+                stage=stage,
+                request=getattr(error, "request", None),
+                state_valid=False,
+            )
+
+    def close(self) -> None:
+        """Free the stream's state in every stage; later steps raise :class:`StreamError`.
+
+        Steps already submitted finish first (the close follows them through each stage). Closing
+        twice does nothing.
+        """
+        with self._lock:
+            if self._closed is not None:
+                return
+            self._closed = "closed by its owner"
+        self._pipeline._close_stream(self)
+
+    def _expire(self, reason: str) -> bool:
+        """Close on behalf of the pipeline (idle timeout); ``False`` if it was already closed."""
+        with self._lock:
+            if self._closed is not None:
+                return False
+            self._closed = reason
+        return True
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "invalid" if self._invalid else "open"
+        return f"Stream(id={self.id}, steps={self._next}, {state})"

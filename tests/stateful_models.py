@@ -1,0 +1,218 @@
+"""Models with state, built in memory (no downloads), for the stream tests and benchmarks/streams.py.
+
+- :func:`recurrent`: two recurrent layers, each with its own state (``state1`` -> ``state1N``,
+  ``state2`` -> ``state2N``); cut at ``state1N`` for two stages with one state each.
+- :func:`gpt_decoder`: a GPT-style decoder with optimum's names (``input_ids``, ``attention_mask``,
+  ``position_ids``, ``past_key_values.N.key|value`` -> ``logits``, ``present.N.key|value``), random
+  weights; the residual stream after layer ``n`` is ``layer{n}.out``, the place to cut between layers.
+
+Plus the reference side: :func:`whole_generate` runs greedy decoding with the whole model in one
+session, feeding the KV cache by hand, as a user of onnxruntime alone would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from onnx import ModelProto, TensorProto, helper, numpy_helper
+
+__all__ = ["decoder_feeds", "decoder_session", "generate", "gpt_decoder", "recurrent", "session_generate", "whole_generate", "whole_recurrent"]
+
+F = TensorProto.FLOAT
+I64 = TensorProto.INT64
+
+
+def recurrent(width: int = 4, hidden: int = 8, seed: int = 0) -> ModelProto:
+    """``y, state1N, state2N = f(x, state1, state2)``, all ``[batch, .]``::
+
+        state1N = tanh(x @ W1 + state1 @ U1)
+        state2N = tanh(state1N @ W2 + state2 @ U2)
+        y       = state2N @ Wo
+    """
+    rng = np.random.default_rng(seed)
+
+    def w(name: str, *shape: int) -> TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.5).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["a1"], name="in1"),
+        helper.make_node("MatMul", ["state1", "U1"], ["b1"], name="rec1"),
+        helper.make_node("Add", ["a1", "b1"], ["c1"], name="sum1"),
+        helper.make_node("Tanh", ["c1"], ["state1N"], name="act1"),
+        helper.make_node("MatMul", ["state1N", "W2"], ["a2"], name="in2"),
+        helper.make_node("MatMul", ["state2", "U2"], ["b2"], name="rec2"),
+        helper.make_node("Add", ["a2", "b2"], ["c2"], name="sum2"),
+        helper.make_node("Tanh", ["c2"], ["state2N"], name="act2"),
+        helper.make_node("MatMul", ["state2N", "Wo"], ["y"], name="out"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "recurrent",
+        [helper.make_tensor_value_info(n, F, ["batch", d]) for n, d in (("x", width), ("state1", hidden), ("state2", hidden))],
+        [helper.make_tensor_value_info(n, F, ["batch", d]) for n, d in (("y", width), ("state1N", hidden), ("state2N", hidden))],
+        [w("W1", width, hidden), w("U1", hidden, hidden), w("W2", hidden, hidden), w("U2", hidden, hidden), w("Wo", hidden, width)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def whole_recurrent(model: ModelProto, xs: list[np.ndarray], hidden: int = 8) -> list[np.ndarray]:
+    """The outputs ``y`` of one stream of steps ``xs`` through the whole model in one session."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    batch = xs[0].shape[0]
+    s1 = s2 = np.zeros((batch, hidden), np.float32)
+    ys = []
+    for x in xs:
+        y, s1, s2 = session.run(["y", "state1N", "state2N"], {"x": x, "state1": s1, "state2": s2})
+        ys.append(y)
+    return ys
+
+
+def gpt_decoder(layers: int = 4, hidden: int = 32, heads: int = 2, vocab: int = 64, positions: int = 128, seed: int = 0) -> ModelProto:
+    """A pre-norm GPT decoder with a KV cache, optimum's input and output names.
+
+    Inputs ``input_ids``, ``position_ids`` ``[batch, seq]`` int64, ``attention_mask``
+    ``[batch, total_seq]`` int64 and ``past_key_values.N.key|value`` ``[batch, heads, past_seq,
+    head_dim]``; outputs ``logits`` ``[batch, seq, vocab]`` and ``present.N.key|value`` ``[batch,
+    heads, total_seq, head_dim]`` (the past with this step's keys and values appended). The causal
+    and padding mask is one additive bias ``[batch, 1, seq, total_seq]`` made before the layers.
+    """
+    rng = np.random.default_rng(seed)
+    d = hidden // heads
+    inits: list[TensorProto] = []
+    nodes = []
+
+    def w(name: str, *shape: int, scale: float | None = None) -> str:
+        scale = scale if scale is not None else 1.0 / np.sqrt(shape[0])
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    def const(name: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def node(op: str, ins: list[str], out: str, **attrs: Any) -> str:
+        nodes.append(helper.make_node(op, ins, [out], name=out, **attrs))
+        return out
+
+    const("one_f", np.array(1.0, np.float32))
+    const("neg_big", np.array(-1e4, np.float32))
+    const("scale", np.array(1.0 / np.sqrt(d), np.float32))
+    const("ax0", np.array([0], np.int64))
+    const("ax1", np.array([1], np.int64))
+    const("ax12", np.array([1, 2], np.int64))
+    const("i1", np.array([1], np.int64))
+    const("zero_i", np.array(0, np.int64))
+    const("one_i", np.array(1, np.int64))
+    const("heads_shape", np.array([0, 0, heads, d], np.int64))
+    const("merge_shape", np.array([0, 0, hidden], np.int64))
+    const("ln_scale", np.ones(hidden, np.float32))
+    const("ln_bias", np.zeros(hidden, np.float32))
+    # Embeddings.
+    tok = node("Gather", [w("wte", vocab, hidden, scale=1.0), "input_ids"], "tok_emb")
+    pos = node("Gather", [w("wpe", positions, hidden, scale=1.0), "position_ids"], "pos_emb")
+    x = node("Add", [tok, pos], "embed")
+    # The mask: key j is visible to query i (at absolute position total - seq + i) when j <= that
+    # position and the attention mask keeps it.
+    total = node("Gather", [node("Shape", ["attention_mask"], "mask_shape"), "i1"], "total_len")
+    seq = node("Gather", [node("Shape", ["input_ids"], "ids_shape"), "i1"], "seq_len")
+    total_s = node("Squeeze", [total, "ax0"], "total_s")
+    seq_s = node("Squeeze", [seq, "ax0"], "seq_s")
+    cols = node("Range", ["zero_i", total_s, "one_i"], "cols")
+    rows = node("Add", [node("Range", ["zero_i", seq_s, "one_i"], "rows0"), node("Sub", [total_s, seq_s], "offset")], "rows")
+    causal = node("LessOrEqual", [cols, node("Unsqueeze", [rows, "ax1"], "rows_col")], "causal")  # [seq, total]
+    keep = node("Cast", [node("Unsqueeze", ["attention_mask", "ax12"], "mask4")], "keep_f", to=F)  # [batch, 1, 1, total]
+    allowed = node("Mul", [keep, node("Cast", [causal], "causal_f", to=F)], "allowed")  # [batch, 1, seq, total]
+    bias = node("Mul", [node("Sub", ["one_f", allowed], "blocked"), "neg_big"], "attn_bias")
+    for n in range(layers):
+        p = f"layer{n}"
+        h = node("LayerNormalization", [x, "ln_scale", "ln_bias"], f"{p}.ln1", axis=-1)
+
+        def heads_of(name: str, p: str = p, h: str = h) -> str:
+            flat = node("MatMul", [h, w(f"{p}.W{name}", hidden, hidden)], f"{p}.{name}")
+            split = node("Reshape", [flat, "heads_shape"], f"{p}.{name}4")
+            return node("Transpose", [split], f"{p}.{name}h", perm=[0, 2, 1, 3])
+
+        q, k, v = heads_of("q"), heads_of("k"), heads_of("v")
+        pk = node("Concat", [f"past_key_values.{n}.key", k], f"present.{n}.key", axis=2)
+        pv = node("Concat", [f"past_key_values.{n}.value", v], f"present.{n}.value", axis=2)
+        kt = node("Transpose", [pk], f"{p}.kT", perm=[0, 1, 3, 2])
+        scores = node("Mul", [node("MatMul", [q, kt], f"{p}.qk"), "scale"], f"{p}.scores")
+        probs = node("Softmax", [node("Add", [scores, bias], f"{p}.masked")], f"{p}.probs", axis=-1)
+        ctx4 = node("Transpose", [node("MatMul", [probs, pv], f"{p}.ctx4")], f"{p}.ctxT", perm=[0, 2, 1, 3])
+        ctx = node("Reshape", [ctx4, "merge_shape"], f"{p}.ctx")
+        x = node("Add", [x, node("MatMul", [ctx, w(f"{p}.Wo", hidden, hidden)], f"{p}.attn")], f"{p}.mid")
+        h2 = node("LayerNormalization", [x, "ln_scale", "ln_bias"], f"{p}.ln2", axis=-1)
+        up = node("Relu", [node("MatMul", [h2, w(f"{p}.W1", hidden, 4 * hidden)], f"{p}.up")], f"{p}.act")
+        x = node("Add", [x, node("MatMul", [up, w(f"{p}.W2", 4 * hidden, hidden)], f"{p}.down")], f"{p}.out")
+    final = node("LayerNormalization", [x, "ln_scale", "ln_bias"], "ln_f", axis=-1)
+    node("MatMul", [final, w("lm_head", hidden, vocab)], "logits")
+    kv: list[str | int | None] = ["batch", heads, "past_seq", d]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", I64, ["batch", "seq"]),
+        helper.make_tensor_value_info("attention_mask", I64, ["batch", "total_seq"]),
+        helper.make_tensor_value_info("position_ids", I64, ["batch", "seq"]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", F, ["batch", "seq", vocab])]
+    for n in range(layers):
+        for part in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{n}.{part}", F, kv))
+            outputs.append(helper.make_tensor_value_info(f"present.{n}.{part}", F, ["batch", heads, "total_seq", d]))
+    graph = helper.make_graph(nodes, "gpt_decoder", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def decoder_feeds(tokens: list[int], done: int) -> dict[str, np.ndarray]:
+    """The inputs of a decode step: the tokens not fed yet (``tokens[done:]``), batch 1."""
+    new = tokens[done:]
+    return {
+        "input_ids": np.array([new], np.int64),
+        "attention_mask": np.ones((1, len(tokens)), np.int64),
+        "position_ids": np.arange(done, len(tokens), dtype=np.int64)[None, :],
+    }
+
+
+def generate(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], prompt: list[int], count: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy decoding of ``count`` tokens after ``prompt`` with any step function (a stream's
+    ``step``); returns the new tokens and each step's last logits."""
+    tokens = list(prompt)
+    done = 0
+    logits = []
+    for _ in range(count):
+        out = step(decoder_feeds(tokens, done))
+        done = len(tokens)
+        last = out["logits"][0, -1]
+        logits.append(last)
+        tokens.append(int(np.argmax(last)))
+    return tokens[len(prompt):], logits
+
+
+def decoder_session(model: ModelProto, threads: int = 1) -> ort.InferenceSession:
+    """The whole model in one onnxruntime session with ``threads`` intra-op threads."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def session_generate(session: ort.InferenceSession, prompt: list[int], count: int) -> tuple[list[int], list[np.ndarray]]:
+    """:func:`generate` with the whole model in one session, the KV cache fed by hand."""
+    past_names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    cache = {n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), np.float32) for n in past_names}
+    out_names = [o.name for o in session.get_outputs()]
+
+    def step(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        results = dict(zip(out_names, session.run(out_names, {**feeds, **cache}), strict=True))
+        for n in past_names:
+            cache[n] = results[n.replace("past_key_values.", "present.")]
+        return results
+
+    return generate(step, prompt, count)
+
+
+def whole_generate(model: ModelProto, prompt: list[int], count: int, threads: int = 1) -> tuple[list[int], list[np.ndarray]]:
+    """:func:`session_generate` with a new session of the whole model."""
+    return session_generate(decoder_session(model, threads), prompt, count)
