@@ -55,12 +55,12 @@ from typing import Any
 
 import numpy as np
 
-from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError, StageError
+from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError, StageError, StreamError
 from onnxpipe.runtime._bundle import MANIFEST_NAME, Bundle, Limits, read_bundle, sha256_file
 from onnxpipe.runtime._channel import Closed
 from onnxpipe.runtime._ortapi import ModelMetadata, SessionFacts
 from onnxpipe.runtime._spec import Endpoint
-from onnxpipe.runtime._stage import Request, Runner, StagePlan, make_runner, plan_stages
+from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
 from onnxpipe.runtime._stats import StageRecorder
 
 __all__ = ["HOST_LABEL", "RayEngine", "RayOptions", "import_ray"]
@@ -117,6 +117,10 @@ class _StageActor:
     def __init__(self, payload: Any, path: str | None, manifest_sha: str, limits: Mapping[str, Any], index: int, replica: int,
                  target: str | None, folder: str, returns: Sequence[str], allow_code: Sequence[str]) -> None:
         self._error: str | None = None
+        import ray
+
+        # A restarted actor (Ray's max_restarts) starts with no stream's state: see run().
+        self._restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._bundle: Bundle | None = None
         self._runner: Runner | None = None
         self._returns = tuple(returns)
@@ -160,17 +164,35 @@ class _StageActor:
                              "meta": dataclasses.asdict(ModelMetadata.of(s.get_modelmeta()))}
         return info
 
-    def run(self, request: int, params: Mapping[str, np.ndarray] | None, keys: Sequence[tuple[str | None, str]], *values: Any) -> Any:
-        """Run the stage on one request; returns each kept output, then the timing record."""
+    def run(self, request: int, params: Mapping[str, np.ndarray] | None, keys: Sequence[tuple[str | None, str]],
+            stream: tuple[int, int, dict[str, int]] | None, *values: Any) -> Any:
+        """Run the stage on one request; returns each kept output, then the timing record.
+
+        ``stream`` is ``(stream, step, dims)`` for a stream's step or close (see ``Request``): the
+        runner keeps the stream's state in this actor.
+        """
         timing: dict[str, Any] = {"start": time.time(), "end": 0.0, "error": None, "skipped": False}
         outputs: list[Any] = [None] * len(self._returns)
         if any(v is None for v in values):  # an earlier stage failed: pass the request on untouched
             timing["skipped"] = True
+        elif stream is not None and stream[1] == CLOSE:
+            if self._runner is not None:
+                self._runner(Request(request, {}, {}, 0.0, stream=stream[0], step=CLOSE))  # drops the stream's state
+            timing["skipped"] = True  # not a stage run: no statistics
         elif self._runner is None:
             timing["error"] = self._error or "the stage has no session"
         else:
             name = self._runner.name
             req = Request(request, {Endpoint(s, t): v for (s, t), v in zip(keys, values, strict=True)}, {name: params} if params else {}, 0.0)
+            if stream is not None:
+                req.stream, req.step, req.dims = stream
+            states = getattr(self._runner, "states", None)
+            if self._restarted and stream is not None and stream[1] > 0 and states is not None and self._runner.plan.states and stream[0] not in states:
+                timing["error"] = (f"stage '{name}' lost the state of stream {stream[0]}: the actor holding it died and was restarted "
+                                   "without it; close the stream")
+                timing["state_lost"] = True
+                timing["end"] = time.time()
+                return (*outputs, timing) if outputs else timing
             try:
                 self._runner(req)
                 outputs = [req.values[Endpoint(name, o)] for o in self._returns]
@@ -178,6 +200,11 @@ class _StageActor:
                 timing["error"] = str(e)
         timing["end"] = time.time()
         return (*outputs, timing) if outputs else timing
+
+    def streams(self) -> list[int]:
+        """The streams whose state this replica holds (for diagnostics and tests)."""
+        states = getattr(self._runner, "states", None) or {}
+        return sorted(states.copy())  # copy(): one step, while a run may add or drop a stream
 
     def shutdown(self) -> None:
         """Stop a run in progress and remove the actor's files."""
@@ -208,6 +235,7 @@ class _Replica:
     since: float = 0.0
     cause: str = ""
     probe: int = 0  # generation of the probe in progress
+    incarnation: int = 0  # counts deaths: a stream's state lives in one incarnation
 
 
 @dataclass
@@ -260,6 +288,7 @@ class RayEngine:
         self._room = threading.Condition(self._lock)
         self._flights: dict[int, _Flight] = {}
         self._params: dict[int, tuple[Mapping[str, np.ndarray], Any]] = {}
+        self._incarnations: dict[tuple[int, int], int] = {}  # (stage, stream) -> incarnation of the replica holding its state
         self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._closing = False
         self._lost: dict[int, str] = {}  # stage index -> why it cannot come back
@@ -385,6 +414,11 @@ class RayEngine:
             facts.append(SessionFacts(tuple(f["providers"]), f["provider_options"], ModelMetadata(**f["meta"])))
         return facts
 
+    def held_streams(self) -> list[list[list[int]]]:
+        """Per stage, per replica: the streams whose state the replica's actor holds."""
+        calls = [[rep.actor.streams.options(concurrency_group="control").remote() for rep in row] for row in self._replicas]
+        return [self._ray.get(row) for row in calls]
+
     def placements(self) -> list[list[dict[str, Any]]]:
         """Where each replica of each stage runs: its node's id, address and labels, and its process id."""
         nodes = {n["NodeID"]: n for n in self._ray.nodes()}
@@ -421,8 +455,12 @@ class RayEngine:
 
     def _replica(self, i: int, request: Request) -> int:
         """The replica of stage ``i`` that runs ``request``: the live one with the fewest calls
-        outstanding (ties go round-robin by request id). The one place a replica is chosen."""
+        outstanding (ties go round-robin by request id), or, for a stream in a stage with state,
+        replica ``stream % replicas``, which holds the stream's state (as in the thread engine).
+        The one place a replica is chosen."""
         row = self._replicas[i]
+        if request.stream is not None and self._plans[i].states:
+            return request.stream % len(row)
         alive = [r for r, rep in enumerate(row) if rep.state == "ok"] or [r for r, rep in enumerate(row) if rep.state != "dead"]
         return min(alive, key=lambda r: (row[r].outstanding, (r - request.id) % len(row)))
 
@@ -440,10 +478,22 @@ class RayEngine:
             plan = self._plans[i]
             r = self._replica(i, request)
             rep = self._replicas[i][r]
-            keys = tuple((k.stage, k.tensor) for _, k in plan.sources)
-            values = [flight.bag[k] for _, k in plan.sources]
+            closing = request.step == CLOSE
+            if closing:
+                began = self._incarnations.pop((i, request.stream), None) if request.stream is not None else None
+                if not plan.states or began != rep.incarnation or rep.state != "ok":
+                    flight.finished.add(i)  # nothing to free there: a stage without state, or a replica that died since
+                    continue
+            else:
+                lost = self._state_lost(i, r, request)
+                if lost is not None:
+                    self._fail(flight, lost)
+                    return
+            keys = () if closing else tuple((k.stage, k.tensor) for _, k in plan.sources)
+            values = [] if closing else [flight.bag[k] for _, k in plan.sources]
             returns = self._returns[i]
-            refs = rep.actor.run.options(num_returns=len(returns) + 1).remote(request.id, self._params_ref(request, plan), keys, *values)
+            stream = None if request.stream is None else (request.stream, request.step, dict(request.dims))
+            refs = rep.actor.run.options(num_returns=len(returns) + 1).remote(request.id, self._params_ref(request, plan), keys, stream, *values)
             refs = refs if isinstance(refs, list) else [refs]
             for name, ref in zip(returns, refs, strict=False):
                 flight.bag[Endpoint(plan.stage.name, name)] = ref
@@ -452,6 +502,23 @@ class RayEngine:
             self._high_water[i] = max(self._high_water[i], waiting)
             attempt = flight.attempt
             refs[-1].future().add_done_callback(lambda f, fl=flight, a=attempt, i=i, r=r: self._events.put(("run", fl, a, i, r, f)))
+        if len(flight.finished) == len(self._plans):  # a close with nothing left to free
+            self._finish(flight)
+
+    def _state_lost(self, i: int, r: int, request: Request) -> StreamError | None:
+        """For a stream's step in a stage with state: the error to fail it with when the replica
+        holding the stream's state died since the stream began there (its state died with it)."""
+        if request.stream is None or not self._plans[i].states:
+            return None
+        rep = self._replicas[i][r]
+        key = (i, request.stream)
+        if request.step == 0:
+            self._incarnations[key] = rep.incarnation
+        if rep.state == "dead" or self._incarnations.get(key) != rep.incarnation:
+            name = self._plans[i].stage.name
+            return StreamError(f"stage '{name}' lost the state of stream {request.stream}: the actor holding it (replica {r}) died "
+                               f"({rep.cause or 'restarted'}); close the stream", stage=name, request=request.id, state_valid=False)
+        return None
 
     def _params_ref(self, request: Request, plan: StagePlan) -> Any:
         """The stage's parameter snapshot as one object, put once per ``set_params`` (see Request.params)."""
@@ -510,6 +577,8 @@ class RayEngine:
         if not timing["skipped"]:
             start, end = timing["start"] - self._wall_to_perf, timing["end"] - self._wall_to_perf
             self._recorders[i][r].record(request.id, start, end, timing["error"] is None)
+        if timing.get("state_lost") and request.error is None:
+            request.error = StreamError(timing["error"], stage=name, request=request.id, state_valid=False)
         if timing["error"] is not None and request.error is None:
             request.error = StageError(f"stage '{name}' failed on request {request.id}: {timing['error']}", stage=name, request=request.id)
         flight.finished.add(i)
@@ -525,8 +594,25 @@ class RayEngine:
             self._fail(flight, StageError(f"stage '{name}' failed on request {flight.request.id} after {flight.attempt} attempts: {_brief(error)}",
                                           stage=name, request=flight.request.id))
             return
+        if flight.request.step == CLOSE:  # the state it was to free died with the actor
+            flight.finished.add(i)
+            if len(flight.finished) == len(self._plans):
+                self._finish(flight)
+            return
         lost = any(isinstance(e, self._exc.ObjectLostError) for e in (error, getattr(error, "cause", None)))
         first = 0 if lost else min(set(range(len(self._plans))) - flight.finished)
+        if flight.request.stream is not None and any(self._plans[k].states for k in range(first, len(self._plans)) if k in flight.finished or k == i):
+            # A stage with state ran (or was running) this step: running it again would apply the step twice,
+            # or run it on a restarted actor that holds no state. The stream learns which (see _stream.py).
+            name = self._plans[i].stage.name
+            if self._plans[i].states and isinstance(error, self._exc.RayActorError):
+                self._fail(flight, self._state_lost(i, r, flight.request) or StreamError(
+                    f"stage '{name}' lost the state of stream {flight.request.stream}: its actor died ({_brief(error)}); close the stream",
+                    stage=name, request=flight.request.id, state_valid=False))
+            else:
+                self._fail(flight, StageError(f"stage '{name}' failed on request {flight.request.id}: {_brief(error)}", stage=name,
+                                              request=flight.request.id))
+            return
         self._dispatch(flight, first)
 
     def _suspect(self, i: int, r: int, error: BaseException) -> None:
@@ -534,6 +620,7 @@ class RayEngine:
         if rep.state != "ok":
             return
         rep.state, rep.since, rep.cause, rep.probe = "suspect", time.monotonic(), _brief(error), rep.probe + 1
+        rep.incarnation += 1  # the streams whose state it held lost it
         generation = rep.probe
         self._ping(rep).future().add_done_callback(lambda f: self._events.put(("probe", i, r, generation, f)))
 
@@ -583,7 +670,7 @@ class RayEngine:
 
     def _finish(self, flight: _Flight) -> None:
         request = flight.request
-        if request.error is None:
+        if request.error is None and request.step != CLOSE:
             keys = list(self._finals)
             try:
                 values = self._ray.get([flight.bag[k] for k in keys])

@@ -182,6 +182,10 @@ class Stream:
             stage = error.stage if isinstance(error, StageError) else None
             if self._closed is not None and stage is None:
                 return error  # the pipeline was closed under it
+            if isinstance(error, StreamError) and error.state_valid is False:
+                # The engine knows the state is gone (e.g. the Ray actor holding it died).
+                self._invalid = self._invalid or f"step {step} failed: {error}"
+                return error
             if not advanced:
                 self._next = min(self._next, step)
                 return StreamError(

@@ -151,6 +151,99 @@ def test_a_code_stage_runs_on_its_actor_once_the_host_allows_it(tmp_path: Path, 
             np.testing.assert_allclose(pipe({"x": np.resize(x, (n, 4))})["y"], code_stages.expected(np.resize(x, (n, 4))), rtol=1e-6)
 
 
+# -- streams: state stays on the actor holding its stage ---------------------------------------------
+
+
+def _stateful(model: Any, cuts: list[str], folder: Path, hosts: list[str | None]) -> Path:
+    return _bundle(split(model, cuts, states="auto"), folder, hosts)
+
+
+def test_interleaved_streams_keep_their_state_on_their_actors(tmp_path: Path, ray_pids: set[int]) -> None:
+    """A recurrent model in 2 stages on nodes a and b, 2 replicas each: 5 streams stepped round-robin
+    without waiting each equal the whole model alone, step for step (rtol/atol 1e-5); each stream's
+    state sits on replica stream % 2 of each stage, and closing frees it on every actor."""
+    from tests.stateful_models import recurrent, whole_recurrent
+
+    plan = split(recurrent(), ["state1N"], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(replicas=2)
+    bundle = _bundle(plan, tmp_path, ["a", "b"])
+    rng = np.random.default_rng(3)
+    inputs = [[rng.standard_normal((1, 4)).astype(np.float32) for _ in range(6)] for _ in range(5)]
+    with load(bundle, engine="ray") as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        assert _labels(pipe) == ["a", "b"]
+        streams = [pipe.stream() for _ in inputs]
+        futures = [[s.submit({"x": xs[t]}) for s, xs in zip(streams, inputs, strict=True)] for t in range(6)]
+        for k, xs in enumerate(inputs):
+            got = np.stack([futures[t][k].result(timeout=60)["y"] for t in range(6)])
+            np.testing.assert_allclose(got, np.stack(whole_recurrent(recurrent(), xs)), rtol=1e-5, atol=1e-5, err_msg=f"stream {k}")
+        engine: Any = pipe._engine
+        assert engine.held_streams() == [[[0, 2, 4], [1, 3]]] * 2
+        for s in streams:
+            s.close()
+        assert engine.held_streams() == [[[], []]] * 2
+
+
+def test_greedy_decoding_through_ray_equals_the_whole_decoder(tmp_path: Path, ray_pids: set[int]) -> None:
+    """The GPT-style decoder split between layers, its KV cache per layer on nodes a and b: greedy
+    tokens of two interleaved streams equal the whole model's in one session."""
+    import threading
+
+    from tests.stateful_models import generate, gpt_decoder, whole_generate
+
+    model = gpt_decoder()
+    bundle = _stateful(model, ["layer1.out"], tmp_path, ["a", "b"])
+    prompts = ([1, 2, 3], [40, 41])
+    results: dict[int, list[int]] = {}
+    with load(bundle, engine="ray") as pipe:
+        ray_pids.update(_actor_pids(pipe))
+
+        def run(i: int) -> None:
+            with pipe.stream() as s:
+                results[i] = generate(s.step, prompts[i], 12)[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert pipe._engine.held_streams() == [[[]], [[]]]  # type: ignore[attr-defined]
+    for i, prompt in enumerate(prompts):
+        assert results[i] == whole_generate(model, prompt, 12)[0], f"prompt {i}"
+
+
+def test_a_killed_actor_holding_a_streams_state_fails_its_next_step_by_name(tmp_path: Path, ray_pids: set[int]) -> None:
+    """The state died with the actor: the stream's next step says so (state_valid False) and the
+    stream refuses further steps; a new stream runs on the restarted actor."""
+    from onnxpipe import StreamError
+    from tests.stateful_models import recurrent, whole_recurrent
+
+    bundle = _stateful(recurrent(), ["state1N"], tmp_path, ["a", "b"])
+    x = np.ones((1, 4), np.float32)
+    with load(bundle, engine="ray") as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        stream = pipe.stream()
+        stream.step({"x": x})
+        os.kill(pipe._engine.placements()[1][0]["pid"], signal.SIGKILL)  # type: ignore[attr-defined]
+        with pytest.raises(StreamError, match=r"stage 'stage1' lost the state of stream 0: the actor holding it (\(replica 0\) )?died") as caught:
+            stream.step({"x": x})
+        assert caught.value.state_valid is False
+        with pytest.raises(StreamError, match="cannot take more steps"):
+            stream.step({"x": x})
+        stream.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the restarted actor answers again
+            try:
+                with pipe.stream() as fresh:
+                    got = [fresh.step({"x": x})["y"] for _ in range(3)]
+                break
+            except StreamError:
+                time.sleep(0.5)
+        np.testing.assert_allclose(np.stack(got), np.stack(whole_recurrent(recurrent(), [x] * 3)), rtol=1e-5, atol=1e-5)
+        ray_pids.update(_actor_pids(pipe))
+
+
 def test_a_killed_stage_actor_loses_no_request(tmp_path: Path, ray_pids: set[int]) -> None:
     bundle = _bundle(split(models.branchy(), ["a", ["b", "c"]]), tmp_path, ["a", "b", "a"])
     whole = ort.InferenceSession(models.branchy().SerializeToString(), providers=["CPUExecutionProvider"])
