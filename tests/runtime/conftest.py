@@ -38,7 +38,11 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
         "RAY_TMPDIR": str(root),  # ray_current_cluster and sessions go here, not /tmp/ray
+        # The nodes' processes (and so the actors' private bundle folders) inherit it: a folder an
+        # actor could not remove (its node was removed under it) goes with the cluster, not into /tmp.
+        "TMPDIR": str(root / "nodes"),
     }
+    (root / "nodes").mkdir()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     ray = pytest.importorskip("ray", reason="the Ray engine tests need Ray: pip install 'onnxpipe[ray]'")
