@@ -461,7 +461,7 @@ def render_lines(lines: Sequence[str], size: tuple[int, int] = (360, 240), font_
     step = size[1] // max(len(lines), 1)
     for k, text in enumerate(lines):
         _, _, right, bottom = font.getbbox(text)
-        line = Image.new("RGB", (right + 8, bottom + 8), "white")
+        line = Image.new("RGB", (int(right) + 8, int(bottom) + 8), "white")
         ImageDraw.Draw(line).text((4, 4), text, font=font, fill="black")
         if k in upside_down:
             line = line.rotate(180)
