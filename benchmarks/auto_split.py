@@ -66,6 +66,7 @@ def _stage_times(plan: SplitPlan, feeds: dict[str, np.ndarray], runs: int, work:
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     times = []
     for stage in spec.stages:
+        assert stage.module is not None  # a split has ONNX stages only
         session = ort.InferenceSession(str(folder / stage.module), sess_options=opts, providers=["CPUExecutionProvider"])
         stage_feeds = {t.name: values[spec.source_of(Endpoint(stage.name, t.name))] for t in stage.inputs}
         times.append(_median(functools.partial(session.run, None, stage_feeds), runs))

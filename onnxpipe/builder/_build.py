@@ -29,10 +29,11 @@ import onnxruntime as ort
 from google.protobuf.message import DecodeError
 from onnx import ModelProto
 
-from onnxpipe._errors import BuildError, SplitError
+from onnxpipe._errors import BuildError, BundleError, SplitError
 from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Stage
 from onnxpipe.builder._modules import move_into_place, save_model
 from onnxpipe.runtime import ParamGroup, PipelineSpec
+from onnxpipe.runtime._code import custom_ops_library
 
 __all__ = ["BuildResult", "StageReport", "build"]
 
@@ -161,7 +162,26 @@ def _prepare(model: ModelProto, groups: list[ParamGroup]) -> tuple[ModelProto, s
     return out, note
 
 
+def _code_stage(stage: Stage) -> tuple[StageReport, str, dict[str, Any]]:
+    """A code stage: nothing to build (and nothing imported); the spec keeps its entry point and params."""
+    assert stage.code is not None
+    s = stage.settings
+    report = StageReport(stage.name, "python", True, s.intra_op_threads, s.inter_op_threads, s.affinity, s.replicas, 0, f"code {stage.code.entry}", 0.0)
+    return report, "", {"kind": "code"}
+
+
+def _register_custom_ops(stage: Stage, options: ort.SessionOptions) -> None:
+    # The build host is the author's: it resolves the libraries its own config names (no allow-list).
+    for package in stage.settings.custom_ops:
+        try:
+            options.register_custom_ops_library(custom_ops_library(stage.name, package))
+        except BundleError as e:
+            raise BuildError(str(e)) from e
+
+
 def _build_stage(stage: Stage, groups: list[ParamGroup], staging: Path, ort_format: bool) -> tuple[StageReport, str, dict[str, Any]]:
+    if stage.code is not None:
+        return _code_stage(stage)
     start = time.perf_counter()
     settings = stage.settings
     provider = settings.provider
@@ -182,8 +202,11 @@ def _build_stage(stage: Stage, groups: list[ParamGroup], staging: Path, ort_form
         module = f"{STAGE_DIR}/{stage.name}{suffix}"
         level = _PORTABLE.get(settings.optimization, settings.optimization) if offline else "basic"
         if available and not offline:
-            _open(source, stage, settings.session_options(), settings.providers(), "load it for its target")
+            target_options = settings.session_options()
+            _register_custom_ops(stage, target_options)
+            _open(source, stage, target_options, settings.providers(), "load it for its target")
         options = settings.replace(affinity=None).session_options(level)  # pinning is for run time, not build time
+        _register_custom_ops(stage, options)
         options.optimized_model_filepath = str(staging / module)
         if suffix == ".ort":
             options.add_session_config_entry("session.save_model_format", "ORT")

@@ -1,6 +1,7 @@
 """PipelineConfig: the one authoring object for pipelines.
 
-Stages come from .onnx files or in-memory models; ports are connected TVM-style::
+Stages come from .onnx files or in-memory models, or are Python code named by entry point
+(:meth:`PipelineConfig.add_python_stage`); ports are connected TVM-style::
 
     config = PipelineConfig()
     s0 = config.add_stage("stage0.onnx")
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from onnx import ModelProto
 from onnxpipe._errors import ConfigError, closest
 from onnxpipe.builder._modules import io_specs, save_model, weight_specs
 from onnxpipe.runtime import Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, TensorSpec
-from onnxpipe.runtime._spec import find_tensor
+from onnxpipe.runtime._spec import CodeSpec, check_entry_point, find_tensor
 
 __all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "Stage"]
 
@@ -53,6 +54,7 @@ class Stage:
         weights: The module's initializers (name -> spec): what a parameter group may name.
         settings: How the stage's session is made (see :class:`StageSettings`).
         build: What the builder did to the module (empty until built).
+        code: For a code stage, its entry point and parameters (then ``model`` and ``path`` are ``None``).
     """
 
     config: PipelineConfig
@@ -65,6 +67,7 @@ class Stage:
     weights: dict[str, TensorSpec] = field(default_factory=dict)
     settings: StageSettings = field(default_factory=StageSettings)
     build: dict[str, Any] = field(default_factory=dict)
+    code: CodeSpec | None = None
 
     def configure(self, **changes: Any) -> Stage:
         """Change some settings (``target``, ``intra_op_threads``, ``affinity``, ...); returns the stage.
@@ -80,6 +83,8 @@ class Stage:
 
     def load_model(self) -> ModelProto:
         """The module (weights left in external files, if any)."""
+        if self.code is not None:
+            raise ConfigError(f"stage '{self.name}' is a code stage ('{self.code.entry}'); it has no module")
         if self.model is not None:
             return self.model
         assert self.path is not None
@@ -176,6 +181,60 @@ class PipelineConfig:
             weights=weight_specs(model),
             settings=settings or StageSettings(),
         )
+        self._stages[name] = stage
+        return stage
+
+    def add_python_stage(
+        self,
+        entry: str,
+        *,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        params: Mapping[str, Any] | None = None,
+        name: str | None = None,
+        settings: StageSettings | None = None,
+    ) -> Stage:
+        """Add a code stage: a Python callable named by import path, with typed ports.
+
+        The callable is ``fn(inputs: dict[str, np.ndarray], params: dict[str, Any]) ->
+        Mapping[str, np.ndarray]``, called once per request with the stage's inputs by name and
+        ``params``; it must return exactly ``outputs``, each of the declared dtype and rank (fixed
+        dims exact, symbolic dims any size, the same in every tensor naming them). Nothing is
+        imported here, and the bundle stores only the entry point and the params: the code must be
+        installed on the deployment host, which runs it only if allowed
+        (``runtime.load(..., allow_code=["mypkg.*"])``, docs/pipelines.md).
+
+        Args:
+            entry: ``"pkg.module:qualname"``.
+            inputs: The stage's inputs, each with a dtype and a shape (ints, symbolic names, ``None``).
+            outputs: The stage's outputs, likewise.
+            params: Plain JSON values given to every call (default ``{}``).
+            name: Unique stage name (default ``stage<N>``).
+            settings: Stage settings; for a code stage only ``replicas`` (and ``affinity`` of its
+                worker thread) matter.
+
+        Returns:
+            The stage, whose :meth:`Stage.input` / :meth:`Stage.output` give connectable ports.
+
+        Raises:
+            ConfigError: malformed entry point, duplicate name, ports without shapes or with
+                unknown dtypes, or params that are not plain JSON.
+        """
+        name = name if name is not None else f"stage{len(self._stages)}"
+        if name in self._stages:
+            raise ConfigError(f"duplicate stage name '{name}'; taken: {', '.join(self._stages)}")
+        check_entry_point(entry, f"stage '{name}'")
+        try:
+            code = CodeSpec(entry, dict(params or {}))
+        except ConfigError as e:
+            raise ConfigError(f"stage '{name}': {e}") from None
+        ports = (tuple(inputs), tuple(outputs))
+        for kind, specs in zip(("input", "output"), ports, strict=True):
+            for spec in specs:
+                if not isinstance(spec, TensorSpec):
+                    raise ConfigError(f"stage '{name}': each {kind} must be a TensorSpec(name, dtype, shape), got {spec!r}")
+        StageSpec(name, None, *ports, code=code).check()  # where the stage is added, not at to_spec
+        stage = Stage(self, name, None, None, None, *ports, settings=settings or StageSettings(), code=code)
         self._stages[name] = stage
         return stage
 
@@ -302,11 +361,12 @@ class PipelineConfig:
         stages = tuple(
             StageSpec(
                 name=s.name,
-                module=modules.get(s.name) or (s.path.as_posix() if s.path else f"{s.name}.onnx"),
+                module=None if s.code is not None else modules.get(s.name) or (s.path.as_posix() if s.path else f"{s.name}.onnx"),
                 inputs=s.inputs,
                 outputs=s.outputs,
                 settings=s.settings,
                 build=dict(s.build),
+                code=s.code,
             )
             for s in order
         )
@@ -351,6 +411,8 @@ class PipelineConfig:
         directory.mkdir(parents=True, exist_ok=True)
         modules: dict[str, str] = {}
         for s in self._stages.values():
+            if s.code is not None:
+                continue  # nothing to write: the entry point and params are in the spec
             if s.model is not None:
                 save_model(s.model, directory / f"{s.name}.onnx", s.source_dir)
                 modules[s.name] = f"{s.name}.onnx"
@@ -386,6 +448,11 @@ class PipelineConfig:
         for t in spec.outputs:
             config.add_output(t)
         for s in spec.stages:
+            if s.code is not None:
+                stage = config.add_python_stage(s.code.entry, inputs=s.inputs, outputs=s.outputs, params=s.code.params, name=s.name, settings=s.settings)
+                stage.build = dict(s.build)
+                continue
+            assert s.module is not None
             stage = config.add_stage(Path(base_dir) / s.module, s.name, settings=s.settings)
             stage.build = dict(s.build)
             if (stage.inputs, stage.outputs) != (s.inputs, s.outputs):
@@ -412,7 +479,8 @@ class PipelineConfig:
         for link in self._links.values():
             by_src.setdefault(link.src, []).append(link.dst)
         for s in self._topological_order():
-            lines.append(f"  stage '{s.name}' ({s.path.name if s.path else 'in memory'}; {_describe(s.settings)})")
+            what = f"code {s.code.entry}" if s.code else s.path.name if s.path else "in memory"
+            lines.append(f"  stage '{s.name}' ({what}; {_describe(s.settings)})")
             for t in s.inputs:
                 feed = self._links.get(Endpoint(s.name, t.name))
                 lines.append(f"    in  {t}  <- {feed.src if feed else 'UNBOUND'}")

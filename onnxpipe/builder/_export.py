@@ -21,11 +21,12 @@ import onnx
 import onnxruntime as ort
 
 import onnxpipe
-from onnxpipe._errors import BuildError, ConfigError
+from onnxpipe._errors import BuildError, BundleError, ConfigError
 from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.builder._modules import move_into_place
 from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
 from onnxpipe.runtime._bundle import MANIFEST_NAME, PAGE, save_npz, write_manifest
+from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._protoscan import external_locations
 
 __all__ = ["export", "read_build"]
@@ -41,6 +42,7 @@ def export(
     reference_outputs: Sequence[Mapping[str, np.ndarray]] | None = None,
     reference_model: str | os.PathLike[str] | onnx.ModelProto | None = None,
     overwrite: bool = False,
+    allow_code: Sequence[str] = (),
 ) -> Path:
     """Write the bundle of a built pipeline.
 
@@ -53,12 +55,15 @@ def export(
         reference_model: The whole model, run in onnxruntime to compute the expected outputs (the
             strongest check: the deployment host must reproduce the original model).
         overwrite: Replace ``out`` if it exists.
+        allow_code: fnmatch patterns of the Python (code stages, custom-op packages) this host may
+            run to compute reference outputs with the pipeline itself; only needed then.
 
     Returns:
         The bundle's path.
 
     Raises:
-        BuildError: ``build_dir`` is not a build folder, or ``out`` exists.
+        BuildError: ``build_dir`` is not a build folder, ``out`` exists, or computing the
+            reference outputs needs code ``allow_code`` does not allow.
     """
     src = Path(build_dir)
     out = Path(out)
@@ -71,7 +76,7 @@ def export(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         _copy_files(src, staging, spec)
-        reference = _write_reference(staging, spec, reference_inputs, reference_outputs)
+        reference = _write_reference(staging, spec, reference_inputs, reference_outputs, allow_code)
         write_manifest(staging, _manifest_fields(staging, spec, reference))
         staging.chmod(0o777 & ~_umask())  # mkdtemp made it private; a bundle is an ordinary folder
         if out.name.endswith(ARCHIVE_SUFFIX):
@@ -126,6 +131,8 @@ def _umask() -> int:
 def _copy_files(src: Path, dest: Path, spec: PipelineSpec) -> None:
     shutil.copyfile(src / CONFIG_FILE, dest / CONFIG_FILE)
     for stage in spec.stages:
+        if stage.module is None:
+            continue  # a code stage: no file
         files = [stage.module]
         if stage.module.endswith(".onnx"):
             folder = os.path.dirname(stage.module)
@@ -142,13 +149,18 @@ def _write_reference(
     spec: PipelineSpec,
     inputs: Sequence[Mapping[str, np.ndarray]],
     outputs: Sequence[Mapping[str, np.ndarray]] | None,
+    allow_code: Sequence[str],
 ) -> list[tuple[str, str]]:
     if not inputs:
         return []
     if outputs is None:
         # On a build host without a stage's provider, the CPU computes the reference instead.
-        missing = any(s.settings.provider not in ort.get_available_providers() for s in spec.stages)
-        runner = SequentialPipeline(spec, root, target="cpu" if missing else None)
+        missing = any(s.settings.provider not in ort.get_available_providers() for s in spec.stages if s.code is None)
+        try:
+            check_allowed(spec, allow_code)
+        except BundleError as e:
+            raise BuildError(f"computing the reference outputs runs the pipeline here: {e}".replace("runtime.load(...", "export(...")) from None
+        runner = SequentialPipeline(spec, root, target="cpu" if missing else None, allow_code=allow_code)
         outputs = [runner.run(feeds) for feeds in inputs]
     if len(outputs) != len(inputs):
         raise BuildError(f"{len(inputs)} reference input set(s) but {len(outputs)} output set(s)")
@@ -178,13 +190,13 @@ def _used_opsets(model: onnx.ModelProto) -> dict[str, int]:
 def _manifest_fields(root: Path, spec: PipelineSpec, reference: list[tuple[str, str]]) -> dict[str, object]:
     opsets: dict[str, int] = {}
     for stage in spec.stages:
-        if stage.module.endswith(".onnx"):
+        if stage.module is not None and stage.module.endswith(".onnx"):
             for domain, version in _used_opsets(onnx.load(root / stage.module, load_external_data=False)).items():
                 opsets[domain] = max(opsets.get(domain, 0), version)
     return {
         "versions": {"onnxpipe": onnxpipe.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__},
         "opsets": opsets,
-        "providers": sorted({s.settings.provider for s in spec.stages}),
+        "providers": sorted({s.settings.provider for s in spec.stages if s.code is None}),
         "reference": reference,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -6,6 +6,7 @@ Every name from a model is printed as :class:`rich.text.Text`, never as markup: 
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -17,7 +18,7 @@ from rich.text import Text
 
 from onnxpipe.builder import BuildResult
 from onnxpipe.cli._stageopts import format_cores
-from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, TensorSpec
+from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, TensorSpec, code_entries
 from onnxpipe.splitter import ModelSummary, PlanResult, SplitPlan, VerifyReport
 
 if TYPE_CHECKING:
@@ -418,7 +419,10 @@ def _build_detail(stage: StageSpec) -> str:
 
 def stage_module_bytes(bundle: Bundle, stage: StageSpec) -> int:
     """The stage's module file and its external-data files (``<module>.*``), as the manifest lists them."""
-    return sum(e.size for p, e in bundle.manifest.files.items() if p == stage.module or p.startswith(stage.module + "."))
+    module = stage.module
+    if module is None:
+        return 0  # a code stage has no file
+    return sum(e.size for p, e in bundle.manifest.files.items() if p == module or p.startswith(module + "."))
 
 
 def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int) -> None:
@@ -438,9 +442,12 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
     for link in spec.links:
         by_src.setdefault(link.src, []).append(link.dst)
     for k, s in enumerate(spec.stages):
-        _line(console, f"stage {k} '{s.name}': {s.module}, {human_bytes(stage_module_bytes(bundle, s))}")
-        _line(console, f"  settings: {_settings(s.settings)}")
-        _line(console, f"  build:    {_build_detail(s)}")
+        if s.code is not None:
+            _line(console, f"stage {k} '{s.name}': code {s.code.entry}, params {json.dumps(dict(s.code.params), sort_keys=True)}")
+        else:
+            _line(console, f"stage {k} '{s.name}': {s.module}, {human_bytes(stage_module_bytes(bundle, s))}")
+            _line(console, f"  settings: {_settings(s.settings)}")
+            _line(console, f"  build:    {_build_detail(s)}")
         for t in s.inputs:
             _line(console, f"  in  {t}  <- {spec.source_of(Endpoint(s.name, t.name))}")
         for t in s.outputs:
@@ -455,6 +462,13 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
     else:
         _line(console, "param groups: none")
     _notes(console, (f"stage '{s.name}': {s.build['note']}" for s in spec.stages if s.build.get("note")))
+    code = code_entries(spec)
+    if code:
+        _line(console, "code this bundle would run (loading needs --allow-code / allow_code matching each; the code must be installed here):")
+        for stage, kind, name in code:
+            _line(console, f"  stage '{stage}': {'custom-op library of package ' if kind == 'custom_ops' else 'entry point '}{name}")
+    else:
+        _line(console, "code: none (ONNX stages only)")
     if manifest.reference:
         _line(console, f"reference: {len(manifest.reference)} sample(s) stored; onnxpipe verify {shlex.quote(str(path))} checks them")
     else:

@@ -2,6 +2,7 @@
 
 from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
 from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, npz_layout, read_bundle, save_npz
+from onnxpipe.runtime._code import check_allowed, code_entries
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import check_dims, check_inputs, random_inputs, sample_shapes
@@ -10,7 +11,7 @@ from onnxpipe.runtime._pipeline import Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
-from onnxpipe.runtime._spec import SPEC_VERSION, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, TensorSpec
+from onnxpipe.runtime._spec import SPEC_VERSION, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, TensorSpec
 from onnxpipe.runtime._stats import PipelineStats, StageStats
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "SPEC_VERSION",
     "BenchReport",
     "Bundle",
+    "CodeSpec",
     "Endpoint",
     "FileEntry",
     "Limits",
@@ -41,8 +43,10 @@ __all__ = [
     "StageStats",
     "TensorSpec",
     "benchmark",
+    "check_allowed",
     "check_dims",
     "check_inputs",
+    "code_entries",
     "dtype_from_onnx",
     "dtype_from_ort",
     "interleaved_rounds",

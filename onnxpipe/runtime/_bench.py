@@ -84,6 +84,17 @@ class BenchReport:
         return asdict(self)
 
 
+class _CodeSession:
+    """A code stage's runner seen as a session (``run(names, feeds)``), to time it like the others."""
+
+    def __init__(self, runner: Any) -> None:
+        self.compute = runner.compute
+
+    def run(self, names: list[str], feeds: Mapping[str, Any]) -> list[Any]:
+        outputs = self.compute(dict(feeds))
+        return [outputs[n] for n in names]
+
+
 def _time_runs(session: Any, feeds: Mapping[str, Any], names: list[str], cores: set[int] | None, runs: int, out: list[float]) -> None:
     """Median seconds of ``runs`` runs after 3 warm-ups, on this thread pinned like the stage's worker."""
     if cores is not None:
@@ -106,7 +117,9 @@ def _standalone_ms(pipe: Pipeline, feeds: Mapping[str, np.ndarray], runs: int) -
         stage_feeds = {name: request.values[key] for name, key in runner.plan.sources}
         cores = runner.plan.stage.settings.for_replica(0).worker_cores()
         result: list[float] = []
-        args = (runner.session, stage_feeds, list(runner.plan.outputs), cores, runs, result)
+        # A code stage (no session) is timed through its runner: its function and the output checks.
+        session = runner.session if runner.session is not None else _CodeSession(runner)
+        args = (session, stage_feeds, list(runner.plan.outputs), cores, runs, result)
         worker = threading.Thread(target=_time_runs, args=args, name=f"bench-{runner.name}")
         worker.start()
         worker.join()

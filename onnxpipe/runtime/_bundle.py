@@ -46,7 +46,7 @@ import tempfile
 import weakref
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -340,6 +340,10 @@ class Bundle:
         self.limits = limits or Limits()
         #: Files left in the archive (see the note "external data left in the archive"), by bundle path.
         self.in_archive = dict(in_archive or {})
+        #: The host's allow-list for the Python the bundle names (code stages, custom-op packages):
+        #: fnmatch patterns; empty allows nothing. Set by the host (``read_bundle``/``load``), never
+        #: by the bundle; ``make_runner`` checks it before importing anything.
+        self.allow_code: tuple[str, ...] = ()
         self._cleanup = weakref.finalize(self, shutil.rmtree, tmp, True) if tmp else None
 
     def session_source(self, stage: str | StageSpec) -> tuple[str | bytes, dict[str, str]]:
@@ -351,6 +355,8 @@ class Bundle:
             BundleError: a tensor of the module does not fit in the external data it names.
         """
         spec = self.spec.stage(stage) if isinstance(stage, str) else stage
+        if spec.module is None:
+            raise BundleError(f"stage '{spec.name}' is a code stage; it has no module")
         path = self.root / spec.module
         moves = self._moves(spec.module)
         if not spec.module.endswith(".onnx") or not any(moves(loc) for loc in external_locations(path, spec.module)):
@@ -368,8 +374,10 @@ class Bundle:
         return move
 
     def module_path(self, stage: str | StageSpec) -> Path:
-        """Where a stage's module is on disk."""
+        """Where a stage's module is on disk (:class:`BundleError` for a code stage)."""
         spec = self.spec.stage(stage) if isinstance(stage, str) else stage
+        if spec.module is None:
+            raise BundleError(f"stage '{spec.name}' is a code stage; it has no module")
         return self.root / spec.module
 
     def reference(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
@@ -508,12 +516,17 @@ def is_bundle(path: object) -> bool:
     return (p.is_dir() and (p / MANIFEST_NAME).is_file()) or (p.is_file() and zipfile.is_zipfile(p))
 
 
-def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> Bundle:
+def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None, *, allow_code: Sequence[str] = ()) -> Bundle:
     """Open a bundle folder or archive and check all of it (see the note above).
+
+    Reading imports nothing: a bundle with code stages reads (and ``onnxpipe inspect`` lists its
+    code) whatever ``allow_code`` says; its runners are refused unless allowed.
 
     Args:
         path: A bundle folder, or an archive file (zip, normally named ``*.onnxpipe``).
         limits: Size and count limits (default :class:`Limits`).
+        allow_code: fnmatch patterns of the entry points and custom-op packages this host lets
+            the bundle's stages import (kept as :attr:`Bundle.allow_code`; see ``_code``).
 
     Returns:
         The checked :class:`Bundle`.
@@ -521,21 +534,26 @@ def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> B
     Raises:
         BundleError: anything missing, broken, or unsafe; nothing is left behind on failure.
     """
+    if isinstance(allow_code, str):
+        raise TypeError("allow_code takes a list of patterns, not one string")
     limits = limits or Limits()
     path = Path(path)
     if not path.exists():
         raise BundleError(f"bundle '{path}' does not exist")
     if path.is_dir() and not path.is_symlink():
-        return _check_folder(path, limits, None, str(path))
-    if not path.is_file():
+        bundle = _check_folder(path, limits, None, str(path))
+    elif not path.is_file():
         raise BundleError(f"bundle '{path}' is neither a folder nor an archive file")
-    tmp = Path(tempfile.mkdtemp(prefix="onnxpipe-bundle-"))
-    try:
-        kept = _unpack(path, tmp, limits)
-        return _check_folder(tmp, limits, tmp, str(path), kept)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="onnxpipe-bundle-"))
+        try:
+            kept = _unpack(path, tmp, limits)
+            bundle = _check_folder(tmp, limits, tmp, str(path), kept)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    bundle.allow_code = tuple(allow_code)
+    return bundle
 
 
 def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
@@ -760,6 +778,8 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept
     _check_caps(spec, limits)
     used: set[str] = set()
     for stage in spec.stages:
+        if stage.module is None:
+            continue  # a code stage: no file; what it names is checked against the host's allow-list at load
         module = check_relative(stage.module, f"module of stage '{stage.name}'")
         if module not in manifest.files or module in kept:
             raise BundleError(f"stage '{stage.name}' names module '{module}', which the bundle does not hold")
@@ -783,7 +803,8 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept
         _copy_range(kept.pop(rel), root / rel)
     bundle = Bundle(root, spec, manifest, tmp, kept, limits)
     for stage in spec.stages:
-        bundle.session_source(stage)  # every tensor that points into the archive fits in its member
+        if stage.module is not None:
+            bundle.session_source(stage)  # every tensor that points into the archive fits in its member
     return bundle
 
 

@@ -19,13 +19,13 @@ from typing import Protocol
 
 from onnxpipe._errors import ConfigError, StageError
 from onnxpipe.runtime._channel import Channel, Closed
-from onnxpipe.runtime._stage import Request, StagePlan, StageRunner
+from onnxpipe.runtime._stage import Request, Runner, StagePlan
 from onnxpipe.runtime._stats import StageRecorder
 
 __all__ = ["DEFAULT_QUEUE_DEPTH", "Engine", "RunnerFactory", "ThreadEngine"]
 
 #: Makes the runner (and so the session) of one replica of one stage: see ``make_runner``.
-RunnerFactory = Callable[[StagePlan, int], StageRunner]
+RunnerFactory = Callable[[StagePlan, int], Runner]
 
 _JOIN_TIMEOUT_S = 5.0
 #: Requests that may wait in front of each stage. Deep enough to absorb a stage's jitter (a queue
@@ -53,7 +53,7 @@ class Engine(Protocol):
     def queues(self) -> list[tuple[int, int, int]]:
         """Each stage's input queue: depth now, high water, capacity."""
 
-    def runners(self) -> list[list[StageRunner]]:
+    def runners(self) -> list[list[Runner]]:
         """Each stage's replicas' runners (and so their sessions), in pipeline order."""
 
 
@@ -98,7 +98,7 @@ class ThreadEngine:
             self.close()
             raise errors[0]
 
-    def _work(self, i: int, r: int, runner: StageRunner, cores: set[int] | None, ready: threading.Barrier, errors: list[BaseException]) -> None:
+    def _work(self, i: int, r: int, runner: Runner, cores: set[int] | None, ready: threading.Barrier, errors: list[BaseException]) -> None:
         try:
             if cores is not None:
                 os.sched_setaffinity(0, cores)  # 0: this thread, on Linux
@@ -172,7 +172,7 @@ class ThreadEngine:
         """Each stage's input queue: depth now, high water, capacity."""
         return [(len(c), c.high_water, c.capacity) for c in self._channels]
 
-    def runners(self) -> list[list[StageRunner]]:
+    def runners(self) -> list[list[Runner]]:
         """Each stage's replicas' runners, in pipeline order."""
         return self._runners
 

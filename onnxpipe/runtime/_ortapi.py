@@ -218,6 +218,8 @@ class InferenceSessionAPI:
         kept = ModelMetadata.from_metadata(self._spec.metadata)
         if kept is not None:
             return kept
+        if not self._session_facts:  # only code stages: no module to take metadata from
+            return ModelMetadata(graph_name=self._spec.metadata.get("name", "pipeline"))
         first = self._session_facts[0].meta
         custom = {k: v for k, v in first.custom_metadata_map.items() if not k.startswith("onnxpipe.")}
         name = first.custom_metadata_map.get("onnxpipe.source") or self._spec.metadata.get("name") or first.graph_name

@@ -31,11 +31,12 @@ import onnxruntime as ort
 from onnxpipe._errors import InputError, StageError, closest
 from onnxpipe.runtime._bundle import Bundle, Limits, read_bundle
 from onnxpipe.runtime._channel import Closed
+from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
-from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, make_runner, plan_stages
+from onnxpipe.runtime._stage import Request, Runner, StagePlan, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, write_trace
 
 __all__ = ["Pipeline", "ReferenceCheck", "load"]
@@ -67,9 +68,15 @@ class Pipeline(InferenceSessionAPI):
         queue_depth: Requests that may wait in front of each stage; a full queue blocks the
             stage before it, and a full first queue blocks :meth:`submit` (backpressure).
         trace: Record every stage run, for :meth:`save_trace`.
+
+    Raises:
+        BundleError: the bundle names Python (code stages, custom-op libraries) that
+            ``bundle.allow_code`` does not allow (nothing is imported then), or that is not on
+            this host.
     """
 
     def __init__(self, bundle: Bundle, target: str | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH, trace: bool = False) -> None:
+        check_allowed(bundle.spec, bundle.allow_code)  # every refusal in one message, before any import
         self.bundle = bundle
         self._target = target
         plans, self._finals = plan_stages(bundle.spec)
@@ -89,9 +96,10 @@ class Pipeline(InferenceSessionAPI):
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
 
-    def _make_runner(self, plan: StagePlan, replica: int) -> StageRunner:
+    def _make_runner(self, plan: StagePlan, replica: int) -> Runner:
         runner = make_runner(self.bundle, plan, replica, self._target)
-        self._session_facts.append(SessionFacts.of(runner.session))
+        if runner.session is not None:  # code stages have no session to report
+            self._session_facts.append(SessionFacts.of(runner.session))
         return runner
 
     # -- what the pipeline looks like ------------------------------------------------------------
@@ -328,7 +336,7 @@ class Pipeline(InferenceSessionAPI):
                 rows.append(ReferenceCheck(i, name, diff, bool(np.allclose(value, want, rtol=rtol, atol=atol, equal_nan=True))))
         return rows
 
-    def idle_runners(self) -> list[StageRunner]:
+    def idle_runners(self) -> list[Runner]:
         """The first replica's runner of each stage, in pipeline order, for running stages alone
         with the pipeline's own sessions while it is idle (see :func:`benchmark`), so that no stage
         ever needs a second session (a second copy of its weights).
@@ -403,6 +411,7 @@ def load(
     queue_depth: int = DEFAULT_QUEUE_DEPTH,
     trace: bool = False,
     limits: Limits | None = None,
+    allow_code: Sequence[str] = (),
 ) -> Pipeline:
     """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime, and start it.
 
@@ -414,13 +423,18 @@ def load(
         queue_depth: Requests that may wait in front of each stage.
         trace: Record a timeline of every stage run (see :meth:`Pipeline.save_trace`).
         limits: Size and count limits for the bundle.
+        allow_code: fnmatch patterns of the Python the bundle may make this host import: code
+            stages' entry points (``"mypkg.*"`` allows ``"mypkg.ocr:decode"``) and custom-op
+            packages (``"onnxruntime_extensions"``). Default: none; a bundle naming any is refused,
+            naming each, before anything is imported (docs/pipelines.md).
 
     Raises:
-        BundleError: the bundle is missing, broken or refused as unsafe, or a stage's provider is
-            not available here.
+        BundleError: the bundle is missing, broken or refused as unsafe, a stage's provider is
+            not available here, or it names Python ``allow_code`` does not allow or this host
+            does not have.
         ConfigError: the OS refused a stage's CPU affinity.
     """
-    bundle = read_bundle(path, limits)
+    bundle = read_bundle(path, limits, allow_code=allow_code)
     try:
         return Pipeline(bundle, target, queue_depth, trace)
     except BaseException:

@@ -7,17 +7,19 @@ the spec says.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import InputError, StageError, closest
+from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest
 from onnxpipe.runtime._bundle import Bundle
+from onnxpipe.runtime._code import check_allowed, resolve_entry
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
+from onnxpipe.runtime._stage import CodeRunner, StagePlan
 
 __all__ = ["SequentialPipeline"]
 
@@ -30,15 +32,25 @@ class SequentialPipeline:
         base_dir: Folder that stage module paths are relative to, or a checked :class:`Bundle`
             (whose external data may stay in its archive).
         target: Run every stage on this target instead of its own (e.g. ``"cpu"``).
+        allow_code: fnmatch patterns of the Python the stages may import (code stages' entry
+            points, custom-op packages); see :func:`onnxpipe.runtime.load`.
+
+    Raises:
+        BundleError: a stage names Python ``allow_code`` does not allow (nothing is imported), or
+            a session or entry point cannot be made.
     """
 
-    def __init__(self, spec: PipelineSpec, base_dir: str | Path | Bundle, target: str | None = None) -> None:
+    def __init__(self, spec: PipelineSpec, base_dir: str | Path | Bundle, target: str | None = None, allow_code: Sequence[str] = ()) -> None:
         spec.validate()
+        check_allowed(spec, allow_code)
         self.spec = spec
         self._sessions = {s.name: self._session(base_dir, s, target) for s in spec.stages}
 
     @staticmethod
-    def _session(base_dir: str | Path | Bundle, stage: StageSpec, target: str | None) -> ort.InferenceSession:
+    def _session(base_dir: str | Path | Bundle, stage: StageSpec, target: str | None) -> ort.InferenceSession | CodeRunner:
+        if stage.code is not None:
+            return CodeRunner(StagePlan(stage, (), tuple(t.name for t in stage.outputs), ()), resolve_entry(stage))
+        assert stage.module is not None
         if not isinstance(base_dir, Bundle):
             return make_session(Path(base_dir) / stage.module, stage, target)
         module, config = base_dir.session_source(stage)  # reads (and may rewrite) the module once
@@ -75,9 +87,16 @@ class SequentialPipeline:
             stage_feeds = {t.name: values[self.spec.source_of(Endpoint(stage.name, t.name))] for t in stage.inputs}
             if params and stage.name in params:
                 stage_feeds.update(params[stage.name])
+            runner = self._sessions[stage.name]
             try:
-                results = self._sessions[stage.name].run([t.name for t in stage.outputs], stage_feeds)
-            except Exception as e:  # onnxruntime raises several unrelated types
+                if isinstance(runner, CodeRunner):
+                    computed = runner.compute(stage_feeds)
+                    results = [computed[t.name] for t in stage.outputs]
+                else:
+                    results = runner.run([t.name for t in stage.outputs], stage_feeds)
+            except OnnxpipeError:
+                raise
+            except Exception as e:  # onnxruntime raises several unrelated types; a code stage any
                 raise StageError(f"stage '{stage.name}' failed: {e}") from e
             for t, value in zip(stage.outputs, results, strict=True):
                 values[Endpoint(stage.name, t.name)] = value

@@ -9,6 +9,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from onnxpipe._errors import BundleError
+from onnxpipe.runtime._code import custom_ops_library
 from onnxpipe.runtime._settings import StageSettings
 from onnxpipe.runtime._spec import StageSpec
 
@@ -65,9 +66,11 @@ def make_session(module: Path | str | bytes, stage: StageSpec, target: str | Non
             f"available: {', '.join(available)} (use target 'cpu' to run every stage on the CPU instead)"
         )
     options = settings.session_options(load_optimization(stage, settings))
+    for package in settings.custom_ops:  # allowed by the caller (see _code.check_allowed)
+        options.register_custom_ops_library(custom_ops_library(stage.name, package))
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     try:
         return ort.InferenceSession(module if isinstance(module, bytes) else str(module), sess_options=options, providers=settings.providers())
     except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/RuntimeException types
-        raise BundleError(f"stage '{stage.name}': onnxruntime cannot load module '{posixpath.basename(stage.module)}': {e}") from e
+        raise BundleError(f"stage '{stage.name}': onnxruntime cannot load module '{posixpath.basename(stage.module or '')}': {e}") from e

@@ -96,6 +96,10 @@ class StageSettings:
         optimization: Graph optimization level: ``disable``, ``basic``, ``extended``, ``all``.
         session_config: Extra ``add_session_config_entry`` keys and values.
         replicas: Workers running this stage, each with its own session.
+        custom_ops: Custom-op libraries the session registers, each named by the Python package
+            that ships it (e.g. ``onnxruntime_extensions``); the host resolves the library by
+            importing the package and calling its ``get_library_path()``, and only when its
+            allow-list permits the package (see ``onnxpipe.runtime._code``). Never a path.
     """
 
     target: str = "cpu"
@@ -109,6 +113,7 @@ class StageSettings:
     optimization: str = "all"
     session_config: Mapping[str, str] = field(default_factory=dict)
     replicas: int = 1
+    custom_ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, kind in (("target", str), ("execution_mode", str), ("optimization", str), ("fallback", bool), ("spinning", bool)):
@@ -135,6 +140,11 @@ class StageSettings:
             if not cores or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores):
                 raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
             object.__setattr__(self, "affinity", cores)
+        if isinstance(self.custom_ops, str) or not isinstance(self.custom_ops, (list, tuple)) or not all(
+            isinstance(p, str) and p and all(part.isidentifier() for part in p.split(".")) for p in self.custom_ops
+        ):
+            raise ConfigError(f"custom_ops must be a list of Python package names (e.g. ['onnxruntime_extensions']), never paths; got {self.custom_ops!r}")
+        object.__setattr__(self, "custom_ops", tuple(self.custom_ops))
         for key, value in (*self.provider_options.items(), *self.session_config.items()):
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ConfigError(f"provider options and session config take string keys and values, got {key!r}: {value!r}")
@@ -159,6 +169,9 @@ class StageSettings:
         data["provider_options"] = dict(self.provider_options)
         data["session_config"] = dict(self.session_config)
         data["affinity"] = list(self.affinity) if self.affinity is not None else None
+        data["custom_ops"] = list(self.custom_ops)
+        if not self.custom_ops:
+            del data["custom_ops"]  # absent = none: settings without custom ops read as they did before
         return data
 
     @classmethod
@@ -169,8 +182,9 @@ class StageSettings:
             if key not in names:
                 raise ConfigError(f"unknown stage setting '{key}'; {closest(key, names)}")
         values = dict(data)
-        if isinstance(values.get("affinity"), list):
-            values["affinity"] = tuple(values["affinity"])
+        for key in ("affinity", "custom_ops"):
+            if isinstance(values.get(key), list):
+                values[key] = tuple(values[key])
         return cls(**values)
 
     def for_replica(self, replica: int) -> StageSettings:

@@ -35,6 +35,8 @@ __all__ = [
     "StageSpec",
     "TensorSpec",
     "describe_json",
+    "CodeSpec",
+    "check_entry_point",
     "find_tensor",
     "parse_json",
 ]
@@ -142,26 +144,109 @@ class Link:
         return f"{self.src} -> {self.dst}"
 
 
+#: What a code stage's entry point looks like, for error messages.
+ENTRY_POINT_FORM = "'package.module:function' (a dotted module path, a colon, a dotted attribute path; e.g. 'mypkg.ocr:decode')"
+
+
+def check_entry_point(entry: object, where: str) -> str:
+    """Refuse an entry point that is not ``"pkg.module:qualname"`` (both sides dotted identifiers).
+
+    Returns:
+        The entry point, unchanged.
+
+    Raises:
+        ConfigError: naming ``where`` (e.g. the stage) and what a valid entry point looks like.
+    """
+    if isinstance(entry, str):
+        module, colon, attr = entry.partition(":")
+        if colon and all(p.isidentifier() for p in module.split(".")) and all(p.isidentifier() for p in attr.split(".")):
+            return entry
+    raise ConfigError(f"{where}: entry point {describe_json(entry)} is malformed; an entry point is {ENTRY_POINT_FORM}")
+
+
+@dataclass(frozen=True)
+class CodeSpec:
+    """What a code stage runs: a Python callable named by import path, and its JSON parameters.
+
+    The callable is ``fn(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> Mapping[str,
+    np.ndarray]``; it must be importable on the host that runs the bundle, which refuses it unless
+    its allow-list matches the entry point (see ``onnxpipe.runtime._code``). Nothing else of the
+    code is stored: a bundle never carries code, and nothing is pickled.
+
+    Attributes:
+        entry: ``"pkg.module:qualname"``.
+        params: Plain JSON values (objects, lists, strings, numbers, booleans, null) given to every call.
+    """
+
+    entry: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_entry_point(self.entry, "code stage")
+        if not isinstance(self.params, Mapping):
+            raise ConfigError(f"code stage '{self.entry}': params must be a JSON object, got {describe_json(self.params)}")
+        try:
+            plain = json.loads(json.dumps(dict(self.params), allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"code stage '{self.entry}': params must be plain JSON values: {e}") from None
+        object.__setattr__(self, "params", plain)
+
+    @property
+    def module(self) -> str:
+        """The module part of the entry point."""
+        return self.entry.partition(":")[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"entry": self.entry, "params": dict(self.params)}
+
+
 @dataclass(frozen=True)
 class StageSpec:
-    """What one stage needs to run: its module and the tensors at its boundary.
+    """What one stage needs to run: its module (or its code) and the tensors at its boundary.
 
     Attributes:
         name: Unique stage name.
-        module: Path of the stage's .onnx module, relative to the folder holding the spec.
+        module: Path of the stage's .onnx module, relative to the folder holding the spec;
+            ``None`` for a code stage.
         inputs: The stage's input tensors, in the module's order.
         outputs: The stage's output tensors, in the module's order.
         settings: How the stage's session is made (target, threads, affinity, ...).
         build: What the builder did to the module (free-form strings and numbers, e.g. which
             provider it was optimized for and whether the target still optimizes it at load).
+        code: For a code stage, its entry point and parameters (spec version 2; ``module`` is
+            then ``None``).
     """
 
     name: str
-    module: str
+    module: str | None
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     settings: StageSettings = field(default_factory=StageSettings)
     build: Mapping[str, Any] = field(default_factory=dict)
+    code: CodeSpec | None = None
+
+    @property
+    def is_code(self) -> bool:
+        """Whether the stage runs a Python callable rather than an ONNX module."""
+        return self.code is not None
+
+    def check(self) -> None:
+        """Check the stage on its own: a module or code (not both), unique port names, known
+        dtypes, and for a code stage a shape on every port (its values are checked against it).
+
+        Raises:
+            ConfigError: naming the stage and the port.
+        """
+        if (self.module is None) == (self.code is None):
+            raise ConfigError(f"stage '{self.name}' must have either a module or code (an entry point), not {'both' if self.code else 'neither'}")
+        _unique(f"input of stage '{self.name}'", (t.name for t in self.inputs))
+        _unique(f"output of stage '{self.name}'", (t.name for t in self.outputs))
+        for spec in (*self.inputs, *self.outputs):
+            if spec.dtype not in DTYPES:
+                raise ConfigError(f"stage '{self.name}': tensor '{spec.name}' has unknown dtype '{spec.dtype}'; valid: {', '.join(DTYPES)}")
+            if self.code is not None and spec.shape is None:
+                raise ConfigError(f"code stage '{self.name}': port '{spec.name}' needs a shape (a list of sizes, names or nulls) so its values can be checked")
 
     def input(self, name: str) -> TensorSpec:
         """The input named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
@@ -244,8 +329,9 @@ class PipelineSpec:
             self.stage(group.stage)
             _unique(f"parameter of group '{group.name}'", (t.name for t in group.params))
         for stage in self.stages:
-            _unique(f"input of stage '{stage.name}'", (t.name for t in stage.inputs))
-            _unique(f"output of stage '{stage.name}'", (t.name for t in stage.outputs))
+            stage.check()
+            if stage.code is not None and any(g.stage == stage.name for g in self.param_groups):
+                raise ConfigError(f"stage '{stage.name}' is a code stage; param groups name initializers of ONNX stages only")
         for spec in self._all_tensors():
             if spec.dtype not in DTYPES:
                 raise ConfigError(f"tensor '{spec.name}' has unknown dtype '{spec.dtype}'; valid: {', '.join(DTYPES)}")
@@ -322,17 +408,7 @@ class PipelineSpec:
             "metadata": dict(self.metadata),
             "inputs": [_tensor_to_dict(t) for t in self.inputs],
             "outputs": [_tensor_to_dict(t) for t in self.outputs],
-            "stages": [
-                {
-                    "name": s.name,
-                    "module": s.module,
-                    "inputs": [_tensor_to_dict(t) for t in s.inputs],
-                    "outputs": [_tensor_to_dict(t) for t in s.outputs],
-                    "settings": s.settings.to_dict(),
-                    "build": dict(s.build),
-                }
-                for s in self.stages
-            ],
+            "stages": [_stage_to_dict(s) for s in self.stages],
             "param_groups": [
                 {"name": g.name, "stage": g.stage, "params": [_tensor_to_dict(t) for t in g.params]} for g in self.param_groups
             ],
@@ -492,6 +568,29 @@ def _endpoint_from_dict(d: Any, global_key: str, where: str) -> Endpoint:
     raise ConfigError(f"{where}: a link end must be {{\"{global_key}\": name}} or {{\"stage\": s, \"tensor\": t}} with string values, got {describe_json(d)}")
 
 
+def _stage_to_dict(s: StageSpec) -> dict[str, Any]:
+    # A code stage has "code" instead of "module" (version 2); an ONNX stage is written as in version 1.
+    head: dict[str, Any] = {"name": s.name, "module": s.module} if s.code is None else {"name": s.name, "code": s.code.to_dict()}
+    return {
+        **head,
+        "inputs": [_tensor_to_dict(t) for t in s.inputs],
+        "outputs": [_tensor_to_dict(t) for t in s.outputs],
+        "settings": s.settings.to_dict(),
+        "build": dict(s.build),
+    }
+
+
+def _code_from_dict(s: dict[str, Any], where: str) -> CodeSpec | None:
+    code = _need(s, "code", dict, where, None)
+    if code is None:
+        return None
+    unknown = sorted(set(code) - {"entry", "params"})
+    if unknown:
+        raise ConfigError(f"{where}: code: unknown key '{unknown[0]}'; valid: 'entry', 'params'")
+    entry = check_entry_point(_need(code, "entry", str, f"{where}: code"), where)
+    return CodeSpec(entry, _need(code, "params", dict, f"{where}: code", {}))
+
+
 def _stage_from_dict(s: dict[str, Any], where: str) -> StageSpec:
     settings = _need(s, "settings", dict, where, {})
     build = _need(s, "build", dict, where, {})
@@ -499,9 +598,13 @@ def _stage_from_dict(s: dict[str, Any], where: str) -> StageSpec:
         parsed = StageSettings.from_dict(settings)
     except ConfigError as e:
         raise ConfigError(f"{where}: settings: {e}") from None
+    code = _code_from_dict(s, where)
+    if code is not None and "module" in s:
+        raise ConfigError(f"{where}: a stage has either 'module' (ONNX) or 'code' (an entry point), not both")
     return StageSpec(
         name=_need(s, "name", str, where),
-        module=_need(s, "module", str, where),
+        module=None if code is not None else _need(s, "module", str, where),
+        code=code,
         inputs=tuple(_tensor_from_dict(t, w) for w, t in _items(s, "inputs", where)),
         outputs=tuple(_tensor_from_dict(t, w) for w, t in _items(s, "outputs", where)),
         settings=parsed,
@@ -521,7 +624,7 @@ def _from_dict(data: Any) -> PipelineSpec:
         ParamGroup(_need(g, "name", str, w), _need(g, "stage", str, w), tuple(_tensor_from_dict(t, pw) for pw, t in _items(g, "params", w)))
         for w, g in _items(data, "param_groups", where, optional=True)
     )
-    return PipelineSpec(
+    spec = PipelineSpec(
         inputs=tuple(_tensor_from_dict(t, w) for w, t in _items(data, "inputs", where)),
         outputs=tuple(_tensor_from_dict(t, w) for w, t in _items(data, "outputs", where)),
         stages=tuple(_stage_from_dict(s, w) for w, s in _items(data, "stages", where)),
@@ -532,3 +635,7 @@ def _from_dict(data: Any) -> PipelineSpec:
         metadata=_strings(data, "metadata", where),
         param_groups=groups,
     )
+    coded = [s.name for s in spec.stages if s.code is not None]
+    if coded and version == 1:
+        raise ConfigError(f"pipeline spec version 1 has no code stages, yet stage '{coded[0]}' has code; code stages need version 2")
+    return spec

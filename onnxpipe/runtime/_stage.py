@@ -15,16 +15,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
+from onnxpipe._errors import InputError, StageError
 from onnxpipe.runtime._bundle import Bundle
+from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
+from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
 
-__all__ = ["Request", "StagePlan", "StageRunner", "make_runner", "plan_stages"]
+__all__ = ["CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "make_runner", "plan_stages"]
 
 
 @dataclass(eq=False)
@@ -76,6 +79,24 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
     return plans, finals
 
 
+class Runner(Protocol):
+    """What any engine drives for one replica of one stage: a :class:`StageRunner` (an ONNX stage)
+    or a :class:`~onnxpipe.runtime._code.CodeRunner` (a code stage, whose ``session`` is ``None``)."""
+
+    name: str
+    plan: StagePlan
+
+    @property
+    def session(self) -> ort.InferenceSession | None:
+        """The stage's onnxruntime session, or ``None`` for a code stage."""
+
+    def __call__(self, request: Request) -> None:
+        """Run the stage for one request (see the note on the request's bag)."""
+
+    def cancel(self) -> None:
+        """Make a run in progress return early, where that is possible."""
+
+
 class StageRunner:
     """Runs one stage of a request with one onnxruntime session.
 
@@ -109,9 +130,75 @@ class StageRunner:
         self.run_options.terminate = True
 
 
-def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | None = None) -> StageRunner:
-    """The runner of one replica of one stage, with its own session: what every engine's workers
-    call, wherever they live (a thread here, an actor on another host).
+class CodeRunner:
+    """Runs one code stage of a request: calls its function, checks what it returns.
+
+    Same face as :class:`StageRunner` (``name``, ``plan``, ``__call__``, ``cancel``); ``session``
+    is ``None``. Made by :func:`make_runner` for a code stage, so every engine runs code stages.
+
+    Note: checked outputs.
+        The function must return a mapping holding exactly the stage's declared outputs, each a
+        numpy array (anything ``np.asarray`` takes is converted) of the declared dtype and rank,
+        with the declared size on every fixed dim; symbolic dims may take any size, but the same
+        size in every output naming them, so shapes may change from request to request. Anything
+        else fails that request with a :class:`StageError` naming the stage and the tensor; the
+        stage goes on with the next request. Values are never cast (as for pipeline inputs).
+
+    Args:
+        plan: The stage's plan (``plan.stage.code`` set).
+        function: The resolved callable.
+    """
+
+    session = None
+
+    def __init__(self, plan: StagePlan, function: CodeFunction) -> None:
+        assert plan.stage.code is not None
+        self.plan = plan
+        self.name: str = plan.stage.name
+        self.function = function
+        # One private copy per runner: a function that changes its params affects only this replica.
+        self.params: dict[str, Any] = copy_params(plan.stage.code.params)
+        self._keys = tuple((o, Endpoint(self.name, o)) for o in plan.outputs)
+
+    def compute(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Call the function on one request's inputs; its outputs, checked (see the note above).
+
+        Raises:
+            StageError: the function's result is not the declared outputs.
+        """
+        result = self.function(feeds, self.params)
+        if not isinstance(result, Mapping):
+            raise StageError(f"code stage '{self.name}' returned {type(result).__name__}; it must return a dict of arrays by output name")
+        declared = self.plan.stage.outputs
+        extra = [k for k in result if k not in {t.name for t in declared}]
+        if extra:
+            names = ", ".join(repr(str(k)) for k in extra)
+            raise StageError(f"code stage '{self.name}' returned output(s) {names} it does not declare; declared: {', '.join(repr(t.name) for t in declared)}")
+        try:
+            return check_inputs(declared, result, what=f"stage '{self.name}' output")
+        except InputError as e:
+            raise StageError(f"code stage '{self.name}': {e}") from None
+
+    def __call__(self, request: Request) -> None:
+        """Read the inputs from the request's bag, call the function, put the outputs back, drop dead values."""
+        values = request.values
+        outputs = self.compute({name: values[key] for name, key in self.plan.sources})
+        for name, key in self._keys:
+            values[key] = outputs[name]
+        for key in self.plan.drop:
+            values.pop(key, None)
+
+    def cancel(self) -> None:
+        """Nothing to do: a Python call cannot be interrupted; the engine stops after it returns."""
+
+
+def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | None = None) -> Runner:
+    """The runner of one replica of one stage, with its own session (or, for a code stage, its
+    callable): what every engine's workers call, wherever they live (a thread here, an actor on
+    another host).
+
+    A code stage, or an ONNX stage with custom-op libraries, is made only when the bundle's
+    ``allow_code`` patterns allow what it names (checked before anything is imported).
 
     Args:
         bundle: The checked bundle the stage's module comes from.
@@ -120,9 +207,14 @@ def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | Non
         target: Run on this target instead of the stage's own.
 
     Raises:
-        BundleError: the session could not be created (provider missing, module refused).
+        BundleError: the session could not be created (provider missing, module refused), the
+            stage names Python the bundle's ``allow_code`` does not allow, or its entry point or
+            custom-op package cannot be found on this host.
     """
     stage = plan.stage
+    check_allowed([stage], bundle.allow_code)
+    if stage.code is not None:
+        return CodeRunner(plan, resolve_entry(stage))
     module, config = bundle.session_source(stage)
     session = make_session(module, dataclasses.replace(stage, settings=stage.settings.for_replica(replica)), target, config)
     return StageRunner(plan, session)

@@ -1,0 +1,141 @@
+"""Code stages and custom-op libraries: Python named by the bundle, run only if the host allows it.
+
+Note: code is data only by name.
+    A bundle never carries code and nothing is ever pickled: a code stage names a callable by its
+    import path (``"pkg.module:qualname"``), and an ONNX stage needing a custom-op library names
+    the Python package that ships it (``custom_ops = ["onnxruntime_extensions"]``), never a path.
+    Whatever is named must already be installed on the host. Loading such a bundle is opt-in: the
+    host passes an allow-list of :mod:`fnmatch` patterns (``load(..., allow_code=["mypkg.*"])``,
+    ``onnxpipe run --allow-code 'mypkg.*'``), matched against the full entry point
+    (``"mypkg.*"`` allows ``"mypkg.ocr:decode"``) or the package name of a custom-op library.
+    :func:`check_allowed` runs before anything is imported and names every entry point and
+    library refused, so the bundle cannot make the host import a module it did not allow -- not
+    even to learn that it exists.
+
+Note: the GIL.
+    A code stage runs Python on its worker thread and holds the GIL while it does, so it shares one
+    core with every other code stage and with the Python parts of the pipeline (the hand-offs),
+    while ONNX stages release the GIL inside onnxruntime. numpy releases it in many array
+    operations. docs/pipelines.md measures what that costs; a stage that is pure Python and slow
+    is better run where it has its own interpreter (the Ray engine runs each stage in its own
+    actor process).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from onnxpipe._errors import BundleError, closest
+from onnxpipe.runtime._spec import PipelineSpec, StageSpec
+
+__all__ = ["CodeFunction", "check_allowed", "code_entries", "copy_params", "custom_ops_library", "is_allowed", "resolve_entry"]
+
+#: The callable a code stage names: ``fn(inputs, params) -> outputs`` (arrays by tensor name).
+CodeFunction = Callable[[dict[str, np.ndarray], dict[str, Any]], Mapping[str, np.ndarray]]
+
+_HOW = "allow it with runtime.load(..., allow_code=[...]) or onnxpipe run --allow-code PATTERN (fnmatch patterns, e.g. 'mypkg.*')"
+
+
+def code_entries(spec: PipelineSpec | Iterable[StageSpec]) -> list[tuple[str, str, str]]:
+    """What Python a pipeline (or some of its stages) would import: ``(stage, kind, name)`` with kind
+    ``"code"`` (name: the entry point) or ``"custom_ops"`` (name: the package shipping the
+    library), in pipeline order."""
+    found: list[tuple[str, str, str]] = []
+    for stage in spec.stages if isinstance(spec, PipelineSpec) else spec:
+        if stage.code is not None:
+            found.append((stage.name, "code", stage.code.entry))
+        found.extend((stage.name, "custom_ops", package) for package in stage.settings.custom_ops)
+    return found
+
+
+def is_allowed(name: str, allow: Iterable[str]) -> bool:
+    """Whether an entry point (or custom-op package name) matches one of the ``allow`` patterns."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in allow)
+
+
+def check_allowed(spec: PipelineSpec | Iterable[StageSpec], allow: Sequence[str]) -> None:
+    """Refuse a pipeline naming Python the host did not allow; imports nothing.
+
+    Raises:
+        BundleError: one message naming every entry point and custom-op package not allowed, the
+            stage of each, and how to allow them.
+    """
+    if isinstance(allow, str):
+        raise TypeError("allow_code takes a list of patterns, not one string")
+    refused = [(stage, kind, name) for stage, kind, name in code_entries(spec) if not is_allowed(name, allow)]
+    if not refused:
+        return
+    listed = ", ".join(f"{'custom-op library of package ' if kind == 'custom_ops' else ''}'{name}' (stage '{stage}')" for stage, kind, name in refused)
+    shown = f"allowed now: {', '.join(repr(p) for p in allow)}" if allow else "nothing is allowed by default"
+    raise BundleError(f"the pipeline runs Python this host has not allowed: {listed}; {shown}; {_HOW}")
+
+
+def resolve_entry(stage: StageSpec) -> CodeFunction:
+    """Import a code stage's module and find its callable (call only after :func:`check_allowed`).
+
+    Raises:
+        BundleError: one message naming the stage and the entry point: the module is not installed,
+            importing it failed, the attribute is missing, or it is not callable.
+    """
+    assert stage.code is not None
+    entry = stage.code.entry
+    module_name, _, qualname = entry.partition(":")
+    where = f"stage '{stage.name}': entry point '{entry}'"
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise BundleError(f"{where}: module '{module_name}' is not installed on this host (a bundle carries no code: install it here)") from e
+        raise BundleError(f"{where}: importing '{module_name}' failed: {e}") from e
+    except Exception as e:  # anything the module's own top level raises
+        raise BundleError(f"{where}: importing '{module_name}' failed: {type(e).__name__}: {e}") from e
+    path = module_name
+    for part in qualname.split("."):
+        if not hasattr(target, part):
+            choices = sorted(n for n in dir(target) if not n.startswith("_"))
+            raise BundleError(f"{where}: '{path}' has no attribute '{part}'; {closest(part, choices)}")
+        target = getattr(target, part)
+        path = f"{path}.{part}"
+    if not callable(target):
+        raise BundleError(f"{where}: '{qualname}' is a {type(target).__name__}, not a callable")
+    return target
+
+
+def custom_ops_library(stage: str, package: str) -> str:
+    """The path of the custom-op library a package ships, from its ``get_library_path()``
+    (call only after :func:`check_allowed`).
+
+    Raises:
+        BundleError: the package is not installed (naming it, to install), or gives no library.
+    """
+    where = f"stage '{stage}' needs the custom-op library of package '{package}'"
+    try:
+        module = importlib.import_module(package)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (package == e.name or package.startswith(e.name + ".")):
+            hint = package.split(".")[0].replace("_", "-")
+            raise BundleError(f"{where}, which is not installed on this host; install it (pip install {hint})") from e
+        raise BundleError(f"{where}: importing it failed: {e}") from e
+    except Exception as e:
+        raise BundleError(f"{where}: importing it failed: {type(e).__name__}: {e}") from e
+    get_path = getattr(module, "get_library_path", None)
+    if not callable(get_path):
+        raise BundleError(f"{where}, but '{package}' has no get_library_path(); name a package that ships a custom-op library (e.g. onnxruntime_extensions)")
+    path = get_path()
+    if not isinstance(path, str) or not path:
+        raise BundleError(f"{where}: its get_library_path() gave {path!r}, not a path")
+    return path
+
+
+def copy_params(value: Any) -> Any:
+    """A deep copy of plain JSON values (each code runner gets its own params)."""
+    if isinstance(value, dict):
+        return {k: copy_params(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [copy_params(v) for v in value]
+    return value

@@ -1,0 +1,84 @@
+"""Tiny code-stage functions for the tests (importable as ``tests.code_stages``).
+
+Each is ``fn(inputs, params) -> dict of arrays``, the signature a code stage names. The pipeline
+they are used in (:func:`config`) is ``x -> head (ONNX: h = relu(x), g = -x) -> combine (code: y =
+h * factor + g)``; ``misbehave`` breaks its contract on purpose when ``x[0, 0]`` asks it to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+NOT_CALLABLE = 3
+#: What ``misbehave`` does for ``x[0, 0]`` = the key (anything else: the right answer).
+MISCHIEF = {101.0: "float64", 102.0: "rank", 103.0: "missing", 104.0: "extra", 105.0: "not a dict", 106.0: "raises", 107.0: "fixed dim"}
+
+
+def combine(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """y = h * factor + g."""
+    return {"y": inputs["h"] * np.float32(params.get("factor", 1.0)) + inputs["g"]}
+
+
+def positive_rows(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The rows of x whose sum is > 0 (K x 4, K varies per request) and their count."""
+    x = inputs["x"]
+    rows = x[x.sum(axis=1) > 0]
+    return {"rows": rows, "count": np.array([len(rows)], np.int64)}
+
+
+def misbehave(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> Any:
+    """Like :func:`combine`, but breaks the contract as ``MISCHIEF[x[0, 0]]`` says (h = relu(x) carries x[0, 0])."""
+    y = combine(inputs, params)["y"]
+    mode = MISCHIEF.get(float(inputs["h"][0, 0]))
+    if mode == "float64":
+        return {"y": y.astype(np.float64)}
+    if mode == "rank":
+        return {"y": y.reshape(-1)}
+    if mode == "missing":
+        return {}
+    if mode == "extra":
+        return {"y": y, "z": y}
+    if mode == "not a dict":
+        return [y]
+    if mode == "raises":
+        raise ValueError("misbehave was asked to raise")
+    if mode == "fixed dim":
+        return {"y": np.zeros((y.shape[0], 5), np.float32)}
+    return {"y": y}
+
+
+class Holder:
+    """A callable found by a dotted qualname (``tests.code_stages:Holder.double``)."""
+
+    @staticmethod
+    def double(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+        return {"y": (inputs["h"] + inputs["g"]) * 2}
+
+
+def config(entry: str = "tests.code_stages:combine", factor: float = 2.0) -> Any:
+    """``x -> head (ONNX) -> combine (code, entry) -> y``, as a PipelineConfig."""
+    from onnxpipe.builder import PipelineConfig
+    from onnxpipe.runtime import TensorSpec
+    from tests.models import stage_head
+
+    cfg = PipelineConfig("coded")
+    head = cfg.add_stage(stage_head(), "head")
+    code = cfg.add_python_stage(
+        entry,
+        inputs=[TensorSpec("h", "float32", ("N", 4)), TensorSpec("g", "float32", ("N", 4))],
+        outputs=[TensorSpec("y", "float32", ("N", 4))],
+        params={"factor": factor},
+        name="combine",
+    )
+    cfg.input("x").connect(head.input("x"))
+    head.output("h").connect(code.input("h"))
+    head.output("g").connect(code.input("g"))
+    code.output("y").connect(cfg.output("y"))
+    return cfg
+
+
+def expected(x: np.ndarray, factor: float = 2.0) -> np.ndarray:
+    """What :func:`config`'s pipeline computes."""
+    return np.maximum(x, 0) * np.float32(factor) - x
