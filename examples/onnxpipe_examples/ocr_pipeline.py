@@ -18,10 +18,10 @@ from typing import Any
 
 from onnxpipe.builder import PipelineConfig, Stage, build, export
 from onnxpipe.runtime import Endpoint, TensorSpec
-from onnxpipe.splitter import MeasuredPolicy, SplitPolicy, split
+from onnxpipe.splitter import MeasuredPolicy, SplitPlan, SplitPolicy, split
 from onnxpipe_examples import ocr
 
-__all__ = ["ALLOW_CODE", "DET_PROFILE_DIMS", "build_ocr_bundle", "ocr_config"]
+__all__ = ["ALLOW_CODE", "DET_PROFILE_DIMS", "build_ocr_bundle", "ocr_config", "split_detector"]
 
 #: What a host passes to ``runtime.load(..., allow_code=...)`` to run this bundle's code stages.
 ALLOW_CODE = ["onnxpipe_examples.ocr:*"]
@@ -36,33 +36,40 @@ def _t(name: str, dtype: str, *shape: int | str) -> TensorSpec:
     return TensorSpec(name, dtype, tuple(shape))
 
 
-def _add_split(config: PipelineConfig, model: Path, policy: SplitPolicy, prefix: str) -> tuple[list[Stage], dict[str, Endpoint], dict[str, Endpoint]]:
-    """Add the stages of ``model`` split by ``policy`` as ``<prefix><i>``, linked to each other.
+def split_detector(policy: SplitPolicy | None = None, model: str | os.PathLike[str] | None = None) -> SplitPlan:
+    """The detector split by onnxpipe's splitter.
+
+    Args:
+        policy: How to split it (default: 2 stages by measured costs, profiled at :data:`DET_PROFILE_DIMS`).
+        model: The det model (default: the wheel's).
+    """
+    return split(model or ocr.model_paths()["det"], policy=policy or MeasuredPolicy(stages=2, dims=DET_PROFILE_DIMS, runs=3))
+
+
+def _add_split(config: PipelineConfig, plan: SplitPlan, prefix: str) -> tuple[list[Stage], dict[str, Endpoint], dict[str, Endpoint]]:
+    """Add the stages of ``plan`` as ``<prefix><i>``, linked to each other as in the plan.
 
     Returns:
-        The stages, and where the model's inputs go (name -> stage input endpoint) and its outputs
-        come from (name -> stage output endpoint), for the caller to wire.
+        The stages, and where the model's inputs go (name -> stage input) and its outputs come
+        from (name -> stage output), for the caller to wire.
     """
-    plan = split(model, policy=policy)
-    spec = plan.spec
     names = {s.name: f"{prefix}{s.index}" for s in plan.stages}
     stages = [config.add_stage(s.model, names[s.name], source_dir=plan.source_dir) for s in plan.stages]
     inputs: dict[str, Endpoint] = {}
     outputs: dict[str, Endpoint] = {}
-    for link in spec.links:
-        src = Endpoint(names[link.src.stage], link.src.tensor) if link.src.stage else None
-        dst = Endpoint(names[link.dst.stage], link.dst.tensor) if link.dst.stage else None
-        if src is None and dst is not None:
-            inputs[link.src.tensor] = dst
-        elif dst is None and src is not None:
-            outputs[link.dst.tensor] = src
-        elif src is not None and dst is not None:
-            config.stage(src.stage or "").output(src.tensor).connect(config.stage(dst.stage or "").input(dst.tensor))
+    for link in plan.spec.links:
+        src, dst = link.src, link.dst
+        if src.stage is None and dst.stage is not None:
+            inputs[src.tensor] = Endpoint(names[dst.stage], dst.tensor)
+        elif dst.stage is None and src.stage is not None:
+            outputs[dst.tensor] = Endpoint(names[src.stage], src.tensor)
+        elif src.stage is not None and dst.stage is not None:
+            config.stage(names[src.stage]).output(src.tensor).connect(config.stage(names[dst.stage]).input(dst.tensor))
     return stages, inputs, outputs
 
 
 def ocr_config(
-    det_policy: SplitPolicy | None = None,
+    det: SplitPlan | None = None,
     models: Mapping[str, str | os.PathLike[str]] | None = None,
     settings: Mapping[str, Any] | None = None,
 ) -> PipelineConfig:
@@ -71,8 +78,7 @@ def ocr_config(
     -> rec (ONNX) -> decode (code: CTC with the rec model's dictionary).
 
     Args:
-        det_policy: How to split the detector (default: 2 stages by measured costs, profiled at
-            :data:`DET_PROFILE_DIMS`).
+        det: The detector's split (default: :func:`split_detector`'s).
         models: det / cls / rec model paths (default: the wheel's, :func:`ocr.model_paths`).
         settings: Settings for every ONNX stage (e.g. ``{"intra_op_threads": 1}``; default: 1 thread).
 
@@ -91,8 +97,7 @@ def ocr_config(
         params=ocr.PREPROCESS_PARAMS,
         name="preprocess",
     )
-    policy = det_policy or MeasuredPolicy(stages=2, dims=DET_PROFILE_DIMS, runs=3)
-    det_stages, det_in, det_out = _add_split(config, paths["det"], policy, "det")
+    det_stages, det_in, det_out = _add_split(config, det or split_detector(model=paths["det"]), "det")
     found = code(
         _ENTRY + "boxes",
         inputs=[_t("det_prob", "float32", 1, 1, "det_h", "det_w"), _t("image", "uint8", "img_h", "img_w", 3), _t("transform", "float64", 5)],
@@ -117,21 +122,23 @@ def ocr_config(
     dec = code(
         _ENTRY + "decode",
         inputs=[_t("rec_prob", "float32", "rec_batch", "steps", "classes"), _t("boxes", "float32", "boxes", 4, 2), _t("angles", "int64", "boxes")],
-        outputs=[_t("texts", "string", "results"), _t("scores", "float64", "results"), _t("boxes", "float32", "results", 4, 2), _t("angles", "int64", "results")],
+        outputs=[
+            _t("texts", "string", "results"),
+            _t("scores", "float64", "results"),
+            _t("boxes", "float32", "results", 4, 2),
+            _t("angles", "int64", "results"),
+        ],
         params={**ocr.DECODE_PARAMS, "characters": ocr.characters(paths["rec"])},
         name="decode",
     )
     for stage in (*det_stages, cls, rec):
         stage.configure(**{"intra_op_threads": 1, **(settings or {})})
 
-    def port(ep: Endpoint) -> Any:
-        return config.stage(ep.stage or "").output(ep.tensor) if ep.stage else config.input(ep.tensor)
-
     config.input("image").connect(pre.input("image"))
-    (det_input,) = det_in
-    pre.output("det_input").connect(config.stage(det_in[det_input].stage or "").input(det_in[det_input].tensor))
-    (det_output,) = det_out
-    port(det_out[det_output]).connect(found.input("det_prob"))
+    ((first, det_input),) = ((config.stage(e.stage or ""), e.tensor) for e in det_in.values())
+    pre.output("det_input").connect(first.input(det_input))
+    ((last, det_output),) = ((config.stage(e.stage or ""), e.tensor) for e in det_out.values())
+    last.output(det_output).connect(found.input("det_prob"))
     for t in ("image", "transform"):
         pre.output(t).connect(found.input(t))
     found.output("cls_input").connect(cls.input(cls.inputs[0].name))
@@ -147,19 +154,19 @@ def ocr_config(
     return config
 
 
-def build_ocr_bundle(out: str | os.PathLike[str], det_policy: SplitPolicy | None = None, settings: Mapping[str, Any] | None = None, overwrite: bool = False) -> Path:
+def build_ocr_bundle(out: str | os.PathLike[str], det: SplitPlan | None = None, settings: Mapping[str, Any] | None = None, overwrite: bool = False) -> Path:
     """Build the chain of :func:`ocr_config` and export it as one bundle.
 
     Args:
         out: The bundle (a folder, or one archive when the name ends with ``.onnxpipe``).
-        det_policy: See :func:`ocr_config`.
+        det: See :func:`ocr_config`.
         settings: See :func:`ocr_config`.
         overwrite: Replace ``out`` if it exists.
 
     Returns:
         The bundle's path; load it with ``runtime.load(path, allow_code=ALLOW_CODE)``.
     """
-    config = ocr_config(det_policy, settings=settings)
+    config = ocr_config(det, settings=settings)
     with tempfile.TemporaryDirectory(prefix="ocr-build-") as tmp:
         built = build(config, Path(tmp) / "built")
         return export(built.path, out, overwrite=overwrite)
