@@ -144,6 +144,14 @@ class PinType(click.ParamType):
         return node, int(stage)
 
 
+ALLOW_CODE = click.option(
+    "--allow-code",
+    "allow_code",
+    multiple=True,
+    metavar="PATTERN",
+    help="Let the bundle run the Python it names (code stages, custom-op libraries) when it matches this fnmatch pattern, e.g. 'mypkg.*' "
+    "(repeatable; default: none, and such a bundle is refused before anything is imported).",
+)
 TARGET = click.option(
     "--target", "target", metavar="TARGET", help="Run every stage on this target instead of its own, e.g. cpu for a bundle built for a GPU this host lacks."
 )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 import click
 
 from onnxpipe.cli._common import (
+    ALLOW_CODE,
     DIM,
     TARGET,
     UserError,
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["bench", "build", "export", "run"]
 
 
-@click.command(short_help="Build the stages of a split folder, each for its target.")
-@click.argument("splitdir", type=click.Path(file_okay=False, path_type=Path))
+@click.command(short_help="Build the stages of a split folder or a pipeline file, each for its target.")
+@click.argument("splitdir", metavar="SPLITDIR|PIPELINE.toml", type=click.Path(path_type=Path))
 @click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder to write pipeline.json and stages/ to.")
 @click.option(
     "--stage",
@@ -59,7 +60,8 @@ __all__ = ["bench", "build", "export", "run"]
 def build(
     splitdir: Path, out: Path, stage_options: Sequence[StageOption], settings_file: Path | None, ort_format: bool, overwrite: bool, as_json: bool
 ) -> None:
-    """Build every stage of SPLITDIR (a split folder) for its target, into OUT.
+    """Build every stage of SPLITDIR (a split folder) or of a pipeline file (PIPELINE.toml: models,
+    models split in place, code stages; docs/pipelines.md) for its target, into OUT.
 
     Stages run on the CPU with 1 thread and no pinning unless told otherwise. A CPU stage is
     optimized here and saved optimized; a stage for another target keeps a portable module that the
@@ -93,12 +95,18 @@ def build(
       onnxpipe build split -o built --stage 0:threads=2,affinity=0-1 --stage 1:threads=2,affinity=2-3
       onnxpipe build split -o built --stage '*:opt=extended' --stage head:target=cuda:1
       onnxpipe build split -o built --settings stages.json --ort-format --overwrite --json
+      onnxpipe build ocr.toml -o built --stage det_0:threads=2
     """
     from onnxpipe.builder import PipelineConfig
     from onnxpipe.builder import build as build_pipeline
 
     quiet_onnxruntime()
-    config = PipelineConfig.load(splitdir)
+    if splitdir.suffix == ".toml":
+        from onnxpipe.splitter import read_pipeline_file
+
+        config = read_pipeline_file(splitdir)
+    else:
+        config = PipelineConfig.load(splitdir)
     if settings_file is not None:
         for selector, values in read_settings_file(settings_file):
             apply(config, selector, values, f"settings file '{settings_file}', entry '{selector}'")
@@ -142,6 +150,7 @@ def build(
 @DIM
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the first random reference set.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@ALLOW_CODE
 @click.pass_context
 def export(
     ctx: click.Context,
@@ -153,6 +162,7 @@ def export(
     dims: Sequence[tuple[str, int]],
     seed: int,
     overwrite: bool,
+    allow_code: Sequence[str],
 ) -> None:
     """Write the bundle of BUILDDIR (a build folder) to OUT: what a deployment host loads.
 
@@ -183,7 +193,7 @@ def export(
         inputs, notes = _reference_inputs(spec, input_files, random_sets, dict(dims), seed)
         if model is not None and not model.is_file():
             raise UserError(f"model file '{model}' does not exist")
-    path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite)
+    path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite, allow_code=allow_code)
     kind, nbytes, files = bundle_size(path)
     _render.exported(path, kind, nbytes, files, len(inputs), str(model) if model else None, notes)
 
@@ -339,8 +349,11 @@ def _stream(pipe: Pipeline, files: Sequence[Path], destinations: Sequence[Path],
 @TARGET
 @QUEUE_DEPTH
 @TRACE
+@ALLOW_CODE
 @click.option("--json", "as_json", is_flag=True, help="Print the files written and the run's statistics as JSON, nothing else.")
-def run(bundle: Path, input_paths: Sequence[Path], out: Path, target: str | None, queue_depth: int, trace: Path | None, as_json: bool) -> None:
+def run(
+    bundle: Path, input_paths: Sequence[Path], out: Path, target: str | None, queue_depth: int, trace: Path | None, allow_code: Sequence[str], as_json: bool
+) -> None:
     """Stream every --inputs request through BUNDLE (folder or .onnxpipe archive); write the outputs as they come.
 
     Before anything runs, the bundle is checked in full (every file against its sha256) and every
@@ -367,13 +380,14 @@ def run(bundle: Path, input_paths: Sequence[Path], out: Path, target: str | None
       onnxpipe run model.onnxpipe --inputs images/ --outputs scores/          # images/a.npz -> scores/a.npz
       onnxpipe run model.onnxpipe --inputs a.npz --inputs more/ --outputs out/ --trace run.json
       onnxpipe run gpu-bundle/ --inputs x.npz --outputs y.npz --target cpu
+      onnxpipe run ocr.onnxpipe --inputs page.npz --outputs text.npz --allow-code 'mypkg.*'
     """
     from onnxpipe.runtime import Pipeline, read_bundle
 
     files = _input_files(input_paths)
     destinations = _destinations(out, files)
     quiet_onnxruntime()
-    with read_bundle(bundle) as checked:
+    with read_bundle(bundle, allow_code=allow_code) as checked:
         _check_input_files(checked.spec.inputs, files)
         with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None) as pipe:
             pipe.reset_stats()  # from the first request, not from load
@@ -423,6 +437,7 @@ def run(bundle: Path, input_paths: Sequence[Path], out: Path, target: str | None
     "auto: the cores of the pinned stage with the most slack (where it slows no bottleneck; worth it when every core runs a stage).",
 )
 @TRACE
+@ALLOW_CODE
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else.")
 @click.pass_context
 def bench(
@@ -437,6 +452,7 @@ def bench(
     standalone_runs: int,
     caller_cores: str | None,
     trace: Path | None,
+    allow_code: Sequence[str],
     as_json: bool,
 ) -> None:
     """Stream N identical requests through BUNDLE and put its numbers next to what its stages do alone.
@@ -466,7 +482,7 @@ def bench(
 
     quiet_onnxruntime()
     inputs = read_npz(input_file, "inputs file") if input_file is not None else None
-    with load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None) as pipe:
+    with load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code) as pipe:
         if inputs is not None:
             try:
                 inputs = check_inputs(pipe.spec.inputs, inputs)

@@ -24,7 +24,7 @@ import click
 
 from onnxpipe import __version__
 from onnxpipe.cli._autosplit import POLICY_NAMES
-from onnxpipe.cli._common import DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime, read_json
+from onnxpipe.cli._common import ALLOW_CODE, DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime, read_json
 from onnxpipe.cli._deploy import bench, build, export, run
 
 if TYPE_CHECKING:
@@ -308,7 +308,7 @@ def _read_assignment(path: Path) -> dict[str, int]:
     return data
 
 
-@main.command(short_help="Show a model and where to cut it, or a bundle.")
+@main.command(short_help="Show a model and where to cut it, a pipeline file, or a bundle.")
 @click.argument("path", metavar="MODEL_OR_BUNDLE", type=click.Path(path_type=Path))
 @click.option("--top", default=8, show_default=True, type=click.IntRange(min=0), help="How many cut candidates to propose (models only).")
 @DIM
@@ -335,7 +335,12 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
 
     For a BUNDLE (a folder with manifest.json, or a .onnxpipe archive): every file is checked
     against its sha256 first; then the stages in order with their module, settings and build
-    record, the wiring, the parameter groups, and the versions, opsets and providers it needs.
+    record, the wiring, the parameter groups, the versions, opsets and providers it needs, and
+    the code it would run (code stages' entry points, custom-op packages: what --allow-code must
+    match; nothing is imported).
+
+    For a PIPELINE FILE (.toml, docs/pipelines.md): the graph of stages in pipeline order, what
+    each reads and makes and where it flows.
 
     \b
     Examples:
@@ -343,6 +348,7 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
       onnxpipe inspect model.onnx --top 4 --dim batch=8 --json
       onnxpipe inspect model.onnx --profile --threads 2 --max-stages 6
       onnxpipe inspect model.onnxpipe
+      onnxpipe inspect ocr.toml
     """
     from onnxpipe.runtime import is_bundle
 
@@ -351,6 +357,12 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
         if model_only:
             raise click.UsageError(f"{', '.join(model_only)}: only used for a model, not for a bundle")
         _inspect_bundle(path, as_json)
+        return
+    if path.suffix == ".toml":
+        model_only = given(ctx, "top", "dims", "profile", "threads", "max_stages")
+        if model_only:
+            raise click.UsageError(f"{', '.join(model_only)}: only used for a model, not for a pipeline file")
+        _inspect_pipeline_file(path, as_json)
         return
     profile_only = given(ctx, "threads", "max_stages")
     if profile_only and not profile:
@@ -369,6 +381,17 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
     _render.model_summary(summary, path)
     if costs is not None:
         _render.cost_profile(costs, path)
+
+
+def _inspect_pipeline_file(path: Path, as_json: bool) -> None:
+    from onnxpipe.splitter import read_pipeline_file
+
+    quiet_onnxruntime()
+    config = read_pipeline_file(path)
+    if as_json:
+        click.echo(json.dumps(config.to_spec().to_dict(), indent=2))
+    else:
+        click.echo(str(config))
 
 
 def _inspect_bundle(path: Path, as_json: bool) -> None:
@@ -403,6 +426,7 @@ def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int)
 @click.option("--atol", default=1e-5, show_default=True, type=click.FloatRange(min=0), help="Absolute tolerance.")
 @click.option("--no-boundaries", is_flag=True, help="Compare the pipeline outputs only, not the tensors crossing stage boundaries (with --model).")
 @TARGET
+@ALLOW_CODE
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else (infinite errors as null).")
 @click.pass_context
 def verify(
@@ -416,6 +440,7 @@ def verify(
     atol: float,
     no_boundaries: bool,
     target: str | None,
+    allow_code: Sequence[str],
     as_json: bool,
 ) -> None:
     """Check a split folder or a bundle against the whole model, or a bundle against its stored reference.
@@ -448,7 +473,7 @@ def verify(
         model_only = given(ctx, "dims", "samples", "seed", "no_boundaries")
         if model_only:
             raise click.UsageError(f"{', '.join(model_only)}: only used with --model; a bundle's stored reference has its own inputs")
-        _verify_reference(path, rtol, atol, target, as_json)
+        _verify_reference(path, rtol, atol, target, allow_code, as_json)
         return
     from onnxpipe.cli import _render
     from onnxpipe.splitter import verify as verify_split
@@ -461,11 +486,11 @@ def verify(
     _fail_past_tolerance([repr(r.tensor) for r in report.rows if not r.ok], len(report.rows), "tensor(s)", rtol, atol)
 
 
-def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, as_json: bool) -> None:
+def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, allow_code: Sequence[str], as_json: bool) -> None:
     from onnxpipe.cli import _render
     from onnxpipe.runtime import Pipeline, read_bundle
 
-    with read_bundle(path) as bundle:
+    with read_bundle(path, allow_code=allow_code) as bundle:
         if not bundle.manifest.reference:
             raise UserError(f"bundle '{path}' stores no reference; pass --model MODEL.onnx to compare with the whole model (or export with --reference N)")
         with Pipeline(bundle, target) as pipe:

@@ -5,11 +5,14 @@ from onnxpipe.splitter._cost import CostProfile, profile_model
 from onnxpipe.splitter._cuts import NodeCut, OpCut, TensorCut
 from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
+from onnxpipe.splitter._pipelinefile import PIPELINE_FILE_FORMAT, PIPELINE_FILE_VERSION, is_pipeline_file, read_pipeline_file
 from onnxpipe.splitter._plan import SplitPlan, SplitStage, split
 from onnxpipe.splitter._planner import PlanCandidate, PlanChoice, PlanResult, plan_pipeline
 from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
 __all__ = [
+    "PIPELINE_FILE_FORMAT",
+    "PIPELINE_FILE_VERSION",
     "POLICIES",
     "AutoSplit",
     "Comparison",
@@ -30,10 +33,12 @@ __all__ = [
     "UniformPolicy",
     "VerifyReport",
     "inspect_model",
+    "is_pipeline_file",
     "load_model",
     "make_policy",
     "plan_pipeline",
     "profile_model",
+    "read_pipeline_file",
     "split",
     "verify",
 ]
