@@ -52,8 +52,8 @@ def test_lines_and_an_upside_down_one(wheel: Any, glue: ocr.SequentialOcr) -> No
 
 
 @pytest.mark.slow
-def test_wide_strip_is_letterboxed(wheel: Any, glue: ocr.SequentialOcr) -> None:
-    image = ocr.render_lines(["a wide strip to letterbox"], size=(420, 48), font_size=24)  # width / height > 8
+def test_short_strip_is_letterboxed(wheel: Any, glue: ocr.SequentialOcr) -> None:
+    image = ocr.render_lines(["letterbox 7"], size=(130, 30), font_size=20)  # height <= min_height (30)
     pre = ocr.preprocess({"image": image}, ocr.PREPROCESS_PARAMS)
     assert pre["transform"][2] > 0  # padded top and bottom
     ours = glue(image)

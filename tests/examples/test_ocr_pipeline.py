@@ -19,11 +19,12 @@ import pytest
 pytest.importorskip("rapidocr_onnxruntime", reason="the examples extra: pip install -e '.[examples]'")
 
 from onnxpipe_examples import ocr
-from onnxpipe_examples.ocr_pipeline import ALLOW_CODE, build_ocr_bundle, split_detector
+from onnxpipe_examples.ocr_pipeline import ALLOW_CODE, DET_CUT, build_ocr_bundle, pipeline_file, split_detector
 
 from onnxpipe import BundleError
+from onnxpipe.builder import build, export
 from onnxpipe.runtime import Pipeline, load
-from onnxpipe.splitter import verify
+from onnxpipe.splitter import read_pipeline_file, verify
 from tests.examples.test_ocr_glue import assert_reads_alike
 
 BOX_PIXELS = 2.0
@@ -63,8 +64,8 @@ def test_bundle_stages(pipe: Pipeline) -> None:
     stages = [(s.name, s.code.entry if s.code else None) for s in pipe.spec.stages]
     assert stages == [
         ("preprocess", "onnxpipe_examples.ocr:preprocess"),
-        ("det0", None),
-        ("det1", None),
+        ("det_0", None),
+        ("det_1", None),
         ("boxes", "onnxpipe_examples.ocr:boxes"),
         ("cls", None),
         ("rotate", "onnxpipe_examples.ocr:rotate"),
@@ -96,3 +97,17 @@ def test_no_text_then_text(pipe: Pipeline) -> None:
 def test_code_must_be_allowed(bundle: Path) -> None:
     with pytest.raises(BundleError, match=r"onnxpipe_examples\.ocr:preprocess.*onnxpipe_examples\.ocr:decode"):
         load(bundle)
+
+
+@pytest.mark.slow
+def test_pipeline_file_builds_the_same_chain(tmp_path: Path, pipe: Pipeline, wheel: Any) -> None:
+    config = read_pipeline_file(pipeline_file(tmp_path / "ocr.toml"))
+    spec = config.to_spec()
+    assert [(s.name, s.code.entry if s.code else None) for s in spec.stages] == [(s.name, s.code.entry if s.code else None) for s in pipe.spec.stages]
+    assert [s.code.params for s in spec.stages if s.code] == [s.code.params for s in pipe.spec.stages if s.code]
+    assert [t.name for t in spec.stages[2].inputs] == DET_CUT  # split in place at the named cut
+    bundle = export(build(config, tmp_path / "built").path, tmp_path / "ocr.onnxpipe")
+    image = ocr.render_lines(*IMAGES[1][:1])
+    with load(bundle, allow_code=ALLOW_CODE) as from_file:
+        ours = from_file({"image": image})
+    assert_reads_alike(ours, wheel(image), BOX_PIXELS, SCORE_TOL)
