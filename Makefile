@@ -65,6 +65,7 @@ lint: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks --out bench-out
+	$(BIN)/python -m benchmarks.ocr_chain
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(DEMO_OUT) .pytest_cache .hypothesis
