@@ -105,6 +105,8 @@ def build(
         from onnxpipe.splitter import read_pipeline_file
 
         config = read_pipeline_file(splitdir)
+    elif splitdir.is_file():
+        raise UserError(f"'{splitdir}' is a file; give a split folder, or a pipeline file ending in .toml (docs/pipelines.md)")
     else:
         config = PipelineConfig.load(splitdir)
     if settings_file is not None:
