@@ -424,6 +424,7 @@ class SequentialOcr:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as onnxpipe's stages
         self.sessions = {k: ort.InferenceSession(str(p), options, providers=["CPUExecutionProvider"]) for k, p in paths.items()}
         self.characters = characters(paths["rec"])
 
