@@ -14,8 +14,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
+$(VENV)/.installed-dev: pyproject.toml examples/pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray]' -e examples
 	touch $@ $(VENV)/.installed
 
 LIGHT_MODEL = $(BIN)/python -c 'import onnx, os; print(os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", "light_$(1).onnx"))'
@@ -67,6 +67,7 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks --out bench-out
 	$(BIN)/python -m benchmarks.engines
 	$(BIN)/python -m benchmarks.streams
+	$(BIN)/python -m benchmarks.ocr_chain
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(DEMO_OUT) .pytest_cache .hypothesis

@@ -13,12 +13,17 @@ alone. Two stages of equal time overlap perfectly at 2x; a code stage holding th
 overlap with the part of the ONNX stage that runs inside onnxruntime (which releases the GIL).
 Rounds are interleaved, medians reported.
 
-    python -m benchmarks.code_stages [--requests 60] [--rounds 3]
+With ``--ray``, the same bundles also run on the Ray engine (a local Ray instance of 2 CPUs that the
+benchmark starts and stops), where each stage is an actor process of its own: the code stage no
+longer shares a GIL with anything, at the price of Ray's hops (see docs/distributed.md).
+
+    python -m benchmarks.code_stages [--requests 60] [--rounds 3] [--ray]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import tempfile
 import time
@@ -114,7 +119,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ray", action="store_true", help="also run each bundle on the Ray engine (needs onnxpipe[ray])")
     args = parser.parse_args()
+    if args.ray:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, SIZE)).astype(np.float32)
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,6 +133,7 @@ def main() -> None:
         bundles = {kind: _bundle(folder, kind, params[kind]) for kind in ("python", "numpy", "sleep")}
         allow = ["benchmarks.code_stages:*"]
         ratios: dict[str, list[float]] = {k: [] for k in bundles}
+        on_ray: dict[str, list[float]] = {k: [] for k in bundles}
         alone: dict[str, float] = {}
         for _ in range(args.rounds):
             for kind, path in bundles.items():
@@ -135,20 +146,36 @@ def main() -> None:
                 for _ in range(args.requests):
                     seq.run({"x": x})
                 sequential = args.requests / (time.perf_counter() - start)
-                with load(path, allow_code=allow) as pipe:
-                    list(pipe.map({"x": x} for _ in range(5)))
-                    start = time.perf_counter()
-                    for _ in pipe.map({"x": x} for _ in range(args.requests)):
-                        pass
-                    pipelined = args.requests / (time.perf_counter() - start)
+                pipelined = _streamed(path, allow, args.requests)
                 ratios[kind].append(pipelined / sequential)
+                if args.ray:
+                    on_ray[kind].append(_streamed(path, allow, args.requests, engine="ray") / sequential)
                 checked.close()
     print(f"ONNX stage alone: {onnx_ms:.2f} ms ({ROWS}x{SIZE} @ {SIZE}x{SIZE} twice, 1 thread); {args.requests} requests x {args.rounds} rounds")
-    print("| code stage | code stage alone ms | pipeline / sequential (median) | rounds |")
-    print("| --- | --- | --- | --- |")
+    head = "| code stage | code stage alone ms | pipeline / sequential (median) | rounds |"
+    print(head + (" Ray engine / sequential (median) | rounds |" if args.ray else ""))
+    print("| --- | --- | --- | --- |" + (" --- | --- |" if args.ray else ""))
     for kind, values in ratios.items():
         shown = ", ".join(f"{v:.2f}" for v in values)
-        print(f"| {kind} | {alone[kind]:.2f} | {statistics.median(values):.2f}x | {shown} |")
+        row = f"| {kind} | {alone[kind]:.2f} | {statistics.median(values):.2f}x | {shown} |"
+        if args.ray:
+            row += f" {statistics.median(on_ray[kind]):.2f}x | {', '.join(f'{v:.2f}' for v in on_ray[kind])} |"
+        print(row)
+    if args.ray:
+        import ray
+
+        ray.shutdown()
+
+
+def _streamed(path: Path, allow: list[str], requests: int, engine: str = "thread") -> float:
+    """Requests per second streaming ``requests`` through the bundle with ``Pipeline.map``."""
+    x = np.random.default_rng(0).standard_normal((ROWS, SIZE)).astype(np.float32)
+    with load(path, allow_code=allow, engine=engine) as pipe:
+        list(pipe.map({"x": x} for _ in range(5)))
+        start = time.perf_counter()
+        for _ in pipe.map({"x": x} for _ in range(requests)):
+            pass
+        return requests / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def _tool(name: str) -> str:
 
 
 def test_ruff() -> None:
-    out = subprocess.run([_tool("ruff"), "check", "onnxpipe", "tests", "benchmarks", "tutorials"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([_tool("ruff"), "check", "onnxpipe", "tests", "benchmarks", "tutorials", "examples"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
