@@ -17,7 +17,7 @@ With ``--ray``, the same bundles also run on the Ray engine (a local Ray instanc
 benchmark starts and stops), where each stage is an actor process of its own: the code stage no
 longer shares a GIL with anything, at the price of Ray's hops (see docs/distributed.md).
 
-    python -m benchmarks.code_stages [--requests 60] [--rounds 3] [--ray]
+    python -m benchmarks.code_stages [--requests 60] [--rounds 3] [--ray] [--rows 128]
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ray", action="store_true", help="also run each bundle on the Ray engine (needs onnxpipe[ray])")
+    parser.add_argument("--rows", type=int, default=ROWS, help="rows per request: the stages' time grows with it")
     args = parser.parse_args()
+    global ROWS  # the stages' shapes, read by _bundle and _onnx_stage
+    ROWS = args.rows
     if args.ray:
         import ray
 

@@ -313,3 +313,33 @@ def test_cli_run_and_bench_on_ray(tmp_path: Path, ray_cluster: Any, ray_pids: se
     assert "no standalone stage times: the stages run on ray actors" in out.output
     out = runner.invoke(main, ["bench", str(bundle), "--address", "auto"])
     assert out.exit_code == 2 and "--address: only used with --engine ray" in out.output
+
+
+@pytest.mark.slow
+def test_the_ocr_chain_reads_alike_on_ray(tmp_path: Path, ray_cluster: Any, ray_pids: set[int]) -> None:
+    """The PP-OCR chain of onnxpipe_examples (4 code stages, det split in 2, cls, rec) with the
+    detector's halves on nodes a and b and the rest on a third node: it reads rendered images as
+    the rapidocr_onnxruntime wheel does (texts equal, boxes within 2 px, scores within 1e-3)."""
+    pytest.importorskip("rapidocr_onnxruntime", reason="the examples package: pip install -e examples")
+    from onnxpipe_examples import ocr
+    from onnxpipe_examples.ocr_pipeline import ALLOW_CODE, ocr_config
+    from rapidocr_onnxruntime import RapidOCR
+
+    from tests.examples.test_ocr_glue import assert_reads_alike
+
+    config = ocr_config()
+    hosts = {"det_0": "a", "det_1": "b"}
+    for stage in config.stages:
+        stage.configure(host=hosts.get(stage.name, "ocr"))
+    bundle = export(build(config, tmp_path / "built").path, tmp_path / "ocr.onnxpipe")
+    node = ray_cluster.add_node(num_cpus=6, labels={"onnxpipe/host": "ocr"}, **ray_cluster.common_node_args)
+    try:
+        images = [ocr.render_lines(["Hello onnxpipe", "upside down 42"], upside_down=[1]), ocr.render_lines(["one bundle"])]
+        with load(bundle, engine="ray", allow_code=ALLOW_CODE) as pipe:
+            ray_pids.update(_actor_pids(pipe))
+            assert _labels(pipe) == [hosts.get(s.name, "ocr") for s in pipe.spec.stages]
+            wheel = RapidOCR()
+            for image, ours in zip(images, pipe.map({"image": img} for img in images), strict=True):
+                assert_reads_alike(ours, wheel(image), 2.0, 1e-3)
+    finally:
+        ray_cluster.remove_node(node)
