@@ -116,13 +116,13 @@ def _calibrate(folder: Path, x: np.ndarray) -> tuple[float, dict[str, dict[str, 
 
 
 def main() -> None:
+    global ROWS  # the stages' shapes, read by _bundle and _onnx_stage
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ray", action="store_true", help="also run each bundle on the Ray engine (needs onnxpipe[ray])")
     parser.add_argument("--rows", type=int, default=ROWS, help="rows per request: the stages' time grows with it")
     args = parser.parse_args()
-    global ROWS  # the stages' shapes, read by _bundle and _onnx_stage
     ROWS = args.rows
     if args.ray:
         import ray
