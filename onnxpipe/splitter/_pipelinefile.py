@@ -12,6 +12,8 @@ Format ``onnxpipe.pipeline-file``, version 1 (docs/pipelines.md has the full ref
     name = "head"
     model = "head.onnx"            # relative to this file; with at = [...] or auto = N: split in place
     settings = { intra_op_threads = 1 }
+    # states = "auto"              # state links of a stateful model (present.N.* -> past_key_values.N.*),
+    #                              # or pairs: states = { "state1N" = "state1" } (docs/streams.md)
 
     [[stages]]
     name = "combine"
@@ -46,6 +48,7 @@ from onnxpipe.builder import PipelineConfig, Stage
 from onnxpipe.runtime import StageSettings, TensorSpec
 from onnxpipe.splitter._auto import POLICIES, make_policy
 from onnxpipe.splitter._plan import split
+from onnxpipe.splitter._states import pair_states
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -57,7 +60,7 @@ __all__ = ["PIPELINE_FILE_FORMAT", "PIPELINE_FILE_VERSION", "is_pipeline_file", 
 PIPELINE_FILE_FORMAT = "onnxpipe.pipeline-file"
 PIPELINE_FILE_VERSION = 1
 _TOP_KEYS = ("format", "version", "name", "inputs", "outputs", "stages")
-_STAGE_KEYS = ("name", "model", "at", "auto", "policy", "code", "params", "inputs", "outputs", "input_map", "output_map", "settings")
+_STAGE_KEYS = ("name", "model", "at", "auto", "policy", "states", "code", "params", "inputs", "outputs", "input_map", "output_map", "settings")
 
 
 def is_pipeline_file(path: str | os.PathLike[str]) -> bool:
@@ -163,7 +166,7 @@ def _add_stage(config: PipelineConfig, entry: dict[str, Any], folder: Path, wher
         raise ConfigError(f"{where}: a stage has exactly one of 'model' (an .onnx file) or 'code' (an entry point), got {kinds or 'neither'}")
     settings = _settings(entry, where)
     if "code" in entry:
-        for key in ("at", "auto", "policy"):
+        for key in ("at", "auto", "policy", "states"):
             if key in entry:
                 raise ConfigError(f"{where}: '{key}' is for model stages; a code stage takes code, params, inputs, outputs")
         stage = config.add_python_stage(
@@ -190,18 +193,24 @@ def _add_stage(config: PipelineConfig, entry: dict[str, Any], folder: Path, wher
 def _model_stage(
     config: PipelineConfig, entry: dict[str, Any], model: Path, name: str, settings: StageSettings | None, where: str
 ) -> tuple[list[tuple[Stage, str]], list[tuple[Stage, str]]]:
-    """A model as one stage, or split in place into ``<name>_<i>`` stages wired as the split says."""
+    """A model as one stage, or split in place into ``<name>_<i>`` stages wired as the split says;
+    with ``states``, its state links too (their ports are fed by the links, not wired by the file)."""
+    states = _states(entry, where)
     if "at" not in entry and "auto" not in entry:
         if "policy" in entry:
             raise ConfigError(f"{where}: 'policy' goes with auto = N (the stage count)")
         stage = config.add_stage(model, name, settings=settings)
-        return [(stage, t.name) for t in stage.inputs], [(stage, t.name) for t in stage.outputs]
+        pairs = pair_states(stage.inputs, stage.outputs, states) if states is not None else []
+        for pair in pairs:
+            config.add_state(stage.output(pair.output), stage.input(pair.input), pair.empty_axis)
+        fed, kept = {p.input for p in pairs}, {p.output for p in pairs}
+        return [(stage, t.name) for t in stage.inputs if t.name not in fed], [(stage, t.name) for t in stage.outputs if t.name not in kept]
     if "at" in entry and "auto" in entry:
         raise ConfigError(f"{where}: give 'at' (cuts) or 'auto' (a stage count), not both")
     if not model.is_file():
         raise ConfigError(f"{where}: model '{model}' does not exist")
     if "at" in entry:
-        plan = split(model, _cuts(entry["at"], where))
+        plan = split(model, _cuts(entry["at"], where), states=states)
     else:
         count = entry["auto"]
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -209,7 +218,7 @@ def _model_stage(
         policy = _kind(entry, "policy", str, where, "measured")
         if policy not in POLICIES:
             raise ConfigError(f"{where}: unknown split policy '{policy}'; valid: {', '.join(POLICIES)}")
-        plan = split(model, policy=make_policy(policy, stages=count))
+        plan = split(model, policy=make_policy(policy, stages=count), states=states)
     sub = plan.config.to_spec()
     renamed: dict[str, Stage] = {}
     for i, piece in enumerate(plan.config.stages):
@@ -225,8 +234,20 @@ def _model_stage(
             ins.append((renamed[link.dst.stage], link.dst.tensor))
         elif link.src.stage is not None and link.dst.stage is None:
             outs.append((renamed[link.src.stage], link.src.tensor))
+    for st in sub.states:
+        config.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis)
     # A split keeps tensor names: a piece's input port is named after the model input feeding it.
     return ins, outs
+
+
+def _states(entry: dict[str, Any], where: str) -> str | dict[str, str] | None:
+    """A model stage's ``states``: ``"auto"``, a table output -> input, or None when absent."""
+    value = entry.get("states")
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, dict) and value and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    raise ConfigError(f"{where}: states must be \"auto\" or a table of state pairs {{ OUTPUT = \"INPUT\" }}, got {value!r}")
 
 
 def _mapped(ports: list[tuple[Stage, str]], mapping: Mapping[str, Any], kind: str, where: str) -> list[_Exposed]:

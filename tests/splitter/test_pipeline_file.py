@@ -115,3 +115,56 @@ def test_mistakes_are_one_error_naming_stage_port_and_choices(tmp_path: Path, ch
     path = write(tmp_path, HEAD.replace(change[0], change[1], 1))
     with pytest.raises(ConfigError, match=message):
         read_pipeline_file(path)
+
+
+STATEFUL = """
+format = "onnxpipe.pipeline-file"
+version = 1
+inputs = ["x"]
+outputs = ["y"]
+
+[[stages]]
+name = "rnn"
+model = "rnn.onnx"
+{how}
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "stages"),
+    [('at = ["state1N"]\nstates = "auto"', ["rnn_0", "rnn_1"]), ('states = { state1N = "state1", state2N = "state2" }', ["rnn"])],
+    ids=["split-auto", "whole-pairs"],
+)
+def test_state_links_in_the_file(tmp_path: Path, how: str, stages: list[str]) -> None:
+    """A recurrent model's state pairs, found by name in a split in place or given by hand for the
+    whole model: streams through the built bundle equal the whole model step for step (1e-5)."""
+    from tests.stateful_models import recurrent, whole_recurrent
+
+    onnx.save(recurrent(), tmp_path / "rnn.onnx")
+    (tmp_path / "p.toml").write_text(STATEFUL.format(how=how))
+    spec = read_pipeline_file(tmp_path / "p.toml").to_spec()
+    assert [s.name for s in spec.stages] == stages
+    assert sorted((s.output, s.input) for s in spec.states) == [("state1N", "state1"), ("state2N", "state2")]
+    assert [t.name for t in spec.inputs] == ["x"] and [t.name for t in spec.outputs] == ["y"]
+    bundle = export(build(read_pipeline_file(tmp_path / "p.toml"), tmp_path / "built").path, tmp_path / "bundle")
+    xs = [np.random.default_rng(t).standard_normal((1, 4)).astype(np.float32) for t in range(4)]
+    with runtime.load(bundle) as pipe, pipe.stream() as s:
+        got = [s.step({"x": x})["y"] for x in xs]
+    np.testing.assert_allclose(np.stack(got), np.stack(whole_recurrent(recurrent(), xs)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("states = 3", r"\('rnn'\): states must be \"auto\" or a table of state pairs"),
+        ('states = { nothere = "state1" }', r"nothere"),
+    ],
+)
+def test_bad_state_links_in_the_file_are_one_error(tmp_path: Path, how: str, message: str) -> None:
+    from onnxpipe import OnnxpipeError
+    from tests.stateful_models import recurrent
+
+    onnx.save(recurrent(), tmp_path / "rnn.onnx")
+    (tmp_path / "p.toml").write_text(STATEFUL.format(how=how))
+    with pytest.raises(OnnxpipeError, match=message):
+        read_pipeline_file(tmp_path / "p.toml")
