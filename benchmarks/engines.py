@@ -1,7 +1,8 @@
 """Thread engine vs Ray engine on this one host, measured side by side in one run.
 
 1. Throughput: resnet50 (light, from the onnx wheel) in 2 stages x 1 intra-op thread, streamed by
-   each engine; the ratio Ray / threads (the issue's goal: >= 0.9).
+   each engine in interleaved rounds (each loaded anew per round, load not timed); the ratio Ray / threads within
+   each round and its median (the issue's goal: >= 0.9).
 2. Latency of one request through 2 Identity stages, for a small tensor (16 bytes) and a 588 KiB one
    (1x3x224x224 float32), beside Ray's bare chain of the same shape measured in the same run: two
    actors, ``b.f.remote(a.f.remote(x))`` then ``ray.get``. A request makes 3 hops (driver -> stage 0
@@ -12,7 +13,7 @@
 Ray runs as a local single-node instance (loopback, no dashboard, usage stats off, files in a
 temporary folder), shut down at the end.
 
-    python -m benchmarks.engines [--requests 60] [--latency-requests 200]
+    python -m benchmarks.engines [--requests 60] [--rounds 3] [--latency-requests 200]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import functools
 import os
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -34,7 +36,7 @@ import onnx.parser
 import onnxruntime as ort
 
 from onnxpipe.builder import PipelineConfig, build, export
-from onnxpipe.runtime import Pipeline, load
+from onnxpipe.runtime import Pipeline, PipelineSpec, interleaved_rounds, load
 from onnxpipe.splitter import UniformPolicy, split
 
 ort.set_default_logger_severity(3)
@@ -95,6 +97,49 @@ def _identity_bundle(work: Path) -> Path:
     return export(build(config, work / "hops-built").path, work / "hops.onnxpipe")
 
 
+class _BareStage:
+    """Ray's bare pipeline stage (on this host: its module is read from the build folder): one onnxruntime session (1 thread, no spinning, as the engines'),
+    fed the merged outputs of the calls before it; what the Ray engine is measured against."""
+
+    def __init__(self, module: str) -> None:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(module, options, providers=["CPUExecutionProvider"])
+        self.names = [o.name for o in self.session.get_outputs()]
+        self.inputs = [i.name for i in self.session.get_inputs()]
+
+    def run(self, *feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        merged = {k: v for feed in feeds for k, v in feed.items()}
+        return dict(zip(self.names, self.session.run(None, {k: merged[k] for k in self.inputs}), strict=True))
+
+
+def _bare_pipeline(ray: Any, modules: list[str], feeds: dict[str, np.ndarray], requests: int, window: int) -> float:
+    """Requests per second through a chain of bare Ray actors, ``window`` requests in flight."""
+    stage: Any = ray.remote(num_cpus=1)(_BareStage)
+    actors = [stage.remote(m) for m in modules]
+    try:
+
+        def one() -> Any:
+            ref = ray.put(feeds)
+            for actor in actors:
+                ref = actor.run.remote(ref)
+            return ref
+
+        for _ in range(5):
+            ray.get(one())
+        start, pending = time.perf_counter(), []
+        for _ in range(requests):
+            pending.append(one())
+            if len(pending) >= window:
+                ray.get(pending.pop(0))
+        ray.get(pending)
+        return requests / (time.perf_counter() - start)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
 class _Hop:
     """Ray's bare hop: returns what it is given."""
 
@@ -109,6 +154,7 @@ def _bare(ray: Any, a: Any, b: Any, x: np.ndarray) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=60, help="resnet50 requests streamed per engine")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved throughput rounds")
     parser.add_argument("--latency-requests", type=int, default=200, help="requests timed one at a time per latency row")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="onnxpipe-engines-"))
@@ -121,16 +167,30 @@ def main() -> None:
         plan = split(RESNET50, policy=UniformPolicy(stages=2))
         for stage in plan.config.stages:
             stage.configure(intra_op_threads=1)
-        bundle = export(build(plan.config, work / "built").path, work / "resnet50.onnxpipe")
+        built = build(plan.config, work / "built").path
+        bundle = export(built, work / "resnet50.onnxpipe")
+        modules = [str(built / str(st.module)) for st in PipelineSpec.from_json((built / "pipeline.json").read_text()).stages]
         feeds = {"gpu_0/data_0": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
-        rows: dict[str, tuple[float, float]] = {}
-        for engine in ("thread", "ray"):
+        cpu: dict[str, list[float]] = {"thread": [], "ray": []}
+
+        def measure(engine: str) -> float:
+            # Loaded for each round (not timed): one engine's idle workers never share the cores
+            # with the other's run.
             with load(bundle, engine=engine) as pipe:
-                rows[engine] = _stream(pipe, feeds, args.requests)
-        print(f"resnet50, 2 stages x 1 thread, {args.requests} requests (req/s, CPU s per request):")
-        for engine, (rate, cpu) in rows.items():
-            print(f"  {engine:<7} {rate:7.2f} req/s   {1e3 * cpu:7.1f} ms CPU/request")
-        print(f"  ray / threads throughput: {rows['ray'][0] / rows['thread'][0]:.2f}")
+                rate, per_request = _stream(pipe, feeds, args.requests)
+            cpu[engine].append(per_request)
+            return rate
+
+        # The same window of requests in flight as the engines' pipelines (queue depth 4 + 1 per stage).
+        bare_chain = functools.partial(_bare_pipeline, ray, modules, feeds, args.requests, 2 * (4 + 1))
+        rounds = interleaved_rounds({"thread": lambda: measure("thread"), "ray": lambda: measure("ray"), "bare": bare_chain}, args.rounds)
+        print(f"resnet50, 2 stages x 1 thread, {args.requests} requests x {args.rounds} interleaved rounds (medians):")
+        for engine in ("thread", "ray"):
+            print(f"  {engine:<7} {rounds.median(engine):7.2f} req/s   {1e3 * statistics.median(cpu[engine]):7.1f} ms CPU/request")
+        print(f"  bare    {rounds.median('bare'):7.2f} req/s   (Ray's bare chain of 2 actors with the same two sessions)")
+        for key, base in (("ray", "thread"), ("bare", "thread"), ("ray", "bare")):
+            ratios = rounds.ratios(key, base)
+            print(f"  {key} / {base} throughput: {statistics.median(ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
 
         hops = _identity_bundle(work)
         actor: Any = ray.remote(num_cpus=0)(_Hop)
@@ -148,6 +208,7 @@ def main() -> None:
                   f"bare ray actors {bare:7.3f} ms ({bare / 3:.3f}/hop)")
     finally:
         ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
