@@ -7,46 +7,23 @@ below check those and the executed cells' outputs, not only that every cell ran.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+from tests.notebooks import assert_stored_clean, execute
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "tutorials" / "tutorial.ipynb"
 CELL_TIMEOUT = 120  # seconds per cell; the whole notebook takes ~20 s on 2 cores
 THROUGHPUT_LABELS = {"pipeline 2 stages x 1 thread", "1 session 1 thread", "1 session 2 threads", "2 replicas x 1 thread"}
 
 
-def _kernel_spec(folder: Path) -> Path:
-    """A jupyter data folder whose ``python3`` kernel is this interpreter.
-
-    Note: nbclient finds kernels by name on the jupyter path, where a ``python3`` kernel registered in
-    the user's home (``ipykernel install --user``) would come before this environment's and could run
-    another Python without onnxpipe. Putting this folder first on ``JUPYTER_PATH`` pins the kernel to
-    ``sys.executable``; the notebook records ``sys.prefix`` and a test compares it.
-    """
-    spec = folder / "kernels" / "python3"
-    spec.mkdir(parents=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "Python 3 (onnxpipe)", "language": "python"}))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any], Path]:
     """The notebook run once from a clean kernel in a temporary folder: (notebook, summary, folder)."""
-    folder = tmp_path_factory.mktemp("tutorial")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JUPYTER_PATH", str(_kernel_spec(tmp_path_factory.mktemp("jupyter"))))
-        client = NotebookClient(nb, timeout=CELL_TIMEOUT, startup_timeout=60, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
-        client.execute()
-    summary = json.loads((folder / "tutorial-out" / "summary.json").read_text())
-    return nb, summary, folder
+    return execute(NOTEBOOK, tmp_path_factory, "tutorial-out", CELL_TIMEOUT)
 
 
 def _stdout(nb: Any, startswith: str) -> str:
@@ -57,14 +34,7 @@ def _stdout(nb: Any, startswith: str) -> str:
 
 
 def test_stored_notebook_is_clean() -> None:
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    assert nb.metadata.kernelspec.name == "python3"
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code, "the notebook has no code cells"
-    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
-    assert not dirty, f"cells {dirty} were stored with outputs or execution counts; clear them before committing"
-    assert all("execution" not in c.metadata for c in code), "cells carry execution timing metadata"
+    assert_stored_clean(NOTEBOOK)
 
 
 @pytest.mark.slow

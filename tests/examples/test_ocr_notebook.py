@@ -7,16 +7,13 @@ check those and the executed cells' outputs.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from tests.test_tutorial import _kernel_spec
+from tests.notebooks import assert_stored_clean, execute
 
 pytest.importorskip("rapidocr_onnxruntime", reason="the examples package: pip install -e examples")
 
@@ -28,22 +25,11 @@ STAGES = ["preprocess", "det_0", "det_1", "boxes", "cls", "rotate", "rec", "deco
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any], Path]:
     """The notebook run once from a clean kernel in a temporary folder: (notebook, summary, folder)."""
-    folder = tmp_path_factory.mktemp("ocr-notebook")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JUPYTER_PATH", str(_kernel_spec(tmp_path_factory.mktemp("jupyter"))))
-        client = NotebookClient(nb, timeout=CELL_TIMEOUT, startup_timeout=60, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
-        client.execute()
-    summary = json.loads((folder / "ocr-out" / "summary.json").read_text())
-    return nb, summary, folder
+    return execute(NOTEBOOK, tmp_path_factory, "ocr-out", CELL_TIMEOUT)
 
 
 def test_stored_notebook_is_clean() -> None:
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    assert nb.metadata.kernelspec.name == "python3"
-    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
-    assert not dirty, f"cells {dirty} were stored with outputs or execution counts; clear them before committing"
+    assert_stored_clean(NOTEBOOK)
 
 
 @pytest.mark.slow
