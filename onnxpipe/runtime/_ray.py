@@ -15,12 +15,15 @@ Note: placement.
 
 Note: the data plane.
     The driver never fetches an intermediate tensor: it submits every stage of a request at once,
-    each actor call taking the object references of the values it reads (pipeline inputs, outputs
-    of any earlier stage: skip edges and fan-out are references handed to several calls) and
-    returning each output it keeps as its own object plus a small timing record. Ray moves the
-    values from the producing node to the consuming one (objects up to Ray's inline limit,
-    100 KiB by default, travel in the call messages through the driver's process). Only the timing
-    records and the pipeline outputs are fetched. The pipeline's capacity bounds the requests in
+    each actor call taking the object references of what it reads: the request's pipeline inputs
+    (one object), and the outputs of any earlier stage it reads (skip edges and fan-out are
+    references handed to several calls). A stage returns the outputs that a later stage or the
+    pipeline reads as ONE object, plus a small timing record: each object costs Ray bookkeeping
+    through the driver, which owns it, so one per stage rather than one per tensor (a stage that
+    reads one tensor of an earlier stage's outputs receives them all; on one node they are mapped,
+    not copied). Ray moves the objects from the producing node to the consuming one (objects up to
+    Ray's inline limit, 100 KiB by default, travel in the call messages through the driver's
+    process). Only the timing records and the pipeline outputs are fetched. The pipeline's capacity bounds the requests in
     flight, as in the thread engine; replicas of a stage share its work (:meth:`RayEngine._replica`,
     the one place a replica is chosen for a request).
 
@@ -164,16 +167,19 @@ class _StageActor:
                              "meta": dataclasses.asdict(ModelMetadata.of(s.get_modelmeta()))}
         return info
 
-    def run(self, request: int, params: Mapping[str, np.ndarray] | None, keys: Sequence[tuple[str | None, str]],
-            stream: tuple[int, int, dict[str, int]] | None, *values: Any) -> Any:
-        """Run the stage on one request; returns each kept output, then the timing record.
+    def run(self, request: int, params: Mapping[str, np.ndarray] | None, stream: tuple[int, int, dict[str, int]] | None,
+            *produced: dict[tuple[str | None, str], Any] | None) -> tuple[dict[tuple[str, str], Any] | None, dict[str, Any]]:
+        """Run the stage on one request: ``produced`` are what the stage reads from, one object per
+        producer (the request's pipeline inputs, an earlier stage's kept outputs), keyed by
+        ``(stage, tensor)``. Returns this stage's kept outputs as one object (None if the request
+        failed here or before), then the timing record.
 
         ``stream`` is ``(stream, step, dims)`` for a stream's step or close (see ``Request``): the
         runner keeps the stream's state in this actor.
         """
         timing: dict[str, Any] = {"start": time.time(), "end": 0.0, "error": None, "skipped": False}
-        outputs: list[Any] = [None] * len(self._returns)
-        if any(v is None for v in values):  # an earlier stage failed: pass the request on untouched
+        outputs: dict[tuple[str, str], Any] | None = None
+        if any(v is None for v in produced):  # an earlier stage failed: pass the request on untouched
             timing["skipped"] = True
         elif stream is not None and stream[1] == CLOSE:
             if self._runner is not None:
@@ -183,7 +189,8 @@ class _StageActor:
             timing["error"] = self._error or "the stage has no session"
         else:
             name = self._runner.name
-            req = Request(request, {Endpoint(s, t): v for (s, t), v in zip(keys, values, strict=True)}, {name: params} if params else {}, 0.0)
+            merged = {k: v for p in produced if p is not None for k, v in p.items()}
+            req = Request(request, {key: merged[(key.stage, key.tensor)] for _, key in self._runner.plan.sources}, {name: params} if params else {}, 0.0)
             if stream is not None:
                 req.stream, req.step, req.dims = stream
             states = getattr(self._runner, "states", None)
@@ -192,14 +199,14 @@ class _StageActor:
                                    "without it; close the stream")
                 timing["state_lost"] = True
                 timing["end"] = time.time()
-                return (*outputs, timing) if outputs else timing
+                return None, timing
             try:
                 self._runner(req)
-                outputs = [req.values[Endpoint(name, o)] for o in self._returns]
+                outputs = {(name, o): req.values[Endpoint(name, o)] for o in self._returns}
             except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
                 timing["error"] = str(e)
         timing["end"] = time.time()
-        return (*outputs, timing) if outputs else timing
+        return outputs, timing
 
     def streams(self) -> list[int]:
         """The streams whose state this replica holds (for diagnostics and tests)."""
@@ -243,7 +250,7 @@ class _Flight:
     """A request in flight: the references of its values, which stages finished, which attempt."""
 
     request: Request
-    bag: dict[Endpoint, Any] = field(default_factory=dict)
+    bag: dict[str | None, Any] = field(default_factory=dict)  # producer (None: the inputs) -> its object
     finished: set[int] = field(default_factory=set)
     attempt: int = 0
     done: bool = False
@@ -284,6 +291,9 @@ class RayEngine:
         _, finals = plan_stages(bundle.spec)
         self._finals = set(finals.values())
         self._returns = [self._kept(i) for i in range(len(self._plans))]
+        # What each stage reads from: the producers (None: the pipeline inputs; a stage's name) of its inputs.
+        self._producers = [list(dict.fromkeys(key.stage for _, key in p.sources)) for p in self._plans]
+        self._input_readers = sum(None in producers for producers in self._producers)
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)
         self._flights: dict[int, _Flight] = {}
@@ -444,13 +454,9 @@ class RayEngine:
                 raise Closed
             flight = _Flight(request)
             self._flights[request.id] = flight
-            uses: dict[Endpoint, int] = {}
-            for p in self._plans:
-                for _, key in p.sources:
-                    uses[key] = uses.get(key, 0) + 1
-            for key, value in request.values.items():
-                # A pipeline input read by several stages is put once, not sent with each call.
-                flight.bag[key] = self._ray.put(value) if uses.get(key, 0) > 1 else value
+            inputs = {(key.stage, key.tensor): value for key, value in request.values.items()}
+            # Read by several stages: put once, not sent with each call.
+            flight.bag[None] = self._ray.put(inputs) if self._input_readers > 1 else inputs
             self._dispatch(flight, 0)
 
     def _replica(self, i: int, request: Request) -> int:
@@ -489,14 +495,10 @@ class RayEngine:
                 if lost is not None:
                     self._fail(flight, lost)
                     return
-            keys = () if closing else tuple((k.stage, k.tensor) for _, k in plan.sources)
-            values = [] if closing else [flight.bag[k] for _, k in plan.sources]
-            returns = self._returns[i]
+            produced = [] if closing else [flight.bag[p] for p in self._producers[i]]
             stream = None if request.stream is None else (request.stream, request.step, dict(request.dims))
-            refs = rep.actor.run.options(num_returns=len(returns) + 1).remote(request.id, self._params_ref(request, plan), keys, stream, *values)
-            refs = refs if isinstance(refs, list) else [refs]
-            for name, ref in zip(returns, refs, strict=False):
-                flight.bag[Endpoint(plan.stage.name, name)] = ref
+            refs = rep.actor.run.options(num_returns=2).remote(request.id, self._params_ref(request, plan), stream, *produced)
+            flight.bag[plan.stage.name] = refs[0]
             rep.outstanding += 1
             waiting = sum(x.outstanding for x in self._replicas[i]) - len(self._replicas[i])
             self._high_water[i] = max(self._high_water[i], waiting)
@@ -671,13 +673,17 @@ class RayEngine:
     def _finish(self, flight: _Flight) -> None:
         request = flight.request
         if request.error is None and request.step != CLOSE:
-            keys = list(self._finals)
+            producers = list(dict.fromkeys(k.stage for k in self._finals))
+            held = [flight.bag[p] for p in producers]
             try:
-                values = self._ray.get([flight.bag[k] for k in keys])
+                # The pipeline inputs may be held by value (an output that is an input passed through).
+                refs = iter(self._ray.get([h for h in held if isinstance(h, self._ray.ObjectRef)]))
+                fetched = [next(refs) if isinstance(h, self._ray.ObjectRef) else h for h in held]
             except self._exc.RayError as e:  # an output was lost with its node: run the request again
                 self._fault(flight, len(self._plans) - 1, 0, e)
                 return
-            request.values = dict(zip(keys, values, strict=True))
+            merged = {k: v for p in fetched for k, v in p.items()}
+            request.values = {key: merged[(key.stage, key.tensor)] for key in self._finals}
         self._complete(flight)
 
     def _fail(self, flight: _Flight, error: StageError) -> None:
