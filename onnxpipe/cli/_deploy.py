@@ -426,7 +426,8 @@ def run(
     files = _input_files(input_paths)
     destinations = _destinations(out, files)
     quiet_onnxruntime()
-    with read_bundle(bundle, allow_code=allow_code) as checked:
+    # On Ray no session starts here: each actor checks its own stage's threads against its node.
+    with read_bundle(bundle, allow_code=allow_code, sessions=() if engine == "ray" else None) as checked:
         _check_input_files(checked.spec.inputs, files)
         with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None, **where_run) as pipe:
             pipe.reset_stats()  # from the first request, not from load

@@ -14,7 +14,7 @@ Note: loading is checked before anything runs.
     sha256, and no file that is not listed; sizes and counts within :class:`Limits`; a known
     schema version; a wiring that validates; stage modules and the external-data files they name
     (found by a wire scan, see ``_protoscan``) listed in the manifest; stage settings within the
-    host's thread and replica caps (see ``_check_caps``). An archive is unpacked into a private
+    host's thread and replica caps (see ``check_caps``). An archive is unpacked into a private
     temporary folder, member by member, only once its zip directory agrees with its manifest (see
     ``_unpack``), and nothing is ever written outside it. No pickle is
     read anywhere (numpy files are loaded with ``allow_pickle=False``). Every hash is computed in
@@ -46,7 +46,7 @@ import tempfile
 import weakref
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ __all__ = [
     "FileEntry",
     "Limits",
     "Manifest",
+    "check_caps",
     "check_relative",
     "is_bundle",
     "load_npz",
@@ -128,8 +129,14 @@ class Limits:
     max_pipeline_threads: int | None = None
 
 
-def _check_caps(spec: PipelineSpec, limits: Limits) -> None:
+def check_caps(spec: PipelineSpec, limits: Limits, stages: Collection[str] | None = None) -> None:
     """Refuse stage settings that would start more threads or replicas than this host allows.
+
+    Args:
+        spec: The pipeline.
+        limits: The host's limits.
+        stages: The stages whose sessions this host starts (default: all of them). With the Ray
+            engine the driver starts none, and each actor checks its own stage against its node.
 
     Note: thread and replica caps.
         A bundle's settings are the builder's wish, not the host's: ``intra_op_threads: 2000``
@@ -150,7 +157,8 @@ def _check_caps(spec: PipelineSpec, limits: Limits) -> None:
     how = "lower it in the bundle's settings, or raise the cap on this host with load(..., limits=Limits({}=...))"
     threads, threads_why = cap(limits.max_threads, 4, "max_threads")
     replicas, replicas_why = cap(limits.max_replicas, 4, "max_replicas")
-    for stage in spec.stages:
+    here = [stage for stage in spec.stages if stages is None or stage.name in stages]
+    for stage in here:
         s = stage.settings
         for setting, value, most, why, knob in (
             ("intra_op_threads", s.intra_op_threads, threads, threads_why, "max_threads"),
@@ -160,7 +168,7 @@ def _check_caps(spec: PipelineSpec, limits: Limits) -> None:
             if value > most:
                 raise BundleError(f"stage '{stage.name}': {setting} {value} is over this host's cap of {most} ({why}); " + how.format(knob))
     total, total_why = cap(limits.max_pipeline_threads, 16, "max_pipeline_threads")
-    count = sum(s.settings.replicas * s.settings.thread_count(cores) for s in spec.stages)
+    count = sum(s.settings.replicas * s.settings.thread_count(cores) for s in here)
     if count > total:
         raise BundleError(f"the stages' settings start {count} threads in all; this host's cap is {total} ({total_why}); " + how.format("max_pipeline_threads"))
 
@@ -344,6 +352,9 @@ class Bundle:
         #: fnmatch patterns; empty allows nothing. Set by the host (``read_bundle``/``load``), never
         #: by the bundle; ``make_runner`` checks it before importing anything.
         self.allow_code: tuple[str, ...] = ()
+        #: The stages checked against this host's thread and replica caps when it was read (None:
+        #: all; see ``read_bundle(sessions=...)``); a thread engine checks the rest before it starts.
+        self.capped: frozenset[str] | None = None
         self._cleanup = weakref.finalize(self, shutil.rmtree, tmp, True) if tmp else None
 
     def session_source(self, stage: str | StageSpec) -> tuple[str | bytes, dict[str, str]]:
@@ -516,7 +527,9 @@ def is_bundle(path: object) -> bool:
     return (p.is_dir() and (p / MANIFEST_NAME).is_file()) or (p.is_file() and zipfile.is_zipfile(p))
 
 
-def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None, *, allow_code: Sequence[str] = ()) -> Bundle:
+def read_bundle(
+    path: str | os.PathLike[str], limits: Limits | None = None, *, allow_code: Sequence[str] = (), sessions: Collection[str] | None = None
+) -> Bundle:
     """Open a bundle folder or archive and check all of it (see the note above).
 
     Reading imports nothing: a bundle with code stages reads (and ``onnxpipe inspect`` lists its
@@ -527,6 +540,9 @@ def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None, *, a
         limits: Size and count limits (default :class:`Limits`).
         allow_code: fnmatch patterns of the entry points and custom-op packages this host lets
             the bundle's stages import (kept as :attr:`Bundle.allow_code`; see ``_code``).
+        sessions: The stages whose sessions this process will start, checked against this host's
+            thread and replica caps (see ``check_caps``); default: all. The Ray engine's driver
+            passes none, and each actor its own stage, checked against the actor's node.
 
     Returns:
         The checked :class:`Bundle`.
@@ -541,14 +557,14 @@ def read_bundle(path: str | os.PathLike[str], limits: Limits | None = None, *, a
     if not path.exists():
         raise BundleError(f"bundle '{path}' does not exist")
     if path.is_dir() and not path.is_symlink():
-        bundle = _check_folder(path, limits, None, str(path))
+        bundle = _check_folder(path, limits, None, str(path), sessions=sessions)
     elif not path.is_file():
         raise BundleError(f"bundle '{path}' is neither a folder nor an archive file")
     else:
         tmp = Path(tempfile.mkdtemp(prefix="onnxpipe-bundle-"))
         try:
             kept = _unpack(path, tmp, limits)
-            bundle = _check_folder(tmp, limits, tmp, str(path), kept)
+            bundle = _check_folder(tmp, limits, tmp, str(path), kept, sessions)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -746,7 +762,9 @@ def _read_json(path: Path, limits: Limits, what: str) -> Any:
     return parse_json(path.read_bytes(), what, BundleError)
 
 
-def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept: Mapping[str, Relocation] | None = None) -> Bundle:
+def _check_folder(
+    root: Path, limits: Limits, tmp: Path | None, label: str, kept: Mapping[str, Relocation] | None = None, sessions: Collection[str] | None = None
+) -> Bundle:
     kept = dict(kept or {})
     present = set(_walk_files(root, limits)) | set(kept)
     if MANIFEST_NAME not in present:
@@ -775,7 +793,7 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept
         spec.validate()
     except ConfigError as e:
         raise BundleError(f"{CONFIG_NAME}: {e}") from e
-    _check_caps(spec, limits)
+    check_caps(spec, limits, sessions)
     used: set[str] = set()
     for stage in spec.stages:
         if stage.module is None:
@@ -802,6 +820,7 @@ def _check_folder(root: Path, limits: Limits, tmp: Path | None, label: str, kept
     for rel in sorted(set(kept) - used):  # not a stage's external data after all: unpack it
         _copy_range(kept.pop(rel), root / rel)
     bundle = Bundle(root, spec, manifest, tmp, kept, limits)
+    bundle.capped = None if sessions is None else frozenset(sessions)
     for stage in spec.stages:
         if stage.module is not None:
             bundle.session_source(stage)  # every tensor that points into the archive fits in its member

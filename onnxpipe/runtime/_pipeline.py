@@ -29,7 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, InputError, StageError, StreamError, closest
-from onnxpipe.runtime._bundle import Bundle, Limits, read_bundle
+from onnxpipe.runtime._bundle import Bundle, Limits, check_caps, read_bundle
 from onnxpipe.runtime._channel import Closed
 from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
@@ -135,6 +135,8 @@ class Pipeline(InferenceSessionAPI):
         if engine == "thread":
             if address is not None or ray_options is not None:
                 raise ConfigError("address and ray_options are for engine='ray'; the thread engine runs in this process")
+            if bundle.capped is not None:  # read for another engine: every session starts here
+                check_caps(bundle.spec, bundle.limits)
             self._engine = ThreadEngine(plans, self._make_runner, queue_depth, trace)
         elif engine == "ray":
             ray_engine = RayEngine(bundle, plans, target, queue_depth, trace, address, ray_options or RayOptions(), source)
@@ -610,8 +612,9 @@ def load(
             installed, the cluster cannot be reached, or a stage cannot be placed; ``max_streams`` or
             ``stream_timeout`` is not positive.
     """
-    # A hostile bundle, or code the host does not allow, is refused here, before anything ships.
-    bundle = read_bundle(path, limits, allow_code=allow_code)
+    # A hostile bundle, or code the host does not allow, is refused here, before anything ships. On
+    # Ray no session starts here: each actor checks its stage's threads against its own node.
+    bundle = read_bundle(path, limits, allow_code=allow_code, sessions=() if engine == "ray" else None)
     try:
         return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path, max_streams=max_streams, stream_timeout=stream_timeout)
     except BaseException:

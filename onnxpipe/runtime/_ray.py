@@ -118,7 +118,7 @@ class _StageActor:
     a failing request must not become a Ray task error carrying a pickled exception."""
 
     def __init__(self, payload: Any, path: str | None, manifest_sha: str, limits: Mapping[str, Any], index: int, replica: int,
-                 target: str | None, folder: str, returns: Sequence[str], allow_code: Sequence[str]) -> None:
+                 target: str | None, folder: str, returns: Sequence[str], allow_code: Sequence[str], stage: str) -> None:
         self._error: str | None = None
         import ray
 
@@ -139,7 +139,8 @@ class _StageActor:
                 archive.write_bytes(memoryview(payload))
                 path = str(archive)
             # The driver's allow-list travels with the bundle: code is imported only if it allows it.
-            self._bundle = read_bundle(path, Limits(**limits), allow_code=allow_code)
+            # Only this actor's stage is checked against the thread caps, and against this node's cores.
+            self._bundle = read_bundle(path, Limits(**limits), allow_code=allow_code, sessions=(stage,))
             if sha256_file(self._bundle.root / MANIFEST_NAME) != manifest_sha:
                 raise BundleError(f"the bundle at '{path}' is not the one the driver checked (its manifest differs)")
             plan = plan_stages(self._bundle.spec)[0][index]
@@ -391,7 +392,7 @@ class RayEngine:
             for r in range(plan.stage.settings.replicas):
                 folder = f"onnxpipe-ray-{run_id}-{i}-{r}"
                 row.append(_Replica(remote.options(**options).remote(payload, path, manifest_sha, limits, i, r, target, folder, self._returns[i],
-                                                                     list(bundle.allow_code))))
+                                                                     list(bundle.allow_code), plan.stage.name)))
             self._replicas.append(row)
         calls = {self._ping(rep): (i, r) for i, row in enumerate(self._replicas) for r, rep in enumerate(row)}
         ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=self._options.placement_timeout_s)

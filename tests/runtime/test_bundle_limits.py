@@ -258,3 +258,20 @@ def test_the_host_sets_the_caps(bundle: Path) -> None:
     _edit_settings(bundle, intra_op_threads=1, replicas=1, execution_mode="parallel", inter_op_threads=0)
     with pytest.raises(BundleError, match=f"start {1 + host_cores()} threads in all"):
         load(bundle, limits=Limits(max_pipeline_threads=1))
+
+
+def test_caps_follow_the_stages_whose_sessions_start_here(bundle: Path) -> None:
+    """read_bundle(sessions=...) checks only the stages this process will start (the Ray driver:
+    none; an actor: its own); a thread engine given such a bundle checks the rest before any session."""
+    from onnxpipe.runtime import Pipeline, read_bundle
+
+    over = 4 * host_cores() + 1
+    _edit_settings(bundle, intra_op_threads=over)
+    with read_bundle(bundle, sessions=()) as checked:
+        assert checked.capped == frozenset()
+        with pytest.raises(BundleError, match=f"stage 'head': intra_op_threads {over} is over this host's cap"):
+            Pipeline(checked)
+    with read_bundle(bundle, sessions=("tail",)) as checked:
+        assert checked.capped == frozenset({"tail"})
+    with pytest.raises(BundleError, match=f"stage 'head': intra_op_threads {over} is over this host's cap"):
+        read_bundle(bundle, sessions=("head",))

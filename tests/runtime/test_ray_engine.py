@@ -343,3 +343,31 @@ def test_the_ocr_chain_reads_alike_on_ray(tmp_path: Path, ray_cluster: Any, ray_
                 assert_reads_alike(ours, wheel(image), 2.0, 1e-3)
     finally:
         ray_cluster.remove_node(node)
+
+
+def test_thread_caps_are_checked_on_the_node_that_runs_the_stage(tmp_path: Path, ray_cluster: Any, ray_pids: set[int]) -> None:
+    """A stage with more threads than the driver's host may start (4 x its cores) is not refused by
+    the driver, which starts no session on Ray: the actor checks it against its own node's cores,
+    with the limits the host gave load()."""
+    from onnxpipe import BundleError
+    from onnxpipe.runtime import Limits
+    from onnxpipe.runtime._settings import host_cores
+
+    threads = 4 * host_cores() + 1
+    config = models.head_then_tail(4)
+    config.stages[0].configure(host="a")
+    config.stages[1].configure(host="big", intra_op_threads=threads)
+    bundle = export(build(config, tmp_path / "built").path, tmp_path / "big.onnxpipe")
+    with pytest.raises(BundleError, match=rf"stage 'tail': intra_op_threads {threads} is over this host's cap of {threads - 1}"):
+        load(bundle)  # the thread engine would start them all here
+    node = ray_cluster.add_node(num_cpus=threads, labels={"onnxpipe/host": "big"}, **ray_cluster.common_node_args)
+    try:
+        # This machine's node has this machine's cores: the actor refuses, naming the stage and its node.
+        with pytest.raises(BundleError, match=rf"stage 'tail' replica 0 on .*: stage 'tail': intra_op_threads {threads} is over this host's cap"):
+            load(bundle, engine="ray")
+        with load(bundle, engine="ray", limits=Limits(max_threads=threads)) as pipe:
+            ray_pids.update(_actor_pids(pipe))
+            assert _labels(pipe) == ["a", "big"]
+            assert pipe({"x": np.ones((1, 4), np.float32)})["y"].shape == (1, 4)
+    finally:
+        ray_cluster.remove_node(node)
