@@ -36,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import SequentialPipeline, TensorSpec, load, read_bundle
 
-ROWS, SIZE = 128, 512
+ROWS, SIZE = 128, 512  # default rows per request (--rows), columns
 
 
 def python_stage(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -63,25 +63,25 @@ def sleep_stage(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[s
     return {"z": inputs["y"][:, :1].copy()}
 
 
-def _onnx_stage() -> Any:
+def _onnx_stage(rows: int) -> Any:
     w = numpy_helper.from_array(np.full((SIZE, SIZE), 1.0 / SIZE, np.float32), "w")
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])],
         "mm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, SIZE])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [ROWS, SIZE])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, SIZE])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, SIZE])],
         initializer=[w],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _bundle(folder: Path, kind: str, params: dict[str, Any]) -> Path:
+def _bundle(folder: Path, kind: str, params: dict[str, Any], rows: int) -> Path:
     config = PipelineConfig(kind)
-    mm = config.add_stage(_onnx_stage(), "onnx")
+    mm = config.add_stage(_onnx_stage(rows), "onnx")
     code = config.add_python_stage(
         f"benchmarks.code_stages:{kind}_stage",
-        inputs=[TensorSpec("y", "float32", (ROWS, SIZE))],
-        outputs=[TensorSpec("z", "float32", (ROWS, 1))],
+        inputs=[TensorSpec("y", "float32", (rows, SIZE))],
+        outputs=[TensorSpec("z", "float32", (rows, 1))],
         params=params,
         name="code",
     )
@@ -104,10 +104,10 @@ def _alone_ms(fn: Any, runs: int = 20) -> float:
 def _calibrate(folder: Path, x: np.ndarray) -> tuple[float, dict[str, dict[str, Any]]]:
     """The ONNX stage's time, and params that make each code stage take about as long."""
     (folder / "calibrate").mkdir()
-    bundle = read_bundle(_bundle(folder / "calibrate", "sleep", {"seconds": 0.0}), allow_code=["benchmarks.code_stages:*"])
+    bundle = read_bundle(_bundle(folder / "calibrate", "sleep", {"seconds": 0.0}, len(x)), allow_code=["benchmarks.code_stages:*"])
     seq = SequentialPipeline(bundle.spec, bundle, allow_code=bundle.allow_code)
     onnx_ms = _alone_ms(lambda: seq._sessions["onnx"].run(None, {"x": x}))  # type: ignore[union-attr]
-    y = {"y": np.ones((ROWS, SIZE), np.float32)}
+    y = {"y": np.ones((len(x), SIZE), np.float32)}
     params: dict[str, dict[str, Any]] = {"sleep": {"seconds": onnx_ms / 1e3}}
     for kind, fn in (("python", python_stage), ("numpy", numpy_stage)):
         per = _alone_ms(lambda fn=fn: fn(y, {"loops": 1000}), 5) / 1000
@@ -116,24 +116,22 @@ def _calibrate(folder: Path, x: np.ndarray) -> tuple[float, dict[str, dict[str, 
 
 
 def main() -> None:
-    global ROWS  # the stages' shapes, read by _bundle and _onnx_stage
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ray", action="store_true", help="also run each bundle on the Ray engine (needs onnxpipe[ray])")
     parser.add_argument("--rows", type=int, default=ROWS, help="rows per request: the stages' time grows with it")
     args = parser.parse_args()
-    ROWS = args.rows
     if args.ray:
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((ROWS, SIZE)).astype(np.float32)
+    x = rng.standard_normal((args.rows, SIZE)).astype(np.float32)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         onnx_ms, params = _calibrate(folder, x)
-        bundles = {kind: _bundle(folder, kind, params[kind]) for kind in ("python", "numpy", "sleep")}
+        bundles = {kind: _bundle(folder, kind, params[kind], args.rows) for kind in ("python", "numpy", "sleep")}
         allow = ["benchmarks.code_stages:*"]
         ratios: dict[str, list[float]] = {k: [] for k in bundles}
         on_ray: dict[str, list[float]] = {k: [] for k in bundles}
@@ -149,12 +147,12 @@ def main() -> None:
                 for _ in range(args.requests):
                     seq.run({"x": x})
                 sequential = args.requests / (time.perf_counter() - start)
-                pipelined = _streamed(path, allow, args.requests)
+                pipelined = _streamed(path, allow, x, args.requests)
                 ratios[kind].append(pipelined / sequential)
                 if args.ray:
-                    on_ray[kind].append(_streamed(path, allow, args.requests, engine="ray") / sequential)
+                    on_ray[kind].append(_streamed(path, allow, x, args.requests, engine="ray") / sequential)
                 checked.close()
-    print(f"ONNX stage alone: {onnx_ms:.2f} ms ({ROWS}x{SIZE} @ {SIZE}x{SIZE} twice, 1 thread); {args.requests} requests x {args.rounds} rounds")
+    print(f"ONNX stage alone: {onnx_ms:.2f} ms ({args.rows}x{SIZE} @ {SIZE}x{SIZE} twice, 1 thread); {args.requests} requests x {args.rounds} rounds")
     head = "| code stage | code stage alone ms | pipeline / sequential (median) | rounds |"
     print(head + (" Ray engine / sequential (median) | rounds |" if args.ray else ""))
     print("| --- | --- | --- | --- |" + (" --- | --- |" if args.ray else ""))
@@ -170,9 +168,8 @@ def main() -> None:
         ray.shutdown()
 
 
-def _streamed(path: Path, allow: list[str], requests: int, engine: str = "thread") -> float:
-    """Requests per second streaming ``requests`` through the bundle with ``Pipeline.map``."""
-    x = np.random.default_rng(0).standard_normal((ROWS, SIZE)).astype(np.float32)
+def _streamed(path: Path, allow: list[str], x: np.ndarray, requests: int, engine: str = "thread") -> float:
+    """Requests per second streaming ``requests`` of ``x`` through the bundle with ``Pipeline.map``."""
     with load(path, allow_code=allow, engine=engine) as pipe:
         list(pipe.map({"x": x} for _ in range(5)))
         start = time.perf_counter()

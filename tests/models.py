@@ -593,6 +593,19 @@ def failing_pair() -> tuple[ModelProto, ModelProto]:
     return head, tail
 
 
+def failing_config(name: str = "pipeline") -> Any:
+    """:func:`failing_pair` wired as ``x -> head -h-> reshape -> y``, as a PipelineConfig."""
+    from onnxpipe.builder import PipelineConfig
+
+    head, tail = failing_pair()
+    config = PipelineConfig(name)
+    a, b = config.add_stage(head, "head"), config.add_stage(tail, "reshape")
+    config.input("x").connect(a.input("x"))
+    a.output("h").connect(b.input("h"))
+    b.output("y").connect(config.output("y"))
+    return config
+
+
 def slow_stage(size: int = 768) -> ModelProto:
     """x[1, size] -> y: two MatMuls with [size, size] weights; tens of milliseconds per run on one
     core with ``batch`` = 256 rows: x is [256, size]."""

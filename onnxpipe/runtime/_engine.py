@@ -26,7 +26,7 @@ from typing import Protocol
 
 from onnxpipe._errors import ConfigError, StageError
 from onnxpipe.runtime._channel import Channel, Closed
-from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan
+from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, pinned_replica
 from onnxpipe.runtime._stats import StageRecorder
 
 __all__ = ["DEFAULT_QUEUE_DEPTH", "Engine", "RunnerFactory", "ThreadEngine"]
@@ -158,14 +158,14 @@ class ThreadEngine:
     def _channel(self, i: int, request: Request) -> Channel[Request]:
         """The channel of stage ``i`` that ``request`` goes to: the one place a replica is chosen.
 
-        A stream goes to replica ``stream % replicas`` of each stage with state, so its requests
-        meet its state (streams are numbered in order, so they spread evenly); any other request
-        goes to the stage's one channel, which all its replicas take from.
+        A stream goes to its pinned replica of each stage with state (``pinned_replica``), so its
+        requests meet its state; any other request goes to the stage's one channel, which all its
+        replicas take from.
         """
         channels = self._channels[i]
         if len(channels) == 1:
             return channels[0]
-        return channels[(request.stream or 0) % len(channels)]
+        return channels[pinned_replica(self._plans[i], request, len(channels)) or 0]
 
     def _hand_on(self, i: int) -> Callable[[Request], None]:
         """How a worker puts a request into stage ``i``'s queue (a bound method when there is one queue)."""

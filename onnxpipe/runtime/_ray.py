@@ -63,7 +63,7 @@ from onnxpipe.runtime._bundle import MANIFEST_NAME, Bundle, Limits, read_bundle,
 from onnxpipe.runtime._channel import Closed
 from onnxpipe.runtime._ortapi import ModelMetadata, SessionFacts
 from onnxpipe.runtime._spec import Endpoint
-from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
+from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, pinned_replica, plan_stages
 from onnxpipe.runtime._stats import StageRecorder
 
 __all__ = ["HOST_LABEL", "RayEngine", "RayOptions", "import_ray"]
@@ -295,6 +295,7 @@ class RayEngine:
         # What each stage reads from: the producers (None: the pipeline inputs; a stage's name) of its inputs.
         self._producers = [list(dict.fromkeys(key.stage for _, key in p.sources)) for p in self._plans]
         self._input_readers = sum(None in producers for producers in self._producers)
+        self._final_producers = list(dict.fromkeys(key.stage for key in self._finals))  # what _finish fetches
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)
         self._flights: dict[int, _Flight] = {}
@@ -463,11 +464,12 @@ class RayEngine:
     def _replica(self, i: int, request: Request) -> int:
         """The replica of stage ``i`` that runs ``request``: the live one with the fewest calls
         outstanding (ties go round-robin by request id), or, for a stream in a stage with state,
-        replica ``stream % replicas``, which holds the stream's state (as in the thread engine).
+        the replica holding the stream's state (``pinned_replica``, as in the thread engine).
         The one place a replica is chosen."""
         row = self._replicas[i]
-        if request.stream is not None and self._plans[i].states:
-            return request.stream % len(row)
+        pinned = pinned_replica(self._plans[i], request, len(row))
+        if pinned is not None:
+            return pinned
         alive = [r for r, rep in enumerate(row) if rep.state == "ok"] or [r for r, rep in enumerate(row) if rep.state != "dead"]
         return min(alive, key=lambda r: (row[r].outstanding, (r - request.id) % len(row)))
 
@@ -674,8 +676,7 @@ class RayEngine:
     def _finish(self, flight: _Flight) -> None:
         request = flight.request
         if request.error is None and request.step != CLOSE:
-            producers = list(dict.fromkeys(k.stage for k in self._finals))
-            held = [flight.bag[p] for p in producers]
+            held = [flight.bag[p] for p in self._final_producers]
             try:
                 # The pipeline inputs may be held by value (an output that is an input passed through).
                 refs = iter(self._ray.get([h for h in held if isinstance(h, self._ray.ObjectRef)]))

@@ -40,7 +40,7 @@ from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
 
-__all__ = ["CLOSE", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "make_runner", "plan_stages"]
+__all__ = ["CLOSE", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "make_runner", "pinned_replica", "plan_stages"]
 
 #: ``Request.step`` of a control request that closes its stream: each stateful runner drops the
 #: stream's state; stateless ones pass it on.
@@ -281,6 +281,18 @@ class CodeRunner:
 
     def cancel(self) -> None:
         """Nothing to do: a Python call cannot be interrupted; the engine stops after it returns."""
+
+
+def pinned_replica(plan: StagePlan, request: Request, replicas: int) -> int | None:
+    """The replica of a stage that must run ``request``, or None when any replica may.
+
+    A stream's request in a stage with state goes to replica ``stream % replicas``, whose runner
+    holds the stream's state (streams are numbered in order, so they spread evenly). Every engine
+    routes by this (see the streams note of ``_engine.py``).
+    """
+    if request.stream is None or not plan.states:
+        return None
+    return request.stream % replicas
 
 
 def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | None = None) -> Runner:

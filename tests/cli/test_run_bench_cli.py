@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import load
 from tests import models
 from tests.cli.helpers import assert_usage_error, assert_user_error, ok, run
@@ -49,13 +48,7 @@ def hand(work: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def failing(work: Path) -> Path:
-    first, second = models.failing_pair()
-    config = PipelineConfig("failing")
-    head, reshape = config.add_stage(first, "head"), config.add_stage(second, "reshape")
-    config.input("x").connect(head.input("x"))
-    head.output("h").connect(reshape.input("h"))
-    reshape.output("y").connect(config.output("y"))
-    return models.bundle_of(config, work / "failing")
+    return models.bundle_of(models.failing_config("failing"), work / "failing")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import pytest
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
 from onnxpipe import InputError, OnnxpipeError, StageError
-from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import NodeArg, Pipeline, TensorSpec, load
 from onnxpipe.splitter import UniformPolicy, split
 from tests import models
@@ -251,13 +250,7 @@ def test_errors_are_of_the_kinds_onnxruntime_raises(bundles: Callable[[str], Pat
 
 
 def _failing_pipeline(tmp_path: Path) -> Pipeline:
-    head, tail = models.failing_pair()
-    config = PipelineConfig()
-    a, b = config.add_stage(head, "head"), config.add_stage(tail, "reshape")
-    config.input("x").connect(a.input("x"))
-    a.output("h").connect(b.input("h"))
-    b.output("y").connect(config.output("y"))
-    return load(models.bundle_of(config, tmp_path))
+    return load(models.bundle_of(models.failing_config(), tmp_path))
 
 
 def test_a_failing_stage_raises_what_onnxruntime_raises_and_run_async_reports_it(tmp_path: Path) -> None:

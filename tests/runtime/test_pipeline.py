@@ -150,14 +150,7 @@ def test_bad_inputs_are_refused_and_the_pipeline_stays_usable(tmp_path: Path, no
 
 
 def test_a_failing_request_fails_alone(tmp_path: Path, no_thread_left: object) -> None:
-    head, tail = models.failing_pair()
-    config = PipelineConfig()
-    a = config.add_stage(head, "head")
-    b = config.add_stage(tail, "reshape")
-    config.input("x").connect(a.input("x"))
-    a.output("h").connect(b.input("h"))
-    b.output("y").connect(config.output("y"))
-    with load(models.bundle_of(config, tmp_path)) as pipe:
+    with load(models.bundle_of(models.failing_config(), tmp_path)) as pipe:
         rows = [2, 2, 3, 2, 2]  # the request with 3 rows cannot be reshaped to [2, 4]
         futures = [pipe.submit({"x": np.full((n, 4), i, np.float32)}) for i, n in enumerate(rows)]
         for i, (n, f) in enumerate(zip(rows, futures, strict=True)):

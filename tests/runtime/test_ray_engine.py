@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 from onnxpipe import ConfigError, StageError
-from onnxpipe.builder import PipelineConfig, build, export
+from onnxpipe.builder import build, export
 from onnxpipe.runtime import Pipeline, RayOptions, load
 from onnxpipe.splitter import split
 from tests import models
@@ -115,14 +115,7 @@ def test_replicas_share_work_and_params_reach_every_replica_in_order(tmp_path: P
 
 
 def test_a_failing_request_fails_alone(tmp_path: Path, ray_pids: set[int]) -> None:
-    head, tail = models.failing_pair()
-    config = PipelineConfig()
-    a = config.add_stage(head, "head")
-    b = config.add_stage(tail, "reshape")
-    config.input("x").connect(a.input("x"))
-    a.output("h").connect(b.input("h"))
-    b.output("y").connect(config.output("y"))
-    with load(_bundle(config, tmp_path, ["a", "b"]), engine="ray") as pipe:
+    with load(_bundle(models.failing_config(), tmp_path, ["a", "b"]), engine="ray") as pipe:
         ray_pids.update(_actor_pids(pipe))
         rows = [2, 3, 2]  # the request with 3 rows cannot be reshaped to [2, 4]
         futures = [pipe.submit({"x": np.full((n, 4), i, np.float32)}) for i, n in enumerate(rows)]
