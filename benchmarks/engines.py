@@ -10,6 +10,9 @@
 3. CPU seconds per request of the resnet50 runs: this process plus, for Ray, the stage actors'
    processes (from /proc; Ray's own daemons are not counted).
 
+The Ray engine runs twice per round: as it comes (requests that queue up for a busy actor share
+its next call) and with ``RayOptions(requests_per_call=1)`` (every request in a call of its own).
+
 Ray runs as a local single-node instance (loopback, no dashboard, usage stats off, files in a
 temporary folder), shut down at the end.
 
@@ -36,7 +39,7 @@ import onnx.parser
 import onnxruntime as ort
 
 from onnxpipe.builder import PipelineConfig, build, export
-from onnxpipe.runtime import Pipeline, PipelineSpec, interleaved_rounds, load
+from onnxpipe.runtime import Pipeline, PipelineSpec, RayOptions, interleaved_rounds, load
 from onnxpipe.splitter import UniformPolicy, split
 
 ort.set_default_logger_severity(3)
@@ -171,24 +174,31 @@ def main() -> None:
         bundle = export(built, work / "resnet50.onnxpipe")
         modules = [str(built / str(st.module)) for st in PipelineSpec.from_json((built / "pipeline.json").read_text()).stages]
         feeds = {"gpu_0/data_0": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
-        cpu: dict[str, list[float]] = {"thread": [], "ray": []}
+        cpu: dict[str, list[float]] = {"thread": [], "ray": [], "ray-1": []}
+        per_call: list[float] = []
 
-        def measure(engine: str) -> float:
+        def measure(key: str) -> float:
             # Loaded for each round (not timed): one engine's idle workers never share the cores
-            # with the other's run.
-            with load(bundle, engine=engine) as pipe:
+            # with the other's run. "ray-1": the Ray engine with every request in a call of its own.
+            engine = key.split("-")[0]
+            options = RayOptions(requests_per_call=1) if key == "ray-1" else None
+            with load(bundle, engine=engine, ray_options=options) as pipe:
                 rate, per_request = _stream(pipe, feeds, args.requests)
-            cpu[engine].append(per_request)
+                if key == "ray":
+                    per_call.append((args.requests + 5) / pipe._engine.calls()[0])  # type: ignore[attr-defined]
+            cpu[key].append(per_request)
             return rate
 
         # The same window of requests in flight as the engines' pipelines (queue depth 4 + 1 per stage).
         bare_chain = functools.partial(_bare_pipeline, ray, modules, feeds, args.requests, 2 * (4 + 1))
-        rounds = interleaved_rounds({"thread": lambda: measure("thread"), "ray": lambda: measure("ray"), "bare": bare_chain}, args.rounds)
+        runs = {key: functools.partial(measure, key) for key in cpu}
+        rounds = interleaved_rounds({**runs, "bare": bare_chain}, args.rounds)
         print(f"resnet50, 2 stages x 1 thread, {args.requests} requests x {args.rounds} interleaved rounds (medians):")
-        for engine in ("thread", "ray"):
-            print(f"  {engine:<7} {rounds.median(engine):7.2f} req/s   {1e3 * statistics.median(cpu[engine]):7.1f} ms CPU/request")
+        for key in cpu:
+            print(f"  {key:<7} {rounds.median(key):7.2f} req/s   {1e3 * statistics.median(cpu[key]):7.1f} ms CPU/request")
         print(f"  bare    {rounds.median('bare'):7.2f} req/s   (Ray's bare chain of 2 actors with the same two sessions)")
-        for key, base in (("ray", "thread"), ("bare", "thread"), ("ray", "bare")):
+        print(f"  ray: {statistics.median(per_call):.1f} requests per call to stage 0; ray-1: every request in a call of its own")
+        for key, base in (("ray", "thread"), ("ray-1", "thread"), ("bare", "thread"), ("ray", "bare")):
             ratios = rounds.ratios(key, base)
             print(f"  {key} / {base} throughput: {statistics.median(ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
 

@@ -14,18 +14,25 @@ Note: placement.
     within ``RayOptions.placement_timeout_s`` (the resources are taken) fails the same way.
 
 Note: the data plane.
-    The driver never fetches an intermediate tensor: it submits every stage of a request at once,
-    each actor call taking the object references of what it reads: the request's pipeline inputs
-    (one object), and the outputs of any earlier stage it reads (skip edges and fan-out are
-    references handed to several calls). A stage returns the outputs that a later stage or the
-    pipeline reads as ONE object, plus a small timing record: each object costs Ray bookkeeping
-    through the driver, which owns it, so one per stage rather than one per tensor (a stage that
-    reads one tensor of an earlier stage's outputs receives them all; on one node they are mapped,
-    not copied). Ray moves the objects from the producing node to the consuming one (objects up to
-    Ray's inline limit, 100 KiB by default, travel in the call messages through the driver's
-    process). Only the timing records and the pipeline outputs are fetched. The pipeline's capacity bounds the requests in
-    flight, as in the thread engine; replicas of a stage share its work (:meth:`RayEngine._replica`,
-    the one place a replica is chosen for a request).
+    The driver never fetches an intermediate tensor: it submits a request's stages in pipeline
+    order, each actor call taking the object references of what it reads: the request's pipeline
+    inputs (sent with the call, or put once when several stages read them), and the outputs of any
+    earlier stage it reads (skip edges and fan-out are references handed to several calls). Ray
+    moves the objects from the producing node to the consuming one (objects up to Ray's inline
+    limit, 100 KiB by default, travel in the call messages through the driver's process); only the
+    timing records and the pipeline outputs are fetched.
+
+    Each object and each call costs Ray bookkeeping through the driver, which owns them, and on one
+    host that CPU is taken from the stages. So a stage returns the outputs that a later stage or
+    the pipeline reads as ONE object, not one per tensor, and calls are coalesced: a replica has at
+    most two calls out (one running, one waiting at the actor, so it never waits for the driver);
+    requests that come for it meanwhile wait in the driver and go together in its next call (at
+    most ``RayOptions.requests_per_call``, by default ``queue_depth``, of them), which runs them
+    one after the other and returns their outputs as one object. An idle pipeline sends each request at once; a busy one sends fewer, larger
+    calls (:meth:`RayEngine.calls`). A stage reading one request's outputs from such an object
+    receives the whole object (on one node it is mapped, not copied). The pipeline's capacity
+    bounds the requests in flight, as in the thread engine; replicas of a stage share its work
+    (:meth:`RayEngine._replica`, the one place a replica is chosen for a request).
 
 Note: faults.
     A call that fails because its actor died (process killed, node gone) or because a value it read
@@ -73,6 +80,9 @@ HOST_LABEL = "onnxpipe/host"
 _GPU_PROVIDERS = {"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider"}
 #: How often one request may be re-run after faults before it fails.
 _MAX_ATTEMPTS = 8
+#: Calls a replica may have submitted at once: one running, one waiting at the actor so that it
+#: never waits for the driver; requests that come while both are out join its next call.
+_CALLS_PER_REPLICA = 2
 #: How long close() waits for actors to remove their files before killing them.
 _SHUTDOWN_WAIT_S = 2.0
 _TICK_S = 0.2
@@ -88,12 +98,16 @@ class RayOptions:
         placement_timeout_s: Give up loading when a stage has no actor ready after this long.
         restart_timeout_s: A replica that died and is not back after this long is dead.
         max_restarts: Times Ray restarts each stage actor.
+        requests_per_call: The most requests one actor call carries when requests queue up for a
+            busy replica (see the data-plane note); None: the pipeline's ``queue_depth``; 1: every
+            request in a call of its own.
     """
 
     shared: bool = False
     placement_timeout_s: float = 60.0
     restart_timeout_s: float = 30.0
     max_restarts: int = 3
+    requests_per_call: int | None = None
 
 
 def import_ray() -> Any:
@@ -168,16 +182,33 @@ class _StageActor:
                              "meta": dataclasses.asdict(ModelMetadata.of(s.get_modelmeta()))}
         return info
 
-    def run(self, request: int, params: Mapping[str, np.ndarray] | None, stream: tuple[int, int, dict[str, int]] | None,
-            *produced: dict[tuple[str | None, str], Any] | None) -> tuple[dict[tuple[str, str], Any] | None, dict[str, Any]]:
-        """Run the stage on one request: ``produced`` are what the stage reads from, one object per
-        producer (the request's pipeline inputs, an earlier stage's kept outputs), keyed by
-        ``(stage, tensor)``. Returns this stage's kept outputs as one object (None if the request
-        failed here or before), then the timing record.
+    def run(self, calls: Sequence[tuple[int, int | None, tuple[int, int, dict[str, int]] | None, Sequence[Any]]],
+            *objects: Any) -> tuple[list[dict[tuple[str, str], Any] | None], list[dict[str, Any]]]:
+        """Run the stage on each request of one call, in order. A call carries one request, or
+        several when they queued up for this replica while it was busy (see the data-plane note).
 
-        ``stream`` is ``(stream, step, dims)`` for a stream's step or close (see ``Request``): the
-        runner keeps the stream's state in this actor.
+        ``calls`` holds one ``(request, params, stream, sources)`` per request: ``params`` is the
+        position in ``objects`` of its parameter snapshot (or None); ``stream`` is ``(stream, step,
+        dims)`` for a stream's step or close (see ``Request``), whose state the runner keeps in this
+        actor; ``sources`` are what the stage reads from, one per producer: ``("v", values)`` for the
+        request's pipeline inputs sent by value, ``("o", position, index)`` for an object of
+        ``objects`` (an earlier call's outputs: its ``index``-th entry; ``index`` None: the object
+        itself). Values are keyed by ``(stage, tensor)``.
+
+        Returns the kept outputs of each request (None where it failed here or before) as ONE
+        object, then each request's timing record.
         """
+        outputs, timings = [], []
+        for request, params, stream, sources in calls:
+            produced = [s[1] if s[0] == "v" else (objects[s[1]] if s[2] is None else objects[s[1]][s[2]]) for s in sources]
+            out, timing = self._run_one(request, None if params is None else objects[params], stream, produced)
+            outputs.append(out)
+            timings.append(timing)
+        return outputs, timings
+
+    def _run_one(self, request: int, params: Mapping[str, np.ndarray] | None, stream: tuple[int, int, dict[str, int]] | None,
+                 produced: Sequence[dict[tuple[str | None, str], Any] | None]) -> tuple[dict[tuple[str, str], Any] | None, dict[str, Any]]:
+        """One request: its kept outputs (None if it failed here or before) and its timing record."""
         timing: dict[str, Any] = {"start": time.time(), "end": 0.0, "error": None, "skipped": False}
         outputs: dict[tuple[str, str], Any] | None = None
         if any(v is None for v in produced):  # an earlier stage failed: pass the request on untouched
@@ -238,7 +269,9 @@ class _Replica:
 
     actor: Any
     info: dict[str, Any] = field(default_factory=dict)
-    outstanding: int = 0
+    calls: int = 0  # calls submitted and not yet returned
+    outstanding: int = 0  # requests in those calls
+    pending: list[tuple[_Flight, int]] = field(default_factory=list)  # (request, attempt) waiting for the next call
     state: str = "ok"  # ok | suspect (died, being probed) | dead
     since: float = 0.0
     cause: str = ""
@@ -251,9 +284,12 @@ class _Flight:
     """A request in flight: the references of its values, which stages finished, which attempt."""
 
     request: Request
-    bag: dict[str | None, Any] = field(default_factory=dict)  # producer (None: the inputs) -> its object
+    # producer (None: the inputs) -> its values: the inputs by value, an object reference (inputs put
+    # once for several readers), or (reference, index) into the outputs of the call that ran it
+    bag: dict[str | None, Any] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     attempt: int = 0
+    cursor: int = 0  # the next stage to submit (stages are submitted in pipeline order)
     done: bool = False
 
 
@@ -288,6 +324,10 @@ class RayEngine:
         self._capacity = sum(queue_depth + p.stage.settings.replicas for p in self._plans)
         self._queue_depth = queue_depth
         self._high_water = [0] * len(self._plans)
+        if options.requests_per_call is not None and options.requests_per_call < 1:
+            raise ConfigError(f"RayOptions.requests_per_call must be at least 1, got {options.requests_per_call}")
+        self._batch = options.requests_per_call or queue_depth  # requests one call may carry
+        self._batches = [0] * len(self._plans)  # calls made, per stage
         self._wall_to_perf = time.time() - time.perf_counter()
         _, finals = plan_stages(bundle.spec)
         self._finals = set(finals.values())
@@ -462,53 +502,105 @@ class RayEngine:
             self._dispatch(flight, 0)
 
     def _replica(self, i: int, request: Request) -> int:
-        """The replica of stage ``i`` that runs ``request``: the live one with the fewest calls
-        outstanding (ties go round-robin by request id), or, for a stream in a stage with state,
-        the replica holding the stream's state (``pinned_replica``, as in the thread engine).
+        """The replica of stage ``i`` that runs ``request``: the live one with the fewest requests
+        submitted or waiting (ties go round-robin by request id), or, for a stream in a stage with
+        state, the replica holding the stream's state (``pinned_replica``, as in the thread engine).
         The one place a replica is chosen."""
         row = self._replicas[i]
         pinned = pinned_replica(self._plans[i], request, len(row))
         if pinned is not None:
             return pinned
         alive = [r for r, rep in enumerate(row) if rep.state == "ok"] or [r for r, rep in enumerate(row) if rep.state != "dead"]
-        return min(alive, key=lambda r: (row[r].outstanding, (r - request.id) % len(row)))
+        return min(alive, key=lambda r: (row[r].outstanding + len(row[r].pending), (r - request.id) % len(row)))
 
     def _dispatch(self, flight: _Flight, start: int) -> None:
-        """Submit stages ``start`` onwards of a request; each call reads references from its bag."""
-        request = flight.request
+        """Run stages ``start`` onwards of a request (again, after a fault: a new attempt)."""
         flight.attempt += 1
         for i in range(start, len(self._plans)):
             flight.finished.discard(i)
-        for i in range(start, len(self._plans)):
+        flight.cursor = start
+        self._advance(flight)
+
+    def _advance(self, flight: _Flight) -> None:
+        """Queue the request for the replica of its next stage and submit what that replica can take.
+        Stages are submitted in pipeline order, so what a stage reads is in the bag by then."""
+        request = flight.request
+        while not flight.done and flight.cursor < len(self._plans):
+            i = flight.cursor
             if i in self._lost:
                 self._fail(flight, StageError(f"stage '{self._plans[i].stage.name}' cannot run request {request.id}: {self._lost[i]}",
                                               stage=self._plans[i].stage.name, request=request.id))
                 return
-            plan = self._plans[i]
             r = self._replica(i, request)
             rep = self._replicas[i][r]
-            closing = request.step == CLOSE
-            if closing:
+            if request.step == CLOSE:
                 began = self._incarnations.pop((i, request.stream), None) if request.stream is not None else None
-                if not plan.states or began != rep.incarnation or rep.state != "ok":
+                if not self._plans[i].states or began != rep.incarnation or rep.state != "ok":
                     flight.finished.add(i)  # nothing to free there: a stage without state, or a replica that died since
+                    flight.cursor += 1
                     continue
             else:
                 lost = self._state_lost(i, r, request)
                 if lost is not None:
                     self._fail(flight, lost)
                     return
-            produced = [] if closing else [flight.bag[p] for p in self._producers[i]]
-            stream = None if request.stream is None else (request.stream, request.step, dict(request.dims))
-            refs = rep.actor.run.options(num_returns=2).remote(request.id, self._params_ref(request, plan), stream, *produced)
-            flight.bag[plan.stage.name] = refs[0]
-            rep.outstanding += 1
-            waiting = sum(x.outstanding for x in self._replicas[i]) - len(self._replicas[i])
+            rep.pending.append((flight, flight.attempt))
+            waiting = sum(x.outstanding + len(x.pending) for x in self._replicas[i]) - len(self._replicas[i])
             self._high_water[i] = max(self._high_water[i], waiting)
-            attempt = flight.attempt
-            refs[-1].future().add_done_callback(lambda f, fl=flight, a=attempt, i=i, r=r: self._events.put(("run", fl, a, i, r, f)))
-        if len(flight.finished) == len(self._plans):  # a close with nothing left to free
+            self._flush(i, r)
+            return
+        if not flight.done and len(flight.finished) == len(self._plans):  # a close with nothing left to free
             self._finish(flight)
+
+    def _flush(self, i: int, r: int) -> None:
+        """Submit the requests waiting for replica ``r`` of stage ``i`` as one call, if it has room."""
+        rep = self._replicas[i][r]
+        while rep.pending and rep.calls < _CALLS_PER_REPLICA and rep.state != "dead":
+            members = [(f, a) for f, a in rep.pending[: self._batch] if not f.done and a == f.attempt]
+            del rep.pending[: self._batch]
+            if not members:
+                continue
+            self._call(i, r, members)
+            for flight, _ in members:
+                flight.cursor = i + 1
+                self._advance(flight)
+
+    def _call(self, i: int, r: int, members: list[tuple[_Flight, int]]) -> None:
+        """One actor call running stage ``i`` on ``members``: each reads object references from its
+        bag (Ray resolves those given as arguments of the call, so each object is given once)."""
+        plan, rep = self._plans[i], self._replicas[i][r]
+        objects: list[Any] = []
+        positions: dict[Any, int] = {}
+
+        def position(ref: Any) -> int:
+            if ref not in positions:
+                positions[ref] = len(objects)
+                objects.append(ref)
+            return positions[ref]
+
+        calls = []
+        for flight, _ in members:
+            request = flight.request
+            sources: list[tuple[Any, ...]] = []
+            if request.step != CLOSE:
+                for producer in self._producers[i]:
+                    held = flight.bag[producer]
+                    if isinstance(held, dict):
+                        sources.append(("v", held))
+                    elif isinstance(held, tuple):
+                        sources.append(("o", position(held[0]), held[1]))
+                    else:
+                        sources.append(("o", position(held), None))
+            params = self._params_ref(request, plan)
+            stream = None if request.stream is None else (request.stream, request.step, dict(request.dims))
+            calls.append((request.id, None if params is None else position(params), stream, sources))
+        refs = rep.actor.run.options(num_returns=2).remote(calls, *objects)
+        for j, (flight, _) in enumerate(members):
+            flight.bag[plan.stage.name] = (refs[0], j)
+        rep.calls += 1
+        rep.outstanding += len(members)
+        self._batches[i] += 1
+        refs[1].future().add_done_callback(lambda f, m=members, i=i, r=r: self._events.put(("run", m, i, r, f)))
 
     def _state_lost(self, i: int, r: int, request: Request) -> StreamError | None:
         """For a stream's step in a stage with state: the error to fail it with when the replica
@@ -554,19 +646,23 @@ class RayEngine:
                     self._probed(*event[1:])
                 self._watch()
 
-    def _ran(self, flight: _Flight, attempt: int, i: int, r: int, future: Any) -> None:
+    def _ran(self, members: list[tuple[_Flight, int]], i: int, r: int, future: Any) -> None:
         rep = self._replicas[i][r]
-        rep.outstanding -= 1
-        if flight.done or attempt != flight.attempt:
-            return  # an earlier attempt of a request that was re-run
+        rep.calls -= 1
+        rep.outstanding -= len(members)
         error = future.exception()
-        if error is None:
-            self._record(flight, i, r, future.result())
-        elif not self._is_fault(error):
-            self._fail(flight, StageError(f"stage '{self._plans[i].stage.name}' failed on request {flight.request.id}: {error}",
-                                          stage=self._plans[i].stage.name, request=flight.request.id))
-        else:
-            self._fault(flight, i, r, error)
+        timings = future.result() if error is None else None
+        for j, (flight, attempt) in enumerate(members):
+            if flight.done or attempt != flight.attempt:
+                continue  # an earlier attempt of a request that was re-run
+            if timings is not None:
+                self._record(flight, i, r, timings[j])
+            elif not self._is_fault(error):
+                self._fail(flight, StageError(f"stage '{self._plans[i].stage.name}' failed on request {flight.request.id}: {error}",
+                                              stage=self._plans[i].stage.name, request=flight.request.id))
+            else:
+                self._fault(flight, i, r, error)
+        self._flush(i, r)
 
     def _is_fault(self, error: BaseException) -> bool:
         """Whether a failed call is Ray's doing (an actor, a node, a value lost), not the stage's."""
@@ -667,6 +763,7 @@ class RayEngine:
     def _dead(self, i: int, r: int, why: str) -> None:
         rep = self._replicas[i][r]
         rep.state, rep.cause = "dead", why
+        rep.pending.clear()  # re-dispatched below, to the live replicas
         if all(x.state == "dead" for x in self._replicas[i]):
             self._lost[i] = f"its actor died ({why})"
         for flight in list(self._flights.values()):
@@ -679,8 +776,8 @@ class RayEngine:
             held = [flight.bag[p] for p in self._final_producers]
             try:
                 # The pipeline inputs may be held by value (an output that is an input passed through).
-                refs = iter(self._ray.get([h for h in held if isinstance(h, self._ray.ObjectRef)]))
-                fetched = [next(refs) if isinstance(h, self._ray.ObjectRef) else h for h in held]
+                refs = iter(self._ray.get([h[0] if isinstance(h, tuple) else h for h in held if not isinstance(h, dict)]))
+                fetched = [h if isinstance(h, dict) else next(refs)[h[1]] if isinstance(h, tuple) else next(refs) for h in held]
             except self._exc.RayError as e:  # an output was lost with its node: run the request again
                 self._fault(flight, len(self._plans) - 1, 0, e)
                 return
@@ -742,9 +839,15 @@ class RayEngine:
         """Each stage's calls waiting for a replica: now, high water, capacity."""
         out = []
         for i, row in enumerate(self._replicas):
-            waiting = max(0, sum(rep.outstanding for rep in row) - len(row))
+            waiting = max(0, sum(rep.outstanding + len(rep.pending) for rep in row) - len(row))
             out.append((waiting, self._high_water[i], self._queue_depth))
         return out
+
+    def calls(self) -> list[int]:
+        """Each stage's actor calls so far: fewer than its requests when requests queued up for a
+        busy replica and went in one call."""
+        with self._lock:
+            return list(self._batches)
 
     def runners(self) -> list[list[Runner]]:
         """No local runners: the sessions live in the actors."""

@@ -126,6 +126,36 @@ def test_a_failing_request_fails_alone(tmp_path: Path, ray_pids: set[int]) -> No
         assert [s.failed for s in pipe.stats().stages] == [0, 1]
 
 
+@pytest.mark.parametrize("per_call", [None, 1])
+def test_requests_that_queue_up_share_calls_and_still_fail_alone(tmp_path: Path, per_call: int | None, ray_pids: set[int]) -> None:
+    """30 requests submitted at once queue up behind the actors' first calls and go in fewer, larger
+    calls (``RayOptions.requests_per_call`` None: up to queue_depth per call), or one call each
+    (``requests_per_call=1``); either way each request comes back once, in order, and the one bad
+    request among them fails alone."""
+    bundle = _bundle(models.failing_config(), tmp_path, ["a", "b"])
+    rows = [3 if i == 13 else 2 for i in range(30)]  # request 13 cannot be reshaped to [2, 4]
+    with load(bundle, engine="ray", queue_depth=32, ray_options=RayOptions(requests_per_call=per_call)) as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        engine: Any = pipe._engine
+        np.testing.assert_array_equal(pipe({"x": np.full((2, 4), 7, np.float32)})["y"], np.full((2, 4), 7, np.float32))
+        assert engine.calls() == [1, 1], "an idle pipeline sends a request at once, in a call of its own"
+        futures = [pipe.submit({"x": np.full((n, 4), i, np.float32)}) for i, n in enumerate(rows)]
+        for i, future in enumerate(futures):
+            if i == 13:
+                with pytest.raises(StageError, match=r"stage 'reshape' failed on request 14: "):
+                    future.result(timeout=60)
+            else:
+                np.testing.assert_array_equal(future.result(timeout=60)["y"], np.full((2, 4), i, np.float32))
+        calls = [c - 1 for c in engine.calls()]
+        if per_call == 1:
+            assert calls == [30, 30]
+        else:
+            assert all(30 / 32 <= c < 30 for c in calls), f"calls per stage for 30 queued requests: {calls}"
+        stats = pipe.stats()
+        assert [(s.count, s.failed) for s in stats.stages] == [(31, 0), (31, 1)]
+        assert (stats.completed, stats.failed) == (31, 1)  # failed ones included
+
+
 def test_a_code_stage_runs_on_its_actor_once_the_host_allows_it(tmp_path: Path, ray_pids: set[int]) -> None:
     """An ONNX stage on node a, a code stage on node b: the actor imports the entry point only
     because the driver's allow-list, which travels with the bundle, allows it."""
