@@ -472,7 +472,17 @@ class RayEngine:
         return [self._ray.get(row) for row in calls]
 
     def placements(self) -> list[list[dict[str, Any]]]:
-        """Where each replica of each stage runs: its node's id, address and labels, and its process id."""
+        """Where each replica of each stage runs: its node's id, address and labels, and its process id.
+        Each live replica is asked (Ray may have restarted an actor elsewhere without a call failing)."""
+        with self._lock:
+            live = [rep for row in self._replicas for rep in row if rep.state == "ok"]
+        calls = {self._ping(rep): rep for rep in live}
+        ready, _ = self._ray.wait(list(calls), num_returns=len(calls), timeout=_SHUTDOWN_WAIT_S * 5)
+        for ref in ready:
+            try:
+                calls[ref].info = self._ray.get(ref)
+            except self._exc.RayError:
+                pass  # died meanwhile: the next call to it finds out
         nodes = {n["NodeID"]: n for n in self._ray.nodes()}
         rows = []
         for row in self._replicas:
@@ -700,8 +710,8 @@ class RayEngine:
             if len(flight.finished) == len(self._plans):
                 self._finish(flight)
             return
-        lost = any(isinstance(e, self._exc.ObjectLostError) for e in (error, getattr(error, "cause", None)))
-        first = 0 if lost else min(set(range(len(self._plans))) - flight.finished)
+        lost = next((e for e in (error, getattr(error, "cause", None)) if isinstance(e, self._exc.ObjectLostError)), None)
+        first = self._lost_stage(flight, lost) if lost is not None else min(set(range(len(self._plans))) - flight.finished)
         if flight.request.stream is not None and any(self._plans[k].states for k in range(first, len(self._plans)) if k in flight.finished or k == i):
             # A stage with state ran (or was running) this step: running it again would apply the step twice,
             # or run it on a restarted actor that holds no state. The stream learns which (see _stream.py).
@@ -715,6 +725,22 @@ class RayEngine:
                                               request=flight.request.id))
             return
         self._dispatch(flight, first)
+
+    def _lost_stage(self, flight: _Flight, lost: Any) -> int:
+        """The stage to run a request again from when a value it needed was lost (with its node):
+        the stage whose outputs were lost, or the first stage when the lost value was the request's
+        inputs (put again from the driver's copy) or cannot be told."""
+        lost_hex = getattr(lost, "object_ref_hex", None)
+        for k, plan in enumerate(self._plans):
+            held = flight.bag.get(plan.stage.name)
+            ref = held[0] if isinstance(held, tuple) else None
+            if ref is not None and ref.hex() == lost_hex:
+                return k
+        held = flight.bag.get(None)
+        if isinstance(held, self._ray.ObjectRef) and held.hex() == lost_hex:
+            inputs = {(key.stage, key.tensor): value for key, value in flight.request.values.items()}
+            flight.bag[None] = self._ray.put(inputs)
+        return 0
 
     def _suspect(self, i: int, r: int, error: BaseException) -> None:
         rep = self._replicas[i][r]

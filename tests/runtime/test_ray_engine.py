@@ -308,6 +308,61 @@ def test_a_stage_whose_only_node_is_removed_fails_its_requests_by_name(tmp_path:
         assert time.monotonic() - start < 5
 
 
+def _relu(size: int) -> Any:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, size])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_values_lost_with_their_node_are_made_again_from_the_stage_that_made_them(tmp_path: Path, ray_cluster: Any,
+                                                                                   ray_pids: set[int]) -> None:
+    """first (node a) -> middle (node c) -> slow (node b): while 'slow' works through the queue,
+    the middle's outputs (768 KiB each, so in node c's object store, not inline) wait on c. Node c
+    goes; a node labelled c comes: the middle actor restarts there, the lost outputs are made again
+    by it, and 'first' runs each request exactly once."""
+    from onnxpipe.builder import PipelineConfig
+
+    size = 768
+    config = PipelineConfig("three")
+    first, middle, slow = (config.add_stage(m, n) for m, n in ((_relu(size), "first"), (_relu(size), "middle"), (models.slow_stage(size), "slow")))
+    config.input("x").connect(first.input("x"))
+    first.output("y").connect(middle.input("x"))
+    middle.output("y").connect(slow.input("x"))
+    slow.output("y").connect(config.output("y"))
+    node = ray_cluster.add_node(num_cpus=1, labels={"onnxpipe/host": "c"}, **ray_cluster.common_node_args)
+    spare = None
+    rng = np.random.default_rng(5)
+    inputs = [{"x": rng.standard_normal((256, size)).astype(np.float32)} for _ in range(32)]
+    whole = [np.maximum(x["x"], 0) @ np.full((size, size), 1.0 / size, np.float32) @ np.full((size, size), 1.0 / size, np.float32) for x in inputs]
+    try:
+        with load(_bundle(config, tmp_path, ["a", "c", "b"]), engine="ray", queue_depth=16) as pipe:
+            ray_pids.update(_actor_pids(pipe))
+            spare = ray_cluster.add_node(num_cpus=1, labels={"onnxpipe/host": "c"}, **ray_cluster.common_node_args)
+            futures = [pipe.submit(x) for x in inputs]
+            deadline = time.monotonic() + 60
+            while pipe.stats().stages[1].count < len(inputs) and time.monotonic() < deadline:  # every middle output made, on c
+                time.sleep(0.005)
+            done_before = sum(f.done() for f in futures)
+            ray_cluster.remove_node(node)
+            node = None
+            for future, expected in zip(futures, whole, strict=True):
+                np.testing.assert_allclose(future.result(timeout=120)["y"], expected, rtol=1e-4, atol=1e-5)
+            stats = pipe.stats()
+            counts = {s.stage: s.count for s in stats.stages}
+            assert done_before < len(inputs), "node c went while requests still needed its values"
+            assert counts["first"] == len(inputs), f"'first' ran a request again: {counts}"
+            assert counts["middle"] > len(inputs), f"no value was lost with node c: {counts}"
+            assert (stats.completed, stats.failed) == (len(inputs), 0)
+            assert _labels(pipe)[1] == "c" and pipe._engine.placements()[1][0]["node_id"] == spare.node_id  # type: ignore[attr-defined]
+            ray_pids.update(_actor_pids(pipe))
+    finally:
+        for n in (node, spare):
+            if n is not None:
+                ray_cluster.remove_node(n)
+
+
 def test_a_stage_no_node_can_take_fails_load_naming_it(tmp_path: Path, ray_pids: set[int]) -> None:
     bundle = _bundle(models.head_then_tail(4), tmp_path, ["a", "nowhere"])
     start = time.monotonic()
