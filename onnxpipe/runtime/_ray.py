@@ -422,7 +422,7 @@ class RayEngine:
         self._payload = payload  # kept for as long as the engine runs: a restarting actor reads it again
         remote = ray.remote(concurrency_groups={"control": 1})(_StageActor)  # ready/shutdown answer while a run is in progress
         limits = dataclasses.asdict(bundle.limits)
-        run_id = uuid.uuid4().hex
+        run_id = self._run_id = uuid.uuid4().hex  # names the actors' private folders: onnxpipe-ray-{run_id}-{stage}-{replica}
         for i, plan in enumerate(self._plans):
             resources, labels = self._asks(plan)
             options: dict[str, Any] = {"num_cpus": resources["CPU"], "num_gpus": resources.get("GPU", 0), "max_restarts": self._options.max_restarts,

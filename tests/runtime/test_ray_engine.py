@@ -156,6 +156,24 @@ def test_requests_that_queue_up_share_calls_and_still_fail_alone(tmp_path: Path,
         assert (stats.completed, stats.failed) == (31, 1)  # failed ones included
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_bundle_reaches_each_actor_through_the_object_store_or_a_shared_path(tmp_path: Path, shared: bool, ray_pids: set[int]) -> None:
+    """By default every actor writes the bytes the driver shipped into its private folder; with
+    ``RayOptions(shared=True)`` it reads the bundle at the driver's path (a file system every node
+    sees: here, the one machine's), and writes no copy. Either way the folders go on close."""
+    bundle = _bundle(models.head_then_tail(4), tmp_path, ["a", "b"])
+    folders = Path(os.environ["TMPDIR"])  # the nodes' temporary folder (see the ray_cluster fixture)
+    x = np.ones((2, 4), np.float32)
+    with load(bundle, engine="ray", ray_options=RayOptions(shared=shared)) as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        ours = sorted(folders.glob(f"onnxpipe-ray-{pipe._engine._run_id}-*"))  # type: ignore[attr-defined]
+        assert len(ours) == 2, "one private folder per actor"
+        copies = [f for f in ours if (f / "bundle.onnxpipe").exists()]
+        assert copies == ([] if shared else ours)
+        assert pipe({"x": x})["y"].shape == (2, 4)
+    assert [f for f in ours if f.exists()] == []
+
+
 def test_a_code_stage_runs_on_its_actor_once_the_host_allows_it(tmp_path: Path, ray_pids: set[int]) -> None:
     """An ONNX stage on node a, a code stage on node b: the actor imports the entry point only
     because the driver's allow-list, which travels with the bundle, allows it."""
