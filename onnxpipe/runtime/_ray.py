@@ -28,21 +28,23 @@ Note: the data plane.
     most two calls out (one running, one waiting at the actor, so it never waits for the driver);
     requests that come for it meanwhile wait in the driver and go together in its next call (at
     most ``RayOptions.requests_per_call``, by default ``queue_depth``, of them), which runs them
-    one after the other and returns their outputs as one object. An idle pipeline sends each request at once; a busy one sends fewer, larger
-    calls (:meth:`RayEngine.calls`). A stage reading one request's outputs from such an object
-    receives the whole object (on one node it is mapped, not copied). The pipeline's capacity
-    bounds the requests in flight, as in the thread engine; replicas of a stage share its work
-    (:meth:`RayEngine._replica`, the one place a replica is chosen for a request).
+    one after the other and returns their outputs as one object. An idle pipeline sends each
+    request at once; a busy one sends fewer, larger calls (:meth:`RayEngine.calls`). A stage
+    reading one request's outputs from such an object receives the whole object (on one node it is
+    mapped, not copied). The pipeline's capacity bounds the requests in flight, as in the thread
+    engine; replicas of a stage share its work (:meth:`RayEngine._replica`, the one place a replica
+    is chosen for a request).
 
 Note: faults.
     A call that fails because its actor died (process killed, node gone) or because a value it read
-    was lost re-runs the request: from the stage that failed, or from the first stage when a value
-    was lost. Actors restart (``max_restarts``), each re-reading and re-checking the bundle; a
-    request completes once, in order. A replica that died is probed; one that is not back within
-    ``restart_timeout_s``, or for which no live node has the labels and resources it needs, is
-    dead, and once every replica of a stage is dead, the requests still needing it fail with
-    :class:`StageError` naming the stage and the cause. An error raised by the stage itself (a bad
-    input) fails that request only, as in the thread engine.
+    was lost re-runs the request: from the stage that failed, or, when a value was lost with its
+    node, from the stage that made it (``ObjectLostError`` names the object). Actors restart
+    (``max_restarts``), each re-reading and re-checking the bundle; a request completes once, in
+    order. A replica that died is probed; one that is not back within ``restart_timeout_s``, or for
+    which no live node has the labels and resources it needs, is dead, and once every replica of a
+    stage is dead, the requests still needing it fail with :class:`StageError` naming the stage and
+    the cause. An error raised by the stage itself (a bad input) fails that request only, as in the
+    thread engine.
 """
 
 from __future__ import annotations
@@ -610,7 +612,7 @@ class RayEngine:
         rep.calls += 1
         rep.outstanding += len(members)
         self._batches[i] += 1
-        refs[1].future().add_done_callback(lambda f, m=members, i=i, r=r: self._events.put(("run", m, i, r, f)))
+        refs[1].future().add_done_callback(lambda f, m=members, i=i, r=r, o=refs[0]: self._events.put(("run", m, i, r, f, o)))
 
     def _state_lost(self, i: int, r: int, request: Request) -> StreamError | None:
         """For a stream's step in a stage with state: the error to fail it with when the replica
@@ -656,11 +658,16 @@ class RayEngine:
                     self._probed(*event[1:])
                 self._watch()
 
-    def _ran(self, members: list[tuple[_Flight, int]], i: int, r: int, future: Any) -> None:
+    def _ran(self, members: list[tuple[_Flight, int]], i: int, r: int, future: Any, outputs: Any) -> None:
         rep = self._replicas[i][r]
         rep.calls -= 1
         rep.outstanding -= len(members)
         error = future.exception()
+        if error is not None:  # the outputs object holds the same error: read it, or Ray logs it as unhandled
+            try:
+                self._ray.get(outputs, timeout=0)
+            except self._exc.RayError:
+                pass
         timings = future.result() if error is None else None
         for j, (flight, attempt) in enumerate(members):
             if flight.done or attempt != flight.attempt:

@@ -363,7 +363,7 @@ def test_values_lost_with_their_node_are_made_again_from_the_stage_that_made_the
             while pipe.stats().stages[1].count < len(inputs) and time.monotonic() < deadline:  # every middle output made, on c
                 time.sleep(0.005)
             done_before = sum(f.done() for f in futures)
-            ray_cluster.remove_node(node)
+            ray_cluster.remove_node(node, allow_graceful=False)  # a crash: its object store goes at once
             node = None
             for future, expected in zip(futures, whole, strict=True):
                 np.testing.assert_allclose(future.result(timeout=120)["y"], expected, rtol=1e-4, atol=1e-5)
