@@ -26,7 +26,6 @@ import functools
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from benchmarks._timing import median_seconds
 from onnxpipe.runtime import Endpoint, SequentialPipeline, interleaved_rounds
 from onnxpipe.splitter import MeasuredPolicy, SplitPlan, plan_pipeline, profile_model, split
 from onnxpipe.splitter._graph import GraphIndex
@@ -43,17 +43,6 @@ from onnxpipe.splitter._graph import GraphIndex
 LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"
 MODELS = ["bvlc_alexnet", "zfnet512", "vgg19", "squeezenet", "inception_v1", "resnet50", "shufflenet", "inception_v2", "densenet121"]
 ort.set_default_logger_severity(3)
-
-
-def _median(fn: Any, runs: int, min_seconds: float = 0.2) -> float:
-    """Median seconds of at least ``runs`` runs, more until ``min_seconds`` of running (fast stages)."""
-    fn()
-    samples: list[float] = []
-    while len(samples) < runs or (sum(samples) < min_seconds and len(samples) < 500):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def _stage_times(plan: SplitPlan, feeds: dict[str, np.ndarray], runs: int, work: Path) -> list[float]:
@@ -69,7 +58,7 @@ def _stage_times(plan: SplitPlan, feeds: dict[str, np.ndarray], runs: int, work:
         assert stage.module is not None  # a split has ONNX stages only
         session = ort.InferenceSession(str(folder / stage.module), sess_options=opts, providers=["CPUExecutionProvider"])
         stage_feeds = {t.name: values[spec.source_of(Endpoint(stage.name, t.name))] for t in stage.inputs}
-        times.append(_median(functools.partial(session.run, None, stage_feeds), runs))
+        times.append(median_seconds(functools.partial(session.run, None, stage_feeds), runs, min_seconds=0.2))  # fast stages: more runs)
     shutil.rmtree(folder)
     return times
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from benchmarks._timing import median_seconds
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import SequentialPipeline, TensorSpec, load, read_bundle
 
@@ -92,13 +93,7 @@ def _bundle(folder: Path, kind: str, params: dict[str, Any], rows: int) -> Path:
 
 
 def _alone_ms(fn: Any, runs: int = 20) -> float:
-    fn()
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+    return 1e3 * median_seconds(fn, runs)
 
 
 def _calibrate(folder: Path, x: np.ndarray) -> tuple[float, dict[str, dict[str, Any]]]:

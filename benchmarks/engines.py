@@ -38,6 +38,7 @@ import onnx
 import onnx.parser
 import onnxruntime as ort
 
+from benchmarks._timing import median_seconds
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import Pipeline, PipelineSpec, RayOptions, interleaved_rounds, load
 from onnxpipe.splitter import UniformPolicy, split
@@ -80,14 +81,7 @@ def _stream(pipe: Pipeline, feeds: dict[str, np.ndarray], requests: int) -> tupl
 
 
 def _p50_ms(call: Callable[[], Any], requests: int) -> float:
-    for _ in range(10):
-        call()
-    samples = []
-    for _ in range(requests):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(samples)
+    return 1e3 * median_seconds(call, requests, warmup=10)
 
 
 def _identity_bundle(work: Path) -> Path:

@@ -46,6 +46,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from benchmarks._timing import median_seconds
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import Pipeline, load
 from onnxpipe.splitter import inspect_model, split
@@ -60,17 +61,6 @@ def _session(path: str | bytes, threads: int) -> ort.InferenceSession:
     opts.inter_op_num_threads = 1
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
-
-
-def _median_time(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _throughput(fn: Callable[[], object], requests: int) -> float:
@@ -97,7 +87,7 @@ def _stage_jobs(folder: Path, feeds: dict[str, np.ndarray]) -> list[Callable[[],
 
 def _stage_times(folder: Path, feeds: dict[str, np.ndarray], runs: int) -> list[float]:
     """Each stage of a split folder alone (one after the other), 1 thread, median of ``runs``."""
-    return [_median_time(job, runs) for job in _stage_jobs(folder, feeds)]
+    return [median_seconds(job, runs, warmup=3) for job in _stage_jobs(folder, feeds)]
 
 
 def _concurrent_stage_times(folder: Path, feeds: dict[str, np.ndarray], cores: list[int], runs: int) -> list[float]:
@@ -110,7 +100,7 @@ def _concurrent_stage_times(folder: Path, feeds: dict[str, np.ndarray], cores: l
     def loop(k: int) -> None:
         os.sched_setaffinity(0, {cores[k % len(cores)]})
         start.wait()
-        times[k] = _median_time(jobs[k], runs)
+        times[k] = median_seconds(jobs[k], runs, warmup=3)
 
     threads = [threading.Thread(target=loop, args=(k,)) for k in range(len(jobs))]
     for t in threads:
@@ -340,8 +330,8 @@ def bench_hop(requests: int, rounds: int, work: Path, lengths: tuple[int, ...] =
             for _ in range(rounds):
                 for n in lengths:
                     pipe = pipes[n]
-                    latency[n].append(_median_time(lambda pipe=pipe: pipe({"t0": x}), requests, warmup=50))  # type: ignore[misc]
-                    floor[n].append(_median_time(relays[n], requests, warmup=50))
+                    latency[n].append(median_seconds(lambda pipe=pipe: pipe({"t0": x}), requests, warmup=50))  # type: ignore[misc]
+                    floor[n].append(median_seconds(relays[n], requests, warmup=50))
         finally:
             os.sched_setaffinity(0, cores)
             for p in pipes.values():

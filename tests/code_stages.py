@@ -79,6 +79,20 @@ def config(entry: str = "tests.code_stages:combine", factor: float = 2.0) -> Any
     return cfg
 
 
+def add_rows(cfg: Any) -> Any:
+    """Add :func:`positive_rows` to ``cfg`` as stage ``rows`` (x[N, 4] -> rows[K, 4], count[1]), fed ``x``."""
+    from onnxpipe.runtime import TensorSpec
+
+    rows = cfg.add_python_stage(
+        "tests.code_stages:positive_rows",
+        inputs=[TensorSpec("x", "float32", ("N", 4))],
+        outputs=[TensorSpec("rows", "float32", ("K", 4)), TensorSpec("count", "int64", (1,))],
+        name="rows",
+    )
+    cfg.input("x").connect(rows.input("x"))
+    return rows
+
+
 def expected(x: np.ndarray, factor: float = 2.0) -> np.ndarray:
     """What :func:`config`'s pipeline computes."""
     return np.maximum(x, 0) * np.float32(factor) - x

@@ -202,7 +202,7 @@ class _StageActor:
         """
         outputs, timings = [], []
         for request, params, stream, sources in calls:
-            produced = [s[1] if s[0] == "v" else (objects[s[1]] if s[2] is None else objects[s[1]][s[2]]) for s in sources]
+            produced = [s[1] if s[0] == "v" else _entry(objects[s[1]], s[2]) for s in sources]
             out, timing = self._run_one(request, None if params is None else objects[params], stream, produced)
             outputs.append(out)
             timings.append(timing)
@@ -274,6 +274,11 @@ class _Replica:
     calls: int = 0  # calls submitted and not yet returned
     outstanding: int = 0  # requests in those calls
     pending: list[tuple[_Flight, int]] = field(default_factory=list)  # (request, attempt) waiting for the next call
+
+    @property
+    def load(self) -> int:
+        """Requests given to this replica and not yet returned: in its calls or waiting for one."""
+        return self.outstanding + len(self.pending)
     state: str = "ok"  # ok | suspect (died, being probed) | dead
     since: float = 0.0
     cause: str = ""
@@ -286,8 +291,9 @@ class _Flight:
     """A request in flight: the references of its values, which stages finished, which attempt."""
 
     request: Request
-    # producer (None: the inputs) -> its values: the inputs by value, an object reference (inputs put
-    # once for several readers), or (reference, index) into the outputs of the call that ran it
+    # producer (None: the inputs) -> its values: the inputs by value (a dict), or (reference, index):
+    # the index-th entry of the outputs of the call that ran it, or the whole object (index None:
+    # the inputs, put once for several readers)
     bag: dict[str | None, Any] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     attempt: int = 0
@@ -328,8 +334,8 @@ class RayEngine:
         self._high_water = [0] * len(self._plans)
         if options.requests_per_call is not None and options.requests_per_call < 1:
             raise ConfigError(f"RayOptions.requests_per_call must be at least 1, got {options.requests_per_call}")
-        self._batch = options.requests_per_call or queue_depth  # requests one call may carry
-        self._batches = [0] * len(self._plans)  # calls made, per stage
+        self._per_call = options.requests_per_call or queue_depth  # requests one call may carry
+        self._calls = [0] * len(self._plans)  # calls made, per stage
         self._wall_to_perf = time.time() - time.perf_counter()
         _, finals = plan_stages(bundle.spec)
         self._finals = set(finals.values())
@@ -508,9 +514,8 @@ class RayEngine:
                 raise Closed
             flight = _Flight(request)
             self._flights[request.id] = flight
-            inputs = {(key.stage, key.tensor): value for key, value in request.values.items()}
             # Read by several stages: put once, not sent with each call.
-            flight.bag[None] = self._ray.put(inputs) if self._input_readers > 1 else inputs
+            flight.bag[None] = (self._ray.put(_inputs(request)), None) if self._input_readers > 1 else _inputs(request)
             self._dispatch(flight, 0)
 
     def _replica(self, i: int, request: Request) -> int:
@@ -523,7 +528,7 @@ class RayEngine:
         if pinned is not None:
             return pinned
         alive = [r for r, rep in enumerate(row) if rep.state == "ok"] or [r for r, rep in enumerate(row) if rep.state != "dead"]
-        return min(alive, key=lambda r: (row[r].outstanding + len(row[r].pending), (r - request.id) % len(row)))
+        return min(alive, key=lambda r: (row[r].load, (r - request.id) % len(row)))
 
     def _dispatch(self, flight: _Flight, start: int) -> None:
         """Run stages ``start`` onwards of a request (again, after a fault: a new attempt)."""
@@ -557,8 +562,7 @@ class RayEngine:
                     self._fail(flight, lost)
                     return
             rep.pending.append((flight, flight.attempt))
-            waiting = sum(x.outstanding + len(x.pending) for x in self._replicas[i]) - len(self._replicas[i])
-            self._high_water[i] = max(self._high_water[i], waiting)
+            self._high_water[i] = max(self._high_water[i], self._waiting(i))
             self._flush(i, r)
             return
         if not flight.done and len(flight.finished) == len(self._plans):  # a close with nothing left to free
@@ -568,8 +572,8 @@ class RayEngine:
         """Submit the requests waiting for replica ``r`` of stage ``i`` as one call, if it has room."""
         rep = self._replicas[i][r]
         while rep.pending and rep.calls < _CALLS_PER_REPLICA and rep.state != "dead":
-            members = [(f, a) for f, a in rep.pending[: self._batch] if not f.done and a == f.attempt]
-            del rep.pending[: self._batch]
+            members = [(f, a) for f, a in rep.pending[: self._per_call] if not f.done and a == f.attempt]
+            del rep.pending[: self._per_call]
             if not members:
                 continue
             self._call(i, r, members)
@@ -597,12 +601,7 @@ class RayEngine:
             if request.step != CLOSE:
                 for producer in self._producers[i]:
                     held = flight.bag[producer]
-                    if isinstance(held, dict):
-                        sources.append(("v", held))
-                    elif isinstance(held, tuple):
-                        sources.append(("o", position(held[0]), held[1]))
-                    else:
-                        sources.append(("o", position(held), None))
+                    sources.append(("v", held) if isinstance(held, dict) else ("o", position(held[0]), held[1]))
             params = self._params_ref(request, plan)
             stream = None if request.stream is None else (request.stream, request.step, dict(request.dims))
             calls.append((request.id, None if params is None else position(params), stream, sources))
@@ -611,7 +610,7 @@ class RayEngine:
             flight.bag[plan.stage.name] = (refs[0], j)
         rep.calls += 1
         rep.outstanding += len(members)
-        self._batches[i] += 1
+        self._calls[i] += 1
         refs[1].future().add_done_callback(lambda f, m=members, i=i, r=r, o=refs[0]: self._events.put(("run", m, i, r, f, o)))
 
     def _state_lost(self, i: int, r: int, request: Request) -> StreamError | None:
@@ -740,13 +739,11 @@ class RayEngine:
         lost_hex = getattr(lost, "object_ref_hex", None)
         for k, plan in enumerate(self._plans):
             held = flight.bag.get(plan.stage.name)
-            ref = held[0] if isinstance(held, tuple) else None
-            if ref is not None and ref.hex() == lost_hex:
+            if held is not None and held[0].hex() == lost_hex:
                 return k
         held = flight.bag.get(None)
-        if isinstance(held, self._ray.ObjectRef) and held.hex() == lost_hex:
-            inputs = {(key.stage, key.tensor): value for key, value in flight.request.values.items()}
-            flight.bag[None] = self._ray.put(inputs)
+        if isinstance(held, tuple) and held[0].hex() == lost_hex:
+            flight.bag[None] = (self._ray.put(_inputs(flight.request)), None)
         return 0
 
     def _suspect(self, i: int, r: int, error: BaseException) -> None:
@@ -809,8 +806,8 @@ class RayEngine:
             held = [flight.bag[p] for p in self._final_producers]
             try:
                 # The pipeline inputs may be held by value (an output that is an input passed through).
-                refs = iter(self._ray.get([h[0] if isinstance(h, tuple) else h for h in held if not isinstance(h, dict)]))
-                fetched = [h if isinstance(h, dict) else next(refs)[h[1]] if isinstance(h, tuple) else next(refs) for h in held]
+                got = iter(self._ray.get([h[0] for h in held if not isinstance(h, dict)]))
+                fetched = [h if isinstance(h, dict) else _entry(next(got), h[1]) for h in held]
             except self._exc.RayError as e:  # an output was lost with its node: run the request again
                 self._fault(flight, len(self._plans) - 1, 0, e)
                 return
@@ -870,21 +867,31 @@ class RayEngine:
 
     def queues(self) -> list[tuple[int, int, int]]:
         """Each stage's calls waiting for a replica: now, high water, capacity."""
-        out = []
-        for i, row in enumerate(self._replicas):
-            waiting = max(0, sum(rep.outstanding + len(rep.pending) for rep in row) - len(row))
-            out.append((waiting, self._high_water[i], self._queue_depth))
-        return out
+        return [(max(0, self._waiting(i)), self._high_water[i], self._queue_depth) for i in range(len(self._replicas))]
+
+    def _waiting(self, i: int) -> int:
+        """Requests given to stage ``i`` beyond one running per replica."""
+        return sum(rep.load for rep in self._replicas[i]) - len(self._replicas[i])
 
     def calls(self) -> list[int]:
         """Each stage's actor calls so far: fewer than its requests when requests queued up for a
         busy replica and went in one call."""
         with self._lock:
-            return list(self._batches)
+            return list(self._calls)
 
     def runners(self) -> list[list[Runner]]:
         """No local runners: the sessions live in the actors."""
         return [[] for _ in self._plans]
+
+
+def _inputs(request: Request) -> dict[tuple[str | None, str], Any]:
+    """A request's pipeline inputs as the actors read them, keyed by ``(None, tensor)``."""
+    return {(key.stage, key.tensor): value for key, value in request.values.items()}
+
+
+def _entry(outputs: Any, index: int | None) -> Any:
+    """Entry ``index`` of a call's outputs, or the whole object when ``index`` is None."""
+    return outputs if index is None else outputs[index]
 
 
 def _brief(error: BaseException) -> str:

@@ -69,13 +69,7 @@ def test_code_not_allowed_is_refused_before_any_import(tmp_path: Path) -> None:
 
 def test_refusal_names_every_entry_point(tmp_path: Path) -> None:
     config = code_stages.config("tests.code_guard:combine")
-    extra = config.add_python_stage(
-        "tests.code_stages:positive_rows",
-        inputs=[TensorSpec("x", "float32", ("N", 4))],
-        outputs=[TensorSpec("rows", "float32", ("K", 4)), TensorSpec("count", "int64", (1,))],
-        name="rows",
-    )
-    config.input("x").connect(extra.input("x"))
+    extra = code_stages.add_rows(config)
     extra.output("count").connect(config.output("count"))
     bundle = bundle_of(config, tmp_path)
     with pytest.raises(BundleError, match=r"'tests\.code_guard:combine' \(stage 'combine'\), 'tests\.code_stages:positive_rows' \(stage 'rows'\)"):
@@ -159,13 +153,7 @@ def test_bad_output_fails_that_request_and_the_next_succeeds(tmp_path: Path, fir
 
 def test_shapes_vary_within_symbolic_dims(tmp_path: Path) -> None:
     config = PipelineConfig("rows")
-    rows = config.add_python_stage(
-        "tests.code_stages:positive_rows",
-        inputs=[TensorSpec("x", "float32", ("N", 4))],
-        outputs=[TensorSpec("rows", "float32", ("K", 4)), TensorSpec("count", "int64", (1,))],
-        name="rows",
-    )
-    config.input("x").connect(rows.input("x"))
+    rows = code_stages.add_rows(config)
     rows.output("rows").connect(config.output("rows"))
     rows.output("count").connect(config.output("count"))
     bundle = bundle_of(config, tmp_path)
