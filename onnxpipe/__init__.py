@@ -5,12 +5,14 @@ The top-level package stays light (no onnx, onnxruntime or numpy import) so that
 
 - :mod:`onnxpipe.splitter` -- cut a model into stage models,
 - :mod:`onnxpipe.builder` -- the :class:`~onnxpipe.builder.PipelineConfig` authoring object,
-- :mod:`onnxpipe.runtime` -- the bundle spec and the executor (numpy + onnxruntime only).
+- :mod:`onnxpipe.runtime` -- the bundle spec and the executor (numpy + onnxruntime only),
+- :mod:`onnxpipe.serve` -- the network front door (``pip install 'onnxpipe[serve]'``).
 """
 
 from onnxpipe._errors import (
     BuildError,
     BundleError,
+    BusyError,
     ConfigError,
     InputError,
     OnnxpipeError,
@@ -24,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BuildError",
     "BundleError",
+    "BusyError",
     "ConfigError",
     "InputError",
     "OnnxpipeError",

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 __all__ = [
     "BuildError",
     "BundleError",
+    "BusyError",
     "ConfigError",
     "InputError",
     "OnnxpipeError",
@@ -68,6 +69,11 @@ class StreamError(StageError):
     def __init__(self, message: str, *, stage: str | None = None, request: int | None = None, state_valid: bool | None = None) -> None:
         super().__init__(message, stage=stage, request=request)
         self.state_valid = state_valid
+
+
+class BusyError(OnnxpipeError):
+    """The pipeline cannot take a request now without waiting (``submit(..., block=False)``);
+    nothing was submitted."""
 
 
 class InputError(OnnxpipeError):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Channel", "Closed", "Reader"]
+__all__ = ["Channel", "Closed", "Full", "Reader"]
 
 T = TypeVar("T")
 _POISON: Any = object()
@@ -32,6 +32,10 @@ _POISON: Any = object()
 
 class Closed(Exception):
     """The channel was closed."""
+
+
+class Full(Exception):
+    """A :meth:`Channel.put` that was not to wait would have had to (no free slot now)."""
 
 
 class Channel(Generic[T]):
@@ -52,15 +56,21 @@ class Channel(Generic[T]):
         self._closed = False
         self.high_water = 0  # the most items it ever held
 
-    def put(self, item: T) -> None:
-        """Append, waiting while the channel is full.
+    def put(self, item: T, block: bool = True) -> None:
+        """Append, waiting while the channel is full (or, when ``block`` is false, refusing).
 
         Raises:
             Closed: the channel is closed (before or while waiting).
+            Full: ``block`` is false and no slot is free now (the channel is full, or its reader
+                has not given freed slots back yet).
         """
         if self._closed:
             raise Closed
-        if self._slots.get() is _POISON:
+        try:
+            slot = self._slots.get(block)
+        except queue.Empty:
+            raise Full from None
+        if slot is _POISON:
             self._slots.put(_POISON)
             raise Closed
         self._items.put(item)

@@ -44,11 +44,13 @@ DEFAULT_QUEUE_DEPTH = 4
 class Engine(Protocol):
     """What the pipeline needs from an engine."""
 
-    def submit(self, request: Request) -> None:
-        """Enqueue a request for the first stage; block while the pipeline is full.
+    def submit(self, request: Request, block: bool = True) -> None:
+        """Enqueue a request for the first stage; block while the pipeline is full (or, when
+        ``block`` is false, refuse at once and take nothing).
 
         Raises:
             Closed: the engine is closed.
+            Full: ``block`` is false and the pipeline cannot take the request now.
         """
 
     def close(self) -> list[Request]:
@@ -136,7 +138,9 @@ class ThreadEngine:
                 except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
                     request.error = self._failure(runner.name, request.id, e)
                 if request.step != CLOSE:
-                    record(request.id, start, clock(), request.error is None)
+                    end = clock()
+                    record(request.id, start, end, request.error is None, start - request.queued_at)
+                    request.queued_at = end
             try:
                 if hand_on is None:
                     assert request.done is not None
@@ -173,9 +177,9 @@ class ThreadEngine:
             return self._channels[i][0].put
         return lambda request: self._channel(i, request).put(request)
 
-    def submit(self, request: Request) -> None:
-        """Enqueue for the first stage; blocks while its queue is full."""
-        self._channel(0, request).put(request)
+    def submit(self, request: Request, block: bool = True) -> None:
+        """Enqueue for the first stage; blocks while its queue is full (raises ``Full`` instead when ``block`` is false)."""
+        self._channel(0, request).put(request, block)
 
     def close(self) -> list[Request]:
         """Close the channels, cancel runs in progress, join the workers."""

@@ -28,9 +28,9 @@ from typing import Any, overload
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import ConfigError, InputError, StageError, StreamError, closest
+from onnxpipe._errors import BusyError, ConfigError, InputError, StageError, StreamError, closest
 from onnxpipe.runtime._bundle import Bundle, Limits, check_caps, read_bundle
-from onnxpipe.runtime._channel import Closed
+from onnxpipe.runtime._channel import Closed, Full
 from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
 from onnxpipe.runtime._inputs import check_inputs
@@ -299,30 +299,32 @@ class Pipeline(InferenceSessionAPI):
 
     # -- Pythonic API -----------------------------------------------------------------------------
 
-    def submit(self, inputs: Mapping[str, Any]) -> Future[Outputs]:
+    def submit(self, inputs: Mapping[str, Any], block: bool = True) -> Future[Outputs]:
         """Submit one request; returns a future of its outputs by name.
 
-        Blocks only while the first stage's queue is full.
+        Blocks only while the first stage's queue is full; with ``block=False`` it never waits
+        (for an event loop, say) and raises :class:`BusyError` instead.
 
         Raises:
             InputError: an input is unknown, missing, or of the wrong dtype or shape (the pipeline
                 stays usable).
+            BusyError: ``block`` is false and the first stage's queue is full; nothing was submitted.
             StageError: the pipeline is closed.
         """
-        return self._submit(inputs)[1]
+        return self._submit(inputs, block)[1]
 
-    def _submit(self, inputs: Mapping[str, Any]) -> tuple[int, Future[Outputs]]:
+    def _submit(self, inputs: Mapping[str, Any], block: bool = True) -> tuple[int, Future[Outputs]]:
         if self.spec.states:
             raise StreamError(
                 f"this pipeline keeps state between steps ({len(self.spec.states)} state link(s), e.g. {self.spec.states[0]}): "
                 "run it through a stream, `with pipe.stream() as s: s.step(inputs)`"
             )
-        return self._enqueue(self._check(inputs))
+        return self._enqueue(self._check(inputs), block=block)
 
     def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return check_inputs(self.spec.inputs, inputs)
 
-    def _enqueue(self, arrays: Mapping[str, np.ndarray], stream: Stream | None = None, step: int = 0) -> tuple[int, Future[Outputs]]:
+    def _enqueue(self, arrays: Mapping[str, np.ndarray], stream: Stream | None = None, step: int = 0, block: bool = True) -> tuple[int, Future[Outputs]]:
         """Hand one request (a stateless one, a stream's step, or a stream's close) to the engine."""
         future: Future[Outputs] = Future()
         with self._lock:
@@ -340,9 +342,14 @@ class Pipeline(InferenceSessionAPI):
         if step != CLOSE:
             self._requests.submitted(request.submitted)
         try:
-            self._engine.submit(request)
+            self._engine.submit(request, block)
         except Closed:
             self._fail(request, StageError(f"the pipeline was closed before request {request.id} started", request=request.id))
+        except Full:
+            with self._lock:
+                self._futures.pop(request.id, None)
+                self._in_flight -= 1
+            raise BusyError(f"the pipeline is full ({self._in_flight} request(s) in flight): submit with block=True to wait for room") from None
         return request.id, future
 
     def _submit_step(self, arrays: Mapping[str, np.ndarray], stream: Stream, step: int) -> Future[Outputs]:
@@ -465,18 +472,31 @@ class Pipeline(InferenceSessionAPI):
             with self._lock:
                 self._closing_streams.pop(stream.id, None)
 
-    def _expire_idle(self, caller: Stream | None) -> None:
+    def close_idle_streams(self) -> list[int]:
+        """Close the streams idle for longer than ``stream_timeout`` now, instead of at the next
+        :meth:`stream` or step (which do it too); a server calls this on a timer, so that idle
+        state is freed without new traffic. Waits until their state is freed.
+
+        Returns:
+            The ids of the streams closed (none when ``stream_timeout`` is ``None``).
+        """
+        return self._expire_idle(None)
+
+    def _expire_idle(self, caller: Stream | None) -> list[int]:
         """Close the streams idle for longer than ``stream_timeout`` (their next step says so)."""
         if self.stream_timeout is None:
-            return
+            return []
         now = time.monotonic()
         with self._lock:
             idle = [s for s in self._streams.values() if s is not caller and s.idle_for(now) > self.stream_timeout]
         if caller is not None and caller.idle_for(now) > self.stream_timeout:
             idle.append(caller)
+        closed = []
         for stream in idle:
             if stream._expire(f"it was idle for more than stream_timeout={self.stream_timeout:g} s, and its state was freed"):
                 self._close_stream(stream)
+                closed.append(stream.id)
+        return closed
 
     def check(self, rtol: float = 1e-4, atol: float = 1e-5) -> list[ReferenceCheck]:
         """Run the bundle's reference inputs and compare with its reference outputs.

@@ -69,7 +69,7 @@ import numpy as np
 
 from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError, StageError, StreamError
 from onnxpipe.runtime._bundle import MANIFEST_NAME, Bundle, Limits, read_bundle, sha256_file
-from onnxpipe.runtime._channel import Closed
+from onnxpipe.runtime._channel import Closed, Full
 from onnxpipe.runtime._ortapi import ModelMetadata, SessionFacts
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, pinned_replica, plan_stages
@@ -505,9 +505,12 @@ class RayEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def submit(self, request: Request) -> None:
-        """Start a request; blocks while the pipeline holds its capacity of requests."""
+    def submit(self, request: Request, block: bool = True) -> None:
+        """Start a request; blocks while the pipeline holds its capacity of requests (raises
+        ``Full`` instead when ``block`` is false)."""
         with self._room:
+            if not block and len(self._flights) >= self._capacity and not self._closing:
+                raise Full
             while len(self._flights) >= self._capacity and not self._closing:
                 self._room.wait()
             if self._closing:
@@ -693,7 +696,9 @@ class RayEngine:
         name = self._plans[i].stage.name
         if not timing["skipped"]:
             start, end = timing["start"] - self._wall_to_perf, timing["end"] - self._wall_to_perf
-            self._recorders[i][r].record(request.id, start, end, timing["error"] is None)
+            # Clocks of other hosts, and calls finishing out of order, can put a start before the last end.
+            self._recorders[i][r].record(request.id, start, end, timing["error"] is None, max(0.0, start - request.queued_at))
+            request.queued_at = max(request.queued_at, end)
         if timing.get("state_lost") and request.error is None:
             request.error = StreamError(timing["error"], stage=name, request=request.id, state_valid=False)
         if timing["error"] is not None and request.error is None:

@@ -63,6 +63,9 @@ class Request:
         step: The step's number in its stream (from 0), or :data:`CLOSE`.
         dims: Sizes of the symbolic dims of the stream's state, for its initial value (see
             ``StateLink``); bound on the stream's first step.
+        queued_at: ``time.perf_counter()`` when it entered the queue of the stage it waits for
+            (its submission, then the end of each stage's run): what stage statistics time
+            queues by.
     """
 
     id: int
@@ -74,6 +77,10 @@ class Request:
     stream: int | None = None
     step: int = 0
     dims: Mapping[str, int] = field(default_factory=dict)
+    queued_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.queued_at = self.queued_at or self.submitted
 
 
 @dataclass(frozen=True)

@@ -47,22 +47,25 @@ class StageRecorder:
         self.count = 0
         self.failed = 0
         self.busy = 0.0
+        self.queued = 0.0
         self.latencies: deque[float] = deque(maxlen=window)
         self.events: deque[tuple[int, float, float, bool]] | None = deque(maxlen=100_000) if trace else None
         self.thread_id = 0
 
-    def record(self, request: int, start: float, end: float, ok: bool) -> None:
-        """One run of the stage, timed with ``time.perf_counter()``."""
+    def record(self, request: int, start: float, end: float, ok: bool, queued: float = 0.0) -> None:
+        """One run of the stage, timed with ``time.perf_counter()``, after ``queued`` seconds in
+        the stage's queue (from the end of the stage before it, or the request's submission)."""
         self.count += 1
         self.failed += not ok
         self.busy += end - start
+        self.queued += queued
         self.latencies.append(end - start)
         if self.events is not None:
             self.events.append((request, start, end, ok))
 
-    def snapshot(self) -> tuple[int, int, float, list[float]]:
-        """``(count, failed, busy, latencies)`` as of now, safe to take while the worker records (see Note above)."""
-        return self.count, self.failed, self.busy, list(self.latencies.copy())
+    def snapshot(self) -> tuple[int, int, float, list[float], float]:
+        """``(count, failed, busy, latencies, queued)`` as of now, safe to take while the worker records (see Note above)."""
+        return self.count, self.failed, self.busy, list(self.latencies.copy()), self.queued
 
     def trace_events(self) -> list[tuple[int, float, float, bool]]:
         """The recorded trace events as of now, safe to take while the worker records."""
@@ -71,7 +74,7 @@ class StageRecorder:
     def reset(self) -> None:
         """Forget everything recorded so far."""
         self.count = self.failed = 0
-        self.busy = 0.0
+        self.busy = self.queued = 0.0
         self.latencies.clear()
         if self.events is not None:
             self.events.clear()
@@ -89,6 +92,9 @@ class StageStats:
         busy_s: Seconds spent running, summed over replicas.
         utilization: ``busy_s / (elapsed_s * replicas)``: 1.0 means never idle.
         mean_ms, p50_ms, p99_ms: Time of one run.
+        queued_s: Seconds the runs waited in the stage's queue, summed (from the end of the stage
+            before, or the request's submission, to the start of the run).
+        queue_mean_ms: Mean wait of a run in the stage's queue.
         queue_depth: Requests waiting for the stage now.
         queue_high_water: The most that ever waited.
         queue_capacity: How many may wait before the stage before it blocks.
@@ -106,6 +112,8 @@ class StageStats:
     queue_depth: int
     queue_high_water: int
     queue_capacity: int
+    queued_s: float = 0.0
+    queue_mean_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,7 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
         latencies = [x for snap in snapshots for x in snap[3]]
         busy = sum(snap[2] for snap in snapshots)
         count = sum(snap[0] for snap in snapshots)
+        queued = sum(snap[4] for snap in snapshots)
         rows.append(
             StageStats(
                 stage=name,
@@ -215,6 +224,8 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
                 queue_depth=depth,
                 queue_high_water=high,
                 queue_capacity=capacity,
+                queued_s=queued,
+                queue_mean_ms=1e3 * queued / count if count else 0.0,
             )
         )
     with requests._lock:

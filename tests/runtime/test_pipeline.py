@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from onnxpipe import ConfigError, InputError, StageError
+from onnxpipe import BusyError, ConfigError, InputError, StageError
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import TensorSpec, load
 from onnxpipe.splitter import split
@@ -110,6 +110,52 @@ def test_get_output_before_ready_returns_none_without_blocking(tmp_path: Path, n
         assert pipe.get_output(timeout=0.0001) is None
         assert time.perf_counter() - start < 0.5
         assert pipe.get_output(timeout=30)["y"].shape == (256, 768)
+
+
+def _slow_bundle(tmp_path: Path, size: int = 256) -> Path:
+    config = PipelineConfig()
+    fast = config.add_stage(models.stage_head(), "fast")
+    slow = config.add_stage(models.slow_stage(size), "slow")
+    config.add_input(TensorSpec("v", "float32", ("N", 4)))
+    config.input("v").connect(fast.input("x"))
+    fast.output("h").connect(config.output("h"))
+    config.input("x").connect(slow.input("x"))
+    slow.output("y").connect(config.output("y"))
+    return models.bundle_of(config, tmp_path)
+
+
+def test_submit_without_blocking_refuses_a_full_pipeline_and_takes_nothing(tmp_path: Path, no_thread_left: object) -> None:
+    # An event loop must never wait on the pipeline: block=False says "full" at once instead.
+    request = {"x": np.ones((256, 256), np.float32), "v": np.ones((1, 4), np.float32)}
+    with load(_slow_bundle(tmp_path), queue_depth=1) as pipe:
+        taken = []
+        start = time.perf_counter()
+        with pytest.raises(BusyError, match=r"the pipeline is full \(\d+ request\(s\) in flight\): submit with block=True to wait for room"):
+            for _ in range(50):
+                taken.append(pipe.submit(request, block=False))
+        assert time.perf_counter() - start < 1.0 and 1 <= len(taken) < 50
+        assert pipe.num_executing_pipeline == len(taken)  # the refused one left no trace
+        for future in taken:
+            assert future.result()["y"].shape == (256, 256)
+        assert pipe.num_executing_pipeline == 0
+        assert pipe.stats().completed == len(taken)
+        pipe.submit(request, block=False).result()  # room again
+
+
+def test_stage_statistics_time_the_queues(tmp_path: Path, no_thread_left: object) -> None:
+    # 12 requests at once behind a slow stage: the requests wait in its queue, not in the fast one's.
+    request = {"x": np.ones((256, 256), np.float32), "v": np.ones((1, 4), np.float32)}
+    with load(_slow_bundle(tmp_path), queue_depth=16) as pipe:
+        pipe.reset_stats()
+        for future in [pipe.submit(request) for _ in range(12)]:
+            future.result()
+        by_name = {s.stage: s for s in pipe.stats().stages}
+    slow, fast = by_name["slow"], by_name["fast"]
+    assert slow.count == 12 and slow.queued_s > 0
+    # The k-th request waits for the k runs before it: about 5.5 runs on average.
+    assert slow.queue_mean_ms > 2 * slow.mean_ms
+    assert slow.queue_mean_ms == pytest.approx(1e3 * slow.queued_s / 12)
+    assert fast.queue_mean_ms < slow.queue_mean_ms
 
 
 def _hand_pipeline(tmp_path: Path) -> Path:

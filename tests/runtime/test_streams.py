@@ -201,6 +201,20 @@ def test_idle_streams_are_closed_with_a_clear_error(rnn_bundle: Path) -> None:
         busy.close()
 
 
+def test_idle_streams_can_be_closed_without_new_traffic(rnn_bundle: Path) -> None:
+    with load(rnn_bundle, stream_timeout=0.2) as pipe:
+        idle = pipe.stream()
+        idle.step({"x": _steps(0)[0]})
+        assert pipe.close_idle_streams() == []  # not idle for long enough yet
+        time.sleep(0.3)
+        assert pipe.close_idle_streams() == [idle.id]  # nothing else called meanwhile
+        assert pipe.open_streams == [] and idle.closed
+        assert all(idle.id not in r.states for r in _runners(pipe))
+    with load(rnn_bundle) as pipe:
+        pipe.stream().step({"x": _steps(0)[0]})
+        assert pipe.close_idle_streams() == []  # no stream_timeout: nothing ever expires
+
+
 # -- bad use -----------------------------------------------------------------------------------------
 
 
