@@ -96,3 +96,35 @@ def add_rows(cfg: Any) -> Any:
 def expected(x: np.ndarray, factor: float = 2.0) -> np.ndarray:
     """What :func:`config`'s pipeline computes."""
     return np.maximum(x, 0) * np.float32(factor) - x
+
+
+def label(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Text in, text out: ``label[n] = prefix[n] + sep + argmax(y[n])`` and ``score[n] = max(y[n])``."""
+    y, prefix = inputs["y"], inputs["prefix"]
+    sep = params.get("sep", ":")
+    labels = np.array([f"{p}{sep}{int(i)}" for p, i in zip(prefix.reshape(-1), y.argmax(axis=1), strict=True)], dtype=object)
+    return {"label": labels, "score": y.max(axis=1)}
+
+
+def labelled() -> Any:
+    """``x[N, 4], prefix[N] (string) -> head (ONNX: h = relu(x)) -> label (code) -> label[N] (string), score[N]``."""
+    from onnxpipe.builder import PipelineConfig
+    from onnxpipe.runtime import TensorSpec
+    from tests.models import stage_head
+
+    cfg = PipelineConfig("labelled")
+    head = cfg.add_stage(stage_head(), "head")
+    code = cfg.add_python_stage(
+        "tests.code_stages:label",
+        inputs=[TensorSpec("y", "float32", ("N", 4)), TensorSpec("prefix", "string", ("N",))],
+        outputs=[TensorSpec("label", "string", ("N",)), TensorSpec("score", "float32", ("N",))],
+        params={"sep": ":"},
+        name="label",
+    )
+    cfg.add_input(TensorSpec("prefix", "string", ("N",)))
+    cfg.input("x").connect(head.input("x"))
+    head.output("h").connect(code.input("y"))
+    cfg.input("prefix").connect(code.input("prefix"))
+    code.output("label").connect(cfg.output("label"))
+    code.output("score").connect(cfg.output("score"))
+    return cfg

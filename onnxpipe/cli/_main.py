@@ -26,6 +26,7 @@ from onnxpipe import __version__
 from onnxpipe.cli._autosplit import POLICY_NAMES
 from onnxpipe.cli._common import ALLOW_CODE, DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime, read_json
 from onnxpipe.cli._deploy import bench, build, export, run
+from onnxpipe.cli._serve import serve
 
 if TYPE_CHECKING:
     from onnxpipe.runtime import Bundle, ReferenceCheck
@@ -70,6 +71,7 @@ def main() -> None:
       onnxpipe verify model.onnxpipe                     # its stored reference still holds?
       onnxpipe bench model.onnxpipe                      # throughput, latency, the bottleneck stage
       onnxpipe run model.onnxpipe --inputs in/ --outputs out/
+      onnxpipe serve model.onnxpipe                      # KServe v2 / Triton's protocol on :8000, :8001
     """
 
 
@@ -77,6 +79,7 @@ main.add_command(build)
 main.add_command(export)
 main.add_command(run)
 main.add_command(bench)
+main.add_command(serve)
 
 
 @main.command(short_help="Split a model into stages at the cuts given, or automatically.")

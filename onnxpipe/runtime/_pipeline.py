@@ -452,25 +452,32 @@ class Pipeline(InferenceSessionAPI):
         with self._lock:
             return sorted(self._streams)
 
-    def _close_stream(self, stream: Stream) -> None:
-        """Free a stream's state in every stage: a close request follows its steps through the pipeline."""
+    def _close_stream(self, stream: Stream, wait: bool = True) -> None:
+        """Free a stream's state in every stage: a close request follows its steps through the
+        pipeline; ``wait`` for it to leave the last stage, or let it go."""
         with self._lock:
             if self._streams.pop(stream.id, None) is None:
                 return
             self._closing_streams[stream.id] = stream  # its steps in flight still report to it
-        try:
-            if self.spec.states:
-                try:
-                    _, done = self._enqueue({}, stream, CLOSE)
-                except StageError:
-                    return  # the pipeline is closed: its runners and their states are gone with it
-                try:
-                    done.result()
-                except StageError:
-                    pass  # closed meanwhile: as above
-        finally:
+
+        def closed(_: object = None) -> None:
             with self._lock:
                 self._closing_streams.pop(stream.id, None)
+
+        if not self.spec.states:
+            return closed()
+        try:
+            _, done = self._enqueue({}, stream, CLOSE)
+        except StageError:
+            return closed()  # the pipeline is closed: its runners and their states are gone with it
+        if not wait:
+            done.add_done_callback(closed)
+            return None
+        try:
+            done.result()
+        except StageError:
+            pass  # closed meanwhile: as above
+        return closed()
 
     def close_idle_streams(self) -> list[int]:
         """Close the streams idle for longer than ``stream_timeout`` now, instead of at the next

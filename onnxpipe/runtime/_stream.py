@@ -66,7 +66,7 @@ class StreamHost(Protocol):
 
     def _submit_step(self, arrays: Mapping[str, np.ndarray], stream: Stream, step: int) -> Future[Outputs]: ...
 
-    def _close_stream(self, stream: Stream) -> None: ...
+    def _close_stream(self, stream: Stream, wait: bool = True) -> None: ...
 
     def _expire_idle(self, caller: Stream | None) -> list[int]: ...
 
@@ -103,6 +103,11 @@ class Stream:
     def closed(self) -> bool:
         """Whether the stream was closed (by :meth:`close`, its pipeline, or its idle timeout)."""
         return self._closed is not None
+
+    @property
+    def closed_because(self) -> str | None:
+        """Why the stream was closed (``"closed by its owner"``, its idle timeout, ...), or ``None`` while open."""
+        return self._closed
 
     def idle_for(self, now: float) -> float:
         """Seconds since its last step was submitted or finished; 0 while a step is in flight."""
@@ -203,17 +208,21 @@ class Stream:
                 state_valid=False,
             )
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Free the stream's state in every stage; later steps raise :class:`StreamError`.
 
         Steps already submitted finish first (the close follows them through each stage). Closing
         twice does nothing.
+
+        Args:
+            wait: Return once the state is freed everywhere; when false, return once the close is
+                on its way (a server ending a sequence does not wait for it).
         """
         with self._lock:
             if self._closed is not None:
                 return
             self._closed = "closed by its owner"
-        self._pipeline._close_stream(self)
+        self._pipeline._close_stream(self, wait)
 
     def _expire(self, reason: str) -> bool:
         """Close on behalf of the pipeline (idle timeout); ``False`` if it was already closed."""

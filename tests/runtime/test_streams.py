@@ -174,6 +174,21 @@ def test_closing_a_stream_frees_its_state_in_every_stage(decoder_bundles: dict[i
         assert pipe.open_streams == []
 
 
+def test_a_close_that_does_not_wait_frees_the_state_behind_the_steps_in_flight(rnn: Pipeline) -> None:
+    xs = _steps(5)
+    s = rnn.stream()
+    futures = [s.submit({"x": x}) for x in xs]
+    s.close(wait=False)  # returns at once; the close follows the steps through every stage
+    assert s.closed and rnn.open_streams == []
+    with pytest.raises(StreamError, match="is closed"):
+        s.step({"x": xs[0]})
+    assert [f.result()["y"].shape for f in futures] == [(1, 4)] * len(xs)  # the steps before it all ran
+    deadline = time.monotonic() + 5
+    while any(r.states for r in _runners(rnn)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(r.states for r in _runners(rnn))
+
+
 def test_max_streams_is_enforced_never_evicting(decoder_bundles: dict[int, Path]) -> None:
     with load(decoder_bundles[2], max_streams=2) as pipe:
         a, b = pipe.stream(), pipe.stream()

@@ -1,0 +1,159 @@
+"""``serve``: bundles behind the Open Inference Protocol (KServe v2) over HTTP and gRPC.
+
+Parses options, calls ``onnxpipe.serve.serve`` and returns when it has drained; the server and its
+dependencies are imported only when the command runs (``onnxpipe --help`` stays light).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from onnxpipe.cli._common import ALLOW_CODE, TARGET, SizeType, UserError
+from onnxpipe.cli._deploy import ADDRESS, ENGINE, QUEUE_DEPTH, _engine_args
+
+__all__ = ["serve"]
+
+#: The server's own defaults (``onnxpipe.serve.ServeOptions``, not imported here to keep ``--help``
+#: fast; a test checks they agree).
+_MAX_INFLIGHT = 64
+_MAX_BODY = "64MiB"
+_BODY_TIMEOUT = 30.0
+_MAX_STREAMS = 64
+_STREAM_TIMEOUT = 60.0
+_DRAIN_TIMEOUT = 30.0
+
+
+@click.command(short_help="Serve bundles over HTTP and gRPC (KServe v2 / Triton's protocol).")
+@click.argument("bundles", nargs=-1, metavar="[BUNDLE|NAME=BUNDLE]...")
+@click.option(
+    "--model-repository",
+    "repository",
+    type=click.Path(file_okay=False, path_type=Path),
+    metavar="DIR",
+    help="Serve every bundle in DIR too (folders and .onnxpipe archives; each named after its file).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 for every interface (then set --auth-token-file).")
+@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="HTTP/REST port (GET /metrics too).")
+@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(0, 65535), help="gRPC port; 0: no gRPC.")
+@click.option(
+    "--auth-token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="Every request but the health checks must carry 'Authorization: Bearer <the token in FILE>' (gRPC: metadata 'authorization').",
+)
+@ALLOW_CODE
+@ENGINE
+@ADDRESS
+@TARGET
+@QUEUE_DEPTH
+@click.option(
+    "--max-inflight",
+    default=_MAX_INFLIGHT,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Requests admitted at once per model; more are refused at once with 503 (never queued without bound).",
+)
+@click.option("--max-body-size", default=_MAX_BODY, show_default=True, type=SizeType(), help="Largest request body or gRPC message (also once inflated).")
+@click.option("--body-timeout", default=_BODY_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="Seconds a request body may take to arrive; slower ones get 408.")
+@click.option("--max-streams", default=_MAX_STREAMS, show_default=True, type=click.IntRange(min=1), metavar="N",
+              help="Sequences open at once per model with state; more are refused with 503.")
+@click.option("--stream-timeout", default=_STREAM_TIMEOUT, show_default=True, type=click.FloatRange(min=0), metavar="S",
+              help="Seconds a sequence may stay idle before its state is freed (0: never).")
+@click.option("--drain-timeout", default=_DRAIN_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="On SIGTERM or SIGINT: seconds to let admitted requests finish before the pipelines close.")
+@click.option("--allow-partial", is_flag=True, help="Serve the models that load even if some fail (each failure is printed; those models answer 503).")
+@click.option("--no-verify", "no_verify", is_flag=True, help="Do not run the bundles' reference samples at load.")
+@click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+def serve(
+    bundles: Sequence[str],
+    repository: Path | None,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    auth_token_file: Path | None,
+    allow_code: Sequence[str],
+    engine: str,
+    address: str | None,
+    target: str | None,
+    queue_depth: int,
+    max_inflight: int,
+    max_body_size: int,
+    body_timeout: float,
+    max_streams: int,
+    stream_timeout: float,
+    drain_timeout: float,
+    allow_partial: bool,
+    no_verify: bool,
+    access_log: bool,
+) -> None:
+    """Serve BUNDLEs (and every bundle in --model-repository) over the Open Inference Protocol
+    (KServe v2) with Triton's extensions, so Triton's clients (tritonclient, perf_analyzer) and any
+    HTTP client work unchanged. A model's name is its bundle's file or folder name without
+    .onnxpipe; NAME=BUNDLE names it.
+
+    \b
+    HTTP (--http-port): GET /v2/health/live|ready, GET /v2, GET /v2/models/NAME[/versions/1]
+      [/ready|/config|/stats], POST .../infer (JSON or binary tensors), GET /metrics (Prometheus).
+    gRPC (--grpc-port): inference.GRPCInferenceService, with ModelConfig and ModelStatistics.
+    A model with state takes Triton's sequence parameters (sequence_id, sequence_start,
+    sequence_end). It listens on loopback unless --host says otherwise; ready once every model
+    is loaded and verified against its reference samples; SIGTERM drains: new requests get 503,
+    admitted ones are answered, then it exits 0. See docs/serving.md.
+
+    \b
+    Examples:
+      onnxpipe serve resnet50.onnxpipe                                # 127.0.0.1:8000 HTTP, :8001 gRPC
+      onnxpipe serve det=ocr_det.onnxpipe ocr.onnxpipe --allow-code 'mypkg.*'
+      onnxpipe serve --model-repository bundles/ --host 0.0.0.0 --auth-token-file token.txt
+      onnxpipe serve decoder.onnxpipe --max-streams 16 --stream-timeout 300
+      onnxpipe serve resnet50.onnxpipe --engine ray --address auto --max-inflight 32
+      curl localhost:8000/v2/health/ready; curl localhost:8000/v2/models/resnet50/config
+      perf_analyzer -m resnet50 -u localhost:8001 -i grpc --concurrency-range 1:8
+    """
+    where_run = _engine_args(engine, address)
+    token = _token(auth_token_file) if auth_token_file is not None else None
+    try:
+        from onnxpipe import serve as server
+    except ImportError as e:
+        raise UserError(f"onnxpipe serve needs the serve extra ({e.name} is not installed): pip install 'onnxpipe[serve]'") from e
+    from onnxpipe.cli._common import quiet_onnxruntime
+
+    quiet_onnxruntime()
+    sources = server.model_sources(bundles, repository)
+    options = server.ServeOptions(
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        auth_token=token,
+        allow_code=tuple(allow_code),
+        target=target,
+        queue_depth=queue_depth,
+        max_inflight=max_inflight,
+        max_body_bytes=max_body_size,
+        body_timeout=body_timeout,
+        max_streams=max_streams,
+        stream_timeout=stream_timeout or None,
+        drain_timeout=drain_timeout,
+        allow_partial=allow_partial,
+        verify=not no_verify,
+        access_log=access_log,
+        **where_run,
+    )
+    server.serve(sources, options)
+
+
+def _token(path: Path) -> str:
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise UserError(f"cannot read --auth-token-file '{path}': {e.strerror or e}") from e
+    except UnicodeDecodeError:
+        raise UserError(f"--auth-token-file '{path}' is not text") from None
+    if not token or any(c.isspace() for c in token):
+        raise UserError(f"--auth-token-file '{path}' must hold one token: non-empty, without spaces")
+    return token

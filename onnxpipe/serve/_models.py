@@ -1,0 +1,323 @@
+"""A served model: one bundle's :class:`~onnxpipe.runtime.Pipeline` behind the protocol.
+
+Both front doors (HTTP and gRPC) decode a request into arrays, call :meth:`ServedModel.infer`,
+and encode what it returns; everything between — admission, sequences, the pipeline's futures,
+statistics for the protocol's views — is here, once.
+
+Note: the event loop never waits.
+    A stateless request is submitted from the event loop with ``block=False``; when the
+    pipeline's first queue is full (``BusyError``), the submission moves to the model's own
+    worker thread, which may wait for room. Sequence steps always go through that one thread:
+    opening a stream, closing an idle one and submitting a step may each wait, and one thread
+    keeps a sequence's steps in the order they arrived. The loop then awaits the request's future.
+    What is waiting is bounded: at most ``max_inflight`` requests per model are admitted, the rest
+    are refused at once with 503 (Triton's ``max_queue_size``), never queued without bound.
+
+Note: sequences are streams.
+    Triton's sequence extension (``sequence_id``, ``sequence_start``, ``sequence_end``) maps onto
+    ``Pipeline.stream()``: a start opens a stream for the id (closing the id's earlier stream, as
+    Triton ends an active sequence that starts again), later steps go to it, an end closes it once
+    the step is on its way. The pipeline's ``max_streams`` and ``stream_timeout`` stay the only
+    limits: a refused stream is a 503 with the reason, a step of an unknown, ended or expired
+    sequence a 400 naming ``sequence_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from onnxpipe import __version__
+from onnxpipe._errors import BusyError, InputError, StageError, StreamError
+from onnxpipe.runtime import Pipeline, Stream
+from onnxpipe.serve._errors import RequestError, bad_request
+from onnxpipe.serve._tensors import Port, port_of
+
+__all__ = ["PLATFORM", "Sequence", "ServedModel", "SequenceId"]
+
+#: What metadata and config call the platform (Triton's ``onnxruntime_onnx`` for one ONNX model).
+PLATFORM = "onnxpipe"
+VERSION = "1"
+#: Longest string sequence id (Triton's limit).
+_MAX_SEQUENCE_ID = 128
+#: Sequences whose end is remembered, to say why a later step of one is refused.
+_ENDED = 4096
+
+SequenceId = int | str
+Outputs = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """A request's sequence parameters (Triton's sequence extension)."""
+
+    id: SequenceId
+    start: bool = False
+    end: bool = False
+
+
+def sequence_of(parameters: Mapping[str, Any]) -> Sequence | None:
+    """The sequence a request belongs to, from its parameters (values already plain Python).
+
+    Returns:
+        ``None`` for a request without a sequence id (or with 0 or ``""``, as Triton reads them).
+
+    Raises:
+        RequestError: 400 for a malformed ``sequence_id``, ``sequence_start`` or ``sequence_end``.
+    """
+    sid = parameters.get("sequence_id")
+    for flag in ("sequence_start", "sequence_end"):
+        if not isinstance(parameters.get(flag, False), bool):
+            raise bad_request(f"parameter '{flag}' must be a boolean, got {parameters[flag]!r}")
+    if sid is None or sid == 0 or sid == "":
+        if parameters.get("sequence_start") or parameters.get("sequence_end"):
+            raise bad_request("parameters 'sequence_start' and 'sequence_end' need a 'sequence_id' (a non-zero integer or a non-empty string)")
+        return None
+    if isinstance(sid, bool) or not isinstance(sid, (int, str)):
+        raise bad_request(f"parameter 'sequence_id' must be an unsigned integer or a string, got {sid!r}")
+    if isinstance(sid, int) and not 0 < sid < 2**64:
+        raise bad_request(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {sid}")
+    if isinstance(sid, str) and len(sid) > _MAX_SEQUENCE_ID:
+        raise bad_request(f"parameter 'sequence_id': a string id may have at most {_MAX_SEQUENCE_ID} characters, got {len(sid)}")
+    return Sequence(sid, bool(parameters.get("sequence_start", False)), bool(parameters.get("sequence_end", False)))
+
+
+@dataclass
+class _Durations:
+    """Cumulative counts and nanoseconds, as Triton's statistics extension reports them."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += int(seconds * 1e9)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class _Counters:
+    """What the protocol layer measures itself: whole requests, decoding and encoding."""
+
+    success: _Durations = field(default_factory=_Durations)
+    fail: _Durations = field(default_factory=_Durations)
+    decode: _Durations = field(default_factory=_Durations)
+    encode: _Durations = field(default_factory=_Durations)
+    last_inference_ms: int = 0
+
+
+class ServedModel:
+    """One bundle behind the protocol: its pipeline, ports, admission and sequences.
+
+    Args:
+        name: The model's name in URLs and requests.
+        path: The bundle it was loaded from.
+        pipe: The started pipeline.
+        max_inflight: Requests admitted at once; more are refused with 503.
+    """
+
+    def __init__(self, name: str, path: os.PathLike[str] | str, pipe: Pipeline, max_inflight: int) -> None:
+        self.name = name
+        self.path = str(path)
+        self.pipe = pipe
+        self.max_inflight = max_inflight
+        self.inflight = 0
+        spec = pipe.spec
+        self.inputs = {t.name: port_of(t, f"model '{name}': input") for t in spec.inputs}
+        self.outputs = {t.name: port_of(t, f"model '{name}': output") for t in spec.outputs}
+        self.stateful = bool(spec.states)
+        self.counters = _Counters()
+        self.sequences: dict[SequenceId, Stream] = {}
+        self._ended: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()  # the last _ENDED, and why
+        # Submissions that may wait, and every stream operation, in arrival order (see Note: the event loop never waits).
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"onnxpipe-serve-{name}")
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Take one of the ``max_inflight`` places, or refuse at once.
+
+        Raises:
+            RequestError: 503, every place is taken.
+        """
+        if self.inflight >= self.max_inflight:
+            raise RequestError(503, f"model '{self.name}' has {self.inflight} requests in flight, its limit (--max-inflight); retry later")
+        self.inflight += 1
+
+    def release(self) -> None:
+        self.inflight -= 1
+
+    async def infer(self, arrays: Mapping[str, np.ndarray], sequence: Sequence | None) -> Outputs:
+        """Run one admitted request (see :meth:`admit`) and return all its outputs.
+
+        Raises:
+            RequestError: 400 for inputs or sequence parameters that do not fit the model, 503 when
+                a stream cannot be opened, 500 when a stage fails on the request.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            if self.stateful:
+                future = await loop.run_in_executor(self._worker, self._step, arrays, sequence)
+            else:
+                try:
+                    future = self.pipe.submit(arrays, block=False)
+                except BusyError:
+                    future = await loop.run_in_executor(self._worker, self.pipe.submit, arrays)
+            return await asyncio.wrap_future(future)
+        except (InputError, StageError) as e:
+            raise _request_error(e) from None
+
+    def _step(self, arrays: Mapping[str, np.ndarray], sequence: Sequence | None) -> Future[Outputs]:
+        """Submit one step of a sequence (on the model's worker thread: see Note: sequences are streams)."""
+        if sequence is None:
+            raise bad_request(
+                f"model '{self.name}' keeps state between the steps of a sequence: give the 'sequence_id' parameter "
+                "(a non-zero integer or a non-empty string), with 'sequence_start': true on its first request"
+            )
+        stream = self.sequences.get(sequence.id)
+        if sequence.start:
+            if stream is not None:
+                stream.close(wait=False)  # Triton ends an active sequence that starts again
+            try:
+                stream = self.pipe.stream()
+            except StreamError as e:
+                raise RequestError(503, f"model '{self.name}' cannot start sequence {sequence.id!r}: {e}") from None
+            self.sequences[sequence.id] = stream
+        elif stream is None or stream.closed:
+            if stream is not None:
+                self._forget(sequence.id, stream.closed_because or "closed")
+            why = self._ended.get(sequence.id)
+            why = f" ({why})" if why else ""
+            raise bad_request(
+                f"sequence_id {sequence.id!r} names no open sequence of model '{self.name}'{why}: "
+                "the first request of a sequence must set 'sequence_start': true"
+            )
+        future = stream.submit(arrays)
+        if sequence.end:
+            self._forget(sequence.id, "it ended with sequence_end")
+            stream.close(wait=False)  # follows the step; frees the state behind it
+        return future
+
+    def _forget(self, sid: SequenceId, why: str) -> None:
+        self.sequences.pop(sid, None)
+        self._ended[sid] = why
+        self._ended.move_to_end(sid)
+        while len(self._ended) > _ENDED:
+            self._ended.popitem(last=False)
+
+    def close_idle(self) -> None:
+        """Close sequences idle past the stream timeout, and forget the ones closed (on the worker thread)."""
+        self.pipe.close_idle_streams()
+        for sid, stream in [(s, stream) for s, stream in self.sequences.items() if stream.closed]:
+            self._forget(sid, stream.closed_because or "closed")
+
+    async def on_worker(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the model's worker thread, after what is queued there."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def close(self) -> None:
+        """Stop the worker thread and the pipeline (failing what is still in flight)."""
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        self.pipe.close()
+
+    # -- what the protocol shows of it ---------------------------------------------------------
+
+    def metadata(self) -> dict[str, Any]:
+        """Model metadata (``GET /v2/models/{name}``), in the protocol's JSON form."""
+        return {
+            "name": self.name,
+            "versions": [VERSION],
+            "platform": PLATFORM,
+            "inputs": [_tensor_metadata(p) for p in self.inputs.values()],
+            "outputs": [_tensor_metadata(p) for p in self.outputs.values()],
+        }
+
+    def config(self, stream_timeout: float | None) -> dict[str, Any]:
+        """Triton's model configuration (``GET .../config``): no batching onnxpipe does not do
+        (``max_batch_size`` 0: every dim is the request's own), and, for a model with state, the
+        sequence batcher that tells clients (``perf_analyzer``) to send sequence parameters."""
+        config: dict[str, Any] = {
+            "name": self.name,
+            "platform": PLATFORM,
+            "backend": PLATFORM,
+            "version_policy": {"latest": {"num_versions": 1}},
+            "max_batch_size": 0,
+            "input": [{"name": p.name, "data_type": _config_type(p), "format": "FORMAT_NONE", "dims": p.dims, "optional": False} for p in self.inputs.values()],
+            "output": [{"name": p.name, "data_type": _config_type(p), "dims": p.dims} for p in self.outputs.values()],
+            "model_transaction_policy": {"decoupled": False},
+            "parameters": {"onnxpipe_version": {"string_value": __version__}, "stages": {"string_value": str(len(self.pipe.spec.stages))}},
+        }
+        if self.stateful:
+            idle = 0 if stream_timeout is None else round(stream_timeout * 1e6)
+            config["sequence_batching"] = {"max_sequence_idle_microseconds": idle}
+        return config
+
+    def statistics(self) -> dict[str, Any]:
+        """Triton's statistics extension (``GET .../stats``): the protocol layer's own counts and
+        times, and the pipeline's queue and compute time over its stages (its :meth:`stats`).
+
+        Every duration counts the successful requests, as Triton's do (``perf_analyzer`` checks that
+        the compute counts agree): ``queue`` and ``compute_infer`` sum the stages' waits and runs."""
+        c = self.counters
+        stages = self.pipe.stats().stages
+        done = c.success.count
+
+        def total(seconds: float) -> dict[str, int]:
+            return {"count": done, "ns": int(seconds * 1e9)}
+
+        return {
+            "name": self.name,
+            "version": VERSION,
+            "last_inference": c.last_inference_ms,
+            "inference_count": done,
+            "execution_count": done,
+            "inference_stats": {
+                "success": c.success.to_dict(),
+                "fail": c.fail.to_dict(),
+                "queue": total(sum(s.queued_s for s in stages)),
+                "compute_input": {"count": done, "ns": c.decode.ns},
+                "compute_infer": total(sum(s.busy_s for s in stages)),
+                "compute_output": {"count": done, "ns": c.encode.ns},
+                "cache_hit": {"count": 0, "ns": 0},
+                "cache_miss": {"count": 0, "ns": 0},
+            },
+            "batch_stats": [],
+        }
+
+    def record(self, ok: bool, started: float, decode_s: float, encode_s: float) -> None:
+        """One answered request (``started``: ``time.perf_counter()`` when its body was in)."""
+        c = self.counters
+        (c.success if ok else c.fail).add(time.perf_counter() - started)
+        if ok:
+            c.decode.ns += int(decode_s * 1e9)
+            c.encode.ns += int(encode_s * 1e9)
+            c.last_inference_ms = int(time.time() * 1e3)
+
+
+def _tensor_metadata(port: Port) -> dict[str, Any]:
+    return {"name": port.name, "datatype": port.datatype, "shape": port.dims}
+
+
+def _config_type(port: Port) -> str:
+    return "TYPE_STRING" if port.is_bytes else f"TYPE_{port.datatype}"
+
+
+def _request_error(error: InputError | StageError) -> RequestError:
+    """The status of a runtime error: the request's fault (400) or a stage's failure (500)."""
+    if isinstance(error, InputError):
+        return bad_request(str(error))
+    if isinstance(error, StreamError) and error.stage is None:
+        return bad_request(f"{error} (parameter 'sequence_id')")
+    if error.stage is None:  # the pipeline closed under the request: the server is stopping
+        return RequestError(503, str(error))
+    return RequestError(500, str(error))

@@ -1,0 +1,240 @@
+"""The server's lifetime: listen, load, serve, drain, stop (:func:`serve`).
+
+Note: lifecycle.
+    The HTTP and gRPC ports are bound first (a port in use is one error, before any model loads),
+    so ``/v2/health/live`` answers while the models load; ``/v2/health/ready`` turns true only once
+    every model is loaded and, where its bundle carries reference samples, verified. A model that
+    fails to load stops the server with one error naming it, unless ``allow_partial``. On SIGTERM
+    or SIGINT the server drains: ready goes false, new inference requests get 503, the requests
+    already admitted finish and are answered (for at most ``drain_timeout`` seconds), then the
+    listeners close, the pipelines close, and :func:`serve` returns. A second signal skips the
+    wait. Both front doors share one asyncio event loop (uvloop where installed); inference runs
+    on the pipelines' own threads or actors, never on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError
+from onnxpipe.runtime import load
+from onnxpipe.serve._grpc import make_server
+from onnxpipe.serve._http import make_app
+from onnxpipe.serve._models import ServedModel
+from onnxpipe.serve._options import ModelSource, ServeOptions
+from onnxpipe.serve._state import ServerState
+
+__all__ = ["serve"]
+
+Say = Callable[[str], None]
+_BACKLOG = 2048
+
+
+def _stderr(line: str) -> None:
+    print(f"onnxpipe serve: {line}", file=sys.stderr, flush=True)
+
+
+def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, say: Say = _stderr) -> None:
+    """Serve ``models`` over HTTP and gRPC until SIGTERM or SIGINT (see Note: lifecycle).
+
+    Args:
+        models: What to serve (see :func:`model_sources`).
+        options: How (defaults: loopback, ports 8000 and 8001).
+        say: Where progress lines go (default: stderr).
+
+    Raises:
+        ConfigError: a port cannot be bound, or no model loaded.
+        OnnxpipeError: a model failed to load (without ``allow_partial``): the error names it.
+    """
+    server = _Server(list(models), options or ServeOptions(), say)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(server.run())
+    else:
+        uvloop.run(server.run())
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, whose signal handling starts the drain instead of stopping at once."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+
+
+class _Server:
+    def __init__(self, sources: list[ModelSource], options: ServeOptions, say: Say) -> None:
+        self.sources = sources
+        self.options = options
+        self.say = say
+        self.state = ServerState(options, [s.name for s in sources])
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals = 0
+
+    def _signal(self) -> None:
+        """SIGTERM or SIGINT (on the main thread, between bytecodes): start the drain, or end it."""
+        self._signals += 1
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def run(self) -> None:
+        self._stop = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        options, state = self.options, self.state
+        http_socket = _bind(options.host, options.http_port)
+        grpc_server = None
+        http_task: asyncio.Task[None] | None = None
+        try:
+            if options.grpc_port:
+                try:
+                    grpc_server, _ = make_server(state, f"{_url_host(options.host)}:{options.grpc_port}")
+                except (OSError, RuntimeError) as e:
+                    raise ConfigError(f"cannot listen on {options.host}:{options.grpc_port} (gRPC): {e}; choose another --grpc-port, or 0 for no gRPC") from None
+                await grpc_server.start()
+            config = uvicorn.Config(
+                make_app(state),
+                lifespan="off",
+                log_level="warning",
+                access_log=options.access_log,
+                timeout_graceful_shutdown=max(1, round(options.drain_timeout)),
+                backlog=_BACKLOG,
+            )
+            uv = _Uvicorn(config, self._signal)
+            http_task = asyncio.create_task(uv.serve(sockets=[http_socket]))
+            await self._load_all()
+            if not self._signals:
+                state.ready = True
+                self.say(f"ready: {self._summary()}")
+                idle = asyncio.create_task(self._close_idle_sequences())
+                stopped = asyncio.create_task(self._stop.wait())
+                await asyncio.wait([stopped, http_task], return_when=asyncio.FIRST_COMPLETED)
+                idle.cancel()
+                if http_task.done():
+                    http_task.result()  # uvicorn stopped by itself: say why
+                await self._drain()
+            uv.should_exit = True
+            await http_task
+        finally:
+            if http_task is not None and not http_task.done():
+                http_task.cancel()
+            http_socket.close()
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
+            await asyncio.to_thread(self._close_models)
+        self.say("stopped")
+
+    async def _load_all(self) -> None:
+        state = self.state
+        self.say(f"loading {len(self.sources)} model(s); live at {self._summary()}")
+        for source in self.sources:
+            if self._signals:
+                return
+            started = time.perf_counter()
+            try:
+                model, note = await asyncio.to_thread(self._load, source)
+            except OnnxpipeError as e:
+                message = f"model '{source.name}' ({source.path}): {e}"
+                if not self.options.allow_partial:
+                    raise type(e)(message) from None
+                state.failed[source.name] = str(e)
+                self.say(f"not serving {message}")
+                continue
+            state.models[source.name] = model
+            self.say(f"model '{source.name}': {len(model.pipe.spec.stages)} stage(s), {note}, in {time.perf_counter() - started:.1f} s")
+        if not state.models:
+            raise ConfigError(f"no model could be loaded ({len(state.failed)} failed)")
+
+    def _load(self, source: ModelSource) -> tuple[ServedModel, str]:
+        """One model, loaded and verified (on a thread of its own: the loop keeps answering)."""
+        o = self.options
+        extra: dict[str, Any] = {"engine": o.engine, "address": o.address} if o.engine == "ray" else {}
+        pipe = load(
+            source.path, target=o.target, queue_depth=o.queue_depth, allow_code=o.allow_code, max_streams=o.max_streams, stream_timeout=o.stream_timeout, **extra
+        )
+        try:
+            model = ServedModel(source.name, source.path, pipe, o.max_inflight)
+            note = self._verify(pipe) if o.verify else "not verified (--no-verify)"
+        except BaseException:
+            pipe.close()
+            raise
+        return model, note
+
+    def _verify(self, pipe: Any) -> str:
+        if pipe.spec.states:
+            return "a model with state (no reference check)"
+        rows = pipe.check()
+        if not rows:
+            return "no reference samples to verify"
+        bad = [r for r in rows if not r.ok]
+        if bad:
+            r = bad[0]
+            raise BundleError(f"reference sample {r.sample}, output '{r.output}', differs from the bundle's stored outputs by {r.max_abs:.3g} on this host")
+        return f"verified against {len({r.sample for r in rows})} reference sample(s)"
+
+    async def _drain(self) -> None:
+        """Refuse new requests, let the admitted ones finish (see Note: lifecycle)."""
+        state = self.state
+        state.draining = True
+        waiting = sum(m.inflight for m in state.models.values())
+        self.say(f"draining: {waiting} request(s) in flight, waiting up to {self.options.drain_timeout:g} s")
+        deadline = time.monotonic() + self.options.drain_timeout
+        while sum(m.inflight for m in state.models.values()) and time.monotonic() < deadline and self._signals < 2:
+            await asyncio.sleep(0.01)
+        left = sum(m.inflight for m in state.models.values())
+        if left:
+            self.say(f"{left} request(s) still in flight after the drain; they fail as the pipelines close")
+
+    async def _close_idle_sequences(self) -> None:
+        """Free the state of sequences idle past the stream timeout, without waiting for traffic."""
+        timeout = self.options.stream_timeout
+        models = [m for m in self.state.models.values() if m.stateful]
+        if timeout is None or not models:
+            return
+        while True:
+            await asyncio.sleep(min(max(timeout / 4, 0.05), 5.0))
+            for model in models:
+                await model.on_worker(model.close_idle)
+
+    def _close_models(self) -> None:
+        # Newest first: the first Ray pipeline started Ray in this process, and stops it as it closes.
+        for model in reversed(list(self.state.models.values())):
+            with contextlib.suppress(Exception):
+                model.close()
+
+    def _summary(self) -> str:
+        o = self.options
+        http = f"http://{_url_host(o.host)}:{o.http_port}"
+        grpc = f", grpc {_url_host(o.host)}:{o.grpc_port}" if o.grpc_port else ""
+        names = ", ".join(self.state.models) or ", ".join(self.state.names)
+        return f"{http}{grpc} ({names})"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket.
+
+    Raises:
+        ConfigError: the address cannot be bound (in use, not this host's, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=_BACKLOG)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port} (HTTP): {e.strerror or e}; choose another --http-port or --host") from None
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

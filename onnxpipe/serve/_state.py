@@ -1,0 +1,178 @@
+"""What both front doors share: the served models, readiness, auth, and one way to run an inference.
+
+Note: one inference path.
+    HTTP and gRPC differ in how a request's tensors are laid out and how the answer is written;
+    :meth:`ServerState.infer` is everything else, once: refusal while not serving, admission,
+    timing the decode and the encode (Triton's ``compute_input`` / ``compute_output``), the
+    pipeline run, the statistics and the metrics of the outcome.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from onnxpipe import __version__
+from onnxpipe._errors import closest
+from onnxpipe.serve._errors import RequestError, bad_request
+from onnxpipe.serve._metrics import Metrics
+from onnxpipe.serve._models import VERSION, Outputs, Sequence, ServedModel
+from onnxpipe.serve._options import ServeOptions
+
+__all__ = ["EXTENSIONS", "Decoded", "ServerState"]
+
+#: The protocol extensions implemented (``GET /v2``), Triton's names: only ones implemented in full.
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "sequence")
+SERVER_NAME = "onnxpipe"
+
+T = TypeVar("T")
+
+
+@dataclass
+class Decoded:
+    """A request's tensors and parameters, as either front door decodes them.
+
+    Attributes:
+        arrays: The inputs by name, checked against the model's ports.
+        sequence: Its sequence parameters, if any.
+        id: The request's ``id``, echoed in the response.
+        outputs: The outputs asked for, with whether each goes back as binary (HTTP); empty: all.
+        binary: HTTP: whether outputs not asked for by name go back as binary (``binary_data_output``).
+    """
+
+    arrays: dict[str, np.ndarray]
+    sequence: Sequence | None = None
+    id: str = ""
+    outputs: list[tuple[str, bool]] = field(default_factory=list)
+    binary: bool = False
+
+
+class ServerState:
+    """The models, whether the server serves, and its token.
+
+    Args:
+        options: The server's options.
+        names: Every model that will be served (loading or loaded), in order.
+    """
+
+    def __init__(self, options: ServeOptions, names: list[str]) -> None:
+        self.options = options
+        self.names = names
+        self.models: dict[str, ServedModel] = {}
+        self.failed: dict[str, str] = {}  # models that did not load (--allow-partial), and why
+        self.ready = False
+        self.draining = False
+        self.metrics = Metrics(lambda: dict(self.models))
+        self._token = options.auth_token.strip().encode() if options.auth_token else None
+
+    # -- what may be asked --------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        return not self.draining
+
+    def authorize(self, header: str | None) -> None:
+        """Check a request's ``Authorization`` value (constant time).
+
+        Raises:
+            RequestError: 401, no token or the wrong one.
+        """
+        if self._token is None:
+            return
+        scheme, _, token = (header or "").strip().partition(" ")
+        if not header or scheme.lower() != "bearer":
+            raise RequestError(401, "this server needs a bearer token: send the header 'Authorization: Bearer <token>'")
+        if not hmac.compare_digest(token.strip().encode(), self._token):
+            raise RequestError(401, "the bearer token is not valid")
+
+    def model(self, name: str, version: str = "") -> ServedModel:
+        """The served model ``name`` at ``version`` ("" or "1").
+
+        Raises:
+            RequestError: 400 for an unknown model (as Triton), 503 for one loading or failed to
+                load, 404 for an unknown version.
+        """
+        model = self.models.get(name)
+        if model is None:
+            if name in self.failed:
+                raise RequestError(503, f"model '{name}' is not available: it failed to load: {self.failed[name]}")
+            if name in self.names:
+                raise RequestError(503, f"model '{name}' is not ready yet: it is loading")
+            raise bad_request(f"unknown model '{name}'; {closest(name, self.names, n=len(self.names))}")
+        if version not in ("", VERSION):
+            raise RequestError(404, f"model '{name}' has no version {version!r}; versions: {VERSION}")
+        return model
+
+    def serving(self) -> None:
+        """Raises:
+            RequestError: 503 while the server is shutting down or still loading models."""
+        if self.draining:
+            raise RequestError(503, "the server is shutting down: it takes no new requests")
+        if not self.ready:
+            raise RequestError(503, "the server is not ready: its models are loading")
+
+    def metadata(self) -> dict[str, Any]:
+        """Server metadata (``GET /v2``)."""
+        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        """Triton's statistics of one model, or of every loaded one (``name`` empty)."""
+        models = [self.model(name, version)] if name else list(self.models.values())
+        return {"model_stats": [m.statistics() for m in models]}
+
+    # -- inference ----------------------------------------------------------------------------
+
+    async def infer(self, model: ServedModel, protocol: str, decode: Callable[[], Decoded], encode: Callable[[Decoded, Outputs], T]) -> T:
+        """Run one request through ``model`` (see Note: one inference path).
+
+        Args:
+            model: The model asked for.
+            protocol: ``"http"`` or ``"grpc"``, for the metrics.
+            decode: Makes the request's :class:`Decoded` (timed as its compute input).
+            encode: Makes the response from it and the outputs (timed as its compute output).
+
+        Raises:
+            RequestError: for every refusal and failure, with its status.
+        """
+        started = time.perf_counter()
+        status = 500  # anything but a RequestError is a bug: counted as an error
+        try:
+            self.serving()
+            model.admit()
+            try:
+                decoded = decode()
+                decoded_at = time.perf_counter()
+                outputs = await model.infer(decoded.arrays, decoded.sequence)
+                encode_at = time.perf_counter()
+                response = encode(decoded, outputs)
+                model.record(True, started, decoded_at - started, time.perf_counter() - encode_at)
+                status = 200
+                return response
+            except RequestError:
+                model.record(False, started, 0.0, 0.0)
+                raise
+            finally:
+                model.release()
+        except RequestError as e:
+            status = e.status
+            raise
+        finally:
+            self.metrics.answered(model.name, protocol, status, time.perf_counter() - started)
+
+    def unknown_input(self, model: ServedModel, name: str) -> RequestError:
+        return bad_request(f"model '{model.name}' has no input '{name}'; {closest(name, model.inputs, n=len(model.inputs))}")
+
+    def unknown_output(self, model: ServedModel, name: str) -> RequestError:
+        return bad_request(f"model '{model.name}' has no output '{name}'; {closest(name, model.outputs, n=len(model.outputs))}")
+
+    def missing_inputs(self, model: ServedModel, given: set[str]) -> None:
+        """Raises:
+            RequestError: 400 naming the inputs the request lacks."""
+        missing = [n for n in model.inputs if n not in given]
+        if missing:
+            raise bad_request(f"model '{model.name}': missing input(s) {', '.join(repr(n) for n in missing)}; it takes {', '.join(repr(n) for n in model.inputs)}")

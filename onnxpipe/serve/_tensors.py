@@ -1,0 +1,300 @@
+"""Tensors on the wire: the protocol's datatypes, shapes and three encodings, checked before use.
+
+A request's tensor arrives as raw bytes (HTTP's binary tensor data extension, gRPC's
+``raw_input_contents``), as JSON ``data``, or as gRPC's typed ``contents``. Each becomes a numpy
+array of the dtype and shape the model's input declares; outputs go back as raw little-endian
+bytes or JSON lists.
+
+Note: checked before anything is allocated.
+    A tensor's datatype must be the model input's, its shape a list of sizes that fits the
+    input's rank and fixed dims, and its data exactly ``count x itemsize`` bytes (or ``count``
+    values): every check runs on the header and the body's length, so a request declaring a 10 GB
+    shape in a 1 KB body is refused without allocating anything. Raw tensors become numpy views
+    over the request body (no copy, no per-element Python), copied once only when the body puts
+    them at an offset their dtype cannot be read at. JSON data is parsed by the JSON parser anyway;
+    it becomes an array in one numpy call, after its element kind is checked (a float for an int
+    input is refused, never truncated; an int out of the input's range is refused, never wrapped).
+    BYTES elements are length-prefixed (4-byte little-endian) and carry UTF-8 text: onnxpipe's
+    ``string`` tensors are numpy ``object`` arrays of ``str``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from onnxpipe._errors import ConfigError
+from onnxpipe.runtime import TensorSpec, numpy_dtype
+from onnxpipe.serve._errors import bad_request
+
+__all__ = ["DATATYPES", "Port", "from_binary", "from_contents", "from_json", "port_of", "to_binary", "to_json"]
+
+#: onnxpipe dtype -> the protocol's datatype name (the tensor data types of the OIP spec).
+DATATYPES = {
+    "bool": "BOOL",
+    "uint8": "UINT8",
+    "uint16": "UINT16",
+    "uint32": "UINT32",
+    "uint64": "UINT64",
+    "int8": "INT8",
+    "int16": "INT16",
+    "int32": "INT32",
+    "int64": "INT64",
+    "float16": "FP16",
+    "float32": "FP32",
+    "float64": "FP64",
+    "string": "BYTES",
+}
+#: A shape's largest rank when the model does not fix it, and its largest dim (int64 on the wire).
+_MAX_RANK = 32
+_MAX_DIM = 2**63 - 1
+#: gRPC's typed contents field for each datatype (FP16 has none: raw contents only).
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+_LENGTH = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Port:
+    """A model's input or output as the protocol sees it.
+
+    Attributes:
+        name: The tensor's name.
+        datatype: The protocol's datatype (``FP32``, ``BYTES``, ...).
+        dtype: The numpy dtype of its values (little-endian: the wire's byte order).
+        shape: The declared shape (ints fixed, anything else any size), or ``None`` for any rank.
+    """
+
+    name: str
+    datatype: str
+    dtype: np.dtype
+    shape: tuple[Any, ...] | None
+
+    @property
+    def dims(self) -> list[int]:
+        """The shape as metadata and config give it: ``-1`` for a dim of any size."""
+        if self.shape is None:
+            return [-1]
+        return [d if isinstance(d, int) else -1 for d in self.shape]
+
+    @property
+    def is_bytes(self) -> bool:
+        return self.datatype == "BYTES"
+
+
+def port_of(spec: TensorSpec, where: str) -> Port:
+    """The protocol's view of a pipeline input or output.
+
+    Raises:
+        ConfigError: the protocol (or numpy) has no datatype for it, naming ``where``.
+    """
+    datatype = DATATYPES.get(spec.dtype)
+    if datatype is None:
+        valid = ", ".join(DATATYPES)
+        raise ConfigError(f"{where} '{spec.name}' is {spec.dtype}, which the inference protocol cannot carry; servable dtypes: {valid}")
+    dtype = numpy_dtype(spec.dtype)
+    return Port(spec.name, datatype, dtype if dtype.kind == "O" else dtype.newbyteorder("<"), spec.shape)
+
+
+def check_shape(port: Port, datatype: object, shape: object) -> tuple[int, ...]:
+    """The shape of a request's tensor, once it and the datatype fit the model's input.
+
+    Raises:
+        RequestError: 400 naming the tensor and what was expected.
+    """
+    if datatype != port.datatype:
+        raise bad_request(f"input '{port.name}' has datatype {_text(datatype)}; the model takes {port.datatype}")
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise bad_request(f"input '{port.name}': shape must be a list of integers, got {_text(shape)}")
+    if port.shape is not None and len(shape) != len(port.shape):
+        raise bad_request(f"input '{port.name}' has shape {list(shape)}; the model takes rank {len(port.shape)}: {port.dims}")
+    if len(shape) > _MAX_RANK:
+        raise bad_request(f"input '{port.name}' has rank {len(shape)}; at most {_MAX_RANK}")
+    for axis, d in enumerate(shape):
+        if not 0 <= d <= _MAX_DIM:
+            raise bad_request(f"input '{port.name}' has shape {list(shape)}: dim {axis} must be from 0 to {_MAX_DIM}")
+        want = port.shape[axis] if port.shape is not None else None
+        if isinstance(want, int) and d != want:
+            raise bad_request(f"input '{port.name}' has shape {list(shape)}; the model takes {port.dims} (dim {axis} must be {want})")
+    return tuple(shape)
+
+
+def from_binary(port: Port, shape: tuple[int, ...], data: memoryview) -> np.ndarray:
+    """A tensor from its raw bytes (a view of the request body where its dtype allows).
+
+    Raises:
+        RequestError: 400 when the bytes are not exactly the shape's elements.
+    """
+    count = math.prod(shape)
+    if port.is_bytes:
+        return _bytes_array(port, shape, count, data)
+    expected = count * port.dtype.itemsize
+    if len(data) != expected:
+        raise bad_request(
+            f"input '{port.name}': {len(data)} bytes of binary data, but shape {list(shape)} of {port.datatype} takes {expected}"
+        )
+    array = np.frombuffer(data, port.dtype, count).reshape(shape)
+    if not array.flags.aligned:
+        array = array.copy()  # the body put it at an offset its dtype cannot be read at
+    if port.datatype == "BOOL" and count and array.view(np.uint8).max() > 1:
+        raise bad_request(f"input '{port.name}': BOOL elements must be bytes 0 or 1")
+    return array
+
+
+def _bytes_array(port: Port, shape: tuple[int, ...], count: int, data: memoryview) -> np.ndarray:
+    """BYTES elements: a 4-byte little-endian length, then that many bytes of UTF-8, ``count`` times."""
+    if count * _LENGTH.size > len(data):
+        raise bad_request(f"input '{port.name}': {len(data)} bytes cannot hold {count} BYTES elements (4 bytes of length each at least)")
+    items: list[str] = []
+    at = 0
+    for i in range(count):
+        if at + _LENGTH.size > len(data):
+            raise bad_request(f"input '{port.name}': BYTES element {i} of {count} runs past the tensor's {len(data)} bytes")
+        (length,) = _LENGTH.unpack_from(data, at)
+        at += _LENGTH.size
+        if at + length > len(data):
+            raise bad_request(f"input '{port.name}': BYTES element {i} of {count} declares {length} bytes, past the tensor's {len(data)}")
+        items.append(_utf8(port, i, data[at : at + length]))
+        at += length
+    if at != len(data):
+        raise bad_request(f"input '{port.name}': {len(data) - at} bytes left over after its {count} BYTES elements")
+    return _objects(items, shape)
+
+
+def _utf8(port: Port, index: int, raw: bytes | memoryview) -> str:
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"input '{port.name}': BYTES element {index} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _objects(items: Sequence[Any], shape: tuple[int, ...]) -> np.ndarray:
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array.reshape(shape)
+
+
+def from_json(port: Port, shape: tuple[int, ...], data: object) -> np.ndarray:
+    """A tensor from JSON ``data``: flat (row-major) or nested to the shape.
+
+    Raises:
+        RequestError: 400 when the values are not the shape's elements of the input's kind.
+    """
+    if port.datatype == "FP16":
+        raise bad_request(f"input '{port.name}': FP16 values cannot travel as JSON; send them as binary data (the binary tensor data extension)")
+    if not isinstance(data, list):
+        raise bad_request(f"input '{port.name}': 'data' must be a list of values, got {_text(data)}")
+    count = math.prod(shape)
+    if port.is_bytes:
+        flat = _flatten(port, data, count)
+        for i, item in enumerate(flat):
+            if not isinstance(item, str):
+                raise bad_request(f"input '{port.name}': BYTES element {i} is {_text(item)}; JSON BYTES elements are strings")
+        return _objects(flat, shape)
+    try:
+        values = np.asarray(data)
+    except (ValueError, TypeError):
+        raise bad_request(f"input '{port.name}': 'data' is not a list of numbers nested to one shape") from None
+    if values.size != count:
+        raise bad_request(f"input '{port.name}': 'data' holds {values.size} values; shape {list(shape)} takes {count}")
+    return _cast(port, values).reshape(shape)
+
+
+def _flatten(port: Port, data: list[Any], count: int) -> list[Any]:
+    """The leaves of nested lists, row-major; at most ``count`` of them (the parser bounded the depth)."""
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            flat.append(item)
+            if len(flat) > count:
+                raise bad_request(f"input '{port.name}': 'data' holds more than the {count} values its shape takes")
+        else:
+            stack.pop()
+    if len(flat) != count:
+        raise bad_request(f"input '{port.name}': 'data' holds {len(flat)} values; its shape takes {count}")
+    return flat
+
+
+def _cast(port: Port, values: np.ndarray) -> np.ndarray:
+    """JSON numbers as the input's dtype, refused where that would change a value's kind or wrap it."""
+    kind, want = values.dtype.kind, port.dtype.kind
+    fits = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[want]
+    if values.size and kind not in fits:
+        got = {"b": "booleans", "i": "integers", "u": "integers", "f": "fractional numbers"}.get(kind, "values that are not numbers")
+        raise bad_request(f"input '{port.name}' is {port.datatype}, but 'data' holds {got}")
+    if want in "iu" and values.size:
+        info = np.iinfo(port.dtype)
+        low, high = values.min(), values.max()
+        if low < info.min or high > info.max:
+            raise bad_request(f"input '{port.name}' is {port.datatype}: value {low if low < info.min else high} is out of its range {info.min}..{info.max}")
+    return values.astype(port.dtype)
+
+
+def from_contents(port: Port, shape: tuple[int, ...], contents: Any) -> np.ndarray:
+    """A tensor from gRPC's typed ``InferTensorContents``.
+
+    Raises:
+        RequestError: 400 when the datatype has no typed contents or the count is wrong.
+    """
+    field = _CONTENTS.get(port.datatype)
+    if field is None:
+        raise bad_request(f"input '{port.name}': {port.datatype} values travel in raw_input_contents only")
+    values = getattr(contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise bad_request(f"input '{port.name}': contents hold {len(values)} values; shape {list(shape)} takes {count}")
+    if port.is_bytes:
+        return _objects([_utf8(port, i, v) for i, v in enumerate(values)], shape)
+    return _cast(port, np.asarray(values)).reshape(shape) if port.dtype.kind in "iu" else np.asarray(values, port.dtype).reshape(shape)
+
+
+def to_binary(port: Port, array: np.ndarray) -> bytes:
+    """An output's raw bytes: row-major, little-endian; BYTES length-prefixed UTF-8."""
+    if port.is_bytes:
+        parts = []
+        for item in array.reshape(-1):
+            raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
+            parts += (_LENGTH.pack(len(raw)), raw)
+        return b"".join(parts)
+    return np.ascontiguousarray(array, dtype=port.dtype).tobytes()
+
+
+def to_json(port: Port, array: np.ndarray) -> list[Any]:
+    """An output's values as a flat JSON list (BYTES as strings).
+
+    Raises:
+        RequestError: 400 for FP16, which JSON cannot carry (ask for binary data).
+    """
+    if port.datatype == "FP16":
+        raise bad_request(f"output '{port.name}' is FP16, which cannot travel as JSON; ask for it as binary data (binary_data: true)")
+    flat = array.reshape(-1)
+    if port.is_bytes:
+        return [item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item) for item in flat]
+    return flat.tolist()  # type: ignore[no-any-return]
+
+
+def _text(value: object, limit: int = 60) -> str:
+    """A value from a request, for a message: its JSON-ish form, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

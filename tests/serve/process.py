@@ -1,0 +1,117 @@
+"""A real ``onnxpipe serve`` process on loopback ports, for the tests to drive with real clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+_START_S = 90.0
+_STOP_S = 60.0
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports nothing listens on now (the OS's choice), distinct."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class ServerProcess:
+    """``onnxpipe serve ARGS`` in a subprocess (cwd: the repository, so ``tests.*`` code stages import).
+
+    Args:
+        args: What follows ``onnxpipe serve`` (bundles, options); the ports are added unless given.
+        env: Extra environment variables.
+    """
+
+    def __init__(self, *args: object, env: dict[str, str] | None = None, grpc: bool = True) -> None:
+        self.http_port, self.grpc_port = free_ports(2)
+        self.args = [str(a) for a in args]
+        if "--http-port" not in self.args:
+            self.args += ["--http-port", str(self.http_port)]
+        if "--grpc-port" not in self.args:
+            self.args += ["--grpc-port", str(self.grpc_port if grpc else 0)]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen[str] | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self, log: Path, wait: bool = True) -> ServerProcess:
+        """Start it, its output going to ``log``; with ``wait``, until ready (or fail with its log)."""
+        self.log_path = log
+        handle = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "onnxpipe.cli", "serve", *self.args], cwd=ROOT, env=self.env, stdout=handle, stderr=subprocess.STDOUT, text=True
+        )
+        handle.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + _START_S
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"onnxpipe serve exited with {self.proc.returncode}:\n{self.log()}")
+            if self.get("/v2/health/ready")[0] == 200:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"onnxpipe serve was not ready within {_START_S:g} s:\n{self.log()}")
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """``GET path``: (status, body); status 0 when nothing answers."""
+        return self.request("GET", path, headers=headers)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, bytes]:
+        req = urllib.request.Request(f"http://{self.http}{path}", data=body, method=method, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return 0, b""
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path is not None and self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Send ``sig``, wait for the exit; its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"onnxpipe serve did not exit within {_STOP_S:g} s of signal {sig}:\n{self.log()}") from None
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
