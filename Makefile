@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= demo-out
 
-.PHONY: demo test test-oldest-ort lint bench clean
+.PHONY: demo test test-oldest-ort perf-analyzer protos lint bench bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml examples/pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,ray]' -e examples
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray,serve]' -e examples
 	touch $@ $(VENV)/.installed
 
 LIGHT_MODEL = $(BIN)/python -c 'import onnx, os; print(os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", "light_$(1).onnx"))'
@@ -39,8 +39,19 @@ demo: $(VENV)/.installed
 	echo; echo "== 6. the deployment host: a separate process with only the runtime"; \
 	$(BIN)/python tutorials/host_demo.py $$out/resnet50.onnxpipe "$$model" --trace $$out/trace.json
 
+# perf_analyzer (Triton's load generator, for tests/serve and benchmarks.serve) is installed when it
+# can be; where it cannot, its tests skip saying so. .ci/run installs it strictly first.
 test: $(VENV)/.installed-dev
+	@.ci/install-perf-analyzer $(VENV) || echo "perf_analyzer could not be installed: its tests will skip (see .ci/install-perf-analyzer)"
 	$(BIN)/python -m pytest -n 2 -q
+
+perf-analyzer: $(VENV)/.installed-dev
+	.ci/install-perf-analyzer $(VENV)
+
+# The gRPC messages of onnxpipe serve, generated from their .proto (checked in; tests/serve/test_proto.py
+# fails when they are stale).
+protos: $(VENV)/.installed-dev
+	cd onnxpipe/serve/_proto && ../../../$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. oip.proto
 
 # The bundle-safety suite under the oldest onnxruntime pyproject.toml admits: onnxpipe's own checks
 # must refuse hostile bundles whatever onnxruntime would do with them (docs/bundle-format.md). A

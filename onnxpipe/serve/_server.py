@@ -103,7 +103,8 @@ class _Server:
                 try:
                     grpc_server, _ = make_server(state, f"{_url_host(options.host)}:{options.grpc_port}")
                 except (OSError, RuntimeError) as e:
-                    raise ConfigError(f"cannot listen on {options.host}:{options.grpc_port} (gRPC): {e}; choose another --grpc-port, or 0 for no gRPC") from None
+                    where = f"{options.host}:{options.grpc_port}"
+                    raise ConfigError(f"cannot listen on {where} (gRPC): {e}; choose another --grpc-port, or 0 for no gRPC") from None
                 await grpc_server.start()
             config = uvicorn.Config(
                 make_app(state),
@@ -163,11 +164,18 @@ class _Server:
         o = self.options
         extra: dict[str, Any] = {"engine": o.engine, "address": o.address} if o.engine == "ray" else {}
         pipe = load(
-            source.path, target=o.target, queue_depth=o.queue_depth, allow_code=o.allow_code, max_streams=o.max_streams, stream_timeout=o.stream_timeout, **extra
+            source.path,
+            target=o.target,
+            queue_depth=o.queue_depth,
+            allow_code=o.allow_code,
+            max_streams=o.max_streams,
+            stream_timeout=o.stream_timeout,
+            **extra,
         )
         try:
             model = ServedModel(source.name, source.path, pipe, o.max_inflight)
             note = self._verify(pipe) if o.verify else "not verified (--no-verify)"
+            pipe.reset_stats()  # the statistics count what clients send
         except BaseException:
             pipe.close()
             raise

@@ -175,4 +175,5 @@ class ServerState:
             RequestError: 400 naming the inputs the request lacks."""
         missing = [n for n in model.inputs if n not in given]
         if missing:
-            raise bad_request(f"model '{model.name}': missing input(s) {', '.join(repr(n) for n in missing)}; it takes {', '.join(repr(n) for n in model.inputs)}")
+            names = ", ".join(repr(n) for n in missing)
+            raise bad_request(f"model '{model.name}': missing input(s) {names}; it takes {', '.join(repr(n) for n in model.inputs)}")

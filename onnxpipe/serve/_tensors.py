@@ -272,7 +272,7 @@ def from_contents(port: Port, shape: tuple[int, ...], contents: Any) -> np.ndarr
 def to_binary(port: Port, array: np.ndarray) -> bytes:
     """An output's raw bytes: row-major, little-endian; BYTES length-prefixed UTF-8."""
     if port.is_bytes:
-        parts = []
+        parts: list[bytes] = []
         for item in array.reshape(-1):
             raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
             parts += (_LENGTH.pack(len(raw)), raw)
@@ -291,7 +291,7 @@ def to_json(port: Port, array: np.ndarray) -> list[Any]:
     flat = array.reshape(-1)
     if port.is_bytes:
         return [item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item) for item in flat]
-    return flat.tolist()  # type: ignore[no-any-return]
+    return flat.tolist()
 
 
 def _text(value: object, limit: int = 60) -> str:

@@ -1,15 +1,19 @@
-"""The runtime is the floor: importing it must pull in neither onnx, networkx, click nor ray."""
+"""The runtime is the floor: importing it must pull in neither onnx, networkx, click, ray nor any
+server library; the server (onnxpipe.serve) pulls in nothing of the build side."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
 
 def test_runtime_imports_only_stdlib_numpy_onnxruntime() -> None:
     code = (
         "import sys, onnxpipe.runtime\n"
-        "leaked = [m for m in ('onnx', 'networkx', 'click', 'rich', 'ray', 'onnxpipe.builder', 'onnxpipe.splitter', 'onnxpipe.cli')"
+        "leaked = [m for m in ('onnx', 'networkx', 'click', 'rich', 'ray', 'onnxpipe.builder', 'onnxpipe.splitter', 'onnxpipe.cli',"
+        " 'onnxpipe.serve', 'uvicorn', 'starlette', 'grpc', 'google.protobuf', 'prometheus_client', 'aiohttp')"
         " if m in sys.modules]\n"
         "print(','.join(leaked))\n"
     )
@@ -27,3 +31,15 @@ def test_the_ray_engine_without_ray_is_one_error_naming_the_extra(tmp_path: obje
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "the Ray engine needs Ray, which is not installed: pip install 'onnxpipe[ray]'"
+
+
+def test_the_server_imports_nothing_of_the_build_side() -> None:
+    pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+    # (click may come in: uvicorn imports it for its own command line.)
+    code = (
+        "import sys, onnxpipe.serve\n"
+        "leaked = [m for m in ('onnx', 'networkx', 'rich', 'ray', 'onnxpipe.builder', 'onnxpipe.splitter', 'onnxpipe.cli') if m in sys.modules]\n"
+        "print(','.join(leaked))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"onnxpipe.serve imported {out.stdout.strip()}"

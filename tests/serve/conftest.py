@@ -31,7 +31,7 @@ def squeeze_input(seed: int = 0) -> np.ndarray:
 
 def _slow() -> PipelineConfig:
     config = PipelineConfig("slow")
-    slow = config.add_stage(models.slow_stage(512), "slow")
+    slow = config.add_stage(models.slow_stage(1024), "slow")
     config.input("x").connect(slow.input("x"))
     slow.output("y").connect(config.output("y"))
     return config

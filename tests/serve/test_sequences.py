@@ -54,7 +54,7 @@ def test_three_interleaved_sequences_equal_each_stream_alone(server: ServerProce
     want = {sid: _alone(bundles["rnn"], xs[sid]) for sid in ids}
     got: dict[int | str, list[np.ndarray]] = {sid: [] for sid in ids}
     for t in range(6):
-        for k, sid in enumerate(ids):  # round-robin; the string id over gRPC, the others over HTTP
+        for sid in ids:  # round-robin; the string id over gRPC, the others over HTTP
             step = _grpc_step if isinstance(sid, str) else _http_step
             got[sid].append(step(grpc if isinstance(sid, str) else http, sid, xs[sid][t], start=t == 0, end=t == 5))  # type: ignore[arg-type]
     for sid in ids:
@@ -78,7 +78,8 @@ def test_a_sequence_ended_is_gone_and_misuse_is_a_400_naming_the_parameter(serve
         http.infer("rnn", [tensor])  # stateless request to a model with state
     assert e.value.status() == "400"
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0.0] * 4}], "parameters": {"sequence_id": 5, "sequence_start": "yes"}}
-    assert server.request("POST", "/v2/models/rnn/infer", json.dumps(body).encode()) == (400, b'{"error":"parameter \'sequence_start\' must be a boolean, got \'yes\'"}')
+    refused = b'{"error":"parameter \'sequence_start\' must be a boolean, got \'yes\'"}'
+    assert server.request("POST", "/v2/models/rnn/infer", json.dumps(body).encode()) == (400, refused)
     with pytest.raises(InferenceServerException, match=r"a string id may have at most 128 characters, got 129"):
         _http_step(http, "s" * 129, x, start=True)
 
@@ -105,7 +106,8 @@ def test_idle_sequences_are_freed_and_max_streams_refusals_are_503(bundles: dict
         time.sleep(1.0)  # idle past the timeout: freed without any request (the server's own timer)
         metrics = proc.get("/metrics")[1].decode()
         assert 'onnxpipe_open_streams{model="rnn"} 0.0' in metrics
-        with pytest.raises(InferenceServerException, match=r"sequence_id 1 names no open sequence of model 'rnn' \(it was idle for more than stream_timeout=0.3 s"):
+        idle = r"sequence_id 1 names no open sequence of model 'rnn' \(it was idle for more than stream_timeout=0.3 s"
+        with pytest.raises(InferenceServerException, match=idle):
             _http_step(http, 1, x)
         _http_step(http, 3, x, start=True, end=True)
         assert proc.stop() == 0

@@ -1,0 +1,171 @@
+"""The server's lifetime as a deployment host sees it: ready only once loaded, failures at start
+are one line and exit 1 (or partial), the token guards everything but health, a repository
+folder serves what it holds, and SIGTERM drains: every admitted request is answered, later ones
+get 503, and it exits 0 leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.serve.conftest import serve_args
+from tests.serve.process import ROOT, ServerProcess, free_ports
+
+SLOW = (256, 1024)
+
+
+def _slow_request(client: httpclient.InferenceServerClient, k: float) -> np.ndarray:
+    tensor = httpclient.InferInput("x", list(SLOW), "FP32")
+    tensor.set_data_from_numpy(np.full(SLOW, k, np.float32))
+    return client.infer("slow", [tensor]).as_numpy("y")
+
+
+def _metric(proc: ServerProcess, name: str) -> float:
+    text = proc.get("/metrics")[1].decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_sigterm_answers_every_admitted_request_refuses_later_ones_and_exits_0(bundles: dict[str, Path], tmp_path: Path) -> None:
+    with ServerProcess(*serve_args(bundles, "slow")) as proc:
+        proc.start(tmp_path / "serve.log")
+        results: dict[int, object] = {}
+
+        def send(k: int) -> None:
+            try:
+                results[k] = _slow_request(httpclient.InferenceServerClient(proc.http, network_timeout=120), float(k))
+            except Exception as e:
+                results[k] = e
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(32)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        # All 32 admitted (answered or in flight) before the signal, and most still in flight.
+        while _metric(proc, "onnxpipe_inflight_requests") + _metric(proc, "onnxpipe_requests_total") < 32 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        in_flight = _metric(proc, "onnxpipe_inflight_requests")
+        children = _children(proc.proc.pid)  # type: ignore[union-attr]
+        proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        time.sleep(0.05)
+        status, answer = proc.request("POST", "/v2/models/slow/infer", json.dumps({"inputs": []}).encode())
+        later_refused = status == 503 and b"the server is shutting down" in answer
+        for t in threads:
+            t.join(120)
+        code = proc.stop()
+    assert in_flight >= 4, f"only {in_flight} requests were in flight at SIGTERM: the test did not test the drain"
+    assert later_refused, f"a request during the drain got {status}: {answer!r}"
+    assert code == 0, proc.log()
+    for k in range(32):
+        assert isinstance(results[k], np.ndarray), f"request {k}: {results[k]!r}"
+        np.testing.assert_allclose(results[k], np.full(SLOW, k, np.float32), rtol=1e-5)  # type: ignore[arg-type]
+    assert re.search(r"draining: \d+ request\(s\) in flight", proc.log()), proc.log()
+    assert all(not _alive(pid) for pid in [proc.proc.pid, *children]), "a process of the server is still running"  # type: ignore[union-attr]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _serve(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``onnxpipe serve ARGS`` that is expected to exit by itself."""
+    return subprocess.run([sys.executable, "-m", "onnxpipe.cli", "serve", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _error_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+def test_a_model_that_cannot_load_is_one_line_and_exit_1(bundles: dict[str, Path]) -> None:
+    http, grpc_port = free_ports(2)
+    line = _error_line(_serve(*serve_args(bundles, "twoout", "labelled"), "--http-port", http, "--grpc-port", grpc_port))
+    assert line.startswith(f"error: model 'labelled' ({bundles['labelled']}): ") and "'tests.code_stages:label' (stage 'label')" in line, line
+    line = _error_line(_serve(bundles["twoout"].parent, "--http-port", http, "--grpc-port", 0))
+    assert "is not a bundle" in line
+    line = _error_line(_serve("--http-port", http))
+    assert line == "error: no model to serve: give bundles (PATH or NAME=PATH) or a model repository folder"
+    line = _error_line(_serve(f"bad name={bundles['twoout']}", "--http-port", http))
+    assert "model name 'bad name'" in line and "letters, digits" in line
+    with ServerProcess(*serve_args(bundles, "twoout")) as holder:
+        holder.start(Path(holder.args[0].split("=")[1]).parent.parent / "holder.log")
+        line = _error_line(_serve(*serve_args(bundles, "twoout"), "--http-port", holder.http_port, "--grpc-port", 0))
+        assert f"cannot listen on 127.0.0.1:{holder.http_port} (HTTP)" in line
+        line = _error_line(_serve(*serve_args(bundles, "twoout"), "--http-port", http, "--grpc-port", holder.grpc_port))
+        assert f"cannot listen on 127.0.0.1:{holder.grpc_port} (gRPC)" in line
+        assert holder.stop() == 0
+
+
+def test_allow_partial_serves_what_loads_and_names_what_did_not(bundles: dict[str, Path], tmp_path: Path) -> None:
+    with ServerProcess(*serve_args(bundles, "twoout", "labelled"), "--allow-partial") as proc:
+        proc.start(tmp_path / "serve.log")
+        status, answer = proc.get("/v2/models/labelled/ready")
+        assert status == 503 and b"model 'labelled' is not available: it failed to load" in answer
+        assert proc.get("/v2/models/twoout/ready")[0] == 200
+        assert "not serving model 'labelled'" in proc.log()
+        assert proc.stop() == 0
+
+
+def test_the_token_guards_everything_but_health_on_both_protocols(bundles: dict[str, Path], tmp_path: Path) -> None:
+    token = tmp_path / "token.txt"
+    token.write_text("s3cret-token\n")
+    with ServerProcess(*serve_args(bundles, "twoout"), "--auth-token-file", token) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.get("/v2/health/ready")[0] == 200  # open
+        assert proc.get("/v2/models/twoout") == (401, b'{"error":"this server needs a bearer token: send the header \'Authorization: Bearer <token>\'"}')
+        assert proc.get("/v2/models/twoout", {"Authorization": "Bearer wrong"}) == (401, b'{"error":"the bearer token is not valid"}')
+        assert proc.get("/metrics")[0] == 401
+        assert proc.get("/v2/models/twoout", {"Authorization": "Bearer s3cret-token"})[0] == 200
+        http = httpclient.InferenceServerClient(proc.http)
+        tensor = httpclient.InferInput("X", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+        with pytest.raises(InferenceServerException, match="needs a bearer token"):
+            http.infer("twoout", [tensor])
+        assert http.infer("twoout", [tensor], headers={"Authorization": "Bearer s3cret-token"}).as_numpy("Y").shape == (1, 4)
+        g = grpcclient.InferenceServerClient(proc.grpc)
+        assert g.is_server_ready()  # open
+        with pytest.raises(InferenceServerException, match="needs a bearer token") as e:
+            g.get_model_metadata("twoout")
+        assert e.value.status() == str(grpc.StatusCode.UNAUTHENTICATED)
+        assert g.get_model_metadata("twoout", headers={"authorization": "Bearer s3cret-token"}).name == "twoout"
+        assert proc.stop() == 0
+
+
+def test_a_model_repository_serves_every_bundle_in_it_by_its_name(bundles: dict[str, Path], tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy(bundles["squeeze"], repo / "squeezenet.onnxpipe")
+    shutil.copytree(bundles["twoout"], repo / "pair")
+    (repo / "notes.txt").write_text("not a bundle")
+    with ServerProcess("--model-repository", repo, grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        stats = json.loads(proc.get("/v2/models/stats")[1])
+        assert sorted(s["name"] for s in stats["model_stats"]) == ["pair", "squeezenet"]
+        assert "verified against 1 reference sample(s)" in proc.log()
+        assert proc.stop(signal.SIGINT) == 0
