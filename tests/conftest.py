@@ -1,8 +1,99 @@
-"""Shared test set-up. Tiny models live in tests/models.py; real ones in the onnx wheel."""
+"""Shared test set-up. Tiny models live in tests/models.py; real ones in the onnx wheel. The one
+real Ray cluster of the session is here, for the engine's tests and the server's on Ray (both in
+xdist group "ray", so one worker holds it)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import onnxruntime as ort
+import pytest
 
 # The onnx light models carry unused initializers; onnxruntime warns about each one.
 ort.set_default_logger_severity(3)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real Ray cluster on this machine: a driver-only head and two worker nodes labelled
+    ``onnxpipe/host=a`` and ``b``, on loopback, quiet, with small object stores, its files under the
+    test's tmp; shut down through Ray's API. Yields the ``ray.cluster_utils.Cluster``; the tests that
+    need a node of their own add and remove it. Skips without ray (``pip install 'onnxpipe[ray]'``)."""
+    # Short, private and removed at the end: Ray's Unix socket paths (temp_dir/session_.../sockets/...)
+    # must stay under 108 bytes, which pytest's own tmp folders under xdist exceed.
+    root = Path(tempfile.mkdtemp(prefix="onnxpipe-ray-"))
+    # Set before ray is imported: it reads them then.
+    env = {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # loopback node addresses, as Ray documents for local clusters
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_TMPDIR": str(root),  # ray_current_cluster and sessions go here, not /tmp/ray
+        # The nodes' processes (and so the actors' private bundle folders) inherit it: a folder an
+        # actor could not remove (its node was removed under it) goes with the cluster, not into /tmp.
+        "TMPDIR": str(root / "nodes"),
+    }
+    (root / "nodes").mkdir()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ray = pytest.importorskip("ray", reason="the Ray engine tests need Ray: pip install 'onnxpipe[ray]'")
+    from ray.cluster_utils import Cluster
+
+    (root / "ray").mkdir()
+    common = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20, "include_dashboard": False, "temp_dir": str(root / "ray")}
+    # Nodes that stop answering are declared dead after about 1.5 s instead of Ray's default 30 s.
+    health = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 3}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": health, **common})
+    cluster.common_node_args = common  # type: ignore[attr-defined]
+    try:
+        for host in ("a", "b"):
+            cluster.add_node(num_cpus=2, labels={"onnxpipe/host": host}, **common)
+        ray.init(address=cluster.address, logging_level="error", log_to_driver=False)
+        yield cluster
+    finally:
+        ours = _descendants({p.process.pid for node in cluster.list_all_nodes() for ps in node.all_processes.values() for p in ps})
+        ray.shutdown()
+        cluster.shutdown()
+        deadline = time.monotonic() + 10
+        while [p for p in ours if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    left = [p for p in ours if _alive(p)]
+    shutil.rmtree(root, ignore_errors=True)
+    assert left == [], f"Ray processes of the test cluster still running: {left}"
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process below them (read from /proc: never by name)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found = set(roots)
+    grew = True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in found} - found
+        grew = bool(more)
+        found |= more
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -49,4 +49,5 @@ def test_help_shows_the_options_and_examples_without_importing_the_server() -> N
 def test_without_the_serve_extra_it_says_which_to_install(tmp_path: Path) -> None:
     code = "import sys; sys.modules['uvicorn'] = None\nfrom onnxpipe.cli import main\nmain(['serve', 'x.onnxpipe'])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 1 and done.stderr.strip() == "error: onnxpipe serve needs the serve extra (uvicorn is not installed): pip install 'onnxpipe[serve]'"
+    assert done.returncode == 1
+    assert done.stderr.strip() == "error: onnxpipe serve needs the serve extra (uvicorn is not installed): pip install 'onnxpipe[serve]'"

@@ -21,7 +21,7 @@ from onnxpipe.builder import build, export
 from onnxpipe.runtime import Pipeline, RayOptions, load
 from onnxpipe.splitter import split
 from tests import models
-from tests.runtime.conftest import _alive
+from tests.conftest import _alive
 
 # One cluster per test session: every test of this file goes to the same xdist worker.
 pytestmark = pytest.mark.xdist_group("ray")
