@@ -80,5 +80,19 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks.streams
 	$(BIN)/python -m benchmarks.ocr_chain
 
+# benchmarks.serve: onnxpipe serve beside the same bundle in process and beside KServe's Python
+# ModelServer, the peer, which lives in a venv of its own (its dependencies are not ours).
+KSERVE := .venv-kserve
+
+$(KSERVE)/.installed:
+	$(PYTHON) -m venv $(KSERVE)
+	$(KSERVE)/bin/python -m pip install --quiet --upgrade pip
+	$(KSERVE)/bin/python -m pip install --quiet kserve==0.21.0 onnxruntime
+	touch $@
+
+bench-serve: $(VENV)/.installed-dev $(KSERVE)/.installed
+	@.ci/install-perf-analyzer $(VENV) || echo "perf_analyzer could not be installed: served rows use the tritonclient load generator"
+	$(BIN)/python -m benchmarks.serve --peer $(KSERVE)/bin/python
+
 clean:
-	rm -rf $(VENV) $(OLDEST) $(DEMO_OUT) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) $(KSERVE) $(DEMO_OUT) .pytest_cache .hypothesis

@@ -30,10 +30,10 @@ __all__ = ["PipelineStats", "StageRecorder", "StageStats", "write_trace"]
 _WINDOW = 10_000
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of values sorted once by the caller (``stats()`` is polled by servers)."""
+    if not ordered:
         return 0.0
-    ordered = sorted(values)
     k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[k]
 
@@ -206,7 +206,7 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
     rows = []
     for name, recorders, depth, high, capacity in stages:
         snapshots = [r.snapshot() for r in recorders]
-        latencies = [x for snap in snapshots for x in snap[3]]
+        latencies = sorted(x for snap in snapshots for x in snap[3])
         busy = sum(snap[2] for snap in snapshots)
         count = sum(snap[0] for snap in snapshots)
         queued = sum(snap[4] for snap in snapshots)
@@ -232,6 +232,7 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
         lat = list(requests.latencies)
         span = (requests.last_done - requests.first_submit) if requests.first_submit is not None and requests.last_done is not None else 0.0
         completed, failed = requests.completed, requests.failed
+    lat.sort()  # outside the lock: finishing requests do not wait for it
     bottleneck = max(rows, key=lambda r: r.utilization).stage if rows else ""
     return PipelineStats(
         elapsed_s=elapsed,

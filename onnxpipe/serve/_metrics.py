@@ -12,6 +12,7 @@ Note: nothing is counted twice.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,13 +56,18 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_PipelineCollector(models))
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}  # labelled children, looked up once
 
     def answered(self, model: str, protocol: str, status: int, seconds: float) -> None:
         """One inference request answered with ``status`` after ``seconds``."""
         outcome = outcome_of(status)
-        self._requests.labels(model, protocol, outcome).inc()
+        key = (model, protocol, outcome)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (self._requests.labels(*key), self._duration.labels(model, protocol))
+        children[0].inc()
         if outcome == "success":
-            self._duration.labels(model, protocol).observe(seconds)
+            children[1].observe(seconds)
 
     def render(self) -> bytes:
         """The text exposition format of everything."""
