@@ -17,7 +17,7 @@ from kserve import InferOutput, InferRequest, InferResponse
 from kserve.utils.utils import generate_uuid
 
 
-class OnnxModel(kserve.Model):  # type: ignore[misc]
+class OnnxModel(kserve.Model):
     """``predict`` runs the session, as the docs' custom models do."""
 
     def __init__(self, name: str, path: str) -> None:

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -210,21 +211,18 @@ def run(models: list[str], rounds: int, seconds: float, peer_python: str | None)
 
             for m in models:
                 for c in CONCURRENCY:
-                    add(f"{m}|in process|{c}", lambda m=m, c=c: in_process(pipes[m], feeds[m], c, seconds))
+                    add(f"{m}|in process|{c}", partial(in_process, pipes[m], feeds[m], c, seconds))
                     for proto in ("http", "grpc"):
                         url = server.http if proto == "http" else server.grpc
-                        if pa is not None:
-                            add(f"{m}|served {proto}|{c}", lambda m=m, c=c, u=url, p=proto: perf_analyzer(pa, u, p, m, c, seconds, folder))
+                        if pa:
+                            add(f"{m}|served {proto}|{c}", partial(perf_analyzer, pa, url, proto, m, c, seconds, folder))
                         else:
-                            add(f"{m}|served {proto}|{c}", lambda m=m, c=c, u=url, p=proto: closed_loop(u, p, m, feeds[m], c, seconds))
-                if peers:
-                    for proto in ("http", "grpc"):
-                        ours = server.http if proto == "http" else server.grpc
-                        theirs = f"127.0.0.1:{peers[m].http_port if proto == 'http' else peers[m].grpc_port}"
-                        add(f"{m}|onnxpipe {proto} (tritonclient)|{PEER_CONCURRENCY}",
-                            lambda m=m, u=ours, p=proto: closed_loop(u, p, m, feeds[m], PEER_CONCURRENCY, seconds))
-                        add(f"{m}|kserve {proto} (tritonclient)|{PEER_CONCURRENCY}",
-                            lambda m=m, u=theirs, p=proto: closed_loop(u, p, m, feeds[m], PEER_CONCURRENCY, seconds))
+                            add(f"{m}|served {proto}|{c}", partial(closed_loop, url, proto, m, feeds[m], c, seconds))
+                for proto in ("http", "grpc") if peers else ():
+                    ours = server.http if proto == "http" else server.grpc
+                    theirs = f"127.0.0.1:{peers[m].http_port if proto == 'http' else peers[m].grpc_port}"
+                    add(f"{m}|onnxpipe {proto} (tritonclient)|{PEER_CONCURRENCY}", partial(closed_loop, ours, proto, m, feeds[m], PEER_CONCURRENCY, seconds))
+                    add(f"{m}|kserve {proto} (tritonclient)|{PEER_CONCURRENCY}", partial(closed_loop, theirs, proto, m, feeds[m], PEER_CONCURRENCY, seconds))
 
             def progress(done: int, total: int) -> None:
                 print(f"\r  measured {done}/{total}", end="", file=sys.stderr, flush=True)
@@ -241,17 +239,17 @@ def run(models: list[str], rounds: int, seconds: float, peer_python: str | None)
                 server.proc.kill()
     rows = []
     for key, values in samples.items():
-        model, how, c = key.split("|")
+        model, how, concurrency = key.split("|")
         rows.append({
-            "model": model, "how": how, "concurrency": int(c),
+            "model": model, "how": how, "concurrency": int(concurrency),
             "rate": statistics.median(s.rate for s in values), "rate_min": min(s.rate for s in values), "rate_max": max(s.rate for s in values),
             "p50_ms": statistics.median(s.p50 for s in values), "p99_ms": statistics.median(s.p99 for s in values),
         })
     ratios = {}
     for key in samples:
-        model, how, c = key.split("|")
+        model, how, concurrency = key.split("|")
         if how.startswith("served"):
-            r = measured.ratios(key, f"{model}|in process|{c}")
+            r = measured.ratios(key, f"{model}|in process|{concurrency}")
             ratios[key] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
         if how.startswith("kserve"):
             r = measured.ratios(key, key.replace("kserve", "onnxpipe"))
