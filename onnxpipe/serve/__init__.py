@@ -2,7 +2,7 @@
 HTTP and gRPC, with Triton's binary tensor data, model configuration, statistics and sequence
 extensions, so Triton's own clients (``tritonclient``, ``perf_analyzer``) work unchanged.
 
-Needs ``pip install 'onnxpipe[serve]'`` (uvicorn, Starlette, grpcio, protobuf, prometheus-client)
+Needs ``pip install 'onnxpipe[serve]'`` (aiohttp, grpcio, protobuf, prometheus-client, uvloop)
 on top of the runtime; imports the runtime only, never the build side. See docs/serving.md.
 """
 

@@ -226,9 +226,10 @@ class ServedModel:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def close(self) -> None:
-        """Stop the worker thread and the pipeline (failing what is still in flight)."""
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        """Stop the pipeline (failing what is still in flight, which frees a submission waiting for
+        room), then the worker thread."""
         self.pipe.close()
+        self._worker.shutdown(wait=True, cancel_futures=True)
 
     # -- what the protocol shows of it ---------------------------------------------------------
 

@@ -46,7 +46,7 @@ class ServeOptions:
         drain_timeout: Seconds to wait, on SIGTERM, for admitted requests to finish.
         allow_partial: Serve the models that load even when some do not.
         verify: Run each bundle's reference samples at load; a mismatch fails the model.
-        access_log: Log every HTTP request (uvicorn's access log).
+        access_log: Log every HTTP request (aiohttp's access log, to stderr).
     """
 
     host: str = "127.0.0.1"

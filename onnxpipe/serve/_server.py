@@ -8,22 +8,24 @@ Note: lifecycle.
     or SIGINT the server drains: ready goes false, new inference requests get 503, the requests
     already admitted finish and are answered (for at most ``drain_timeout`` seconds), then the
     listeners close, the pipelines close, and :func:`serve` returns. A second signal skips the
-    wait. Both front doors share one asyncio event loop (uvloop where installed); inference runs
-    on the pipelines' own threads or actors, never on the loop.
+    wait. Both front doors (aiohttp's HTTP server, grpcio's asyncio server) share one asyncio event
+    loop (uvloop where installed); inference runs on the pipelines' own threads or actors, never on
+    the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import signal
 import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from types import FrameType
 from typing import Any
 
-import uvicorn
+from aiohttp import web
 
 from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError
 from onnxpipe.runtime import load
@@ -64,17 +66,6 @@ def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, sa
         uvloop.run(server.run())
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, whose signal handling starts the drain instead of stopping at once."""
-
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_signal = on_signal
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._on_signal()
-
-
 class _Server:
     def __init__(self, sources: list[ModelSource], options: ServeOptions, say: Say) -> None:
         self.sources = sources
@@ -86,18 +77,26 @@ class _Server:
         self._signals = 0
 
     def _signal(self) -> None:
-        """SIGTERM or SIGINT (on the main thread, between bytecodes): start the drain, or end it."""
+        """SIGTERM or SIGINT (on the loop): start the drain, or end its wait."""
         self._signals += 1
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._stop is not None:
+            self._stop.set()
 
     async def run(self) -> None:
         self._stop = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._signal)
         options, state = self.options, self.state
         http_socket = _bind(options.host, options.http_port)
         grpc_server = None
-        http_task: asyncio.Task[None] | None = None
+        runner = web.AppRunner(
+            make_app(state),
+            handle_signals=False,
+            access_log=logging.getLogger("aiohttp.access") if options.access_log else None,
+            auto_decompress=False,  # inflated by onnxpipe, within --max-body-size
+            shutdown_timeout=max(1.0, options.drain_timeout),
+        )
         try:
             if options.grpc_port:
                 try:
@@ -106,36 +105,25 @@ class _Server:
                     where = f"{options.host}:{options.grpc_port}"
                     raise ConfigError(f"cannot listen on {where} (gRPC): {e}; choose another --grpc-port, or 0 for no gRPC") from None
                 await grpc_server.start()
-            config = uvicorn.Config(
-                make_app(state),
-                lifespan="off",
-                log_level="warning",
-                access_log=options.access_log,
-                timeout_graceful_shutdown=max(1, round(options.drain_timeout)),
-                backlog=_BACKLOG,
-            )
-            uv = _Uvicorn(config, self._signal)
-            http_task = asyncio.create_task(uv.serve(sockets=[http_socket]))
+            await runner.setup()
+            await web.SockSite(runner, http_socket, backlog=_BACKLOG).start()
             await self._load_all()
             if not self._signals:
                 state.ready = True
                 self.say(f"ready: {self._summary()}")
                 idle = asyncio.create_task(self._close_idle_sequences())
-                stopped = asyncio.create_task(self._stop.wait())
-                await asyncio.wait([stopped, http_task], return_when=asyncio.FIRST_COMPLETED)
+                await self._stop.wait()
                 idle.cancel()
-                if http_task.done():
-                    http_task.result()  # uvicorn stopped by itself: say why
                 await self._drain()
-            uv.should_exit = True
-            await http_task
         finally:
-            if http_task is not None and not http_task.done():
-                http_task.cancel()
+            state.draining = True
+            await runner.cleanup()  # stops listening; lets connections finish their responses
             http_socket.close()
             if grpc_server is not None:
                 await grpc_server.stop(grace=1.0)
             await asyncio.to_thread(self._close_models)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
         self.say("stopped")
 
     async def _load_all(self) -> None:

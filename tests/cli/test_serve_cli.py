@@ -12,7 +12,7 @@ import pytest
 from onnxpipe.cli import _serve
 from tests.cli.helpers import assert_usage_error, assert_user_error, run
 
-pytest.importorskip("uvicorn", reason="onnxpipe serve needs the serve extra")
+pytest.importorskip("aiohttp", reason="onnxpipe serve needs the serve extra")
 
 
 def test_the_cli_defaults_are_the_servers() -> None:
@@ -42,12 +42,12 @@ def test_help_shows_the_options_and_examples_without_importing_the_server() -> N
     for text in ("--http-port", "[default: 8000;", "--grpc-port", "0: no gRPC", "--max-inflight", "--auth-token-file", "--drain-timeout",
                  "perf_analyzer -m resnet50"):
         assert text in out, text
-    code = "import sys; from onnxpipe.cli import main; print(','.join(m for m in ('uvicorn', 'grpc', 'onnxruntime') if m in sys.modules))"
+    code = "import sys; from onnxpipe.cli import main; print(','.join(m for m in ('aiohttp', 'grpc', 'onnxruntime') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == ""
 
 
 def test_without_the_serve_extra_it_says_which_to_install(tmp_path: Path) -> None:
-    code = "import sys; sys.modules['uvicorn'] = None\nfrom onnxpipe.cli import main\nmain(['serve', 'x.onnxpipe'])"
+    code = "import sys; sys.modules['aiohttp'] = None\nfrom onnxpipe.cli import main\nmain(['serve', 'x.onnxpipe'])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 1
-    assert done.stderr.strip() == "error: onnxpipe serve needs the serve extra (uvicorn is not installed): pip install 'onnxpipe[serve]'"
+    assert done.stderr.strip() == "error: onnxpipe serve needs the serve extra (aiohttp is not installed): pip install 'onnxpipe[serve]'"

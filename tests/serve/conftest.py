@@ -19,7 +19,7 @@ from tests import code_stages, models
 from tests.serve.process import ServerProcess
 from tests.stateful_models import recurrent
 
-pytest.importorskip("uvicorn", reason="the server tests need the serve extra: pip install 'onnxpipe[serve]'")
+pytest.importorskip("aiohttp", reason="the server tests need the serve extra: pip install 'onnxpipe[serve]'")
 pytest.importorskip("tritonclient", reason="the server tests drive it with Triton's client: pip install tritonclient[all]")
 
 SQUEEZE_CUT = [["r34", "r35"]]
