@@ -15,6 +15,7 @@ Note: ordering and failures.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -464,20 +465,17 @@ class Pipeline(InferenceSessionAPI):
             with self._lock:
                 self._closing_streams.pop(stream.id, None)
 
-        if not self.spec.states:
-            return closed()
-        try:
-            _, done = self._enqueue({}, stream, CLOSE)
-        except StageError:
-            return closed()  # the pipeline is closed: its runners and their states are gone with it
-        if not wait:
+        done = None
+        if self.spec.states:
+            with contextlib.suppress(StageError):  # the pipeline is closed: its runners and states are gone with it
+                done = self._enqueue({}, stream, CLOSE)[1]
+        if done is not None and not wait:
             done.add_done_callback(closed)
-            return None
-        try:
-            done.result()
-        except StageError:
-            pass  # closed meanwhile: as above
-        return closed()
+            return
+        if done is not None:
+            with contextlib.suppress(StageError):  # closed meanwhile: as above
+                done.result()
+        closed()
 
     def close_idle_streams(self) -> list[int]:
         """Close the streams idle for longer than ``stream_timeout`` now, instead of at the next

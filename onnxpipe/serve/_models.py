@@ -7,7 +7,8 @@ statistics for the protocol's views — is here, once.
 Note: the event loop never waits.
     A stateless request is submitted from the event loop with ``block=False``; when the
     pipeline's first queue is full (``BusyError``), the submission moves to the model's own
-    worker thread, which may wait for room. Sequence steps always go through that one thread:
+    worker thread, which may wait for room, and later ones queue behind it (first come, first
+    submitted). Sequence steps always go through that one thread:
     opening a stream, closing an idle one and submitting a step may each wait, and one thread
     keeps a sequence's steps in the order they arrived. The loop then awaits the request's future.
     What is waiting is bounded: at most ``max_inflight`` requests per model are admitted, the rest
@@ -141,6 +142,7 @@ class ServedModel:
         self._ended: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()  # the last _ENDED, and why
         # Submissions that may wait, and every stream operation, in arrival order (see Note: the event loop never waits).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"onnxpipe-serve-{name}")
+        self._waiting = 0  # stateless submissions on the worker: while any wait, later ones queue behind them
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -165,17 +167,27 @@ class ServedModel:
                 a stream cannot be opened, 500 when a stage fails on the request.
         """
         loop = asyncio.get_running_loop()
+        future: Future[Outputs] | None
         try:
             if self.stateful:
                 future = await loop.run_in_executor(self._worker, self._step, arrays, sequence)
             else:
-                try:
-                    future = self.pipe.submit(arrays, block=False)
-                except BusyError:
-                    future = await loop.run_in_executor(self._worker, self.pipe.submit, arrays)
+                future = self._submit_now(arrays) if not self._waiting else None
+                if future is None:  # the first queue is full: wait for room on the worker, after those waiting already
+                    self._waiting += 1
+                    try:
+                        future = await loop.run_in_executor(self._worker, self.pipe.submit, arrays)
+                    finally:
+                        self._waiting -= 1
             return await asyncio.wrap_future(future)
         except (InputError, StageError) as e:
             raise _request_error(e) from None
+
+    def _submit_now(self, arrays: Mapping[str, np.ndarray]) -> Future[Outputs] | None:
+        try:
+            return self.pipe.submit(arrays, block=False)
+        except BusyError:
+            return None
 
     def _step(self, arrays: Mapping[str, np.ndarray], sequence: Sequence | None) -> Future[Outputs]:
         """Submit one step of a sequence (on the model's worker thread: see Note: sequences are streams)."""

@@ -103,7 +103,7 @@ def _error_line(done: subprocess.CompletedProcess[str]) -> str:
     return errors[0]
 
 
-def test_a_model_that_cannot_load_is_one_line_and_exit_1(bundles: dict[str, Path]) -> None:
+def test_a_model_that_cannot_load_is_one_line_and_exit_1(bundles: dict[str, Path], tmp_path: Path) -> None:
     http, grpc_port = free_ports(2)
     line = _error_line(_serve(*serve_args(bundles, "twoout", "labelled"), "--http-port", http, "--grpc-port", grpc_port))
     assert line.startswith(f"error: model 'labelled' ({bundles['labelled']}): ") and "'tests.code_stages:label' (stage 'label')" in line, line
@@ -114,7 +114,7 @@ def test_a_model_that_cannot_load_is_one_line_and_exit_1(bundles: dict[str, Path
     line = _error_line(_serve(f"bad name={bundles['twoout']}", "--http-port", http))
     assert "model name 'bad name'" in line and "letters, digits" in line
     with ServerProcess(*serve_args(bundles, "twoout")) as holder:
-        holder.start(Path(holder.args[0].split("=")[1]).parent.parent / "holder.log")
+        holder.start(tmp_path / "holder.log")
         line = _error_line(_serve(*serve_args(bundles, "twoout"), "--http-port", holder.http_port, "--grpc-port", 0))
         assert f"cannot listen on 127.0.0.1:{holder.http_port} (HTTP)" in line
         line = _error_line(_serve(*serve_args(bundles, "twoout"), "--http-port", http, "--grpc-port", holder.grpc_port))
