@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from onnxpipe.cli._common import ALLOW_CODE, TARGET, SizeType, UserError
-from onnxpipe.cli._deploy import ADDRESS, ENGINE, QUEUE_DEPTH, _engine_args
+from onnxpipe.cli._deploy import ADDRESS, ENGINE, _engine_args
 
 __all__ = ["serve"]
 
@@ -48,7 +48,13 @@ _DRAIN_TIMEOUT = 30.0
 @ENGINE
 @ADDRESS
 @TARGET
-@QUEUE_DEPTH
+@click.option(
+    "--queue-depth",
+    "queue_depth",
+    type=click.IntRange(min=1),
+    metavar="Q",
+    help="Requests that may wait in front of each stage [default: --max-inflight, so admitted requests wait in the pipeline's queues].",
+)
 @click.option(
     "--max-inflight",
     default=_MAX_INFLIGHT,
@@ -80,7 +86,7 @@ def serve(
     engine: str,
     address: str | None,
     target: str | None,
-    queue_depth: int,
+    queue_depth: int | None,
     max_inflight: int,
     max_body_size: int,
     body_timeout: float,

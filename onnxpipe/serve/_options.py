@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from onnxpipe._errors import ConfigError
-from onnxpipe.runtime import ARCHIVE_SUFFIX, DEFAULT_MAX_STREAMS, DEFAULT_QUEUE_DEPTH, ENGINES, is_bundle
+from onnxpipe.runtime import ARCHIVE_SUFFIX, DEFAULT_MAX_STREAMS, ENGINES, is_bundle
 
 __all__ = ["ModelSource", "ServeOptions", "model_sources"]
 
@@ -37,7 +37,10 @@ class ServeOptions:
         engine: ``"thread"`` or ``"ray"``.
         address: The Ray cluster (engine ``"ray"``).
         target: Run every stage on this target instead of its own.
-        queue_depth: Requests that may wait in front of each stage.
+        queue_depth: Requests that may wait in front of each stage; ``None``: ``max_inflight``, so
+            that every admitted request can wait in the pipeline's own queues (a full first queue
+            sends submissions through a thread of the server's, measured 6-8% slower on squeezenet
+            at concurrency 16 with the runtime's default of 4).
         max_inflight: Requests admitted at once per model; more are refused with 503.
         max_body_bytes: Largest request body (also the largest gRPC message), compressed or not.
         body_timeout: Seconds a request's body may take to arrive; slower ones get 408.
@@ -57,7 +60,7 @@ class ServeOptions:
     engine: str = "thread"
     address: str | None = None
     target: str | None = None
-    queue_depth: int = DEFAULT_QUEUE_DEPTH
+    queue_depth: int | None = None
     max_inflight: int = 64
     max_body_bytes: int = 64 << 20
     body_timeout: float = 30.0
@@ -80,7 +83,7 @@ class ServeOptions:
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ConfigError(f"http_port and grpc_port are both {self.http_port}; give them different ports")
         for name in ("max_inflight", "max_body_bytes", "max_streams", "queue_depth"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("body_timeout", "drain_timeout"):
             if not getattr(self, name) > 0:

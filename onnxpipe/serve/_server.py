@@ -154,7 +154,7 @@ class _Server:
         pipe = load(
             source.path,
             target=o.target,
-            queue_depth=o.queue_depth,
+            queue_depth=o.queue_depth or o.max_inflight,
             allow_code=o.allow_code,
             max_streams=o.max_streams,
             stream_timeout=o.stream_timeout,

@@ -23,6 +23,7 @@ def test_the_cli_defaults_are_the_servers() -> None:
         o.max_inflight, o.body_timeout, o.max_streams, o.stream_timeout, o.drain_timeout)
     assert _serve._MAX_BODY == "64MiB" and o.max_body_bytes == 64 << 20
     assert (o.host, o.http_port, o.grpc_port) == ("127.0.0.1", 8000, 8001)  # loopback unless told otherwise
+    assert o.queue_depth is None  # as deep as --max-inflight
 
 
 def test_refusals_before_anything_listens(tmp_path: Path) -> None:
