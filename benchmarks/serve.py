@@ -2,7 +2,9 @@
 same bundle in process, and beside the peer a Python user would deploy instead, in one run.
 
 Models: resnet50 and squeezenet from the onnx wheel, each split automatically in 2 stages x 1
-thread. Measured, in interleaved rounds (medians with their range):
+thread, and ``floor``: squeezenet's 600 KB input into one stage that computes almost nothing,
+whose latency at concurrency 1 is what the front door and the loopback alone add. Measured, in
+interleaved rounds (medians with their range):
 
 - **in process**: ``Pipeline.submit`` with ``C`` requests in flight (what ``pipe.map`` does), the
   ceiling of the served numbers;
@@ -61,6 +63,29 @@ def _inputs(model: str) -> dict[str, np.ndarray]:
     session = ort.InferenceSession(str(light_model_path(model)), providers=["CPUExecutionProvider"])
     i = session.get_inputs()[0]
     return {i.name: np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(np.float32)}
+
+
+FLOOR = "floor"
+
+
+def _floor_bundle(folder: Path) -> Path:
+    """One stage that takes squeezenet's 600 KB input and computes almost nothing (a ReduceMax): at
+    concurrency 1 its served latency is what the front door and the loopback add, nothing else."""
+    from onnx import TensorProto, helper
+
+    from onnxpipe.builder import PipelineConfig
+
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMax", ["data_0"], ["m"], keepdims=1)],
+        FLOOR,
+        [helper.make_tensor_value_info("data_0", TensorProto.FLOAT, [1, 3, 224, 224])],
+        [helper.make_tensor_value_info("m", TensorProto.FLOAT, [1, 1, 1, 1])],
+    )
+    config = PipelineConfig(FLOOR)
+    stage = config.add_stage(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), FLOOR)
+    config.input("data_0").connect(stage.input("data_0"))
+    stage.output("m").connect(config.output("m"))
+    return export(build(config, folder / "floor-built").path, folder / "floor.onnxpipe")
 
 
 def _bundle(model: str, folder: Path) -> Path:
@@ -187,11 +212,11 @@ def run(models: list[str], rounds: int, seconds: float, peer_python: str | None)
     pa = shutil.which("perf_analyzer", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        bundles = {m: _bundle(m, folder) for m in models}
-        feeds = {m: _inputs(m) for m in models}
-        server = ServerProcess(*[f"{m}={bundles[m]}" for m in models], "--max-inflight", "64")
+        bundles = {**{m: _bundle(m, folder) for m in models}, FLOOR: _floor_bundle(folder)}
+        feeds = {**{m: _inputs(m) for m in models}, FLOOR: _inputs("squeezenet")}
+        server = ServerProcess(*[f"{m}={path}" for m, path in bundles.items()], "--max-inflight", "64")
         peers: dict[str, Peer] = {}
-        pipes = {m: load(bundles[m]) for m in models}
+        pipes = {m: load(path) for m, path in bundles.items()}
         try:
             server.start(folder / "serve.log")
             if peer_python:
@@ -209,8 +234,8 @@ def run(models: list[str], rounds: int, seconds: float, peer_python: str | None)
 
                 candidates[key] = once
 
-            for m in models:
-                for c in CONCURRENCY:
+            for m in [*models, FLOOR]:
+                for c in CONCURRENCY if m != FLOOR else (1,):
                     add(f"{m}|in process|{c}", partial(in_process, pipes[m], feeds[m], c, seconds))
                     for proto in ("http", "grpc"):
                         url = server.http if proto == "http" else server.grpc
@@ -218,7 +243,7 @@ def run(models: list[str], rounds: int, seconds: float, peer_python: str | None)
                             add(f"{m}|served {proto}|{c}", partial(perf_analyzer, pa, url, proto, m, c, seconds, folder))
                         else:
                             add(f"{m}|served {proto}|{c}", partial(closed_loop, url, proto, m, feeds[m], c, seconds))
-                for proto in ("http", "grpc") if peers else ():
+                for proto in ("http", "grpc") if peers and m != FLOOR else ():
                     ours = server.http if proto == "http" else server.grpc
                     theirs = f"127.0.0.1:{peers[m].http_port if proto == 'http' else peers[m].grpc_port}"
                     add(f"{m}|onnxpipe {proto} (tritonclient)|{PEER_CONCURRENCY}", partial(closed_loop, ours, proto, m, feeds[m], PEER_CONCURRENCY, seconds))
