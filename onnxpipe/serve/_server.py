@@ -46,7 +46,8 @@ def _stderr(line: str) -> None:
 
 
 def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, say: Say = _stderr) -> None:
-    """Serve ``models`` over HTTP and gRPC until SIGTERM or SIGINT (see Note: lifecycle).
+    """Serve ``models`` over HTTP and gRPC until SIGTERM or SIGINT (see Note: lifecycle). Call it
+    from the main thread: it handles those signals.
 
     Args:
         models: What to serve (see :func:`model_sources`).
