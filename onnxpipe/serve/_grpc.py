@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
@@ -88,7 +89,7 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
 
     async def model_infer(r: Any) -> Message:
         model = state.model(r.model_name, r.model_version)
-        return await state.infer(model, "grpc", lambda: _decode(state, model, r), lambda d, o: _encode(model, d, o))
+        return await state.infer(model, "grpc", lambda: _decode(model, r), lambda d, o: _encode(model, d, o))
 
     handlers = {
         "ServerLive": method(server_live, pb.ServerLiveRequest, pb.ServerLiveResponse, open_to_all=True),
@@ -116,17 +117,13 @@ def _parameters(params: Any) -> dict[str, Any]:
     return plain
 
 
-def _decode(state: ServerState, model: ServedModel, r: Any) -> Decoded:
+def _decode(model: ServedModel, r: Any) -> Decoded:
     raw = r.raw_input_contents
     if raw and len(raw) != len(r.inputs):
         raise bad_request(f"raw_input_contents has {len(raw)} entries for {len(r.inputs)} inputs: give one per input, in order, or none")
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     for i, tensor in enumerate(r.inputs):
-        port = model.inputs.get(tensor.name)
-        if port is None:
-            raise state.unknown_input(model, tensor.name)
-        if tensor.name in arrays:
-            raise bad_request(f"input '{tensor.name}' is given twice")
+        port = model.input_port(tensor.name, arrays)
         shape = check_shape(port, tensor.datatype, list(tensor.shape))
         if raw:
             if tensor.HasField("contents"):
@@ -136,13 +133,10 @@ def _decode(state: ServerState, model: ServedModel, r: Any) -> Decoded:
             arrays[tensor.name] = from_contents(port, shape, tensor.contents)
         else:
             raise bad_request(f"input '{tensor.name}' has no data: fill raw_input_contents or its contents")
-    state.missing_inputs(model, set(arrays))
+    model.check_complete(arrays)
     outputs = []
     for out in r.outputs:
-        if out.name not in model.outputs:
-            raise state.unknown_output(model, out.name)
-        if "classification" in out.parameters:
-            raise bad_request(f"output '{out.name}': the classification extension is not implemented; ask for the tensor itself")
+        model.output_port(out.name, out.parameters)
         outputs.append((out.name, True))
     return Decoded(arrays, sequence_of(_parameters(r.parameters)), r.id, outputs, True)
 

@@ -31,6 +31,7 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from onnxpipe._errors import OnnxpipeError
@@ -100,7 +101,7 @@ def make_app(state: ServerState) -> web.Application:
         state.serving()
         header_length = request.headers.get(HEADER_LENGTH)
         body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, header_length)
-        response = await state.infer(model, "http", lambda: _decode(state, model, body, header_length), lambda d, o: _encode(model, d, o))
+        response = await state.infer(model, "http", lambda: _decode(model, body, header_length), lambda d, o: _encode(model, d, o))
         if "Accept-Encoding" in request.headers:
             response.enable_compression()  # gzip or deflate, as the client accepts
         return response
@@ -222,7 +223,7 @@ def _inflate(body: memoryview, encoding: str, limit: int) -> memoryview:
     return memoryview(plain)
 
 
-def _decode(state: ServerState, model: ServedModel, body: memoryview, header_length: str | None) -> Decoded:
+def _decode(model: ServedModel, body: memoryview, header_length: str | None) -> Decoded:
     """A request's JSON header and tensors (see Note: the body)."""
     end = len(body)
     if header_length is not None:
@@ -247,18 +248,14 @@ def _decode(state: ServerState, model: ServedModel, body: memoryview, header_len
         raise bad_request("the request must have an 'inputs' list")
     data = body
     offset = end
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     for item in inputs:
         if not isinstance(item, dict):
             raise bad_request(f"each input must be a JSON object, got {item!r:.60}")
         name = item.get("name")
         if not isinstance(name, str):
             raise bad_request(f"each input needs a 'name' string, got {name!r:.60}")
-        port = model.inputs.get(name)
-        if port is None:
-            raise state.unknown_input(model, name)
-        if name in arrays:
-            raise bad_request(f"input '{name}' is given twice")
+        port = model.input_port(name, arrays)
         unknown = set(item) - _INPUT_KEYS
         if unknown:
             raise bad_request(f"input '{name}': unknown key(s) {', '.join(repr(k) for k in sorted(unknown))}; valid: {', '.join(sorted(_INPUT_KEYS))}")
@@ -279,14 +276,14 @@ def _decode(state: ServerState, model: ServedModel, body: memoryview, header_len
             raise bad_request(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
     if offset != len(body):
         raise bad_request(f"{len(body) - offset} bytes of binary data after the inputs' ({offset - end}) are not claimed by any input's binary_data_size")
-    state.missing_inputs(model, set(arrays))
+    model.check_complete(arrays)
     binary = parameters.get("binary_data_output", False)
     if not isinstance(binary, bool):
         raise bad_request(f"parameter 'binary_data_output' must be a boolean, got {binary!r}")
-    return Decoded(arrays, sequence_of(parameters), request_id, _requested(state, model, header.get("outputs"), binary), binary)
+    return Decoded(arrays, sequence_of(parameters), request_id, _requested(model, header.get("outputs"), binary), binary)
 
 
-def _requested(state: ServerState, model: ServedModel, outputs: object, binary: bool) -> list[tuple[str, bool]]:
+def _requested(model: ServedModel, outputs: object, binary: bool) -> list[tuple[str, bool]]:
     if outputs is None:
         return []
     if not isinstance(outputs, list):
@@ -296,11 +293,8 @@ def _requested(state: ServerState, model: ServedModel, outputs: object, binary: 
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str):
             raise bad_request(f"each requested output needs a 'name' string, got {item!r:.60}")
-        if name not in model.outputs:
-            raise state.unknown_output(model, name)
         params = _object(item.get("parameters", {}), f"output '{name}': 'parameters'")
-        if "classification" in params:
-            raise bad_request(f"output '{name}': the classification extension is not implemented; ask for the tensor itself")
+        model.output_port(name, params)
         as_binary = params.get("binary_data", binary)
         if not isinstance(as_binary, bool):
             raise bad_request(f"output '{name}': binary_data must be a boolean, got {as_binary!r}")

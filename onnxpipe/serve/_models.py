@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe import __version__
-from onnxpipe._errors import BusyError, InputError, StageError, StreamError
+from onnxpipe._errors import BusyError, InputError, StageError, StreamError, closest
 from onnxpipe.runtime import Pipeline, Stream
 from onnxpipe.serve._errors import RequestError, bad_request
 from onnxpipe.serve._tensors import Port, port_of
@@ -242,6 +242,42 @@ class ServedModel:
         room), then the worker thread."""
         self.pipe.close()
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+    # -- a request's tensors against the ports (both front doors) ------------------------------
+
+    def input_port(self, name: str, given: Mapping[str, object]) -> Port:
+        """The port of a request's input ``name``, not given before (``given``: the inputs so far).
+
+        Raises:
+            RequestError: 400 for an unknown input, or one given twice.
+        """
+        port = self.inputs.get(name)
+        if port is None:
+            raise bad_request(f"model '{self.name}' has no input '{name}'; {closest(name, self.inputs, n=len(self.inputs))}")
+        if name in given:
+            raise bad_request(f"input '{name}' is given twice")
+        return port
+
+    def output_port(self, name: str, parameters: Mapping[str, object]) -> Port:
+        """The port of a requested output, with its parameters.
+
+        Raises:
+            RequestError: 400 for an unknown output, or one asking for the classification extension.
+        """
+        port = self.outputs.get(name)
+        if port is None:
+            raise bad_request(f"model '{self.name}' has no output '{name}'; {closest(name, self.outputs, n=len(self.outputs))}")
+        if "classification" in parameters:
+            raise bad_request(f"output '{name}': the classification extension is not implemented; ask for the tensor itself")
+        return port
+
+    def check_complete(self, given: Mapping[str, object]) -> None:
+        """Raises:
+            RequestError: 400 naming the inputs the request lacks."""
+        missing = [n for n in self.inputs if n not in given]
+        if missing:
+            names = ", ".join(repr(n) for n in missing)
+            raise bad_request(f"model '{self.name}': missing input(s) {names}; it takes {', '.join(repr(n) for n in self.inputs)}")
 
     # -- what the protocol shows of it ---------------------------------------------------------
 

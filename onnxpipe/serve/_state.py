@@ -163,17 +163,3 @@ class ServerState:
             raise
         finally:
             self.metrics.answered(model.name, protocol, status, time.perf_counter() - started)
-
-    def unknown_input(self, model: ServedModel, name: str) -> RequestError:
-        return bad_request(f"model '{model.name}' has no input '{name}'; {closest(name, model.inputs, n=len(model.inputs))}")
-
-    def unknown_output(self, model: ServedModel, name: str) -> RequestError:
-        return bad_request(f"model '{model.name}' has no output '{name}'; {closest(name, model.outputs, n=len(model.outputs))}")
-
-    def missing_inputs(self, model: ServedModel, given: set[str]) -> None:
-        """Raises:
-            RequestError: 400 naming the inputs the request lacks."""
-        missing = [n for n in model.inputs if n not in given]
-        if missing:
-            names = ", ".join(repr(n) for n in missing)
-            raise bad_request(f"model '{model.name}': missing input(s) {names}; it takes {', '.join(repr(n) for n in model.inputs)}")
