@@ -557,4 +557,6 @@ def _describe(settings: StageSettings) -> str:
         parts.append(f"cores {','.join(map(str, settings.affinity))}")
     if settings.replicas > 1:
         parts.append(f"x{settings.replicas}")
+    if settings.max_batch > 1:
+        parts.append(f"batches up to {settings.max_batch}" + (f" (waits {settings.max_delay_ms:g} ms)" if settings.max_delay_ms else ""))
     return ", ".join(parts)

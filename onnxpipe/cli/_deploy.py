@@ -81,12 +81,16 @@ def build(
       opt=disable|basic|extended|all   graph optimization level
       fallback=on|off            let nodes the provider cannot run fall back to CPU
       replicas=N                 workers running this stage
+      max_batch=N                run up to N requests, or steps of N streams,
+                                 as one session call (docs/batching.md)
+      max_delay_ms=T             how long a request may wait for others to
+                                 join its batch (0: take what is queued)
 
     \b
     The --settings file is keyed by *, a stage name or a position; its values use the
     StageSettings field names (target, provider_options, fallback, intra_op_threads,
     inter_op_threads, execution_mode, spinning, affinity, optimization,
-    session_config, replicas). Order of application, later wins: the file's "*"
+    session_config, replicas, max_batch, max_delay_ms). Order of application, later wins: the file's "*"
     entry, its other entries in file order, then each --stage in command-line order.
 
     \b
@@ -94,6 +98,7 @@ def build(
       onnxpipe build split -o built
       onnxpipe build split -o built --stage 0:threads=2,affinity=0-1 --stage 1:threads=2,affinity=2-3
       onnxpipe build split -o built --stage '*:opt=extended' --stage head:target=cuda:1
+      onnxpipe build split -o built --stage '*:threads=1,max_batch=8'
       onnxpipe build split -o built --settings stages.json --ort-format --overwrite --json
       onnxpipe build ocr.toml -o built --stage det_0:threads=2
     """

@@ -39,6 +39,13 @@ def _count(value: str) -> int:
         raise ValueError(f"must be an integer, got {value!r}") from None
 
 
+def _millis(value: str) -> float:
+    try:
+        return float(value.removesuffix("ms"))
+    except ValueError:
+        raise ValueError(f"must be a number of milliseconds, got {value!r}") from None
+
+
 def _host(value: str) -> str | None:
     return None if value.lower() in ("", "any", "none") else value
 
@@ -99,8 +106,10 @@ STAGE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "fallback": ("fallback", _switch),
     "replicas": ("replicas", _count),
     "host": ("host", _host),
+    "max_batch": ("max_batch", _count),
+    "max_delay_ms": ("max_delay_ms", _millis),
 }
-_VALID_KEYS = "target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas, host"
+_VALID_KEYS = "target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas, host, max_batch, max_delay_ms"
 
 
 @dataclass(frozen=True)

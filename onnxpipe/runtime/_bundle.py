@@ -794,6 +794,10 @@ def _check_folder(
     except ConfigError as e:
         raise BundleError(f"{CONFIG_NAME}: {e}") from e
     check_caps(spec, limits, sessions)
+    for stage in spec.stages:
+        if stage.settings.max_batch > 1 and stage.batching is None:
+            raise BundleError(f"{CONFIG_NAME}: stage '{stage.name}' has max_batch {stage.settings.max_batch} but no batching record: "
+                              "build it with onnxpipe build (which checks that the stage can batch), or set max_batch to 1")
     used: set[str] = set()
     for stage in spec.stages:
         if stage.module is None:

@@ -141,6 +141,27 @@ class Reader(Generic[T]):
             self._give_back()
         return item
 
+    def get_more(self, timeout: float) -> T | None:
+        """Take the oldest item if one comes within ``timeout`` seconds (0: only one already
+        queued); ``None`` otherwise. What a stage that batches takes after its first item.
+
+        Raises:
+            Closed: the channel is closed.
+        """
+        if timeout > 0 and self._owed:
+            self._give_back()  # about to wait: never wait holding slots
+        try:
+            item = self._items.get(timeout=timeout) if timeout > 0 else self._items.get_nowait()
+        except queue.Empty:
+            return None
+        if item is _POISON:
+            self._items.put(item)
+            raise Closed
+        self._owed += 1
+        if self._owed >= self.batch:
+            self._give_back()
+        return item
+
     def _give_back(self) -> None:
         put = self._slots.put
         for _ in range(self._owed):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from onnxpipe._errors import ConfigError, StageError
-from onnxpipe.runtime._channel import Channel, Closed
+from onnxpipe.runtime._channel import Channel, Closed, Reader
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, pinned_replica
 from onnxpipe.runtime._stats import StageRecorder
 
@@ -88,7 +88,7 @@ class ThreadEngine:
         self._recorders = [[StageRecorder(p.stage.name, r, trace) for r in range(p.stage.settings.replicas)] for p in self._plans]
         # One channel per stage, or per replica of a stage with state (see Note: streams).
         self._channels: list[list[Channel[Request]]] = [
-            [Channel(queue_depth) for _ in range(p.stage.settings.replicas if p.states else 1)] for p in self._plans
+            [Channel(max(queue_depth, p.stage.settings.max_batch)) for _ in range(p.stage.settings.replicas if p.states else 1)] for p in self._plans
         ]
         self._orphans: list[Request] = []
         self._lock = threading.Lock()
@@ -121,10 +121,14 @@ class ThreadEngine:
         recorder = self._recorders[i][r]
         recorder.thread_id = threading.get_ident()
         ready.wait()
-        # Hot loop: bound methods looked up once.
         own = self._channels[i]
-        take = own[r if len(own) > 1 else 0].reader().get
+        reader = own[r if len(own) > 1 else 0].reader()
         hand_on = self._hand_on(i + 1) if i + 1 < len(self._channels) else None
+        if getattr(runner, "max_batch", 1) > 1:
+            self._work_batched(runner, reader, recorder, hand_on)
+            return
+        # Hot loop: bound methods looked up once.
+        take = reader.get
         record, clock = recorder.record, time.perf_counter
         while True:
             try:
@@ -153,6 +157,43 @@ class ThreadEngine:
                 return
             # Let go before waiting: a finished request refers to its pipeline (request.done).
             del request
+
+    def _work_batched(self, runner: Runner, reader: Reader[Request], recorder: StageRecorder, hand_on: Callable[[Request], None] | None) -> None:
+        """The worker of a stage that batches: it takes a request, then what else is queued (up
+        to ``max_batch``, waiting up to ``max_delay_ms`` for more), and runs them together."""
+        settings = runner.plan.stage.settings
+        most, delay = settings.max_batch, settings.max_delay_ms / 1e3
+        clock = time.perf_counter
+        while True:
+            try:
+                group = [reader.get()]
+                taken = clock()
+                deadline = taken + delay
+                while len(group) < most:
+                    more = reader.get_more(max(0.0, deadline - clock()) if delay else 0.0)
+                    if more is None:
+                        break
+                    group.append(more)
+            except Closed:
+                return
+            for call in runner.run_many(group):
+                errors = [None if e is None else self._failure(runner.name, m.id, e) for m, e in zip(call.members, call.errors, strict=True)]
+                for member, error in zip(call.members, errors, strict=True):
+                    member.error = error
+                if call.members[0].step != CLOSE:
+                    recorder.record_call(call.members, call.start, call.end, errors, max(0.0, call.start - taken))
+            for n, request in enumerate(group):
+                try:
+                    if hand_on is None:
+                        assert request.done is not None
+                        request.done(request)
+                    else:
+                        hand_on(request)
+                except Closed:
+                    with self._lock:
+                        self._orphans.extend(group[n:])
+                    return
+            del group, request
 
     def _failure(self, stage: str, request: int, error: Exception) -> StageError:
         if self._closing:

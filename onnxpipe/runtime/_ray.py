@@ -88,6 +88,7 @@ _CALLS_PER_REPLICA = 2
 #: How long close() waits for actors to remove their files before killing them.
 _SHUTDOWN_WAIT_S = 2.0
 _TICK_S = 0.2
+_FAILED = RuntimeError("failed")  # what a stage record counts as a failed run
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class _StageActor:
     def __init__(self, payload: Any, path: str | None, manifest_sha: str, limits: Mapping[str, Any], index: int, replica: int,
                  target: str | None, folder: str, returns: Sequence[str], allow_code: Sequence[str], stage: str) -> None:
         self._error: str | None = None
+        self._perf_to_wall = time.perf_counter() - time.time()
         import ray
 
         # A restarted actor (Ray's max_restarts) starts with no stream's state: see run().
@@ -187,7 +189,8 @@ class _StageActor:
     def run(self, calls: Sequence[tuple[int, int | None, tuple[int, int, dict[str, int]] | None, Sequence[Any]]],
             *objects: Any) -> tuple[list[dict[tuple[str, str], Any] | None], list[dict[str, Any]]]:
         """Run the stage on each request of one call, in order. A call carries one request, or
-        several when they queued up for this replica while it was busy (see the data-plane note).
+        several when they queued up for this replica while it was busy (see the data-plane note);
+        a stage that batches runs them as batched session calls (``StageRunner.run_many``).
 
         ``calls`` holds one ``(request, params, stream, sources)`` per request: ``params`` is the
         position in ``objects`` of its parameter snapshot (or None); ``stream`` is ``(stream, step,
@@ -200,19 +203,38 @@ class _StageActor:
         Returns the kept outputs of each request (None where it failed here or before) as ONE
         object, then each request's timing record.
         """
-        outputs, timings = [], []
+        outputs: list[dict[tuple[str, str], Any] | None] = []
+        timings: list[dict[str, Any]] = []
+        runnable: list[tuple[int, Request]] = []
         for request, params, stream, sources in calls:
             produced = [s[1] if s[0] == "v" else _entry(objects[s[1]], s[2]) for s in sources]
-            out, timing = self._run_one(request, None if params is None else objects[params], stream, produced)
-            outputs.append(out)
+            req, timing = self._prepare(request, None if params is None else objects[params], stream, produced)
+            outputs.append(None)
             timings.append(timing)
+            if req is not None:
+                runnable.append((len(timings) - 1, req))
+        if runnable and self._runner is not None:
+            at = {id(req): j for j, req in runnable}
+            name = self._runner.name
+            # One batched session call where the stage batches (Note: batched calls, _stage.py).
+            for call in self._runner.run_many([req for _, req in runnable]):
+                for member, error in zip(call.members, call.errors, strict=True):
+                    j = at[id(member)]
+                    timings[j].update(start=self._wall(call.start), end=self._wall(call.end), batch=len(call.members))
+                    if error is None:
+                        outputs[j] = {(name, o): member.values[Endpoint(name, o)] for o in self._returns}
+                    else:
+                        timings[j]["error"] = str(error)
         return outputs, timings
 
-    def _run_one(self, request: int, params: Mapping[str, np.ndarray] | None, stream: tuple[int, int, dict[str, int]] | None,
-                 produced: Sequence[dict[tuple[str | None, str], Any] | None]) -> tuple[dict[tuple[str, str], Any] | None, dict[str, Any]]:
-        """One request: its kept outputs (None if it failed here or before) and its timing record."""
-        timing: dict[str, Any] = {"start": time.time(), "end": 0.0, "error": None, "skipped": False}
-        outputs: dict[tuple[str, str], Any] | None = None
+    def _wall(self, perf: float) -> float:
+        return perf - self._perf_to_wall
+
+    def _prepare(self, request: int, params: Mapping[str, np.ndarray] | None, stream: tuple[int, int, dict[str, int]] | None,
+                 produced: Sequence[dict[tuple[str | None, str], Any] | None]) -> tuple[Request | None, dict[str, Any]]:
+        """One request of a call: the :class:`Request` to run (None if it needs no run) and its timing record."""
+        now = time.time()
+        timing: dict[str, Any] = {"start": now, "end": now, "error": None, "skipped": False}
         if any(v is None for v in produced):  # an earlier stage failed: pass the request on untouched
             timing["skipped"] = True
         elif stream is not None and stream[1] == CLOSE:
@@ -232,15 +254,9 @@ class _StageActor:
                 timing["error"] = (f"stage '{name}' lost the state of stream {stream[0]}: the actor holding it died and was restarted "
                                    "without it; close the stream")
                 timing["state_lost"] = True
-                timing["end"] = time.time()
                 return None, timing
-            try:
-                self._runner(req)
-                outputs = {(name, o): req.values[Endpoint(name, o)] for o in self._returns}
-            except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
-                timing["error"] = str(e)
-        timing["end"] = time.time()
-        return outputs, timing
+            return req, timing
+        return None, timing
 
     def streams(self) -> list[int]:
         """The streams whose state this replica holds (for diagnostics and tests)."""
@@ -334,7 +350,9 @@ class RayEngine:
         self._high_water = [0] * len(self._plans)
         if options.requests_per_call is not None and options.requests_per_call < 1:
             raise ConfigError(f"RayOptions.requests_per_call must be at least 1, got {options.requests_per_call}")
-        self._per_call = options.requests_per_call or queue_depth  # requests one call may carry
+        per_call = options.requests_per_call or queue_depth
+        # Requests one call may carry: at least a batch, for a stage that batches.
+        self._per_call = [max(per_call, p.stage.settings.max_batch) for p in self._plans]
         self._calls = [0] * len(self._plans)  # calls made, per stage
         self._wall_to_perf = time.time() - time.perf_counter()
         _, finals = plan_stages(bundle.spec)
@@ -575,8 +593,8 @@ class RayEngine:
         """Submit the requests waiting for replica ``r`` of stage ``i`` as one call, if it has room."""
         rep = self._replicas[i][r]
         while rep.pending and rep.calls < _CALLS_PER_REPLICA and rep.state != "dead":
-            members = [(f, a) for f, a in rep.pending[: self._per_call] if not f.done and a == f.attempt]
-            del rep.pending[: self._per_call]
+            members = [(f, a) for f, a in rep.pending[: self._per_call[i]] if not f.done and a == f.attempt]
+            del rep.pending[: self._per_call[i]]
             if not members:
                 continue
             self._call(i, r, members)
@@ -671,6 +689,8 @@ class RayEngine:
             except self._exc.RayError:
                 pass
         timings = future.result() if error is None else None
+        if timings is not None:
+            self._record_calls(members, i, r, timings)
         for j, (flight, attempt) in enumerate(members):
             if flight.done or attempt != flight.attempt:
                 continue  # an earlier attempt of a request that was re-run
@@ -691,14 +711,23 @@ class RayEngine:
             return True
         return not isinstance(error, self._exc.RayTaskError)
 
+    def _record_calls(self, members: list[tuple[_Flight, int]], i: int, r: int, timings: Sequence[Mapping[str, Any]]) -> None:
+        """Stage statistics of one actor call: one record per session call it made (a batch's
+        members share theirs)."""
+        calls: dict[tuple[float, float], list[tuple[Request, bool]]] = {}
+        for (flight, attempt), timing in zip(members, timings, strict=True):
+            if flight.done or attempt != flight.attempt or timing["skipped"]:
+                continue
+            calls.setdefault((timing["start"], timing["end"]), []).append((flight.request, timing["error"] is None))
+        for (start, end), runs in calls.items():
+            start, end = start - self._wall_to_perf, end - self._wall_to_perf
+            # Clocks of other hosts, and calls finishing out of order, can put a start before the last end.
+            requests = [request for request, _ in runs]
+            self._recorders[i][r].record_call(requests, start, end, [None if ok else _FAILED for _, ok in runs])
+
     def _record(self, flight: _Flight, i: int, r: int, timing: Mapping[str, Any]) -> None:
         request = flight.request
         name = self._plans[i].stage.name
-        if not timing["skipped"]:
-            start, end = timing["start"] - self._wall_to_perf, timing["end"] - self._wall_to_perf
-            # Clocks of other hosts, and calls finishing out of order, can put a start before the last end.
-            self._recorders[i][r].record(request.id, start, end, timing["error"] is None, max(0.0, start - request.queued_at))
-            request.queued_at = max(request.queued_at, end)
         if timing.get("state_lost") and request.error is None:
             request.error = StreamError(timing["error"], stage=name, request=request.id, state_valid=False)
         if timing["error"] is not None and request.error is None:

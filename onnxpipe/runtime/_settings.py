@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, closest
 
-__all__ = ["OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "host_cores", "resolve_provider"]
+__all__ = ["MAX_BATCH", "OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "host_cores", "resolve_provider"]
 
 #: Short names for execution providers; any full name onnxruntime knows is accepted too.
 PROVIDER_ALIASES: dict[str, str] = {
@@ -57,6 +57,10 @@ OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
 }
 #: What a Kubernetes-style label value (and so a Ray node label value) may be.
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+#: The largest ``max_batch``: a batch's arrays are allocated per call, so a bundle may not ask for more.
+MAX_BATCH = 1024
+#: The longest ``max_delay_ms`` (a minute): longer is a typo, not a policy.
+MAX_DELAY_MS = 60_000.0
 _PROVIDERS_WITH_DEVICE = {"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider",
                           "DmlExecutionProvider", "CANNExecutionProvider"}
 
@@ -106,6 +110,12 @@ class StageSettings:
         host: With the Ray engine, run the stage on nodes labelled ``onnxpipe/host=HOST``
             (``ray start --labels onnxpipe/host=HOST``); None: any node. The thread engine ignores it.
             Written to ``pipeline.json`` only when set.
+        max_batch: The most requests (or steps of different streams) the stage runs as one
+            session call; 1 (the default): each alone. Above 1 the build checks the stage can
+            batch and records how (``StageSpec.batching``; docs/batching.md). Written to
+            ``pipeline.json`` only when above 1.
+        max_delay_ms: How long a request the stage has taken may wait for others to join its
+            batch; 0 (the default, Triton's advice): take what is queued, never wait.
     """
 
     target: str = "cpu"
@@ -121,6 +131,8 @@ class StageSettings:
     replicas: int = 1
     custom_ops: tuple[str, ...] = ()
     host: str | None = None
+    max_batch: int = 1
+    max_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name, kind in (("target", str), ("execution_mode", str), ("optimization", str), ("fallback", bool), ("spinning", bool)):
@@ -136,6 +148,12 @@ class StageSettings:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ConfigError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= MAX_BATCH:
+            raise ConfigError(f"max_batch must be an integer from 1 (no batching) to {MAX_BATCH}, got {self.max_batch!r}")
+        delay = self.max_delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= MAX_DELAY_MS:
+            raise ConfigError(f"max_delay_ms must be a number of milliseconds from 0 to {MAX_DELAY_MS:g}, got {delay!r}")
+        object.__setattr__(self, "max_delay_ms", float(delay))
         if self.execution_mode not in ("sequential", "parallel"):
             raise ConfigError(f"execution_mode must be 'sequential' or 'parallel', got {self.execution_mode!r}")
         if self.optimization not in OPTIMIZATION_LEVELS:
@@ -184,6 +202,10 @@ class StageSettings:
             del data["custom_ops"]  # absent = none: settings without custom ops read as they did before
         if self.host is None:
             del data["host"]  # absent = any node: bundles without a host read as before
+        if self.max_batch == 1:
+            del data["max_batch"]  # absent = no batching: bundles that do not batch read as before
+        if not self.max_delay_ms:
+            del data["max_delay_ms"]
         return data
 
     @classmethod

@@ -27,6 +27,7 @@ from onnxpipe.runtime._settings import StageSettings
 __all__ = [
     "SPEC_FORMAT",
     "SPEC_VERSION",
+    "Batching",
     "Dim",
     "Endpoint",
     "Link",
@@ -204,6 +205,66 @@ class CodeSpec:
 
 
 @dataclass(frozen=True)
+class Batching:
+    """How a stage runs several requests as one session call (docs/batching.md): what the build
+    found and checked when the stage's ``max_batch`` is above 1.
+
+    Every port's batch axis is dim 0 (the build refuses a stage where some port's dim 0 is a
+    fixed size). Requests are stacked along it; a stream's steps are stacked too, after their
+    *padded* inputs (a KV cache, an attention mask, a mask made from it) are padded on the left
+    of their growing axis to the longest in the batch, so a padded position is never attended;
+    after the call each member's rows of every *stripped* output lose that padding again.
+
+    Attributes:
+        padded: Input name -> (axis, pad value): inputs whose length along ``axis`` grows with
+            the stream's past.
+        stripped: Output name -> axis: outputs whose length along ``axis`` grows with the past.
+        probe: How the build checked it: the largest difference between batched and alone
+            (``"max abs diff 3.1e-07 <= 1e-04"``), or why it could not.
+    """
+
+    padded: Mapping[str, tuple[int, float]] = field(default_factory=dict)
+    stripped: Mapping[str, int] = field(default_factory=dict)
+    probe: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "padded": {k: {"axis": a, "value": v} for k, (a, v) in self.padded.items()},
+            "stripped": dict(self.stripped),
+            "probe": self.probe,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> Batching:
+        """Read the JSON form; anything malformed is a :class:`ConfigError` naming the key."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: batching must be an object, got {describe_json(data)}")
+        unknown = sorted(set(data) - {"padded", "stripped", "probe"})
+        if unknown:
+            raise ConfigError(f"{where}: batching: unknown key '{unknown[0]}'; valid: 'padded', 'stripped', 'probe'")
+        padded: dict[str, tuple[int, float]] = {}
+        for name, pad in _need(data, "padded", dict, f"{where}: batching", {}).items():
+            if not isinstance(pad, dict) or set(pad) != {"axis", "value"} or not _is_index(pad["axis"]) or not _is_number(pad["value"]):
+                raise ConfigError(f"{where}: batching: padded '{name}' must be {{\"axis\": int >= 1, \"value\": number}}, got {describe_json(pad)}")
+            padded[name] = (pad["axis"], float(pad["value"]))
+        stripped: dict[str, int] = {}
+        for name, axis in _need(data, "stripped", dict, f"{where}: batching", {}).items():
+            if not _is_index(axis):
+                raise ConfigError(f"{where}: batching: stripped '{name}' must be an axis (an int >= 1), got {describe_json(axis)}")
+            stripped[name] = axis
+        return cls(padded, stripped, _need(data, "probe", str, f"{where}: batching", ""))
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
 class StageSpec:
     """What one stage needs to run: its module (or its code) and the tensors at its boundary.
 
@@ -218,6 +279,7 @@ class StageSpec:
             provider it was optimized for and whether the target still optimizes it at load).
         code: For a code stage, its entry point and parameters (spec version 2; ``module`` is
             then ``None``).
+        batching: How it batches (written by the build when ``settings.max_batch`` is above 1).
     """
 
     name: str
@@ -227,6 +289,7 @@ class StageSpec:
     settings: StageSettings = field(default_factory=StageSettings)
     build: Mapping[str, Any] = field(default_factory=dict)
     code: CodeSpec | None = None
+    batching: Batching | None = None
 
     @property
     def is_code(self) -> bool:
@@ -249,6 +312,12 @@ class StageSpec:
                 raise ConfigError(f"stage '{self.name}': tensor '{spec.name}' has unknown dtype '{spec.dtype}'; valid: {', '.join(DTYPES)}")
             if self.code is not None and spec.shape is None:
                 raise ConfigError(f"code stage '{self.name}': port '{spec.name}' needs a shape (a list of sizes, names or nulls) so its values can be checked")
+        if self.settings.max_batch > 1 and self.code is not None:
+            raise ConfigError(f"code stage '{self.name}': max_batch {self.settings.max_batch}: code stages run one request at a time; set max_batch=1")
+        if self.batching is not None:
+            for names, ports, what in ((self.batching.padded, self.inputs, "input"), (self.batching.stripped, self.outputs, "output")):
+                for name in names:
+                    find_tensor(ports, name, f"stage '{self.name}': batching names a padded or stripped {what} it does not have:")
 
     def input(self, name: str) -> TensorSpec:
         """The input named ``name``; :class:`ConfigError` naming the valid ones otherwise."""
@@ -682,6 +751,7 @@ def _stage_to_dict(s: StageSpec) -> dict[str, Any]:
         "outputs": [_tensor_to_dict(t) for t in s.outputs],
         "settings": s.settings.to_dict(),
         "build": dict(s.build),
+        **({"batching": s.batching.to_dict()} if s.batching is not None else {}),
     }
 
 
@@ -714,6 +784,7 @@ def _stage_from_dict(s: dict[str, Any], where: str) -> StageSpec:
         outputs=tuple(_tensor_from_dict(t, w) for w, t in _items(s, "outputs", where)),
         settings=parsed,
         build=dict(build),
+        batching=Batching.from_dict(s["batching"], where) if "batching" in s else None,
     )
 
 

@@ -25,7 +25,8 @@ Note: state stays in its stage.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,9 +39,9 @@ from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, res
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import make_session
-from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
+from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, StateLink
 
-__all__ = ["CLOSE", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "make_runner", "pinned_replica", "plan_stages"]
+__all__ = ["CLOSE", "Call", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "make_runner", "pinned_replica", "plan_stages"]
 
 #: ``Request.step`` of a control request that closes its stream: each stateful runner drops the
 #: stream's state; stateless ones pass it on.
@@ -131,6 +132,43 @@ class Runner(Protocol):
     def cancel(self) -> None:
         """Make a run in progress return early, where that is possible."""
 
+    def run_many(self, requests: Sequence[Request]) -> list[Call]:
+        """Run the stage for several requests taken together (batched where the stage batches);
+        what each session call did (see :class:`Call`)."""
+
+
+@dataclass
+class Call:
+    """One run of a stage over some requests: one session call for a batch, or one request alone.
+
+    Attributes:
+        members: The requests it ran (a close request: alone, with no session call).
+        start, end: ``time.perf_counter()`` around the run.
+        errors: Per member, what it raised, or ``None``.
+    """
+
+    members: list[Request]
+    start: float
+    end: float
+    errors: list[Exception | None]
+
+
+def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
+    """Each request of a group on its own (a runner that does not batch), in order."""
+    calls = []
+    clock = time.perf_counter
+    for request in requests:
+        if request.error is not None:
+            continue
+        start = clock()
+        try:
+            runner(request)
+            error = None
+        except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
+            error = e
+        calls.append(Call([request], start, clock(), [error]))
+    return calls
+
 
 class StageRunner:
     """Runs one stage of a request with one onnxruntime session.
@@ -149,6 +187,14 @@ class StageRunner:
         #: Per stream: (steps in the state, state input name -> array). See Note: state stays in its stage.
         self.states: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
         self._state_at = tuple((s.input, plan.outputs.index(s.output)) for s in plan.states)
+        self.max_batch = plan.stage.settings.max_batch if plan.stage.batching is not None else 1
+        batching = plan.stage.batching or Batching()
+        self._padded = dict(batching.padded)
+        self._stripped = tuple((i, batching.stripped.get(o)) for i, o in enumerate(plan.outputs))
+        #: The feeds stacked along dim 0; the others (parameter overrides) are the batch's own, as one.
+        self._stacked = frozenset(name for name, _ in plan.sources) | {s.input for s in plan.states}
+        #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
+        self.unbatched: str | None = None
 
     def __call__(self, request: Request) -> None:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
@@ -191,6 +237,170 @@ class StageRunner:
                 stage=self.name,
             )
         return entry[1]
+
+    def run_many(self, requests: Sequence[Request]) -> list[Call]:
+        """Run a group of requests taken from the stage's queue, in as few session calls as the
+        stage's batching allows (see Note: batched calls); each request's outputs go to its bag
+        and each stream's state is committed exactly as :meth:`__call__` does.
+
+        Requests that failed earlier are passed over; a close request runs alone, after the
+        stream's earlier steps. Never raises: each member's error is in its :class:`Call`.
+        """
+        if self.max_batch <= 1:
+            return run_alone(self, requests)
+        calls: list[Call] = []
+        pending = [r for r in requests if r.error is None]
+        while pending:
+            batch, feeds, rest = self._take_batch(pending, calls)
+            pending = rest
+            if len(batch) == 1:
+                calls.extend(run_alone(self, batch))
+            elif batch:
+                calls.extend(self._run_batch(batch, feeds))
+        return calls
+
+    def _take_batch(self, pending: list[Request], calls: list[Call]) -> tuple[list[Request], list[dict[str, np.ndarray]], list[Request]]:
+        """The next batch: the first pending request and, after it in order, those that fit with
+        it (the same key, another stream); the rest stay pending. A stream one of whose requests
+        stays pending keeps all its later ones pending too, so its steps keep their order."""
+        batch: list[Request] = []
+        feeds: list[dict[str, np.ndarray]] = []
+        rest: list[Request] = []
+        streams: set[int] = set()
+        held: set[int] = set()
+        key: tuple[Any, ...] | None = None
+        for request in pending:
+            stream = request.stream
+            if stream is not None and (stream in held or stream in streams) or len(batch) >= self.max_batch or request.step == CLOSE and batch:
+                rest.append(request)
+                if stream is not None:
+                    held.add(stream)
+                continue
+            if request.step == CLOSE:
+                return [request], [], [r for r in pending if r is not request]
+            try:
+                feed = self._feeds(request)
+            except Exception as e:  # its state does not match its step: it fails alone, now
+                calls.append(Call([request], time.perf_counter(), time.perf_counter(), [e]))
+                continue
+            mine = self._key(request, feed)
+            if key is None:
+                key = mine
+            elif mine != key:
+                rest.append(request)
+                if stream is not None:
+                    held.add(stream)
+                continue
+            batch.append(request)
+            feeds.append(feed)
+            if stream is not None:
+                streams.add(stream)
+        return batch, feeds, rest
+
+    def _feeds(self, request: Request) -> dict[str, np.ndarray]:
+        """What the session is fed for one request: its inputs from the bag, its parameters, its state."""
+        values = request.values
+        feeds = {name: values[key] for name, key in self.plan.sources}
+        own = request.params.get(self.name)
+        if own:
+            feeds.update(own)
+        if self._state_at:
+            feeds.update(self._state(request))
+        return feeds
+
+    def _key(self, request: Request, feeds: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
+        """Requests batch together only with the same key: the same parameters, and the same
+        dtypes and shapes but the batch axis (and, for padded inputs, the padded axis)."""
+        own = request.params.get(self.name)
+        key: list[Any] = [id(own) if own else None]
+        for name, value in feeds.items():
+            if name not in self._stacked:
+                continue
+            shape = list(np.shape(value))
+            pad = self._padded.get(name)
+            if pad is not None and pad[0] < len(shape):
+                shape[pad[0]] = -1
+            key.append((name, getattr(value, "dtype", None), tuple(shape[1:])))
+        return tuple(key)
+
+    def _run_batch(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> list[Call]:
+        """One session call for the batch (see Note: batched calls); should it fail, or its
+        outputs not split back, each member runs again alone so only a bad one fails."""
+        clock = time.perf_counter
+        start = clock()
+        stacked = self._stack(feeds)
+        if stacked is None:
+            self.unbatched = "their padded inputs do not grow alike, or their inputs disagree on a request's batch size"
+            return run_alone(self, batch)
+        joined, rows, shifts = stacked
+        try:
+            results = self.session.run(self.plan.outputs, joined, self.run_options)
+        except Exception as e:  # which member was bad is found by running each alone
+            self.unbatched = f"the batched call failed: {e}"
+            return run_alone(self, batch)
+        total = rows[-1]
+        if any(np.ndim(r) == 0 or len(r) != total for r in results):
+            self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
+            return run_alone(self, batch)
+        for j, request in enumerate(batch):
+            lo, hi, shift = rows[j], rows[j + 1], shifts[j]
+            mine = []
+            for (_, axis), result in zip(self._stripped, results, strict=True):
+                part = result[lo:hi]
+                if axis is not None and shift:
+                    part = np.ascontiguousarray(part[(slice(None),) * axis + (slice(shift, None),)])
+                mine.append(part)
+            if self._state_at:
+                assert request.stream is not None
+                self.states[request.stream] = (request.step + 1, {name: mine[at] for name, at in self._state_at})
+            values = request.values
+            for key, value in zip(self._keys, mine, strict=True):
+                values[key] = value
+            for key in self.plan.drop:
+                values.pop(key, None)
+        return [Call(list(batch), start, clock(), [None] * len(batch))]
+
+    def _stack(self, feeds: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int], list[int]] | None:
+        """The batch's feeds: each input's members joined along dim 0, padded inputs padded on
+        the left of their axis to the longest; with each member's first row (and the total) and
+        its padding. ``None`` when the padded inputs do not grow alike (they then run alone)."""
+        stacked = [name for name in feeds[0] if name in self._stacked]
+        if not stacked or any(np.ndim(feeds[0][name]) == 0 for name in stacked):
+            return None
+        rows = [0]
+        for feed in feeds:
+            rows.append(rows[-1] + len(feed[stacked[0]]))
+        if any(len(f[name]) != rows[j + 1] - rows[j] for j, f in enumerate(feeds) for name in stacked):
+            return None  # inputs of one request disagree on its batch size: each runs alone, and says so
+        shifts = [0] * len(feeds)
+        padded = [name for name in feeds[0] if name in self._padded]
+        if padded:
+            axis = self._padded[padded[0]][0]
+            lengths = [f[padded[0]].shape[axis] for f in feeds]
+            longest = max(lengths)
+            shifts = [longest - n for n in lengths]
+            for name in padded:
+                axis = self._padded[name][0]
+                if len({f[name].shape[axis] + s for f, s in zip(feeds, shifts, strict=True)}) != 1:
+                    return None
+        joined: dict[str, np.ndarray] = {}
+        for name, first in feeds[0].items():
+            if name not in self._stacked:
+                joined[name] = first
+                continue
+            pad = self._padded.get(name)
+            if pad is None or not any(shifts):
+                joined[name] = np.concatenate([f[name] for f in feeds])
+                continue
+            axis, value = pad
+            shape = list(first.shape)
+            shape[0] = rows[-1]
+            shape[axis] += shifts[0]
+            out = np.full(shape, value, first.dtype) if value else np.zeros(shape, first.dtype)
+            for j, feed in enumerate(feeds):
+                out[(slice(rows[j], rows[j + 1]),) + (slice(None),) * (axis - 1) + (slice(shifts[j], None),)] = feed[name]
+            joined[name] = out
+        return joined, rows, shifts
 
     def state_bytes(self) -> int:
         """Bytes of the state arrays this runner holds, over all its streams."""
@@ -288,6 +498,10 @@ class CodeRunner:
 
     def cancel(self) -> None:
         """Nothing to do: a Python call cannot be interrupted; the engine stops after it returns."""
+
+    def run_many(self, requests: Sequence[Request]) -> list[Call]:
+        """Each request alone, in order: code stages do not batch."""
+        return run_alone(self, requests)
 
 
 def pinned_replica(plan: StagePlan, request: Request, replicas: int) -> int | None:

@@ -22,7 +22,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from typing import Any
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = ["PipelineStats", "StageRecorder", "StageStats", "write_trace"]
@@ -51,6 +52,9 @@ class StageRecorder:
         self.latencies: deque[float] = deque(maxlen=window)
         self.events: deque[tuple[int, float, float, bool]] | None = deque(maxlen=100_000) if trace else None
         self.thread_id = 0
+        self.calls = 0
+        self.batches: dict[int, int] = {}  # batch size -> calls of that size (only with batching)
+        self.batch_wait = 0.0
 
     def record(self, request: int, start: float, end: float, ok: bool, queued: float = 0.0) -> None:
         """One run of the stage, timed with ``time.perf_counter()``, after ``queued`` seconds in
@@ -63,9 +67,31 @@ class StageRecorder:
         if self.events is not None:
             self.events.append((request, start, end, ok))
 
+    def record_call(self, members: Sequence[Any], start: float, end: float, errors: Sequence[BaseException | None], waited: float = 0.0) -> None:
+        """One session call that ran ``members`` (requests: their ``id`` and ``queued_at`` are
+        read, and ``queued_at`` moved to ``end``) together, after the worker waited ``waited``
+        seconds for the batch to fill. Counts each member as a run, and the call's time once."""
+        k = len(members)
+        self.count += k
+        self.calls += 1
+        self.failed += sum(e is not None for e in errors)
+        self.busy += end - start
+        self.batches[k] = self.batches.get(k, 0) + 1
+        self.batch_wait += waited
+        self.latencies.append(end - start)
+        for member, error in zip(members, errors, strict=True):
+            self.queued += max(0.0, start - member.queued_at)
+            member.queued_at = end
+            if self.events is not None:
+                self.events.append((member.id, start, end, error is None))
+
     def snapshot(self) -> tuple[int, int, float, list[float], float]:
         """``(count, failed, busy, latencies, queued)`` as of now, safe to take while the worker records (see Note above)."""
         return self.count, self.failed, self.busy, list(self.latencies.copy()), self.queued
+
+    def batch_snapshot(self) -> tuple[int, dict[int, int], float]:
+        """``(calls, batch size histogram, seconds waited for batches)`` of a worker that batches."""
+        return self.calls, dict(self.batches.copy()), self.batch_wait
 
     def trace_events(self) -> list[tuple[int, float, float, bool]]:
         """The recorded trace events as of now, safe to take while the worker records."""
@@ -73,8 +99,9 @@ class StageRecorder:
 
     def reset(self) -> None:
         """Forget everything recorded so far."""
-        self.count = self.failed = 0
-        self.busy = self.queued = 0.0
+        self.count = self.failed = self.calls = 0
+        self.busy = self.queued = self.batch_wait = 0.0
+        self.batches = {}
         self.latencies.clear()
         if self.events is not None:
             self.events.clear()
@@ -95,6 +122,11 @@ class StageStats:
         queued_s: Seconds the runs waited in the stage's queue, summed (from the end of the stage
             before, or the request's submission, to the start of the run).
         queue_mean_ms: Mean wait of a run in the stage's queue.
+        batch_sizes: For a stage that batches (``max_batch`` above 1): batch size -> session calls
+            of that size; empty otherwise. ``mean_ms`` and the percentiles are then per call.
+        batch_mean: Requests per session call (1.0 for a stage that does not batch).
+        batch_wait_ms: Mean time a call waited, after taking its first request, for others to
+            join it (``max_delay_ms``; 0 when it only takes what is queued).
         queue_depth: Requests waiting for the stage now.
         queue_high_water: The most that ever waited.
         queue_capacity: How many may wait before the stage before it blocks.
@@ -114,6 +146,9 @@ class StageStats:
     queue_capacity: int
     queued_s: float = 0.0
     queue_mean_ms: float = 0.0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    batch_mean: float = 1.0
+    batch_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,6 +191,7 @@ class PipelineStats:
             lines.append(
                 f"  {s.stage:<12} x{s.replicas} runs {s.count:>6}  util {s.utilization:6.1%}  mean {s.mean_ms:7.2f} ms  "
                 f"p99 {s.p99_ms:7.2f} ms  queue {s.queue_depth}/{s.queue_capacity} (max {s.queue_high_water})"
+                + (f"  batch mean {s.batch_mean:.2f} (max {max(s.batch_sizes)})" if s.batch_sizes else "")
             )
         return "\n".join(lines)
 
@@ -210,6 +246,15 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
         busy = sum(snap[2] for snap in snapshots)
         count = sum(snap[0] for snap in snapshots)
         queued = sum(snap[4] for snap in snapshots)
+        sizes: dict[int, int] = {}
+        calls = wait = 0.0
+        for r in recorders:
+            n, histogram, waited = r.batch_snapshot()
+            calls += n
+            wait += waited
+            for k, v in histogram.items():
+                sizes[k] = sizes.get(k, 0) + v
+        batched = sum(k * v for k, v in sizes.items())
         rows.append(
             StageStats(
                 stage=name,
@@ -226,6 +271,9 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
                 queue_capacity=capacity,
                 queued_s=queued,
                 queue_mean_ms=1e3 * queued / count if count else 0.0,
+                batch_sizes=dict(sorted(sizes.items())),
+                batch_mean=batched / sum(sizes.values()) if sizes else 1.0,
+                batch_wait_ms=1e3 * wait / calls if calls else 0.0,
             )
         )
     with requests._lock:

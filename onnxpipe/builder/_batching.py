@@ -1,0 +1,338 @@
+"""What the build checks before a stage may batch (``max_batch`` above 1): docs/batching.md.
+
+Note: the batching probe.
+    A stage batches only where it is known to be safe, never by guessing:
+
+    1. Every input and output of the stage has dim 0 as its batch axis: a symbolic (or unnamed)
+       dim 0. A fixed dim 0 refuses the stage, naming the port.
+    2. For a stage keeping state that grows (a KV cache: a state link with an ``empty_axis``),
+       the pipeline must have an attention mask input (``attention_mask``, int or bool, over past
+       and current positions): without one, a padded position cannot be hidden (a model with
+       absolute positions only) and the stage is refused, saying so.
+    3. Which ports grow with the past is *measured*, not read from dim names (exporters name
+       them differently, or not at all, and the mask made from ``attention_mask`` in one stage
+       and read in the next has no name): two synthetic streams with pasts of 3 and 5 run one
+       decode step alone, and every port of the stage whose length along an axis differs by
+       exactly 2 grows along it. Its inputs are *padded* (state inputs and int / bool masks with
+       0, a float mask made from the attention mask with the dtype's lowest value, as an
+       additive mask's blocked positions are), its outputs *stripped*.
+    4. The same streams then run two more steps batched, through the runners the engines use
+       (``StageRunner.run_many``), and every output must equal the alone run's within 1e-4
+       (fp32; 1e-2 for 16-bit floats), as optimum validates exports; otherwise the stage is
+       refused with the largest difference and where it was.
+
+    A stateless pipeline's stages are probed the same way with two random requests. A probe
+    that cannot run at all (random inputs the model refuses) leaves the stage batching on the
+    strength of step 1, and the record says it was not probed and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from onnxpipe._errors import BuildError, OnnxpipeError
+from onnxpipe.runtime._dtypes import numpy_dtype
+from onnxpipe.runtime._session import make_session
+from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, TensorSpec
+from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, plan_stages
+from onnxpipe.runtime._stream import bind_dims, state_dims
+
+__all__ = ["MASK_NAMES", "check_batching"]
+
+#: Pipeline inputs taken as the attention mask that marks padded positions, in order of preference.
+MASK_NAMES = ("attention_mask", "attn_mask", "mask")
+_POSITION_NAMES = ("position_ids", "positions", "pos_ids")
+_PASTS = (3, 5)  # the probe streams' pasts at their first decode step
+_PROMPTS = (3, 5)
+
+
+def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
+    """``spec`` with a :class:`Batching` record on each stage whose ``max_batch`` is above 1.
+
+    Args:
+        spec: The built pipeline (its modules in ``folder``).
+        folder: The build folder the stage modules are in.
+
+    Raises:
+        BuildError: a stage cannot batch (a fixed batch dim, no attention mask for a growing
+            state, batched results that differ from alone), naming the stage and why.
+    """
+    batching = [s for s in spec.stages if s.settings.max_batch > 1]
+    if not batching:
+        return spec
+    for stage in batching:
+        _check_batch_axes(stage)
+    growing = [s for s in batching if any(link.empty_axis is not None for link in spec.states_of(s.name))]
+    mask = _mask_input(spec) if spec.states else None
+    if growing and mask is None:
+        names = ", ".join(t.name for t in spec.inputs)
+        raise BuildError(
+            f"stage '{growing[0].name}' keeps state that grows with each step ({_growing_state(spec, growing[0])}), and the pipeline has no "
+            f"attention mask input to mark padded positions (looked for {', '.join(MASK_NAMES)}; inputs: {names}): a model with absolute "
+            "positions only cannot batch streams of different lengths; set max_batch=1 for it"
+        )
+    probe = _Probe(spec, folder, mask)
+    try:
+        records = probe.run(batching, growing)
+    except _NotProbed as e:
+        why = f"not probed: {e}"
+        records = {s.name: Batching(probe="" if s in growing else why) for s in batching}
+        if growing:
+            raise BuildError(f"stage '{growing[0].name}': cannot check that its streams batch ({e}); set max_batch=1 for it") from None
+    stages = tuple(dataclasses.replace(s, batching=records[s.name]) if s.name in records else s for s in spec.stages)
+    return dataclasses.replace(spec, stages=stages)
+
+
+def _check_batch_axes(stage: StageSpec) -> None:
+    if stage.code is not None:
+        raise BuildError(f"code stage '{stage.name}': max_batch {stage.settings.max_batch}: code stages run one request at a time; set max_batch=1")
+    for what, ports in (("input", stage.inputs), ("output", stage.outputs)):
+        for port in ports:
+            if port.shape is None:
+                raise BuildError(f"stage '{stage.name}' cannot batch: the rank of {what} '{port.name}' is unknown, so it has no batch axis; set max_batch=1")
+            if not port.shape:
+                raise BuildError(f"stage '{stage.name}' cannot batch: {what} '{port.name}' is a scalar, with no batch axis; set max_batch=1")
+            if isinstance(port.shape[0], int):
+                raise BuildError(
+                    f"stage '{stage.name}' cannot batch: dim 0 of {what} '{port.name}' {_fmt(port.shape)} is fixed at {port.shape[0]}; "
+                    "batching stacks requests along dim 0, which must be symbolic (export the model with a dynamic batch dim) -- or set max_batch=1"
+                )
+
+
+def _growing_state(spec: PipelineSpec, stage: StageSpec) -> str:
+    link = next(link for link in spec.states_of(stage.name) if link.empty_axis is not None)
+    return f"'{link.input}' along axis {link.empty_axis}"
+
+
+def _mask_input(spec: PipelineSpec) -> TensorSpec | None:
+    for name in MASK_NAMES:
+        for t in spec.inputs:
+            if t.name == name and t.shape is not None and len(t.shape) == 2 and numpy_dtype(t.dtype).kind in "iub":
+                return t
+    return None
+
+
+def _fmt(shape: Sequence[object]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _tolerance(dtype: np.dtype) -> float:
+    return 1e-2 if dtype.kind == "f" and dtype.itemsize <= 2 else 1e-4
+
+
+class _NotProbed(Exception):
+    """The probe's inputs could not run through the pipeline alone."""
+
+
+class _Probe:
+    """Runs synthetic streams or requests through the built stages, alone and batched."""
+
+    def __init__(self, spec: PipelineSpec, folder: Path, mask: TensorSpec | None) -> None:
+        self.spec = spec
+        self.mask = mask
+        self.plans, self.finals = plan_stages(spec)
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        for plan in self.plans:
+            stage = plan.stage
+            if stage.module is None:
+                continue
+            target = None if stage.settings.provider in ort.get_available_providers() else "cpu"
+            self.sessions[stage.name] = make_session(folder / stage.module, stage, target)
+        self.dims = state_dims(spec)
+        self.rng = np.random.default_rng(0)
+
+    # -- what runs ----------------------------------------------------------------------------
+
+    def _runners(self, records: Mapping[str, Batching]) -> list[StageRunner]:
+        runners = []
+        for plan in self.plans:
+            stage = plan.stage
+            if stage.name not in self.sessions:
+                raise _NotProbed(f"stage '{stage.name}' is a code stage")
+            batching = records.get(stage.name)
+            settings = stage.settings if batching is not None else stage.settings.replace(max_batch=1)
+            runners.append(StageRunner(StagePlan(dataclasses.replace(stage, batching=batching, settings=settings), plan.sources, plan.outputs,
+                                                 plan.drop, plan.states), self.sessions[stage.name]))
+        return runners
+
+    def _feeds(self, past: int, new: int, seed: int) -> dict[str, np.ndarray]:
+        """A step's pipeline inputs: the mask over past + new positions, positions counted from
+        the past, every other symbolic dim ``new`` long (the step's tokens), values seeded."""
+        rng = np.random.default_rng(seed)
+        feeds = {}
+        for t in self.spec.inputs:
+            dtype = numpy_dtype(t.dtype)
+            if self.mask is not None and t.name == self.mask.name:
+                feeds[t.name] = np.ones((1, past + new), dtype)
+                continue
+            if t.name in _POSITION_NAMES and t.shape is not None and len(t.shape) == 2:
+                feeds[t.name] = np.arange(past, past + new, dtype=dtype)[None, :]
+                continue
+            if t.shape is None:
+                raise _NotProbed(f"input '{t.name}' has no known rank")
+            shape = [1 if axis == 0 else d if isinstance(d, int) else new for axis, d in enumerate(t.shape)]
+            if dtype.kind == "f":
+                feeds[t.name] = rng.standard_normal(shape).astype(dtype)
+            elif dtype.kind in "iu":
+                feeds[t.name] = rng.integers(0, 4, size=shape).astype(dtype)
+            elif dtype.kind == "b":
+                feeds[t.name] = rng.integers(0, 2, size=shape).astype(bool)
+            else:
+                raise _NotProbed(f"input '{t.name}' is {t.dtype}, which the probe cannot make")
+        return feeds
+
+    def _request(self, rid: int, feeds: Mapping[str, np.ndarray], stream: int | None, step: int) -> Request:
+        request = Request(rid, {Endpoint(None, k): v for k, v in feeds.items()}, {}, 0.0, stream=stream, step=step)
+        if stream is not None:
+            request.dims = {d: size for d, (size, _) in bind_dims(self.spec.inputs, feeds, self.dims).items()}
+        return request
+
+    def _through(self, runners: Sequence[StageRunner], group: list[Request], seen: dict[str, list[dict[str, tuple[int, ...]]]] | None = None,
+                 batched: bool = False) -> None:
+        """``group`` through every stage in order (batched where a runner batches); raises the
+        first member's error. ``seen``: per stage, each member's port shapes (inputs and outputs).
+        ``batched``: every stage that batches must run the group as one call."""
+        for runner in runners:
+            if seen is not None:
+                seen.setdefault(runner.name, [])
+                shapes = [{name: np.shape(v) for name, v in runner._feeds(r).items()} for r in group]
+            calls = runner.run_many(group)
+            for call in calls:
+                for member, error in zip(call.members, call.errors, strict=True):
+                    if error is not None:
+                        if runner.max_batch > 1:
+                            raise _Differs(runner.name, f"a request that runs alone failed batched: {error}")
+                        raise _NotProbed(f"stage '{runner.name}' failed on the probe's request: {error}")
+            if batched and runner.max_batch > 1 and len(calls) != 1:
+                raise _Differs(runner.name, f"its requests did not run as one call ({runner.unbatched or 'they did not fit together'})")
+            if seen is not None:
+                for member, mine in zip(group, shapes, strict=True):
+                    mine.update({o: np.shape(member.values[Endpoint(runner.name, o)]) for o in runner.plan.outputs
+                                 if Endpoint(runner.name, o) in member.values})
+                    seen[runner.name].append(mine)
+
+    def _outputs(self, request: Request) -> dict[str, np.ndarray]:
+        return {name: np.asarray(request.values[key]) for name, key in self.finals.items()}
+
+    # -- the probe ----------------------------------------------------------------------------
+
+    def run(self, batching: Sequence[StageSpec], growing: Sequence[StageSpec]) -> dict[str, Batching]:
+        if self.spec.states:
+            return self._streams(batching, growing)
+        return self._requests(batching)
+
+    def _requests(self, batching: Sequence[StageSpec]) -> dict[str, Batching]:
+        feeds = [self._feeds(0, 2, seed) for seed in (1, 2)]
+        alone = self._runners({})
+        want = []
+        for rid, f in enumerate(feeds):
+            request = self._request(rid, f, None, 0)
+            self._through(alone, [request])
+            want.append(self._outputs(request))
+        records = {s.name: Batching() for s in batching}
+        group = [self._request(rid, f, None, 0) for rid, f in enumerate(feeds)]
+        try:
+            self._through(self._runners(records), group, batched=True)
+        except _Differs as e:
+            raise BuildError(f"stage '{e.stage}' cannot batch: {e.why}; set max_batch=1 for it") from None
+        worst = self._compare(want, [self._outputs(r) for r in group], batching)
+        return {s.name: Batching(probe=f"2 requests batched and alone agree: {worst}") for s in batching}
+
+    def _streams(self, batching: Sequence[StageSpec], growing: Sequence[StageSpec]) -> dict[str, Batching]:
+        # Alone: each stream's prompt, then three decode steps; the first decode step's shapes say what grows.
+        alone = self._runners({})
+        steps = 3
+        want: list[list[dict[str, np.ndarray]]] = []
+        seen: dict[str, list[dict[str, tuple[int, ...]]]] = {}
+        for sid, prompt in enumerate(_PROMPTS):
+            outs = []
+            for step in range(steps + 1):
+                past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
+                request = self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step)
+                self._through(alone, [request], seen if step == 1 else None)
+                outs.append(self._outputs(request))
+            want.append(outs)
+        records = {s.name: self._grown(s, seen[s.name]) if s in growing else Batching() for s in batching}
+        # Batched: the prompts (of different lengths: alone), then the decode steps together.
+        runners = self._runners(records)
+        got: list[list[dict[str, np.ndarray]]] = [[], []]
+        try:
+            for step in range(steps + 1):
+                group = []
+                for sid, prompt in enumerate(_PROMPTS):
+                    past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
+                    group.append(self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step))
+                self._through(runners, group, batched=step > 0)
+                for sid, request in enumerate(group):
+                    got[sid].append(self._outputs(request))
+        except _Differs as e:
+            raise BuildError(f"stage '{e.stage}' cannot batch streams: {e.why}; set max_batch=1 for it") from None
+        worst = self._compare([o for outs in want for o in outs], [o for outs in got for o in outs], batching)
+        pasts = f"2 streams (prompts of {_PROMPTS[0]} and {_PROMPTS[1]}, {steps} steps) batched and alone agree: {worst}"
+        return {name: dataclasses.replace(r, probe=pasts) for name, r in records.items()}
+
+    def _grown(self, stage: StageSpec, shapes: list[dict[str, tuple[int, ...]]]) -> Batching:
+        """Which of the stage's ports grow with the past: their lengths differ by the pasts' difference."""
+        a, b = shapes
+        grow = _PASTS[1] - _PASTS[0]
+        inputs = {t.name: t for t in stage.inputs}
+        states = {link.input for link in self.spec.states_of(stage.name)}
+        padded: dict[str, tuple[int, float]] = {}
+        stripped: dict[str, int] = {}
+        for name in a:
+            axes = [ax for ax, (x, y) in enumerate(zip(a[name], b.get(name, ()), strict=False)) if y - x == grow and ax > 0]
+            if not axes:
+                continue
+            if len(axes) > 1:
+                raise BuildError(f"stage '{stage.name}' cannot batch streams: '{name}' grows along axes {axes}, not one; set max_batch=1 for it")
+            if name in inputs:
+                dtype = numpy_dtype(inputs[name].dtype)
+                value = 0.0 if name in states or dtype.kind in "iub" else float(np.finfo(dtype).min)
+                padded[name] = (axes[0], value)
+            else:
+                stripped[name] = axes[0]
+        for link in self.spec.states_of(stage.name):
+            if link.empty_axis is not None:
+                stripped[link.output] = link.empty_axis  # the state a step commits, never in the bag to be measured
+            if link.empty_axis is not None and padded.get(link.input, (None,))[0] != link.empty_axis:
+                raise BuildError(f"stage '{stage.name}' cannot batch streams: its state '{link.input}' did not grow along its empty axis "
+                                 f"{link.empty_axis} from a past of {_PASTS[0]} to {_PASTS[1]}; set max_batch=1 for it")
+        return Batching(padded, stripped)
+
+    def _compare(self, want: Sequence[Mapping[str, np.ndarray]], got: Sequence[Mapping[str, np.ndarray]], batching: Sequence[StageSpec]) -> str:
+        worst, where, tol = 0.0, "", 1e-4
+        for w, g in zip(want, got, strict=True):
+            for name, ref in w.items():
+                out = g[name]
+                if ref.dtype.kind not in "fc":
+                    if ref.shape != out.shape or not np.array_equal(ref, out):
+                        raise BuildError(self._refusal(batching, f"output '{name}' batched differs from alone (exact for {ref.dtype})"))
+                    continue
+                if ref.shape != out.shape:
+                    raise BuildError(self._refusal(batching, f"output '{name}' batched has shape {out.shape}, alone {ref.shape}"))
+                tol = max(tol, _tolerance(ref.dtype))
+                diff = float(np.max(np.abs(ref.astype(np.float64) - out.astype(np.float64)), initial=0.0))
+                if not diff <= _tolerance(ref.dtype):
+                    raise BuildError(self._refusal(batching, f"output '{name}' batched differs from alone by {diff:.3g} (tolerance {_tolerance(ref.dtype):g})"))
+                if diff >= worst:
+                    worst, where = diff, name
+        return f"max abs diff {worst:.2g} on '{where}' <= {tol:g}" if where else "exact"
+
+    @staticmethod
+    def _refusal(batching: Sequence[StageSpec], why: str) -> str:
+        names = ", ".join(f"'{s.name}'" for s in batching)
+        return f"stage(s) {names} cannot batch: {why}; set max_batch=1 (a mask the model applies other than as an additive bias or 0/1 keep mask is one cause)"
+
+
+class _Differs(OnnxpipeError):
+    """A batched run failed where the same requests ran alone."""
+
+    def __init__(self, stage: str, why: str) -> None:
+        super().__init__(why)
+        self.stage = stage
+        self.why = why
