@@ -203,7 +203,7 @@ class _Probe:
                 shapes = [{name: np.shape(v) for name, v in runner._feeds(r).items()} for r in group]
             calls = runner.run_many(group)
             for call in calls:
-                for member, error in zip(call.members, call.errors, strict=True):
+                for error in call.errors:
                     if error is not None:
                         if runner.max_batch > 1:
                             raise _Differs(runner.name, f"a request that runs alone failed batched: {error}")

@@ -163,13 +163,14 @@ class ThreadEngine:
         to ``max_batch``, waiting up to ``max_delay_ms`` for more), and runs them together."""
         settings = runner.plan.stage.settings
         most, delay = settings.max_batch, settings.max_delay_ms / 1e3
+        complete = getattr(runner, "complete", lambda group: False)
         clock = time.perf_counter
         while True:
             try:
                 group = [reader.get()]
                 taken = clock()
                 deadline = taken + delay
-                while len(group) < most:
+                while len(group) < most and not (delay and complete(group)):
                     more = reader.get_more(max(0.0, deadline - clock()) if delay else 0.0)
                     if more is None:
                         break

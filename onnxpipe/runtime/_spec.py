@@ -246,14 +246,19 @@ class Batching:
         padded: dict[str, tuple[int, float]] = {}
         for name, pad in _need(data, "padded", dict, f"{where}: batching", {}).items():
             if not isinstance(pad, dict) or set(pad) != {"axis", "value"} or not _is_index(pad["axis"]) or not _is_number(pad["value"]):
-                raise ConfigError(f"{where}: batching: padded '{name}' must be {{\"axis\": int >= 1, \"value\": number}}, got {describe_json(pad)}")
+                raise ConfigError(f"{where}: batching: padded '{name}' must be {{\"axis\": int >= 1, \"value\": number}}, got {_brief_json(pad)}")
             padded[name] = (pad["axis"], float(pad["value"]))
         stripped: dict[str, int] = {}
         for name, axis in _need(data, "stripped", dict, f"{where}: batching", {}).items():
             if not _is_index(axis):
-                raise ConfigError(f"{where}: batching: stripped '{name}' must be an axis (an int >= 1), got {describe_json(axis)}")
+                raise ConfigError(f"{where}: batching: stripped '{name}' must be an axis (an int >= 1), got {_brief_json(axis)}")
             stripped[name] = axis
         return cls(padded, stripped, _need(data, "probe", str, f"{where}: batching", ""))
+
+
+def _brief_json(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_index(value: Any) -> bool:

@@ -190,11 +190,18 @@ class StageRunner:
         self.max_batch = plan.stage.settings.max_batch if plan.stage.batching is not None else 1
         batching = plan.stage.batching or Batching()
         self._padded = dict(batching.padded)
-        self._stripped = tuple((i, batching.stripped.get(o)) for i, o in enumerate(plan.outputs))
+        # Outputs stripped of a batch's padding: those but the state (which keeps it, see _Rows).
+        states_out = {link.output for link in plan.states}
+        self._stripped = tuple(None if o in states_out else batching.stripped.get(o) for o in plan.outputs)
         #: The feeds stacked along dim 0; the others (parameter overrides) are the batch's own, as one.
         self._stacked = frozenset(name for name, _ in plan.sources) | {s.input for s in plan.states}
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
         self.unbatched: str | None = None
+        #: Batched calls fed the state outputs of the batched call before them as they were (no copy).
+        self.reused = 0
+        #: Per stream whose state a batched call committed: where its rows are in that call's state (Note: batched calls).
+        self._layout: dict[int, _Rows] = {}
+        self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None}
 
     def __call__(self, request: Request) -> None:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
@@ -203,6 +210,7 @@ class StageRunner:
         """
         if request.step == CLOSE:
             self.states.pop(request.stream, None)  # type: ignore[arg-type]
+            self._layout.pop(request.stream, None)  # type: ignore[arg-type]
             return
         values = request.values
         feeds = {name: values[key] for name, key in self.plan.sources}
@@ -215,13 +223,28 @@ class StageRunner:
         if self._state_at:
             assert request.stream is not None
             self.states[request.stream] = (request.step + 1, {name: results[at] for name, at in self._state_at})
+            if self._layout:
+                self._layout.pop(request.stream, None)
         for key, value in zip(self._keys, results, strict=True):
             values[key] = value
         for key in self.plan.drop:
             values.pop(key, None)
 
     def _state(self, request: Request) -> dict[str, np.ndarray]:
-        """The state this step of its stream runs on: the stream's, or the initial one at step 0."""
+        """The state this step of its stream runs on: the stream's, or the initial one at step 0;
+        without the padding a batched step left in it (see Note: batched calls)."""
+        state = self._held_state(request)
+        layout = self._layout.get(request.stream) if self._layout and request.step else None  # type: ignore[arg-type]
+        if layout is None or not layout.pad:
+            return state
+        return {name: np.ascontiguousarray(self._unpad(name, value, layout.pad)) for name, value in state.items()}
+
+    def _unpad(self, name: str, value: np.ndarray, pad: int) -> np.ndarray:
+        axis = self._empty.get(name)
+        return value if axis is None else value[(slice(None),) * axis + (slice(pad, None),)]
+
+    def _held_state(self, request: Request) -> dict[str, np.ndarray]:
+        """The state arrays the runner holds for this step's stream (or the initial ones at step 0)."""
         if request.stream is None:
             raise StageError(f"stage '{self.name}' keeps state per stream ({self.plan.states[0]}): run the pipeline through pipe.stream()", stage=self.name)
         if request.step == 0:
@@ -271,7 +294,7 @@ class StageRunner:
         key: tuple[Any, ...] | None = None
         for request in pending:
             stream = request.stream
-            if stream is not None and (stream in held or stream in streams) or len(batch) >= self.max_batch or request.step == CLOSE and batch:
+            if (stream is not None and (stream in held or stream in streams)) or len(batch) >= self.max_batch or (request.step == CLOSE and batch):
                 rest.append(request)
                 if stream is not None:
                     held.add(stream)
@@ -305,7 +328,7 @@ class StageRunner:
         if own:
             feeds.update(own)
         if self._state_at:
-            feeds.update(self._state(request))
+            feeds.update(self._held_state(request))  # as held: a batched step's padding is dealt with by _stack
         return feeds
 
     def _key(self, request: Request, feeds: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
@@ -328,7 +351,9 @@ class StageRunner:
         outputs not split back, each member runs again alone so only a bad one fails."""
         clock = time.perf_counter
         start = clock()
-        stacked = self._stack(feeds)
+        if self._layout:
+            batch, feeds = self._in_held_order(batch, feeds)
+        stacked = self._stack(batch, feeds)
         if stacked is None:
             self.unbatched = "their padded inputs do not grow alike, or their inputs disagree on a request's batch size"
             return run_alone(self, batch)
@@ -342,17 +367,21 @@ class StageRunner:
         if any(np.ndim(r) == 0 or len(r) != total for r in results):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
             return run_alone(self, batch)
+        # Each stream's new state is its rows of the batch's, padding and all (no copy); the batch
+        # keeps the whole, which its next step feeds as it is when the same streams come back together.
+        whole = _Batch(tuple(r.stream for r in batch), tuple(rows), {name: results[at] for name, at in self._state_at})
         for j, request in enumerate(batch):
             lo, hi, shift = rows[j], rows[j + 1], shifts[j]
             mine = []
-            for (_, axis), result in zip(self._stripped, results, strict=True):
+            for axis, result in zip(self._stripped, results, strict=True):
                 part = result[lo:hi]
                 if axis is not None and shift:
                     part = np.ascontiguousarray(part[(slice(None),) * axis + (slice(shift, None),)])
                 mine.append(part)
             if self._state_at:
                 assert request.stream is not None
-                self.states[request.stream] = (request.step + 1, {name: mine[at] for name, at in self._state_at})
+                self.states[request.stream] = (request.step + 1, {name: results[at][lo:hi] for name, at in self._state_at})
+                self._layout[request.stream] = _Rows(whole, j, shift)
             values = request.values
             for key, value in zip(self._keys, mine, strict=True):
                 values[key] = value
@@ -360,7 +389,26 @@ class StageRunner:
                 values.pop(key, None)
         return [Call(list(batch), start, clock(), [None] * len(batch))]
 
-    def _stack(self, feeds: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int], list[int]] | None:
+    def _in_held_order(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> tuple[list[Request], list[dict[str, np.ndarray]]]:
+        """The batch in the rows of the batched call that made all its members' states, when it
+        holds exactly that call's streams: then that call's state outputs feed this one as they are."""
+        layouts = [self._layout.get(r.stream) if r.step else None for r in batch]  # type: ignore[arg-type]
+        first = layouts[0]
+        if first is None or len(first.batch.streams) != len(batch) or any(lay is None or lay.batch is not first.batch for lay in layouts):
+            return batch, feeds
+        order = sorted(range(len(batch)), key=lambda j: layouts[j].index)  # type: ignore[union-attr]
+        return [batch[j] for j in order], [feeds[j] for j in order]
+
+    def complete(self, group: Sequence[Request]) -> bool:
+        """Whether ``group`` holds a step of every stream whose state this stage holds: no other
+        step can come to join it but a new stream's, so a stage waiting for a batch (``max_delay_ms``)
+        stops waiting. Always false for a stage without state (any request may still come)."""
+        if not self._state_at or not self.states:
+            return False
+        present = {r.stream for r in group}
+        return all(stream in present for stream in self.states)
+
+    def _stack(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int], list[int]] | None:
         """The batch's feeds: each input's members joined along dim 0, padded inputs padded on
         the left of their axis to the longest; with each member's first row (and the total) and
         its padding. ``None`` when the padded inputs do not grow alike (they then run alone)."""
@@ -372,33 +420,51 @@ class StageRunner:
             rows.append(rows[-1] + len(feed[stacked[0]]))
         if any(len(f[name]) != rows[j + 1] - rows[j] for j, f in enumerate(feeds) for name in stacked):
             return None  # inputs of one request disagree on its batch size: each runs alone, and says so
+        # The padding each member's held state carries already (from the batched step that made it).
+        layouts = [self._layout.get(r.stream) if r.step else None for r in batch] if self._layout else [None] * len(batch)  # type: ignore[arg-type]
+        held = [0 if lay is None else lay.pad for lay in layouts]
         shifts = [0] * len(feeds)
         padded = [name for name in feeds[0] if name in self._padded]
         if padded:
-            axis = self._padded[padded[0]][0]
-            lengths = [f[padded[0]].shape[axis] for f in feeds]
+
+            def length(j: int, name: str) -> int:
+                return int(feeds[j][name].shape[self._padded[name][0]]) - (held[j] if name in self._empty else 0)
+
+            lengths = [length(j, padded[0]) for j in range(len(feeds))]
             longest = max(lengths)
             shifts = [longest - n for n in lengths]
             for name in padded:
-                axis = self._padded[name][0]
-                if len({f[name].shape[axis] + s for f, s in zip(feeds, shifts, strict=True)}) != 1:
+                if len({length(j, name) + s for j, s in enumerate(shifts)}) != 1:
                     return None
+        # The same streams as the batch that made their states, in the same rows, padded alike:
+        # that batch's state outputs are this call's state inputs, as they are.
+        first = layouts[0]
+        reuse = (first is not None and shifts == held and first.batch.streams == tuple(r.stream for r in batch)
+                 and all(lay is not None and lay.batch is first.batch and lay.index == j for j, lay in enumerate(layouts)))
+        self.reused += reuse
         joined: dict[str, np.ndarray] = {}
-        for name, first in feeds[0].items():
+        for name, value in feeds[0].items():
             if name not in self._stacked:
-                joined[name] = first
+                joined[name] = value
+                continue
+            if reuse and first is not None and name in first.batch.state:
+                joined[name] = first.batch.state[name]
                 continue
             pad = self._padded.get(name)
-            if pad is None or not any(shifts):
-                joined[name] = np.concatenate([f[name] for f in feeds])
+            if pad is None or not any(shifts) and not any(held):
+                joined[name] = np.concatenate([f[name] for f in feeds]) if len(feeds) > 1 else value
                 continue
-            axis, value = pad
-            shape = list(first.shape)
+            axis, fill = pad
+            shape = list(value.shape)
             shape[0] = rows[-1]
-            shape[axis] += shifts[0]
-            out = np.full(shape, value, first.dtype) if value else np.zeros(shape, first.dtype)
+            shape[axis] = length(0, name) + shifts[0]
+            out = np.full(shape, fill, value.dtype) if fill else np.zeros(shape, value.dtype)
+            lead = (slice(None),) * (axis - 1)
             for j, feed in enumerate(feeds):
-                out[(slice(rows[j], rows[j + 1]),) + (slice(None),) * (axis - 1) + (slice(shifts[j], None),)] = feed[name]
+                part = feed[name]
+                if held[j] and name in self._empty:
+                    part = part[(slice(None),) + lead + (slice(held[j], None),)]
+                out[(slice(rows[j], rows[j + 1]), *lead, slice(shifts[j], None))] = part
             joined[name] = out
         return joined, rows, shifts
 
@@ -409,6 +475,25 @@ class StageRunner:
     def cancel(self) -> None:
         """Make a run in progress return early (onnxruntime's ``RunOptions.terminate``)."""
         self.run_options.terminate = True
+
+
+@dataclass(frozen=True, eq=False)
+class _Batch:
+    """The state outputs of one batched call, whole: the streams it ran, their rows, the arrays."""
+
+    streams: tuple[int | None, ...]
+    rows: tuple[int, ...]
+    state: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Where a stream's state lies in the batched call that committed it: its member ``index``,
+    and the ``pad`` positions its held state arrays carry on the left of their empty axis."""
+
+    batch: _Batch
+    index: int
+    pad: int
 
 
 def initial_state(plan: StagePlan, dims: Mapping[str, int]) -> dict[str, np.ndarray]:

@@ -22,9 +22,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["PipelineStats", "StageRecorder", "StageStats", "write_trace"]
 
@@ -50,7 +50,7 @@ class StageRecorder:
         self.busy = 0.0
         self.queued = 0.0
         self.latencies: deque[float] = deque(maxlen=window)
-        self.events: deque[tuple[int, float, float, bool]] | None = deque(maxlen=100_000) if trace else None
+        self.events: deque[tuple[int, float, float, bool, int]] | None = deque(maxlen=100_000) if trace else None
         self.thread_id = 0
         self.calls = 0
         self.batches: dict[int, int] = {}  # batch size -> calls of that size (only with batching)
@@ -65,7 +65,7 @@ class StageRecorder:
         self.queued += queued
         self.latencies.append(end - start)
         if self.events is not None:
-            self.events.append((request, start, end, ok))
+            self.events.append((request, start, end, ok, 1))
 
     def record_call(self, members: Sequence[Any], start: float, end: float, errors: Sequence[BaseException | None], waited: float = 0.0) -> None:
         """One session call that ran ``members`` (requests: their ``id`` and ``queued_at`` are
@@ -83,7 +83,7 @@ class StageRecorder:
             self.queued += max(0.0, start - member.queued_at)
             member.queued_at = end
             if self.events is not None:
-                self.events.append((member.id, start, end, error is None))
+                self.events.append((member.id, start, end, error is None, k))
 
     def snapshot(self) -> tuple[int, int, float, list[float], float]:
         """``(count, failed, busy, latencies, queued)`` as of now, safe to take while the worker records (see Note above)."""
@@ -93,7 +93,7 @@ class StageRecorder:
         """``(calls, batch size histogram, seconds waited for batches)`` of a worker that batches."""
         return self.calls, dict(self.batches.copy()), self.batch_wait
 
-    def trace_events(self) -> list[tuple[int, float, float, bool]]:
+    def trace_events(self) -> list[tuple[int, float, float, bool, int]]:
         """The recorded trace events as of now, safe to take while the worker records."""
         return list(self.events.copy()) if self.events is not None else []
 
@@ -300,7 +300,7 @@ def write_trace(path: str | os.PathLike[str], recorders: Sequence[StageRecorder]
     """Write a Chrome-trace / Perfetto JSON timeline: one track per stage worker.
 
     Open it in ``chrome://tracing`` or https://ui.perfetto.dev. Each slice is one stage run, named
-    by its request; failed runs are marked.
+    by its request (and, for a batched call, the batch's size); failed runs are marked.
 
     Args:
         path: The .json file to write.
@@ -312,17 +312,17 @@ def write_trace(path: str | os.PathLike[str], recorders: Sequence[StageRecorder]
         label = f"{rec.stage}" + (f" #{rec.replica}" if rec.replica else "")
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": label}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
-        for request, start, end, ok in rec.trace_events():
+        for request, start, end, ok, batch in rec.trace_events():
             events.append(
                 {
-                    "name": f"request {request}" + ("" if ok else " (failed)"),
+                    "name": f"request {request}" + (f" (batch of {batch})" if batch > 1 else "") + ("" if ok else " (failed)"),
                     "cat": rec.stage,
                     "ph": "X",
                     "pid": 0,
                     "tid": tid,
                     "ts": round((start - origin) * 1e6, 3),
                     "dur": round((end - start) * 1e6, 3),
-                    "args": {"request": request, "stage": rec.stage, "replica": rec.replica, "ok": ok},
+                    "args": {"request": request, "stage": rec.stage, "replica": rec.replica, "ok": ok, "batch": batch},
                 }
             )
     out = Path(path)

@@ -254,6 +254,42 @@ def test_greedy_decoding_through_ray_equals_the_whole_decoder(tmp_path: Path, ra
         assert results[i] == whole_generate(model, prompt, 12)[0], f"prompt {i}"
 
 
+def test_batched_stream_steps_run_as_one_call_on_each_actor(tmp_path: Path, ray_pids: set[int]) -> None:
+    """The decoder with max_batch=8 on nodes a and b: steps of 6 streams that queue up for an actor
+    become one call there, run as one batched session call (the driver's statistics show batches
+    above 1), and every stream's tokens equal the whole model alone."""
+    import threading
+
+    from tests.stateful_models import generate, gpt_decoder, whole_generate
+
+    model = gpt_decoder()
+    plan = split(model, ["layer1.out"], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(max_batch=8, max_delay_ms=5)
+    bundle = _bundle(plan, tmp_path, ["a", "b"])
+    prompts = ([1, 2, 3], [40, 41], [5], [7, 8, 9, 10], [11, 12], [30])
+    results: dict[int, list[int]] = {}
+    with load(bundle, engine="ray") as pipe:
+        ray_pids.update(_actor_pids(pipe))
+
+        def run(i: int) -> None:
+            with pipe.stream() as s:
+                results[i] = generate(s.step, prompts[i], 8)[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stats = pipe.stats()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == whole_generate(model, prompt, 8)[0], f"prompt {i}"
+    for stage in stats.stages:
+        assert stage.count == len(prompts) * 8
+        assert sum(k * v for k, v in stage.batch_sizes.items()) == stage.count
+        assert max(stage.batch_sizes) >= 2, f"{stage.stage}: {stage.batch_sizes}"
+
+
 def test_a_killed_actor_holding_a_streams_state_fails_its_next_step_by_name(tmp_path: Path, ray_pids: set[int]) -> None:
     """The state died with the actor: the stream's next step says so (state_valid False) and the
     stream refuses further steps; a new stream runs on the restarted actor."""

@@ -1,0 +1,146 @@
+"""The build's batching probe (issue 20): a stage batches only where it is checked to be safe,
+and is refused, by name and with the reason, everywhere else."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import ModelProto, TensorProto, helper
+
+from onnxpipe import BuildError, BundleError, ConfigError
+from onnxpipe.builder import PipelineConfig, build, export
+from onnxpipe.runtime import StageSettings, load
+from onnxpipe.runtime._spec import Batching
+from onnxpipe.splitter import split
+from tests.cli.helpers import assert_user_error, ok, run
+from tests.stateful_models import gpt_decoder
+
+
+def _one_stage(model: ModelProto, settings: StageSettings, name: str = "m") -> PipelineConfig:
+    config = PipelineConfig(name)
+    stage = config.add_stage(model, name, settings=settings)
+    for t in model.graph.input:
+        config.input(t.name).connect(stage.input(t.name))
+    for t in model.graph.output:
+        stage.output(t.name).connect(config.output(t.name))
+    return config
+
+
+def _model(nodes: list, inputs: list, outputs: list) -> ModelProto:
+    graph = helper.make_graph(nodes, "m", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _relu(batch: int | str) -> ModelProto:
+    return _model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 4])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 4])])
+
+
+def test_a_fixed_batch_dim_is_refused_naming_the_port(tmp_path: Path) -> None:
+    with pytest.raises(BuildError, match=r"stage 'm' cannot batch: dim 0 of input 'x' \[1, 4\] is fixed at 1.*max_batch=1"):
+        build(_one_stage(_relu(1), StageSettings(max_batch=4)), tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_model_that_mixes_rows_is_refused_by_the_probe(tmp_path: Path) -> None:
+    """``y = x - mean(x over the batch)``: every shape fits, but a request's result depends on the
+    others in its batch; the probe sees batched differ from alone and refuses."""
+    model = _model([helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1), helper.make_node("Sub", ["x", "m"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    model.opset_import[0].version = 17
+    with pytest.raises(BuildError, match=r"stage\(s\) 'm' cannot batch: output 'y' batched differs from alone by"):
+        build(_one_stage(model, StageSettings(max_batch=4)), tmp_path / "b")
+
+
+def test_a_batchable_stage_records_how_it_was_checked(tmp_path: Path) -> None:
+    result = build(_one_stage(_relu("batch"), StageSettings(max_batch=4, max_delay_ms=2)), tmp_path / "b")
+    stage = result.spec.stages[0]
+    assert stage.batching == Batching(probe=stage.batching.probe if stage.batching else "")
+    assert stage.batching is not None and stage.batching.probe.startswith("2 requests batched and alone agree")
+    data = json.loads((result.path / "pipeline.json").read_text())["stages"][0]
+    assert data["settings"]["max_batch"] == 4 and data["settings"]["max_delay_ms"] == 2.0
+    assert data["batching"] == {"padded": {}, "stripped": {}, "probe": stage.batching.probe}
+
+
+def test_a_decoder_without_an_attention_mask_is_refused_for_stream_batching(tmp_path: Path) -> None:
+    """Its KV cache grows, and no pipeline input marks padded positions (the mask is renamed here):
+    batching streams of different lengths would attend the padding, so the build says why it refuses."""
+    model = gpt_decoder(layers=2)
+    for node in model.graph.node:
+        node.input[:] = ["positions_seen" if i == "attention_mask" else i for i in node.input]
+    model.graph.input[1].name = "positions_seen"
+    plan = split(model, ["layer0.out"], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(max_batch=4)
+    with pytest.raises(BuildError, match=r"stage 'stage0' keeps state that grows.*no attention mask input.*absolute positions"):
+        build(plan.config, tmp_path / "b")
+
+
+def test_the_decoders_padded_ports_are_found_by_measuring(tmp_path: Path) -> None:
+    """The probe finds what grows with the past: the KV caches and the mask, and, in stage 1, the
+    additive mask stage 0 makes from it (whose dims have no names), padded with float32's lowest."""
+    plan = split(gpt_decoder(layers=2), ["layer0.out"], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(max_batch=4)
+    spec = build(plan.config, tmp_path / "b").spec
+    first, second = (s.batching for s in spec.stages)
+    assert first is not None and second is not None
+    assert first.padded == {"attention_mask": (1, 0.0), "past_key_values.0.key": (2, 0.0), "past_key_values.0.value": (2, 0.0)}
+    assert first.stripped == {"attn_bias": 3, "present.0.key": 2, "present.0.value": 2}
+    assert second.padded["attn_bias"] == (3, float(np.finfo(np.float32).min))
+    assert "batched and alone agree" in second.probe
+
+
+def test_code_stages_do_not_batch() -> None:
+    from onnxpipe.runtime import TensorSpec
+
+    config = PipelineConfig("code")
+    port = ("batch", 4)
+    stage = config.add_python_stage("tests.code_stages:positive_rows", inputs=[TensorSpec("x", "float32", port)], outputs=[TensorSpec("y", "float32", port)],
+                                    name="c", settings=StageSettings(max_batch=2))
+    config.input("x").connect(stage.input("x"))
+    stage.output("y").connect(config.output("y"))
+    with pytest.raises(ConfigError, match="code stage 'c': max_batch 2: code stages run one request at a time"):
+        config.to_spec()
+
+
+@pytest.mark.parametrize("value", [0, -1, 2000, 2.5, True])
+def test_bad_max_batch_is_one_clear_error(value: object) -> None:
+    with pytest.raises(ConfigError, match="max_batch must be an integer from 1"):
+        StageSettings(max_batch=value)  # type: ignore[arg-type]
+
+
+def test_bad_max_delay_is_one_clear_error() -> None:
+    with pytest.raises(ConfigError, match="max_delay_ms must be a number of milliseconds"):
+        StageSettings(max_delay_ms=-1)
+
+
+def test_a_bundle_asking_to_batch_without_a_record_is_refused(tmp_path: Path) -> None:
+    """max_batch written into pipeline.json by hand, without the build's check: the loader refuses."""
+    built = build(_one_stage(_relu("batch"), StageSettings()), tmp_path / "b").path
+    data = json.loads((built / "pipeline.json").read_text())
+    data["stages"][0]["settings"]["max_batch"] = 8
+    (built / "pipeline.json").write_text(json.dumps(data))
+    bundle = export(built, tmp_path / "bundle")
+    with pytest.raises(BundleError, match="stage 'm' has max_batch 8 but no batching record: build it with onnxpipe build"):
+        load(bundle)
+    data["stages"][0]["batching"] = {"padded": {"x": {"axis": 0, "value": 0}}}
+    shutil.rmtree(tmp_path / "bundle")
+    (built / "pipeline.json").write_text(json.dumps(data))
+    with pytest.raises(BuildError, match=r"batching: padded 'x' must be \{\"axis\": int >= 1, \"value\": number\}, got \{\"axis\": 0, \"value\": 0\}"):
+        export(built, tmp_path / "bundle")
+
+
+def test_cli_build_takes_max_batch(tmp_path: Path) -> None:
+    plan = split(gpt_decoder(layers=2), ["layer0.out"], states="auto")
+    plan.save(tmp_path / "split")
+    ok("build", tmp_path / "split", "-o", tmp_path / "built", "--stage", "*:threads=1,max_batch=8,max_delay_ms=1")
+    data = json.loads((tmp_path / "built" / "pipeline.json").read_text())
+    assert [s["settings"]["max_batch"] for s in data["stages"]] == [8, 8]
+    assert all("agree" in s["batching"]["probe"] for s in data["stages"])
+    result = run("build", tmp_path / "split", "-o", tmp_path / "b2", "--stage", "0:max_batch=0")
+    assert_user_error(result, "max_batch must be an integer from 1 (no batching) to 1024, got 0")
