@@ -21,6 +21,7 @@ import onnx.parser
 from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 __all__ = [
+    "embed_mlp",
     "EXTERNAL_WEIGHT_BYTES",
     "LONG_NAMES",
     "LIGHT_MODELS",
@@ -677,3 +678,18 @@ def hand_wired(param_group: str | None = None, tail_first: bool = False) -> Any:
     if param_group:
         config.add_param_group(param_group, tail, ["scale"])
     return config
+
+
+def embed_mlp(vocab: int = 16, width: int = 8) -> ModelProto:
+    """``y = relu(E[ids] @ W)``, ids ``[batch, n]`` int64 -> y ``[batch, n, width]``: a Gather, so
+    an id outside the vocabulary fails in onnxruntime (a bad request that passes every check)."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["e"]), helper.make_node("MatMul", ["e", "W"], ["m"]), helper.make_node("Relu", ["m"], ["y"])],
+        "embed_mlp",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "n", width])],
+        [numpy_helper.from_array(rng.standard_normal((vocab, width)).astype(np.float32), "E"),
+         numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), "W")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

@@ -402,7 +402,10 @@ class StageRunner:
     def complete(self, group: Sequence[Request]) -> bool:
         """Whether ``group`` holds a step of every stream whose state this stage holds: no other
         step can come to join it but a new stream's, so a stage waiting for a batch (``max_delay_ms``)
-        stops waiting. Always false for a stage without state (any request may still come)."""
+        stops waiting. Also true once it holds a close, which never waits. Always false for a stage
+        without state (any request may still come)."""
+        if any(r.step == CLOSE for r in group):
+            return True
         if not self._state_at or not self.states:
             return False
         present = {r.stream for r in group}

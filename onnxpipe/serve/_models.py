@@ -291,35 +291,60 @@ class ServedModel:
             "outputs": [_tensor_metadata(p) for p in self.outputs.values()],
         }
 
+    def batching(self) -> tuple[int, float]:
+        """``(max_batch_size, delay in microseconds)`` as Triton's config reports them: the largest
+        batch a stage forms (``max_batch``) when some stage batches and every input and output has
+        a batch dim (a dim 0 of any size); ``(0, 0)`` otherwise (every dim is the request's own)."""
+        stages = [s.settings for s in self.pipe.spec.stages if s.settings.max_batch > 1]
+        ports = [*self.inputs.values(), *self.outputs.values()]
+        if not stages or any(p.shape is None or not p.shape or isinstance(p.shape[0], int) for p in ports):
+            return 0, 0.0
+        return max(s.max_batch for s in stages), 1e3 * max(s.max_delay_ms for s in stages)
+
     def config(self, stream_timeout: float | None) -> dict[str, Any]:
-        """Triton's model configuration (``GET .../config``): no batching onnxpipe does not do
-        (``max_batch_size`` 0: every dim is the request's own), and, for a model with state, the
-        sequence batcher that tells clients (``perf_analyzer``) to send sequence parameters."""
+        """Triton's model configuration (``GET .../config``). ``max_batch_size`` is 0 (every dim
+        is the request's own) unless the model batches (:meth:`batching`): then dims leave out the
+        batch dim, as Triton's do, and ``dynamic_batching`` (or, for a model with state, the
+        sequence batcher's ``oldest`` strategy) says how. A model with state has the sequence
+        batcher, which tells clients (``perf_analyzer``) to send sequence parameters."""
+        batch, delay_us = self.batching()
+
+        def dims(p: Port) -> list[int]:
+            return p.dims[1:] if batch else p.dims
+
         config: dict[str, Any] = {
             "name": self.name,
             "platform": PLATFORM,
             "backend": PLATFORM,
             "version_policy": {"latest": {"num_versions": 1}},
-            "max_batch_size": 0,
-            "input": [{"name": p.name, "data_type": _config_type(p), "format": "FORMAT_NONE", "dims": p.dims, "optional": False} for p in self.inputs.values()],
-            "output": [{"name": p.name, "data_type": _config_type(p), "dims": p.dims} for p in self.outputs.values()],
+            "max_batch_size": batch,
+            "input": [{"name": p.name, "data_type": _config_type(p), "format": "FORMAT_NONE", "dims": dims(p), "optional": False} for p in self.inputs.values()],
+            "output": [{"name": p.name, "data_type": _config_type(p), "dims": dims(p)} for p in self.outputs.values()],
             "model_transaction_policy": {"decoupled": False},
             "parameters": {"onnxpipe_version": {"string_value": __version__}, "stages": {"string_value": str(len(self.pipe.spec.stages))}},
         }
         if self.stateful:
             idle = 0 if stream_timeout is None else round(stream_timeout * 1e6)
             config["sequence_batching"] = {"max_sequence_idle_microseconds": idle}
+            if batch:
+                config["sequence_batching"]["oldest"] = {"max_candidate_sequences": batch, "max_queue_delay_microseconds": round(delay_us)}
+        elif batch:
+            config["dynamic_batching"] = {"max_queue_delay_microseconds": round(delay_us)}
         return config
 
     def statistics(self) -> dict[str, Any]:
         """Triton's statistics extension (``GET .../stats``): the protocol layer's own counts and
         times, and the pipeline's queue and compute time over its stages (its :meth:`stats`).
+        ``execution_count`` is the requests over the first stage's mean batch when it batches.
 
         Every duration counts the successful requests, as Triton's do (``perf_analyzer`` checks that
         the compute counts agree): ``queue`` and ``compute_infer`` sum the stages' waits and runs."""
         c = self.counters
         stages = self.pipe.stats().stages
         done = c.success.count
+        # A first stage that batches runs fewer calls than it takes requests: Triton's execution count.
+        first = stages[0] if stages else None
+        executions = done if first is None or not first.batch_sizes else round(done / first.batch_mean)
 
         def total(seconds: float) -> dict[str, int]:
             return {"count": done, "ns": int(seconds * 1e9)}
@@ -329,7 +354,7 @@ class ServedModel:
             "version": VERSION,
             "last_inference": c.last_inference_ms,
             "inference_count": done,
-            "execution_count": done,
+            "execution_count": executions,
             "inference_stats": {
                 "success": c.success.to_dict(),
                 "fail": c.fail.to_dict(),

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import ModelProto, TensorProto, helper, numpy_helper
+from onnx import ModelProto
 
 from onnxpipe import StreamError
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import Pipeline, StageSettings, load
 from onnxpipe.splitter import split
-from tests.models import bundle_of
+from tests.models import bundle_of, embed_mlp
 from tests.stateful_models import generate, gpt_decoder, recurrent, whole_generate, whole_recurrent
 
 DECODER_CUTS = {2: ["layer1.out"], 3: ["layer0.out", "layer2.out"]}
@@ -203,21 +203,6 @@ def test_recurrent_streams_batch_without_padding(tmp_path: Path) -> None:
 
 
 # -- stateless requests ----------------------------------------------------------------------------
-
-
-def embed_mlp(vocab: int = 16, width: int = 8) -> ModelProto:
-    """``y = relu(E[ids] @ W)``, ids ``[batch, n]`` int64 -> y ``[batch, n, width]``: a Gather, so
-    an id outside the vocabulary fails in onnxruntime (a bad request that passes every check)."""
-    rng = np.random.default_rng(0)
-    graph = helper.make_graph(
-        [helper.make_node("Gather", ["E", "ids"], ["e"]), helper.make_node("MatMul", ["e", "W"], ["m"]), helper.make_node("Relu", ["m"], ["y"])],
-        "embed_mlp",
-        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "n"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "n", width])],
-        [numpy_helper.from_array(rng.standard_normal((vocab, width)).astype(np.float32), "E"),
-         numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), "W")],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 Models: ``squeeze`` (squeezenet from the onnx wheel in 2 stages, with a reference sample),
 ``twoout`` (two outputs, one also read downstream), ``labelled`` (a code stage with BYTES in and
-out), ``rnn`` (a recurrent model in 2 stages, state kept per stream), ``slow`` (one slow stage).
+out), ``rnn`` (a recurrent model in 2 stages, state kept per stream), ``slow`` (one slow stage),
+``mlp`` (an embedding and a layer that batches requests: ``max_batch=8``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from onnxpipe.builder import PipelineConfig, build, export
+from onnxpipe.runtime import StageSettings
 from onnxpipe.splitter import split
 from tests import code_stages, models
 from tests.serve.process import ServerProcess
@@ -27,6 +29,14 @@ SQUEEZE_CUT = [["r34", "r35"]]
 
 def squeeze_input(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, 3, 224, 224)).astype(np.float32)
+
+
+def _mlp() -> PipelineConfig:
+    config = PipelineConfig("mlp")
+    mlp = config.add_stage(models.embed_mlp(), "mlp", settings=StageSettings(max_batch=8, max_delay_ms=2))
+    config.input("ids").connect(mlp.input("ids"))
+    mlp.output("y").connect(config.output("y"))
+    return config
 
 
 def _slow() -> PipelineConfig:
@@ -46,6 +56,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "labelled": models.bundle_of(code_stages.labelled(), root / "labelled"),
         "rnn": models.bundle_of(split(recurrent(), ["state1N"], states="auto"), root / "rnn"),
         "slow": models.bundle_of(_slow(), root / "slow"),
+        "mlp": models.bundle_of(_mlp(), root / "mlp"),
         "squeeze": export(
             build(squeeze.config, root / "squeeze-built").path,
             root / "squeeze.onnxpipe",
@@ -63,7 +74,7 @@ def serve_args(bundles: dict[str, Path], *names: str) -> list[str]:
 @pytest.fixture(scope="session")
 def server(bundles: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One server of every model, for the tests that only send requests; stopped with SIGTERM (exit 0)."""
-    proc = ServerProcess(*serve_args(bundles, "squeeze", "twoout", "labelled", "rnn"), "--allow-code", "tests.*", "--stream-timeout", "5")
+    proc = ServerProcess(*serve_args(bundles, "squeeze", "twoout", "labelled", "rnn", "mlp"), "--allow-code", "tests.*", "--stream-timeout", "5")
     with proc:
         proc.start(tmp_path_factory.mktemp("server-log") / "serve.log")
         yield proc

@@ -101,7 +101,7 @@ def test_a_bad_request_gets_one_4xx_naming_what_is_wrong(server: ServerProcess, 
 
 
 def test_unknown_models_versions_and_paths_are_named(server: ServerProcess) -> None:
-    unknown = b'{"error":"unknown model \'nope\'; valid: \'labelled\', \'rnn\', \'squeeze\', \'twoout\'"}'
+    unknown = b'{"error":"unknown model \'nope\'; valid: \'labelled\', \'mlp\', \'rnn\', \'squeeze\', \'twoout\'"}'
     assert server.request("POST", "/v2/models/nope/infer", _infer({**X[0], "data": [0] * 4})) == (400, unknown)
     assert server.request("POST", "/v2/models/twoout/versions/2/infer", b"{}") == (404, b'{"error":"model \'twoout\' has no version \'2\'; versions: 1"}')
     assert server.get("/v2/models/twoout/versions/1/ready")[0] == 200
