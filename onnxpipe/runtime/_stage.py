@@ -454,7 +454,7 @@ class StageRunner:
                 joined[name] = first.batch.state[name]
                 continue
             pad = self._padded.get(name)
-            if pad is None or not any(shifts) and not any(held):
+            if pad is None or (not any(shifts) and not any(held)):
                 joined[name] = np.concatenate([f[name] for f in feeds]) if len(feeds) > 1 else value
                 continue
             axis, fill = pad
@@ -466,8 +466,10 @@ class StageRunner:
             for j, feed in enumerate(feeds):
                 part = feed[name]
                 if held[j] and name in self._empty:
-                    part = part[(slice(None),) + lead + (slice(held[j], None),)]
-                out[(slice(rows[j], rows[j + 1]), *lead, slice(shifts[j], None))] = part
+                    unpadded = (slice(None), *lead, slice(held[j], None))
+                    part = part[unpadded]
+                at = (slice(rows[j], rows[j + 1]), *lead, slice(shifts[j], None))
+                out[at] = part
             joined[name] = out
         return joined, rows, shifts
 

@@ -318,7 +318,8 @@ class ServedModel:
             "backend": PLATFORM,
             "version_policy": {"latest": {"num_versions": 1}},
             "max_batch_size": batch,
-            "input": [{"name": p.name, "data_type": _config_type(p), "format": "FORMAT_NONE", "dims": dims(p), "optional": False} for p in self.inputs.values()],
+            "input": [{"name": p.name, "data_type": _config_type(p), "format": "FORMAT_NONE", "dims": dims(p), "optional": False}
+                      for p in self.inputs.values()],
             "output": [{"name": p.name, "data_type": _config_type(p), "dims": dims(p)} for p in self.outputs.values()],
             "model_transaction_policy": {"decoupled": False},
             "parameters": {"onnxpipe_version": {"string_value": __version__}, "stages": {"string_value": str(len(self.pipe.spec.stages))}},
