@@ -5,9 +5,12 @@ A GPT-style decoder with a KV cache (tests/stateful_models.py, random weights; 4
 128, 4 heads by default, as issue 20 measured) is split between its middle layers into 2 stages x 1
 thread, pinned to a core each where the machine has 2. For S = 1, 2, 4, 8, 16 streams:
 
-- **batched**: the stages built with ``max_batch=16`` (``max_delay_ms=0``: a stage takes what is
-  queued, never waits); S threads each decode their own prompt through ``pipe.stream()``, started
-  a little apart, so streams join (and leave) while others decode;
+- **batched, delay 0**: the stages built with ``max_batch=16`` and ``max_delay_ms=0`` (a stage
+  takes what is queued, never waits); S threads each decode their own prompt through
+  ``pipe.stream()``, started a little apart, so streams join (and leave) while others decode;
+- **batched, delay 2 ms**: the same with ``max_delay_ms=2``: a stage waits for the streams it
+  holds (or that last batched together) to come back, at most 2 ms, so batches fill and stay
+  together (their KV caches then feed the next call without a copy);
 - **unbatched**: the same bundle built without batching;
 - **lockstep session**: the whole model in one session x 1 thread decoding the S streams as one
   batch of S from start to end (the static batching a user of one session, or of
@@ -19,6 +22,11 @@ more. Each configuration runs ``--rounds`` times, interleaved; medians are repor
 spread (min-max), with per-token latency (p50 / p99 of each stream's step times). Also reported:
 one stream's per-step overhead, the time a step takes end to end beside the time the stages
 spend computing it (``stats()``).
+
+Stateless requests (Triton's dynamic batcher), where it pays and where not: an embedding and a
+layer (``tests.models.embed_mlp``, 16 ids per request) of width 64 (per-call overhead dominates)
+and 1024 (compute dominates), one stage x 1 thread, 2,000 requests through ``pipe.map`` with
+``max_batch=8`` against 1.
 
     python -m benchmarks.batching [--layers 4] [--hidden 128] [--past 32] [--tokens 32] [--rounds 3] [--json]
 """
@@ -49,6 +57,8 @@ ort.set_default_logger_severity(3)
 
 STREAMS = (1, 2, 4, 8, 16)
 MAX_BATCH = 16
+#: (name, max_batch, max_delay_ms) of the pipelines measured.
+BATCHINGS = (("unbatched", 1, 0.0), ("batched, delay 0", MAX_BATCH, 0.0), ("batched, delay 2 ms", MAX_BATCH, 2.0))
 
 
 def _prompt(k: int, length: int, vocab: int) -> list[int]:
@@ -146,28 +156,52 @@ def _overhead(bundle: Path, past: int, tokens: int, vocab: int) -> dict[str, flo
     return {"step_ms": step, "stages_compute_ms": compute, "overhead_ms": step - compute}
 
 
+def _stateless(width: int, max_batch: int, requests: int = 2000) -> float:
+    from onnxpipe.builder import PipelineConfig
+    from onnxpipe.runtime import StageSettings
+    from tests.models import embed_mlp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = PipelineConfig("mlp")
+        stage = config.add_stage(embed_mlp(vocab=4096, width=width), "mlp", settings=StageSettings(max_batch=max_batch))
+        config.input("ids").connect(stage.input("ids"))
+        stage.output("y").connect(config.output("y"))
+        bundle = export(build(config, Path(tmp) / "built").path, Path(tmp) / "bundle")
+        ids = {"ids": np.arange(16, dtype=np.int64)[None, :]}
+        with load(bundle, queue_depth=16) as pipe:
+            for _ in pipe.map(ids for _ in range(100)):
+                pass
+            start = time.perf_counter()
+            for _ in pipe.map(ids for _ in range(requests)):
+                pass
+            return requests / (time.perf_counter() - start)
+
+
 def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: int, streams: tuple[int, ...] = STREAMS) -> dict[str, Any]:
     vocab = 64
     model = gpt_decoder(layers=layers, hidden=hidden, heads=heads, vocab=vocab, positions=past + tokens + 8)
     cores = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
         bundles = {}
-        for how, batch in (("batched", MAX_BATCH), ("unbatched", 1)):
+        for k, (how, batch, delay) in enumerate(BATCHINGS):
             plan = split(model, [f"layer{layers // 2 - 1}.out"], states="auto")
-            for k, stage in enumerate(plan.config.stages):
-                stage.configure(intra_op_threads=1, affinity=[cores[k]] if len(cores) >= 2 else None, max_batch=batch)
-            bundles[how] = export(build(plan.config, Path(tmp) / f"built-{how}").path, Path(tmp) / f"bundle-{how}")
+            for c, stage in enumerate(plan.config.stages):
+                stage.configure(intra_op_threads=1, affinity=[cores[c]] if len(cores) >= 2 else None, max_batch=batch, max_delay_ms=delay)
+            bundles[how] = export(build(plan.config, Path(tmp) / f"built-{k}").path, Path(tmp) / f"bundle-{k}")
         configs: dict[tuple[str, int], Callable[[], dict[str, Any]]] = {}
         for s in streams:
-            configs[("batched", s)] = partial(_pipeline, bundles["batched"], s, past, tokens, vocab)
-            configs[("unbatched", s)] = partial(_pipeline, bundles["unbatched"], s, past, tokens, vocab)
+            for how, _, _ in BATCHINGS:
+                configs[(how, s)] = partial(_pipeline, bundles[how], s, past, tokens, vocab)
             configs[("lockstep session", s)] = partial(_lockstep, model, s, past, tokens, vocab)
         measured: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in configs}
         overheads = []
+        stateless: dict[tuple[int, int], list[float]] = {(w, b): [] for w in (64, 1024) for b in (1, 8)}
         for _ in range(rounds):
             for key, fn in configs.items():
                 measured[key].append(fn())
             overheads.append(_overhead(bundles["unbatched"], past, tokens, vocab))
+            for (width, batch), rates in stateless.items():
+                rates.append(_stateless(width, batch))
     rows = []
     for (how, s), runs in measured.items():
         rates = [r["tokens_per_s"] for r in runs]
@@ -177,8 +211,8 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
             row["batch_mean"] = runs[len(runs) // 2]["batch_mean"]
         rows.append(row)
     rate = {(r["how"], r["streams"]): r["tokens_per_s"] for r in rows}
-    ratios = {s: {"batched_vs_unbatched": rate[("batched", s)] / rate[("unbatched", s)],
-                  "batched_vs_lockstep": rate[("batched", s)] / rate[("lockstep session", s)]} for s in streams}
+    ratios = {s: {f"{how} / {base}": rate[(how, s)] / rate[(base, s)]
+                  for how in ("batched, delay 0", "batched, delay 2 ms") for base in ("unbatched", "lockstep session")} for s in streams}
     overhead = {k: statistics.median(o[k] for o in overheads) for k in overheads[0]}
     return {
         "model": {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "past": past, "tokens": tokens},
@@ -187,6 +221,7 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         "rows": rows,
         "ratios": ratios,
         "one_stream_step": overhead,
+        "stateless": [{"width": w, "max_batch": b, "requests_per_s": statistics.median(r), "min": min(r), "max": max(r)} for (w, b), r in stateless.items()],
     }
 
 
@@ -208,16 +243,23 @@ def main() -> None:
     m = result["model"]
     print(f"decoder: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads; prompt {m['past']} + {m['tokens']} tokens per stream; "
           f"{result['cores']} cores; 2 stages x 1 thread; median (min-max) of {result['rounds']} interleaved rounds")
-    print(f"{'how':<18} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage")
-    for r in result["rows"]:
+    print(f"{'how':<20} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage")
+    for r in sorted(result["rows"], key=lambda r: (r["streams"], r["how"])):
         spread = f"({r['min']:.0f}-{r['max']:.0f})"
-        print(f"{r['how']:<18} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  {r.get('batch_mean', '')}")
-    print(f"{'streams':>7} {'batched / unbatched':>20} {'batched / lockstep':>19}")
+        print(f"{r['how']:<20} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  {r.get('batch_mean', '')}")
+    names = list(next(iter(result["ratios"].values())))
+    print(f"{'streams':>7} " + " ".join(f"{n:>38}" for n in names))
     for s, q in result["ratios"].items():
-        print(f"{s:>7} {q['batched_vs_unbatched']:>19.2f}x {q['batched_vs_lockstep']:>18.2f}x")
+        print(f"{s:>7} " + " ".join(f"{q[n]:>37.2f}x" for n in names))
     o = result["one_stream_step"]
     print(f"one stream, unbatched: a step takes {o['step_ms']:.3f} ms end to end, its stages compute {o['stages_compute_ms']:.3f} ms (p50 each, summed): "
           f"{o['overhead_ms']:.3f} ms of hand-offs, futures and checks per token")
+    print("stateless requests, one stage x 1 thread (embed_mlp, 16 ids per request):")
+    rates = {(r["width"], r["max_batch"]): r for r in result["stateless"]}
+    for width in (64, 1024):
+        one, eight = rates[(width, 1)], rates[(width, 8)]
+        print(f"  width {width:>4}: max_batch=1 {one['requests_per_s']:.0f} req/s ({one['min']:.0f}-{one['max']:.0f}), "
+              f"max_batch=8 {eight['requests_per_s']:.0f} req/s ({eight['min']:.0f}-{eight['max']:.0f}): {eight['requests_per_s'] / one['requests_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -323,10 +323,11 @@ class _Probe:
                     worst, where = diff, name
         return f"max abs diff {worst:.2g} on '{where}' <= {tol:g}" if where else "exact"
 
-    @staticmethod
-    def _refusal(batching: Sequence[StageSpec], why: str) -> str:
+    def _refusal(self, batching: Sequence[StageSpec], why: str) -> str:
         names = ", ".join(f"'{s.name}'" for s in batching)
-        return f"stage(s) {names} cannot batch: {why}; set max_batch=1 (a mask the model applies other than as an additive bias or 0/1 keep mask is one cause)"
+        hint = (" (a model that mixes the rows of a batch is one cause; for streams, a mask applied other than as an additive bias or a 0/1 keep mask"
+                " is another)") if self.spec.states else " (a model that mixes the rows of a batch, e.g. a mean over dim 0, is one cause)"
+        return f"stage(s) {names} cannot batch: {why}; set max_batch=1{hint}"
 
 
 class _Differs(OnnxpipeError):

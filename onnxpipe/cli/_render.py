@@ -367,11 +367,13 @@ def bench_report(report: BenchReport, warmup: int, notes: Iterable[str], trace: 
     if report.caller_cores is not None:
         _line(console, f"the thread feeding the pipeline ran on core(s) {', '.join(map(str, report.caller_cores))}")
     table = Table(title="stages")
-    for column in ("stage", "replicas", "alone ms", "in pipeline ms", "utilization", ""):
+    batching = any(s.batch_sizes for s in report.stages)
+    for column in ("stage", "replicas", "alone ms", "in pipeline ms", *(("batch mean", "max") if batching else ()), "utilization", ""):
         table.add_column(column, justify="left" if column in ("stage", "") else "right")
     for s in report.stages:
         mark = Text("bottleneck", style="bold yellow") if s.stage == report.bottleneck else Text("")
-        table.add_row(Text(s.stage), str(s.replicas), _ms(s.standalone_ms) if measured else "-", _ms(s.pipeline_mean_ms), f"{s.utilization:.0%}", mark)
+        batch = (f"{s.batch_mean:.2f}", str(max(s.batch_sizes, default=1))) if batching else ()
+        table.add_row(Text(s.stage), str(s.replicas), _ms(s.standalone_ms) if measured else "-", _ms(s.pipeline_mean_ms), *batch, f"{s.utilization:.0%}", mark)
     _table(console, table)
     _notes(console, notes)
     _timeline(console, trace)

@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from onnxpipe._errors import ConfigError, OnnxpipeError, closest
 from onnxpipe.runtime._dtypes import DTYPES, itemsize
@@ -125,9 +125,11 @@ def _shape(shape: tuple[Dim, ...] | None) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    """One end of a link: a stage's tensor, or (``stage is None``) a global input or output."""
+class Endpoint(NamedTuple):
+    """One end of a link: a stage's tensor, or (``stage is None``) a global input or output.
+
+    A named tuple, not a dataclass: it keys every request's bag, and a tuple hashes in C (a
+    frozen dataclass's hash runs Python code on every lookup of every step)."""
 
     stage: str | None
     tensor: str

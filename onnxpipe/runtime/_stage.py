@@ -195,6 +195,13 @@ class StageRunner:
         self._stripped = tuple(None if o in states_out else batching.stripped.get(o) for o in plan.outputs)
         #: The feeds stacked along dim 0; the others (parameter overrides) are the batch's own, as one.
         self._stacked = frozenset(name for name, _ in plan.sources) | {s.input for s in plan.states}
+        # Outputs put in the bag (those some later stage or pipeline output reads), and the
+        # earlier values this stage is the last to read: the plan's drops, without putting in
+        # what would be dropped at once.
+        dropped = set(plan.drop)
+        self._kept = tuple((at, key) for at, key in enumerate(self._keys) if key not in dropped)
+        self._dropped = tuple(key for key in plan.drop if key not in self._keys)
+        self._stacked_order = tuple(name for name, _ in plan.sources) + tuple(s.input for s in plan.states)
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
         self.unbatched: str | None = None
         #: Batched calls fed the state outputs of the batched call before them as they were (no copy).
@@ -225,9 +232,9 @@ class StageRunner:
             self.states[request.stream] = (request.step + 1, {name: results[at] for name, at in self._state_at})
             if self._layout:
                 self._layout.pop(request.stream, None)
-        for key, value in zip(self._keys, results, strict=True):
-            values[key] = value
-        for key in self.plan.drop:
+        for at, key in self._kept:
+            values[key] = results[at]
+        for key in self._dropped:
             values.pop(key, None)
 
     def _state(self, request: Request) -> dict[str, np.ndarray]:
@@ -333,17 +340,19 @@ class StageRunner:
 
     def _key(self, request: Request, feeds: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
         """Requests batch together only with the same key: the same parameters, and the same
-        dtypes and shapes but the batch axis (and, for padded inputs, the padded axis)."""
+        shapes but the batch axis (and, for padded inputs, the padded axis). Dtypes need no place
+        in it: a pipeline input's is checked at submission, and a stage's or a state's is its module's."""
         own = request.params.get(self.name)
         key: list[Any] = [id(own) if own else None]
-        for name, value in feeds.items():
-            if name not in self._stacked:
-                continue
-            shape = list(np.shape(value))
-            pad = self._padded.get(name)
-            if pad is not None and pad[0] < len(shape):
-                shape[pad[0]] = -1
-            key.append((name, getattr(value, "dtype", None), tuple(shape[1:])))
+        padded = self._padded
+        for name in self._stacked_order:
+            shape = feeds[name].shape
+            pad = padded.get(name)
+            if pad is None:
+                key.append(shape[1:])
+            else:
+                axis = pad[0]
+                key.append(shape[1:axis] + shape[axis + 1 :])
         return tuple(key)
 
     def _run_batch(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> list[Call]:
@@ -370,23 +379,22 @@ class StageRunner:
         # Each stream's new state is its rows of the batch's, padding and all (no copy); the batch
         # keeps the whole, which its next step feeds as it is when the same streams come back together.
         whole = _Batch(tuple(r.stream for r in batch), tuple(rows), {name: results[at] for name, at in self._state_at})
+        kept = [(key, results[at], self._stripped[at]) for at, key in self._kept]
+        states = [(name, results[at]) for name, at in self._state_at]
         for j, request in enumerate(batch):
             lo, hi, shift = rows[j], rows[j + 1], shifts[j]
-            mine = []
-            for axis, result in zip(self._stripped, results, strict=True):
+            values = request.values
+            for key, result, axis in kept:
                 part = result[lo:hi]
                 if axis is not None and shift:
                     part = np.ascontiguousarray(part[(slice(None),) * axis + (slice(shift, None),)])
-                mine.append(part)
-            if self._state_at:
-                assert request.stream is not None
-                self.states[request.stream] = (request.step + 1, {name: results[at][lo:hi] for name, at in self._state_at})
-                self._layout[request.stream] = _Rows(whole, j, shift)
-            values = request.values
-            for key, value in zip(self._keys, mine, strict=True):
-                values[key] = value
-            for key in self.plan.drop:
+                values[key] = part
+            for key in self._dropped:
                 values.pop(key, None)
+            if states:
+                assert request.stream is not None
+                self.states[request.stream] = (request.step + 1, {name: result[lo:hi] for name, result in states})
+                self._layout[request.stream] = _Rows(whole, j, shift)
         return [Call(list(batch), start, clock(), [None] * len(batch))]
 
     def _in_held_order(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> tuple[list[Request], list[dict[str, np.ndarray]]]:
@@ -400,15 +408,20 @@ class StageRunner:
         return [batch[j] for j in order], [feeds[j] for j in order]
 
     def complete(self, group: Sequence[Request]) -> bool:
-        """Whether ``group`` holds a step of every stream whose state this stage holds: no other
-        step can come to join it but a new stream's, so a stage waiting for a batch (``max_delay_ms``)
-        stops waiting. Also true once it holds a close, which never waits. Always false for a stage
-        without state (any request may still come)."""
+        """Whether a stage waiting for a batch (``max_delay_ms``) may stop waiting: ``group`` holds
+        a step of every stream whose state this stage holds (no other step can come to join it
+        but a new stream's), or of every stream of the batch its first stream last ran in (the
+        streams that batch together keep doing so: their state then feeds the next call as it
+        is), or a close (which never waits). Always false for a stage without state (any request
+        may still come)."""
         if any(r.step == CLOSE for r in group):
             return True
         if not self._state_at or not self.states:
             return False
         present = {r.stream for r in group}
+        last = self._layout.get(group[0].stream) if self._layout else None  # type: ignore[arg-type]
+        if last is not None and all(stream in present for stream in last.batch.streams):
+            return True
         return all(stream in present for stream in self.states)
 
     def _stack(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int], list[int]] | None:
@@ -428,16 +441,18 @@ class StageRunner:
         held = [0 if lay is None else lay.pad for lay in layouts]
         shifts = [0] * len(feeds)
         padded = [name for name in feeds[0] if name in self._padded]
+        lengths: dict[str, list[int]] = {}
         if padded:
-
-            def length(j: int, name: str) -> int:
-                return int(feeds[j][name].shape[self._padded[name][0]]) - (held[j] if name in self._empty else 0)
-
-            lengths = [length(j, padded[0]) for j in range(len(feeds))]
-            longest = max(lengths)
-            shifts = [longest - n for n in lengths]
             for name in padded:
-                if len({length(j, name) + s for j, s in enumerate(shifts)}) != 1:
+                axis = self._padded[name][0]
+                own = [f[name].shape[axis] for f in feeds]
+                lengths[name] = [n - h for n, h in zip(own, held, strict=True)] if name in self._empty else own
+            first_lengths = lengths[padded[0]]
+            longest = max(first_lengths)
+            shifts = [longest - n for n in first_lengths]
+            for name in padded[1:]:
+                grown = lengths[name]
+                if any(grown[j] + shifts[j] != grown[0] + shifts[0] for j in range(1, len(feeds))):
                     return None
         # The same streams as the batch that made their states, in the same rows, padded alike:
         # that batch's state outputs are this call's state inputs, as they are.
@@ -460,7 +475,7 @@ class StageRunner:
             axis, fill = pad
             shape = list(value.shape)
             shape[0] = rows[-1]
-            shape[axis] = length(0, name) + shifts[0]
+            shape[axis] = lengths[name][0] + shifts[0]
             out = np.full(shape, fill, value.dtype) if fill else np.zeros(shape, value.dtype)
             lead = (slice(None),) * (axis - 1)
             for j, feed in enumerate(feeds):

@@ -144,3 +144,18 @@ def test_cli_build_takes_max_batch(tmp_path: Path) -> None:
     assert all("agree" in s["batching"]["probe"] for s in data["stages"])
     result = run("build", tmp_path / "split", "-o", tmp_path / "b2", "--stage", "0:max_batch=0")
     assert_user_error(result, "max_batch must be an integer from 1 (no batching) to 1024, got 0")
+
+
+def test_a_pipeline_file_takes_max_batch(tmp_path: Path) -> None:
+    import onnx
+
+    from onnxpipe.splitter import read_pipeline_file
+
+    onnx.save(_relu("batch"), tmp_path / "relu.onnx")
+    (tmp_path / "p.toml").write_text(
+        'format = "onnxpipe.pipeline-file"\nversion = 1\nname = "p"\ninputs = ["x"]\noutputs = ["y"]\n\n'
+        '[[stages]]\nname = "relu"\nmodel = "relu.onnx"\nsettings = { max_batch = 8, max_delay_ms = 1.5 }\n'
+    )
+    spec = build(read_pipeline_file(tmp_path / "p.toml"), tmp_path / "built").spec
+    assert spec.stages[0].settings.max_batch == 8 and spec.stages[0].settings.max_delay_ms == 1.5
+    assert spec.stages[0].batching is not None
