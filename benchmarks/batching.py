@@ -221,7 +221,8 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         "rows": rows,
         "ratios": ratios,
         "one_stream_step": overhead,
-        "stateless": [{"width": w, "max_batch": b, "requests_per_s": statistics.median(r), "min": min(r), "max": max(r)} for (w, b), r in stateless.items()],
+        "stateless": [{"width": w, "max_batch": b, "requests_per_s": statistics.median(r), "min": min(r), "max": max(r)}
+                      for (w, b), r in stateless.items()],
     }
 
 
