@@ -260,7 +260,8 @@ def main() -> None:
     for width in (64, 1024):
         one, eight = rates[(width, 1)], rates[(width, 8)]
         print(f"  width {width:>4}: max_batch=1 {one['requests_per_s']:.0f} req/s ({one['min']:.0f}-{one['max']:.0f}), "
-              f"max_batch=8 {eight['requests_per_s']:.0f} req/s ({eight['min']:.0f}-{eight['max']:.0f}): {eight['requests_per_s'] / one['requests_per_s']:.2f}x")
+              f"max_batch=8 {eight['requests_per_s']:.0f} req/s ({eight['min']:.0f}-{eight['max']:.0f}): "
+              f"{eight['requests_per_s'] / one['requests_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
