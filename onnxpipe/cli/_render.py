@@ -321,6 +321,10 @@ def build_result(result: BuildResult, notes: Iterable[str]) -> None:
         cells += [str(r.replicas)] if replicas else []
         table.add_row(*cells, human_bytes(r.module_bytes), _build_record(result.spec.stage(r.stage).build))
     _table(console, table)
+    for stage in result.spec.stages:
+        if stage.batching is not None:
+            delay = f", waiting up to {stage.settings.max_delay_ms:g} ms" if stage.settings.max_delay_ms else ""
+            _line(console, f"stage '{stage.name}' batches up to {stage.settings.max_batch}{delay}: {stage.batching.describe()}")
     _notes(console, notes)
     _line(console, f"wrote {result.path}: pipeline.json and {len(result.report)} module(s) in stages/")
     _line(console, f"next: onnxpipe export {shlex.quote(str(result.path))} -o BUNDLE.onnxpipe --reference 2")
@@ -408,6 +412,8 @@ def _settings(st: StageSettings) -> str:
     parallel = st.execution_mode == "parallel"
     parts = [st.target, f"threads {_threads(st.intra_op_threads, st.inter_op_threads if parallel else 1)}", f"cores {format_cores(st.affinity)}"]
     parts += [f"{st.replicas} replica(s)", f"opt {st.optimization}"]
+    if st.max_batch > 1:
+        parts.append(f"max_batch {st.max_batch}" + (f", max_delay_ms {st.max_delay_ms:g}" if st.max_delay_ms else ""))
     parts += ["parallel"] * parallel + ["spinning"] * st.spinning + ["no cpu fallback"] * (not st.fallback)
     return ", ".join(parts)
 
@@ -453,6 +459,8 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
             _line(console, f"stage {k} '{s.name}': {s.module}, {human_bytes(stage_module_bytes(bundle, s))}")
             _line(console, f"  settings: {_settings(s.settings)}")
             _line(console, f"  build:    {_build_detail(s)}")
+            if s.batching is not None and s.settings.max_batch > 1:
+                _line(console, f"  batching: {s.batching.describe()}")
         states = {st.input: st for st in spec.states_of(s.name)}
         for t in s.inputs:
             source = f"state {states[t.name].output} (previous step)" if t.name in states else spec.source_of(Endpoint(s.name, t.name))

@@ -229,6 +229,16 @@ class Batching:
     stripped: Mapping[str, int] = field(default_factory=dict)
     probe: str = ""
 
+    def describe(self) -> str:
+        """One line: what is padded and stripped, and how it was checked."""
+        if not self.padded and not self.stripped:
+            what = "requests stacked along dim 0, nothing padded"
+        else:
+            pads = ", ".join(f"{name} (axis {axis}, {value:g})" for name, (axis, value) in self.padded.items())
+            strips = ", ".join(f"{name} (axis {axis})" for name, axis in self.stripped.items())
+            what = f"pads {pads or 'nothing'}; strips {strips or 'nothing'}"
+        return f"{what}; {self.probe}" if self.probe else what
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {

@@ -141,6 +141,9 @@ def test_cli_build_takes_max_batch(tmp_path: Path) -> None:
     ok("build", tmp_path / "split", "-o", tmp_path / "built", "--stage", "*:threads=1,max_batch=8,max_delay_ms=1")
     data = json.loads((tmp_path / "built" / "pipeline.json").read_text())
     assert [s["settings"]["max_batch"] for s in data["stages"]] == [8, 8]
+    out = ok("build", tmp_path / "split", "-o", tmp_path / "built", "--overwrite", "--stage", "*:max_batch=8").output
+    assert "stage 'stage0' batches up to 8: pads attention_mask (axis 1, 0), past_key_values.0.key (axis 2, 0)" in out
+    assert "strips attn_bias (axis 3), present.0.key (axis 2)" in out and "batched and alone agree" in out
     assert all("agree" in s["batching"]["probe"] for s in data["stages"])
     result = run("build", tmp_path / "split", "-o", tmp_path / "b2", "--stage", "0:max_batch=0")
     assert_user_error(result, "max_batch must be an integer from 1 (no batching) to 1024, got 0")
@@ -159,3 +162,11 @@ def test_a_pipeline_file_takes_max_batch(tmp_path: Path) -> None:
     spec = build(read_pipeline_file(tmp_path / "p.toml"), tmp_path / "built").spec
     assert spec.stages[0].settings.max_batch == 8 and spec.stages[0].settings.max_delay_ms == 1.5
     assert spec.stages[0].batching is not None
+
+
+def test_inspect_shows_how_a_stage_batches(tmp_path: Path) -> None:
+    built = build(_one_stage(_relu("batch"), StageSettings(max_batch=4, max_delay_ms=2)), tmp_path / "b").path
+    bundle = export(built, tmp_path / "bundle")
+    out = ok("inspect", bundle).output
+    assert "max_batch 4, max_delay_ms 2" in out
+    assert "batching: requests stacked along dim 0, nothing padded; 2 requests batched and alone agree" in out
