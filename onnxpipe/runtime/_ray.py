@@ -220,6 +220,8 @@ class _StageActor:
             for call in self._runner.run_many([req for _, req in runnable]):
                 for member, error in zip(call.members, call.errors, strict=True):
                     j = at[id(member)]
+                    if member.step == CLOSE:
+                        continue
                     timings[j].update(start=self._wall(call.start), end=self._wall(call.end), batch=len(call.members))
                     if error is None:
                         outputs[j] = {(name, o): member.values[Endpoint(name, o)] for o in self._returns}
@@ -238,9 +240,9 @@ class _StageActor:
         if any(v is None for v in produced):  # an earlier stage failed: pass the request on untouched
             timing["skipped"] = True
         elif stream is not None and stream[1] == CLOSE:
-            if self._runner is not None:
-                self._runner(Request(request, {}, {}, 0.0, stream=stream[0], step=CLOSE))  # drops the stream's state
             timing["skipped"] = True  # not a stage run: no statistics
+            if self._runner is not None:  # drops the stream's state, in order with the call's other requests
+                return Request(request, {}, {}, 0.0, stream=stream[0], step=CLOSE), timing
         elif self._runner is None:
             timing["error"] = self._error or "the stage has no session"
         else:

@@ -254,6 +254,22 @@ def test_greedy_decoding_through_ray_equals_the_whole_decoder(tmp_path: Path, ra
         assert results[i] == whole_generate(model, prompt, 12)[0], f"prompt {i}"
 
 
+def whole_generate_logits(model: Any, tokens: list[int]) -> np.ndarray:
+    """The whole model's logits for ``tokens`` fed one step at a time (the last step's)."""
+    from tests.stateful_models import decoder_session
+
+    session = decoder_session(model)
+    names = [o.name for o in session.get_outputs()]
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    cache = {n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), np.float32) for n in shapes if n.startswith("past_key_values.")}
+    out: dict[str, np.ndarray] = {}
+    for k, t in enumerate(tokens):
+        feeds = {"input_ids": np.array([[t]]), "attention_mask": np.ones((1, k + 1), np.int64), "position_ids": np.array([[k]]), **cache}
+        out = dict(zip(names, session.run(names, feeds), strict=True))
+        cache = {n: out[n.replace("past_key_values.", "present.")] for n in cache}
+    return out["logits"]
+
+
 def test_batched_stream_steps_run_as_one_call_on_each_actor(tmp_path: Path, ray_pids: set[int]) -> None:
     """The decoder with max_batch=8 on nodes a and b: steps of 6 streams that queue up for an actor
     become one call there, run as one batched session call (the driver's statistics show batches
@@ -282,6 +298,16 @@ def test_batched_stream_steps_run_as_one_call_on_each_actor(tmp_path: Path, ray_
         for t in threads:
             t.join(120)
         stats = pipe.stats()
+        # Steps submitted without waiting and the close behind them may reach an actor in one call:
+        # the close runs after them there, never before.
+        s = pipe.stream()
+        tokens = [1, 2, 3, 4]
+        futures = [s.submit({"input_ids": np.array([[t]]), "attention_mask": np.ones((1, k + 1), np.int64),
+                             "position_ids": np.array([[k]])}) for k, t in enumerate(tokens)]
+        s.close()
+        last = futures[-1].result(timeout=60)["logits"]
+        assert pipe._engine.held_streams() == [[[]], [[]]]  # type: ignore[attr-defined]
+    np.testing.assert_allclose(last, whole_generate_logits(model, tokens), rtol=0, atol=1e-4)
     for i, prompt in enumerate(prompts):
         assert results[i] == whole_generate(model, prompt, 8)[0], f"prompt {i}"
     for stage in stats.stages:
