@@ -159,6 +159,16 @@ main.add_command(serve)
     help="With --cores: timed requests per plan and round.",
 )
 @click.option(
+    "--batch",
+    "batch",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1, max=1024),
+    metavar="B",
+    help="With --cores: also measure the chosen plan batching up to B requests per call (max_batch), "
+    "and keep it only if it wins every round; 1: do not consider batching (docs/batching.md).",
+)
+@click.option(
     "--measure",
     "measure",
     default=3,
@@ -195,6 +205,7 @@ def split(
     threads: int,
     rounds: int,
     requests: int,
+    batch: int,
     measure: int,
     state: Sequence[str],
     overwrite: bool,
@@ -244,7 +255,7 @@ def split(
     if auto:
         _split_auto(ctx, model, out, by_hand, overwrite, states)
         return
-    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "rounds", "requests", "measure")
+    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "rounds", "requests", "measure", "batch")
     if auto_only:
         raise click.UsageError(f"{', '.join(auto_only)}: only with --auto; see 'onnxpipe split --help'")
     if len(by_hand) != 1:
@@ -297,10 +308,11 @@ def _split_auto(
         if not_planner:
             raise click.UsageError(f"{', '.join(not_planner)}: not with --cores; the planner profiles 1..C threads itself and cuts with the measured policy")
         _autosplit.planned_split(
-            model, out, cores=p["cores"], rounds=p["rounds"], requests=p["requests"], measure=p["measure"], dims=dict(p["dims"]), overwrite=overwrite
+            model, out, cores=p["cores"], rounds=p["rounds"], requests=p["requests"], measure=p["measure"], dims=dict(p["dims"]), overwrite=overwrite,
+            batch=p["batch"],
         )
         return
-    planner_only = given(ctx, "rounds", "requests", "measure")
+    planner_only = given(ctx, "rounds", "requests", "measure", "batch")
     if planner_only:
         raise click.UsageError(f"{', '.join(planner_only)}: only with --cores (they set how the planner measures its plans)")
     _autosplit.policy_split(

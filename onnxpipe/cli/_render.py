@@ -176,6 +176,8 @@ def plan_result(result: PlanResult, folder: Path) -> None:
     over = f"median of {result.choice.rounds} round(s)"
     _line(console, f"chosen: {chosen.label}, {chosen.measured or 0:.1f} req/s measured, {over} ({chosen.predicted:.1f} predicted)")
     _line(console, f"certainty: {result.choice}")
+    if result.batching:
+        _line(console, f"batching: {result.batching}")
     for kind, value in result.baselines().items():
         if value:
             _line(console, f"  {(chosen.measured or 0) / value:.2f}x the best {_BASELINE_NAMES.get(kind, kind)} ({value:.1f} req/s measured)")

@@ -25,6 +25,14 @@ Note: the choice rule.
     loses others is no clear winner (a tie): the simpler plan is kept. On 2 cores the candidates
     are often within a few percent, and one noisy measurement per plan used to decide.
 
+Note: batching.
+    With ``batch`` above 1 (``split --auto --cores C --batch N``), once the plan is chosen and every
+    input and output of the model has a symbolic dim 0, the planner builds the chosen plan again
+    with ``max_batch=N`` on every stage (the build's probe checks that it can batch; a refusal is
+    reported, not raised) and measures it against the chosen plan in interleaved rounds with the
+    same rule: batching is kept only if it wins *every* round. CPU models often gain nothing from
+    it (docs/batching.md), so it is measured, never assumed.
+
 Note: symbolic dims.
     What a plan costs depends on the input sizes, so dims are never guessed silently. A dim that
     is symbolic or unknown must be given (``dims``: by name, or ``"input.axis"`` for an unnamed one),
@@ -47,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onnxpipe._errors import SplitError
+from onnxpipe._errors import BuildError, SplitError
 from onnxpipe.builder import build, export, io_specs
 from onnxpipe.runtime import Pipeline, StageSettings, TensorSpec, interleaved_rounds, load, random_inputs
 from onnxpipe.splitter._auto import MeasuredPolicy
@@ -148,6 +156,8 @@ class PlanResult:
         cores: The core budget.
         choice: Why the chosen plan won and how sure that is.
         notes: What the user should know.
+        batching: Whether batching requests (``max_batch``) paid for the chosen plan, measured
+            (see Note: batching), or why it was not considered; ``None`` when it was not asked for.
     """
 
     plan: SplitPlan
@@ -156,6 +166,7 @@ class PlanResult:
     cores: int
     choice: PlanChoice
     notes: list[str] = field(default_factory=list)
+    batching: str | None = None
 
     def baselines(self) -> dict[str, float]:
         """Measured throughput of the best one-session plan and the best replicas plan."""
@@ -174,6 +185,8 @@ class PlanResult:
             measured = f"{c.measured:8.1f}" if c.measured is not None else "       -"
             spread = f" ({min(c.rounds):.1f}-{max(c.rounds):.1f})" if c.rounds else ""
             lines.append(f"  {c.label:<32} predicted {c.predicted:8.1f}  measured {measured} req/s{spread}")
+        if self.batching:
+            lines.append(f"  batching: {self.batching}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -369,6 +382,7 @@ def plan_pipeline(
     dims: Mapping[str, int] | None = None,
     runs: int = 3,
     progress: Progress | None = None,
+    batch: int = 1,
 ) -> PlanResult:
     """Plan how to run ``model`` on ``cores`` cores, measure the finalists side by side, choose.
 
@@ -383,7 +397,10 @@ def plan_pipeline(
         dims: Sizes of symbolic input dims, by name (``"input.axis"`` for an unnamed one); every
             symbolic dim but a batch-like one must be given (see the note on symbolic dims).
         runs: Profiled runs per thread count.
-        progress: Called with (step, done, total); steps ``profiling``, ``loading``, ``measuring``.
+        progress: Called with (step, done, total); steps ``profiling``, ``loading``, ``measuring``
+            (and ``batching`` when ``batch`` is above 1).
+        batch: Also measure the chosen plan batching up to this many requests per call, and keep
+            it if it wins every round (see Note: batching); 1: do not consider batching.
 
     Returns:
         The :class:`PlanResult`; ``result.plan.save(folder)`` writes the chosen stages with their
@@ -426,5 +443,42 @@ def plan_pipeline(
     chosen, choice = choose_plan(candidates, requests)
     final = chosen.split or whole
     _configure(chosen, final, allowed)
+    batching = _try_batching(chosen, final, allowed, feeds, rounds, requests, report, batch) if batch > 1 else None
     candidates.sort(key=lambda c: (c.measured is None, -(c.measured or 0.0), -c.predicted))
-    return PlanResult(final, chosen, candidates, cores, choice, notes)
+    return PlanResult(final, chosen, candidates, cores, choice, notes, batching)
+
+
+def _try_batching(chosen: PlanCandidate, final: SplitPlan, allowed: list[int], feeds: dict[str, np.ndarray], rounds: int, requests: int,
+                  report: Progress, batch: int) -> str:
+    """Measure the chosen plan batching up to ``batch`` requests against it (see Note: batching); keep it
+    on ``final``'s stages only if it won every round. Returns what was found."""
+    spec = final.spec
+    fixed = [t for t in (*spec.inputs, *spec.outputs) if not t.shape or isinstance(t.shape[0], int)]
+    if fixed:
+        return f"not considered: '{fixed[0].name}' has no symbolic batch dim (dim 0 is {'unknown' if not fixed[0].shape else fixed[0].shape[0]})"
+    labels = {"plain": chosen.label, "batched": f"{chosen.label}, max_batch {batch}"}
+    stage_ms: dict[str, list[tuple[float, ...]]] = {k: [] for k in labels}
+    with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp, contextlib.ExitStack() as stack:
+        pipes: dict[str, Pipeline] = {}
+        for key, max_batch in (("plain", 1), ("batched", batch)):
+            for stage in final.config.stages:
+                stage.configure(max_batch=max_batch)
+            report("batching", len(pipes), 2)
+            try:
+                pipes[key] = stack.enter_context(_load_finalist(chosen, final, allowed, feeds, requests, Path(tmp)))
+            except BuildError as e:
+                for stage in final.config.stages:
+                    stage.configure(max_batch=1)
+                return f"the build refuses max_batch {batch}: {e}"
+        report("batching", 2, 2)
+        runners = {key: (lambda p=pipe, ms=stage_ms[key]: _timed_round(p, feeds, requests, ms)) for key, pipe in pipes.items()}
+        measured = interleaved_rounds(runners, rounds, lambda done, total: report("batching", done, total))
+    ratios = [b / p if p else float("inf") for b, p in zip(measured.values["batched"], measured.values["plain"], strict=True)]
+    won = min(ratios) > 1.0
+    for stage in final.config.stages:
+        stage.configure(max_batch=batch if won else 1)
+    spread = f"paired ratios {min(ratios):.2f}-{max(ratios):.2f} over {rounds} round(s) of {requests} requests"
+    median = statistics.median(ratios)
+    if won:
+        return f"max_batch {batch} kept: {median:.2f}x without ({spread})"
+    return f"max_batch {batch} does not pay here: {median:.2f}x without ({spread}); kept max_batch 1"

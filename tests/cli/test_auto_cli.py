@@ -89,6 +89,9 @@ def test_auto_split_user_errors_are_one_line(model: Path, tmp_path: Path) -> Non
         (["--auto", "--cores", "2", "--threads", "2"], "--threads: not with --cores"),
         (["--auto", "--stages", "2", "--requests", "5"], "--requests: only with --cores"),
         (["--auto", "--max-stages", "2", "--rounds", "3"], "--rounds: only with --cores"),
+        (["--auto", "--stages", "2", "--batch", "8"], "--batch: only with --cores"),
+        (["--batch", "8"], "--batch: only with --auto"),
+        (["--auto", "--cores", "1", "--batch", "0"], "--batch"),
         (["--rounds", "3"], "--rounds: only with --auto"),
         (["--auto", "--cores", "1", "--rounds", "0"], "--rounds"),
         (["--auto", "--stages", "2", "--policy", "uniform", "--pin", "n1=0"], "policy 'uniform' does not take --pin (--pin is for policy measured)"),
@@ -205,3 +208,14 @@ def test_inspect_profile_usage_errors(model: Path) -> None:
     assert_usage_error(run("inspect", model, "--threads", 2), "--threads: only with --profile")
     assert_usage_error(run("inspect", model, "--max-stages", 3), "--max-stages: only with --profile")
     assert_usage_error(run("inspect", model, "--profile", "--max-stages", 1), "--max-stages")
+
+
+def test_the_planner_on_the_command_line_says_whether_batching_paid(tmp_path: Path) -> None:
+    from tests.models import symbolic_batch
+
+    onnx.save(symbolic_batch(), tmp_path / "m.onnx")
+    out = ok("split", tmp_path / "m.onnx", "-o", tmp_path / "plan", "--auto", "--cores", 1, "--rounds", 2, "--requests", 10, "--batch", 4).output
+    line = next(line for line in out.splitlines() if line.startswith("batching: "))
+    assert "max_batch 4 kept" in line or "max_batch 4 does not pay here" in line
+    settings = json.loads((tmp_path / "plan" / "pipeline.json").read_text())["stages"][0]["settings"]
+    assert settings.get("max_batch", 1) == (4 if "kept" in line else 1)

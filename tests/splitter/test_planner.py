@@ -185,3 +185,23 @@ def test_a_batch_dim_planned_at_one_is_noted(tmp_path: Path) -> None:
 def test_core_budget_is_checked(squeezenet: Path) -> None:
     with pytest.raises(SplitError, match=r"core budget 4096 is outside 1\.\.\d+ \(the cores this process may use"):
         plan_pipeline(squeezenet, cores=4096)
+
+
+def test_the_planner_measures_batching_and_keeps_it_only_if_it_wins(tmp_path: Path) -> None:
+    """batch=8: the chosen plan is measured again with max_batch 8 in the same interleaved rounds;
+    the plan written keeps it only if it won every round, and says which way it went."""
+    path = tmp_path / "batch.onnx"
+    onnx.save(models.symbolic_batch(), path)
+    result = plan_pipeline(path, cores=1, rounds=2, requests=16, runs=1, batch=8)
+    assert result.batching is not None and f"batching: {result.batching}" in str(result)
+    kept = result.batching.startswith("max_batch 8 kept: ")
+    assert kept or result.batching.startswith("max_batch 8 does not pay here: "), result.batching
+    assert "paired ratios" in result.batching and "over 2 round(s) of 16 requests" in result.batching
+    assert [s.settings.max_batch for s in result.plan.config.stages] == [8 if kept else 1]
+    assert plan_pipeline(path, cores=1, rounds=1, requests=3, runs=1).batching is None
+
+
+def test_the_planner_does_not_batch_a_fixed_batch_dim(squeezenet: Path) -> None:
+    result = plan_pipeline(squeezenet, cores=1, rounds=1, requests=3, runs=1, batch=4)
+    assert result.batching == "not considered: 'data_0' has no symbolic batch dim (dim 0 is 1)"
+    assert all(s.settings.max_batch == 1 for s in result.plan.config.stages)
