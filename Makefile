@@ -78,6 +78,7 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks --out bench-out
 	$(BIN)/python -m benchmarks.engines
 	$(BIN)/python -m benchmarks.streams
+	$(BIN)/python -m benchmarks.batching
 	$(BIN)/python -m benchmarks.ocr_chain
 
 # benchmarks.serve: onnxpipe serve beside the same bundle in process and beside KServe's Python
