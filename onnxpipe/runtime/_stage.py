@@ -20,6 +20,20 @@ Note: state stays in its stage.
     earlier stage) can never be followed by a step on the wrong state. A close request (``step ==
     CLOSE``) drops the stream's state; an engine delivers it like any request, so it reaches each
     stage after that stream's earlier steps (see docs/streams.md, what an engine must do).
+
+Note: batched calls.
+    A stage whose ``max_batch`` is above 1 (and whose spec carries the build's ``Batching``
+    record) is given what its worker took from the queue, and :meth:`StageRunner.run_many` runs it
+    in as few session calls as it can: requests with equal shapes but for dim 0 (and, for padded
+    inputs, the padded axis) and the same parameters go together, one step per stream per call, a
+    stream's steps in order. Inputs are joined along dim 0; padded inputs (a KV cache, the mask)
+    are padded on the left of their growing axis to the longest member, so member i is shifted by
+    ``longest - its length``. After the call each request gets its rows; stripped outputs lose the
+    shift again. A stream's committed state is its rows of the call's state outputs *with* the
+    shift (no copy), and ``_layout`` remembers where: when the same streams next run together, the
+    call's state outputs are fed as they are; otherwise each held state's shift is dropped while
+    the new batch is padded. A failed call, or one whose outputs cannot be split back, runs its
+    members again one by one (nothing was committed), so only a bad request fails.
 """
 
 from __future__ import annotations
