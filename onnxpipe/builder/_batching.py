@@ -68,6 +68,10 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     for stage in batching:
         _check_batch_axes(stage)
     growing = [s for s in batching if any(link.empty_axis is not None for link in spec.states_of(s.name))]
+    for stage in spec.stages:
+        if stage.settings.batch_pad and stage not in growing:
+            raise BuildError(f"stage '{stage.name}': batch_pad is for a stage that batches streams whose state grows (max_batch above 1 "
+                             "and a state link with an empty axis); this one has none to pad")
     mask = _mask_input(spec) if spec.states else None
     if growing and mask is None:
         names = ", ".join(t.name for t in spec.inputs)
@@ -293,9 +297,13 @@ class _Probe:
             if name in inputs:
                 dtype = numpy_dtype(inputs[name].dtype)
                 value = 0.0 if name in states or dtype.kind in "iub" else float(np.finfo(dtype).min)
-                padded[name] = (axes[0], value)
+                padded[name] = (axes[0], stage.settings.batch_pad.get(name, value))
             else:
                 stripped[name] = axes[0]
+        unknown = sorted(set(stage.settings.batch_pad) - set(padded))
+        if unknown:
+            raise BuildError(f"stage '{stage.name}': batch_pad names '{unknown[0]}', which is not an input that grows with a stream's past; "
+                             f"those are: {', '.join(repr(n) for n in padded) or 'none'}")
         for link in self.spec.states_of(stage.name):
             if link.empty_axis is not None:
                 stripped[link.output] = link.empty_axis  # the state a step commits, never in the bag to be measured

@@ -90,7 +90,7 @@ def build(
     The --settings file is keyed by *, a stage name or a position; its values use the
     StageSettings field names (target, provider_options, fallback, intra_op_threads,
     inter_op_threads, execution_mode, spinning, affinity, optimization,
-    session_config, replicas, max_batch, max_delay_ms). Order of application, later wins: the file's "*"
+    session_config, replicas, max_batch, max_delay_ms, batch_pad). Order of application, later wins: the file's "*"
     entry, its other entries in file order, then each --stage in command-line order.
 
     \b

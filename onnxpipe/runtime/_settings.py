@@ -13,6 +13,7 @@ Note: threads and affinity.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -116,6 +117,10 @@ class StageSettings:
             ``pipeline.json`` only when above 1.
         max_delay_ms: How long a request the stage has taken may wait for others to join its
             batch; 0 (the default, Triton's advice): take what is queued, never wait.
+        batch_pad: Input name -> the value a batch pads it with, instead of the value the
+            build's probe would choose (0 for states and int masks, a float mask's lowest value):
+            for a mask the model applies other than as an additive bias. The probe still checks
+            that batched equals alone. Written to ``pipeline.json`` only when set.
     """
 
     target: str = "cpu"
@@ -133,6 +138,7 @@ class StageSettings:
     host: str | None = None
     max_batch: int = 1
     max_delay_ms: float = 0.0
+    batch_pad: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, kind in (("target", str), ("execution_mode", str), ("optimization", str), ("fallback", bool), ("spinning", bool)):
@@ -154,6 +160,11 @@ class StageSettings:
         if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= MAX_DELAY_MS:
             raise ConfigError(f"max_delay_ms must be a number of milliseconds from 0 to {MAX_DELAY_MS:g}, got {delay!r}")
         object.__setattr__(self, "max_delay_ms", float(delay))
+        if not isinstance(self.batch_pad, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for k, v in self.batch_pad.items()
+        ):
+            raise ConfigError(f"batch_pad must map input names to finite numbers (e.g. {{'attn_bias': 0.0}}), got {self.batch_pad!r}")
+        object.__setattr__(self, "batch_pad", {k: float(v) for k, v in self.batch_pad.items()})
         if self.execution_mode not in ("sequential", "parallel"):
             raise ConfigError(f"execution_mode must be 'sequential' or 'parallel', got {self.execution_mode!r}")
         if self.optimization not in OPTIMIZATION_LEVELS:
@@ -206,6 +217,10 @@ class StageSettings:
             del data["max_batch"]  # absent = no batching: bundles that do not batch read as before
         if not self.max_delay_ms:
             del data["max_delay_ms"]
+        if self.batch_pad:
+            data["batch_pad"] = dict(self.batch_pad)
+        else:
+            del data["batch_pad"]
         return data
 
     @classmethod

@@ -170,3 +170,26 @@ def test_inspect_shows_how_a_stage_batches(tmp_path: Path) -> None:
     out = ok("inspect", bundle).output
     assert "max_batch 4, max_delay_ms 2" in out
     assert "batching: requests stacked along dim 0, nothing padded; 2 requests batched and alone agree" in out
+
+
+def test_batch_pad_states_a_pad_value_by_hand_and_the_probe_still_checks_it(tmp_path: Path) -> None:
+    """Stage 1's float mask padded with the model's own blocked value (-1e4) batches; padded with 0
+    (unblocked: the padding would be attended) the probe sees batched differ from alone and refuses."""
+    def plan(pad: float) -> PipelineConfig:
+        p = split(gpt_decoder(layers=2), ["layer0.out"], states="auto")
+        for stage in p.config.stages:
+            stage.configure(max_batch=4)
+        p.config.stage("stage1").configure(batch_pad={"attn_bias": pad})
+        return p.config
+
+    spec = build(plan(-1e4), tmp_path / "a").spec
+    assert spec.stages[1].batching is not None and spec.stages[1].batching.padded["attn_bias"] == (3, -1e4)
+    assert json.loads((tmp_path / "a" / "pipeline.json").read_text())["stages"][1]["settings"]["batch_pad"] == {"attn_bias": -1e4}
+    with pytest.raises(BuildError, match=r"cannot batch: output 'logits' batched differs from alone by"):
+        build(plan(0.0), tmp_path / "b")
+    config = plan(0.0)
+    config.stage("stage1").configure(batch_pad={"layer0.out": 0.0})
+    with pytest.raises(BuildError, match=r"batch_pad names 'layer0.out', which is not an input that grows with a stream's past; those are: 'attn_bias'"):
+        build(config, tmp_path / "c")
+    with pytest.raises(ConfigError, match="batch_pad must map input names to finite numbers"):
+        StageSettings(batch_pad={"x": float("nan")})
