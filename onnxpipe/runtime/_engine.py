@@ -166,8 +166,9 @@ class ThreadEngine:
         complete = getattr(runner, "complete", lambda group: False)
         clock = time.perf_counter
         while True:
+            group: list[Request] = []
             try:
-                group = [reader.get()]
+                group.append(reader.get())
                 taken = clock()
                 deadline = taken + delay
                 while len(group) < most and not (delay and complete(group)):
@@ -176,13 +177,17 @@ class ThreadEngine:
                         break
                     group.append(more)
             except Closed:
+                with self._lock:
+                    self._orphans.extend(group)  # taken, never run: the pipeline fails them
                 return
+            waited = clock() - taken  # what the group's first call waited for it to fill
             for call in runner.run_many(group):
                 errors = [None if e is None else self._failure(runner.name, m.id, e) for m, e in zip(call.members, call.errors, strict=True)]
                 for member, error in zip(call.members, errors, strict=True):
                     member.error = error
                 if call.members[0].step != CLOSE:
-                    recorder.record_call(call.members, call.start, call.end, errors, max(0.0, call.start - taken))
+                    recorder.record_call(call.members, call.start, call.end, errors, waited)
+                    waited = 0.0
             for n, request in enumerate(group):
                 try:
                     if hand_on is None:
