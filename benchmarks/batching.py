@@ -12,6 +12,9 @@ thread, pinned to a core each where the machine has 2. For S = 1, 2, 4, 8, 16 st
   holds (or that last batched together) to come back, at most 2 ms, so batches fill and stay
   together (their KV caches then feed the next call without a copy);
 - **unbatched**: the same bundle built without batching;
+- **one driver**: the unbatched and batched (delay 0) bundles with the S streams stepped by one
+  thread instead of S: every stream's step submitted (``Stream.submit``), then every result read;
+  no thread and no wake-up per stream and token (the per-token latency is then a whole round's);
 - **lockstep session**: the whole model in one session x 1 thread decoding the S streams as one
   batch of S from start to end (the static batching a user of one session, or of
   onnxruntime-genai's Generator, gets: streams cannot join or leave; its prompts have equal lengths,
@@ -109,6 +112,39 @@ def _pipeline(bundle: Path, streams: int, past: int, tokens: int, vocab: int) ->
     }
 
 
+def _driven(bundle: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
+    """The S streams stepped by one driver thread: each step of every stream submitted, then every
+    result read (``Stream.submit`` futures): no thread per stream, no wake-up per token."""
+    with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH) as pipe:
+        with pipe.stream() as warm:
+            _decode(warm.step, _prompt(99, past, vocab), 4, [])
+        pipe.reset_stats()
+        opened = [pipe.stream() for _ in range(streams)]
+        texts = [_prompt(k, past, vocab) for k in range(streams)]
+        done = [0] * streams
+        times: list[float] = []
+        start = time.perf_counter()
+        for _ in range(tokens):
+            begin = time.perf_counter()
+            futures = [s.submit(decoder_feeds(texts[k], done[k])) for k, s in enumerate(opened)]
+            for k, future in enumerate(futures):
+                logits = future.result()["logits"]
+                done[k] = len(texts[k])
+                texts[k].append(int(np.argmax(logits[0, -1])))
+            times.append(time.perf_counter() - begin)
+        elapsed = time.perf_counter() - start
+        stats = pipe.stats()
+        for s in opened:
+            s.close()
+    times.sort()
+    return {
+        "tokens_per_s": streams * tokens / elapsed,
+        "p50_ms": 1e3 * times[len(times) // 2],
+        "p99_ms": 1e3 * times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
+        "batch_mean": [round(s.batch_mean, 2) for s in stats.stages],
+    }
+
+
 def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
     session = decoder_session(model, 1)
     shapes = {i.name: i.shape for i in session.get_inputs()}
@@ -192,6 +228,8 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         for s in streams:
             for how, _, _ in BATCHINGS:
                 configs[(how, s)] = partial(_pipeline, bundles[how], s, past, tokens, vocab)
+            for how in ("unbatched", "batched, delay 0"):
+                configs[(f"{how}, one driver", s)] = partial(_driven, bundles[how], s, past, tokens, vocab)
             configs[("lockstep session", s)] = partial(_lockstep, model, s, past, tokens, vocab)
         measured: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in configs}
         overheads = []
@@ -213,6 +251,9 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
     rate = {(r["how"], r["streams"]): r["tokens_per_s"] for r in rows}
     ratios = {s: {f"{how} / {base}": rate[(how, s)] / rate[(base, s)]
                   for how in ("batched, delay 0", "batched, delay 2 ms") for base in ("unbatched", "lockstep session")} for s in streams}
+    for s in streams:
+        ratios[s]["one driver: batched / unbatched"] = rate[("batched, delay 0, one driver", s)] / rate[("unbatched, one driver", s)]
+        ratios[s]["one driver: batched / lockstep session"] = rate[("batched, delay 0, one driver", s)] / rate[("lockstep session", s)]
     overhead = {k: statistics.median(o[k] for o in overheads) for k in overheads[0]}
     return {
         "model": {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "past": past, "tokens": tokens},
@@ -244,14 +285,12 @@ def main() -> None:
     m = result["model"]
     print(f"decoder: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads; prompt {m['past']} + {m['tokens']} tokens per stream; "
           f"{result['cores']} cores; 2 stages x 1 thread; median (min-max) of {result['rounds']} interleaved rounds")
-    print(f"{'how':<20} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage")
+    print(f"{'how':<30} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage")
     for r in sorted(result["rows"], key=lambda r: (r["streams"], r["how"])):
         spread = f"({r['min']:.0f}-{r['max']:.0f})"
-        print(f"{r['how']:<20} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  {r.get('batch_mean', '')}")
-    names = list(next(iter(result["ratios"].values())))
-    print(f"{'streams':>7} " + " ".join(f"{n:>38}" for n in names))
-    for s, q in result["ratios"].items():
-        print(f"{s:>7} " + " ".join(f"{q[n]:>37.2f}x" for n in names))
+        print(f"{r['how']:<30} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  {r.get('batch_mean', '')}")
+    for name in next(iter(result["ratios"].values())):
+        print(f"{name:<40} " + "  ".join(f"{s} streams {q[name]:.2f}x" for s, q in result["ratios"].items()))
     o = result["one_stream_step"]
     print(f"one stream, unbatched: a step takes {o['step_ms']:.3f} ms end to end, its stages compute {o['stages_compute_ms']:.3f} ms (p50 each, summed): "
           f"{o['overhead_ms']:.3f} ms of hand-offs, futures and checks per token")
