@@ -1,8 +1,9 @@
-"""How long one call takes: the one timing loop the benchmarks share."""
+"""How long things take: the timing loops the benchmarks share."""
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -18,3 +19,18 @@ def median_seconds(fn: Callable[[], object], runs: int, warmup: int = 1, min_sec
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def timed_threads(work: Callable[[int, threading.Barrier], None], count: int) -> float:
+    """Seconds for ``count`` threads running ``work(k, start_line)`` to finish, timed from the
+    moment all of them (and this thread) pass ``start_line.wait()``: each thread's own set-up
+    before that line is not timed."""
+    start_line = threading.Barrier(count + 1)
+    threads = [threading.Thread(target=work, args=(k, start_line)) for k in range(count)]
+    for t in threads:
+        t.start()
+    start_line.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start

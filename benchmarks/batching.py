@@ -51,6 +51,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from benchmarks._timing import timed_threads
+from benchmarks.pipeline_efficiency import _stream as map_rate
 from onnxpipe.builder import build, export
 from onnxpipe.runtime import load
 from onnxpipe.splitter import split
@@ -85,22 +87,14 @@ def _pipeline(bundle: Path, streams: int, past: int, tokens: int, vocab: int) ->
             _decode(warm.step, _prompt(99, past, vocab), 4, [])
         pipe.reset_stats()
         times: list[list[float]] = [[] for _ in range(streams)]
-        go = threading.Barrier(streams + 1)
 
-        def run(k: int) -> None:
-            go.wait()
+        def run(k: int, start_line: threading.Barrier) -> None:
+            start_line.wait()
             time.sleep(0.0005 * k)  # streams join while others decode
             with pipe.stream() as s:
                 _decode(s.step, _prompt(k, past, vocab), tokens, times[k])
 
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(streams)]
-        for t in threads:
-            t.start()
-        go.wait()
-        start = time.perf_counter()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
+        elapsed = timed_threads(run, streams)
         stats = pipe.stats()
     steps = sorted(x for ts in times for x in ts)
     return {
@@ -205,12 +199,7 @@ def _stateless(width: int, max_batch: int, requests: int = 2000) -> float:
         bundle = export(build(config, Path(tmp) / "built").path, Path(tmp) / "bundle")
         ids = {"ids": np.arange(16, dtype=np.int64)[None, :]}
         with load(bundle, queue_depth=16) as pipe:
-            for _ in pipe.map(ids for _ in range(100)):
-                pass
-            start = time.perf_counter()
-            for _ in pipe.map(ids for _ in range(requests)):
-                pass
-            return requests / (time.perf_counter() - start)
+            return map_rate(pipe, ids, requests)
 
 
 def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: int, streams: tuple[int, ...] = STREAMS) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import onnxruntime as ort
 
+from benchmarks._timing import timed_threads
 from onnxpipe.builder import build, export
 from onnxpipe.runtime import load
 from onnxpipe.splitter import split
@@ -49,21 +50,13 @@ def _pipeline_tokens_per_s(bundle: Path, streams: int, tokens: int) -> float:
     with load(bundle) as pipe:
         with pipe.stream() as warm:
             generate(warm.step, _prompt(0), 4)
-        start_line = threading.Barrier(streams + 1)
 
-        def decode(k: int) -> None:
+        def decode(k: int, start_line: threading.Barrier) -> None:
             with pipe.stream() as s:
                 start_line.wait()
                 generate(s.step, _prompt(k), tokens)
 
-        threads = [threading.Thread(target=decode, args=(k,)) for k in range(streams)]
-        for t in threads:
-            t.start()
-        start_line.wait()
-        start = time.perf_counter()
-        for t in threads:
-            t.join()
-        return streams * tokens / (time.perf_counter() - start)
+        return streams * tokens / timed_threads(decode, streams)
 
 
 def _session_tokens_per_s(model: Any, threads: int, streams: int, tokens: int) -> float:

@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import BuildError, OnnxpipeError
+from onnxpipe._errors import BuildError, InputError, OnnxpipeError
 from onnxpipe.runtime._dtypes import numpy_dtype
+from onnxpipe.runtime._inputs import random_array
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, TensorSpec
 from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, plan_stages
@@ -180,14 +181,10 @@ class _Probe:
             if t.shape is None:
                 raise _NotProbed(f"input '{t.name}' has no known rank")
             shape = [1 if axis == 0 else d if isinstance(d, int) else new for axis, d in enumerate(t.shape)]
-            if dtype.kind == "f":
-                feeds[t.name] = rng.standard_normal(shape).astype(dtype)
-            elif dtype.kind in "iu":
-                feeds[t.name] = rng.integers(0, 4, size=shape).astype(dtype)
-            elif dtype.kind == "b":
-                feeds[t.name] = rng.integers(0, 2, size=shape).astype(bool)
-            else:
-                raise _NotProbed(f"input '{t.name}' is {t.dtype}, which the probe cannot make")
+            try:
+                feeds[t.name] = random_array(t, shape, rng)
+            except InputError as e:
+                raise _NotProbed(str(e)) from None
         return feeds
 
     def _request(self, rid: int, feeds: Mapping[str, np.ndarray], stream: int | None, step: int) -> Request:

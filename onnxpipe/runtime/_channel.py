@@ -133,13 +133,7 @@ class Reader(Generic[T]):
             except queue.Empty:  # another replica took it meanwhile
                 self._give_back()
                 item = self._items.get()
-        if item is _POISON:
-            self._items.put(item)
-            raise Closed
-        self._owed += 1
-        if self._owed >= self.batch:
-            self._give_back()
-        return item
+        return self._took(item)
 
     def get_more(self, timeout: float) -> T | None:
         """Take the oldest item if one comes within ``timeout`` seconds (0: only one already
@@ -154,6 +148,10 @@ class Reader(Generic[T]):
             item = self._items.get(timeout=timeout) if timeout > 0 else self._items.get_nowait()
         except queue.Empty:
             return None
+        return self._took(item)
+
+    def _took(self, item: T) -> T:
+        """Account for an item taken (a slot owed back), or raise :class:`Closed` on the poison."""
         if item is _POISON:
             self._items.put(item)
             raise Closed

@@ -145,15 +145,7 @@ class ThreadEngine:
                     end = clock()
                     record(request.id, start, end, request.error is None, start - request.queued_at)
                     request.queued_at = end
-            try:
-                if hand_on is None:
-                    assert request.done is not None
-                    request.done(request)
-                else:
-                    hand_on(request)
-            except Closed:
-                with self._lock:
-                    self._orphans.append(request)
+            if not self._pass_on([request], hand_on):
                 return
             # Let go before waiting: a finished request refers to its pipeline (request.done).
             del request
@@ -188,18 +180,25 @@ class ThreadEngine:
                 if call.members[0].step != CLOSE:
                     recorder.record_call(call.members, call.start, call.end, errors, waited)
                     waited = 0.0
-            for n, request in enumerate(group):
-                try:
-                    if hand_on is None:
-                        assert request.done is not None
-                        request.done(request)
-                    else:
-                        hand_on(request)
-                except Closed:
-                    with self._lock:
-                        self._orphans.extend(group[n:])
-                    return
-            del group, request
+            if not self._pass_on(group, hand_on):
+                return
+            del group
+
+    def _pass_on(self, requests: Sequence[Request], hand_on: Callable[[Request], None] | None) -> bool:
+        """Hand requests to the next stage (or, after the last, to the pipeline), in order; ``False``
+        once the engine is closing (the requests not handed on are kept as orphans)."""
+        for n, request in enumerate(requests):
+            try:
+                if hand_on is None:
+                    assert request.done is not None
+                    request.done(request)
+                else:
+                    hand_on(request)
+            except Closed:
+                with self._lock:
+                    self._orphans.extend(requests[n:])
+                return False
+        return True
 
     def _failure(self, stage: str, request: int, error: Exception) -> StageError:
         if self._closing:

@@ -11,7 +11,7 @@ from onnxpipe._errors import InputError, closest
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._spec import TensorSpec
 
-__all__ = ["check_dims", "check_inputs", "random_inputs", "sample_shapes"]
+__all__ = ["check_dims", "check_inputs", "random_array", "random_inputs", "sample_shapes"]
 
 
 def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: str = "input") -> dict[str, np.ndarray]:
@@ -85,17 +85,24 @@ def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
     shapes, notes = sample_shapes(specs, dims)
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:
-        shape = shapes[spec.name]
-        dtype = _numpy(spec, "input")
-        if dtype.kind == "f":
-            feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind in "iu":
-            feeds[spec.name] = rng.integers(0, 4, size=shape).astype(dtype)
-        elif dtype.kind == "b":
-            feeds[spec.name] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            raise InputError(f"input '{spec.name}' of dtype {spec.dtype}: cannot make random values; pass its value explicitly")
+        feeds[spec.name] = random_array(spec, shapes[spec.name], rng)
     return feeds, notes
+
+
+def random_array(spec: TensorSpec, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """Random values of ``spec``'s dtype and the given shape, as :func:`random_inputs` makes them.
+
+    Raises:
+        InputError: numpy has no such dtype, or it is not a number or a boolean.
+    """
+    dtype = _numpy(spec, "input")
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind in "iu":
+        return rng.integers(0, 4, size=shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    raise InputError(f"input '{spec.name}' of dtype {spec.dtype}: cannot make random values; pass its value explicitly")
 
 
 def sample_shapes(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None) -> tuple[dict[str, tuple[int, ...]], list[str]]:

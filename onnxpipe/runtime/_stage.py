@@ -234,13 +234,7 @@ class StageRunner:
             self._layout.pop(request.stream, None)  # type: ignore[arg-type]
             return
         values = request.values
-        feeds = {name: values[key] for name, key in self.plan.sources}
-        own = request.params.get(self.name)
-        if own:
-            feeds.update(own)
-        if self._state_at:
-            feeds.update(self._state(request))
-        results = self.session.run(self.plan.outputs, feeds, self.run_options)
+        results = self.session.run(self.plan.outputs, self._feeds(request, held=False), self.run_options)
         if self._state_at:
             assert request.stream is not None
             self.states[request.stream] = (request.step + 1, {name: results[at] for name, at in self._state_at})
@@ -341,15 +335,17 @@ class StageRunner:
                 streams.add(stream)
         return batch, feeds, rest
 
-    def _feeds(self, request: Request) -> dict[str, np.ndarray]:
-        """What the session is fed for one request: its inputs from the bag, its parameters, its state."""
+    def _feeds(self, request: Request, held: bool = True) -> dict[str, np.ndarray]:
+        """What the session is fed for one request: its inputs from the bag, its parameters, its
+        state: as held (``held``: a batched step's padding in it, which ``_stack`` deals with), or
+        as the request alone runs on."""
         values = request.values
         feeds = {name: values[key] for name, key in self.plan.sources}
         own = request.params.get(self.name)
         if own:
             feeds.update(own)
         if self._state_at:
-            feeds.update(self._held_state(request))  # as held: a batched step's padding is dealt with by _stack
+            feeds.update(self._held_state(request) if held else self._state(request))
         return feeds
 
     def _key(self, request: Request, feeds: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
