@@ -193,3 +193,14 @@ def test_batch_pad_states_a_pad_value_by_hand_and_the_probe_still_checks_it(tmp_
         build(config, tmp_path / "c")
     with pytest.raises(ConfigError, match="batch_pad must map input names to finite numbers"):
         StageSettings(batch_pad={"x": float("nan")})
+
+
+def test_a_stateless_stage_the_probe_cannot_run_batches_on_its_batch_axes_and_says_so(tmp_path: Path) -> None:
+    """An embedding of 2 ids: the probe's random ids (0..3) fall outside it, so it cannot run the
+    stage at all; the batch axes are fine, so the stage batches, and its record says why unprobed."""
+    from tests.models import embed_mlp
+
+    model = embed_mlp(vocab=2)
+    spec = build(_one_stage(model, StageSettings(max_batch=4)), tmp_path / "b").spec
+    batching = spec.stages[0].batching
+    assert batching is not None and batching.probe.startswith("not probed: stage 'm' failed on the probe's request: ")
