@@ -202,6 +202,27 @@ def test_recurrent_streams_batch_without_padding(tmp_path: Path) -> None:
     assert all(max(s.batch_sizes) >= 2 for s in stats.stages), [s.batch_sizes for s in stats.stages]
 
 
+def test_replicas_batch_the_streams_pinned_to_them(tmp_path: Path) -> None:
+    """2 replicas per stage, max_batch 4: each replica batches the streams whose state it holds
+    (stream % 2), and every stream equals the whole model alone."""
+    model = recurrent()
+    plan = batched(split(model, ["state1N"], states="auto"), max_batch=4, delay_ms=20)
+    for stage in plan.config.stages:
+        stage.configure(replicas=2)
+    with load(bundle_of(plan, tmp_path)) as pipe:
+        rng = np.random.default_rng(1)
+        inputs = [[rng.standard_normal((1, 4)).astype(np.float32) for _ in range(4)] for _ in range(6)]
+        streams = [pipe.stream() for _ in inputs]
+        futures = [[s.submit({"x": xs[t]}) for s, xs in zip(streams, inputs, strict=True)] for t in range(4)]
+        got = [np.stack([futures[t][k].result(timeout=60)["y"] for t in range(4)]) for k in range(len(inputs))]
+        held = [sorted(r.states) for r in _runners(pipe)]
+        stats = pipe.stats()
+    assert held == [[0, 2, 4], [1, 3, 5]] * 2
+    for k, xs in enumerate(inputs):
+        np.testing.assert_allclose(got[k], np.stack(whole_recurrent(model, xs)), rtol=0, atol=1e-4, err_msg=f"stream {k}")
+    assert all(max(s.batch_sizes) >= 2 and max(s.batch_sizes) <= 3 for s in stats.stages), [s.batch_sizes for s in stats.stages]
+
+
 # -- stateless requests ----------------------------------------------------------------------------
 
 
@@ -246,6 +267,23 @@ def test_a_bad_request_inside_a_batch_fails_alone(mlp: Pipeline) -> None:
     for f, ids in zip((futures[0], futures[2], futures[3]), good, strict=True):
         np.testing.assert_allclose(f.result(timeout=30)["y"], session.run(None, {"ids": ids})[0], rtol=1e-5, atol=1e-5)
     assert mlp.stats().stages[0].failed == 1
+
+
+def test_replicas_share_the_stateless_queue_and_batch_from_it(tmp_path: Path) -> None:
+    """2 replicas of a batching stage take from one queue: results equal alone, in submission order."""
+    config = PipelineConfig("mlp2")
+    stage = config.add_stage(embed_mlp(), "mlp", settings=StageSettings(max_batch=8, max_delay_ms=5, replicas=2))
+    config.input("ids").connect(stage.input("ids"))
+    stage.output("y").connect(config.output("y"))
+    session = ort.InferenceSession(embed_mlp().SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    requests = [rng.integers(0, 16, (1, 6)).astype(np.int64) for _ in range(40)]
+    with load(bundle_of(config, tmp_path), queue_depth=16) as pipe:
+        outs = list(pipe.map({"ids": ids} for ids in requests))
+        stage_stats = pipe.stats().stages[0]
+    for k, ids in enumerate(requests):
+        np.testing.assert_allclose(outs[k]["y"], session.run(None, {"ids": ids})[0], rtol=1e-5, atol=1e-5, err_msg=f"request {k}")
+    assert stage_stats.count == 40 and max(stage_stats.batch_sizes) >= 2
 
 
 def test_stats_and_trace_show_batches(mlp_bundle: Path, tmp_path: Path) -> None:
