@@ -145,7 +145,8 @@ class ThreadEngine:
                     end = clock()
                     record(request.id, start, end, request.error is None, start - request.queued_at)
                     request.queued_at = end
-            if not self._pass_on([request], hand_on):
+            if not self._pass_on(request, hand_on):
+                self._orphan([request])
                 return
             # Let go before waiting: a finished request refers to its pipeline (request.done).
             del request
@@ -169,8 +170,7 @@ class ThreadEngine:
                         break
                     group.append(more)
             except Closed:
-                with self._lock:
-                    self._orphans.extend(group)  # taken, never run: the pipeline fails them
+                self._orphan(group)  # taken, never run: the pipeline fails them
                 return
             waited = clock() - taken  # what the group's first call waited for it to fill
             for call in runner.run_many(group):
@@ -180,25 +180,30 @@ class ThreadEngine:
                 if call.members[0].step != CLOSE:
                     recorder.record_call(call.members, call.start, call.end, errors, waited)
                     waited = 0.0
-            if not self._pass_on(group, hand_on):
-                return
-            del group
+            for n, request in enumerate(group):
+                if not self._pass_on(request, hand_on):
+                    self._orphan(group[n:])
+                    return
+            del group, request
 
-    def _pass_on(self, requests: Sequence[Request], hand_on: Callable[[Request], None] | None) -> bool:
-        """Hand requests to the next stage (or, after the last, to the pipeline), in order; ``False``
-        once the engine is closing (the requests not handed on are kept as orphans)."""
-        for n, request in enumerate(requests):
-            try:
-                if hand_on is None:
-                    assert request.done is not None
-                    request.done(request)
-                else:
-                    hand_on(request)
-            except Closed:
-                with self._lock:
-                    self._orphans.extend(requests[n:])
-                return False
+    @staticmethod
+    def _pass_on(request: Request, hand_on: Callable[[Request], None] | None) -> bool:
+        """Hand a request to the next stage (or, after the last, to the pipeline); ``False`` once the
+        engine is closing."""
+        try:
+            if hand_on is None:
+                assert request.done is not None
+                request.done(request)
+            else:
+                hand_on(request)
+        except Closed:
+            return False
         return True
+
+    def _orphan(self, requests: Sequence[Request]) -> None:
+        """Keep requests a closing engine could not hand on: ``close()`` returns them to be failed."""
+        with self._lock:
+            self._orphans.extend(requests)
 
     def _failure(self, stage: str, request: int, error: Exception) -> StageError:
         if self._closing:

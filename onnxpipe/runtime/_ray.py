@@ -217,12 +217,12 @@ class _StageActor:
             at = {id(req): j for j, req in runnable}
             name = self._runner.name
             # One batched session call where the stage batches (Note: batched calls, _stage.py).
-            for call in self._runner.run_many([req for _, req in runnable]):
+            for n, call in enumerate(self._runner.run_many([req for _, req in runnable])):
                 for member, error in zip(call.members, call.errors, strict=True):
                     j = at[id(member)]
                     if member.step == CLOSE:
                         continue
-                    timings[j].update(start=self._wall(call.start), end=self._wall(call.end), batch=len(call.members))
+                    timings[j].update(start=self._wall(call.start), end=self._wall(call.end), call=n)
                     if error is None:
                         outputs[j] = {(name, o): member.values[Endpoint(name, o)] for o in self._returns}
                     else:
@@ -716,13 +716,16 @@ class RayEngine:
     def _record_calls(self, members: list[tuple[_Flight, int]], i: int, r: int, timings: Sequence[Mapping[str, Any]]) -> None:
         """Stage statistics of one actor call: one record per session call it made (a batch's
         members share theirs)."""
-        calls: dict[tuple[float, float], list[tuple[Request, bool]]] = {}
+        calls: dict[int, list[tuple[Request, bool]]] = {}
+        spans: dict[int, tuple[float, float]] = {}
         for (flight, attempt), timing in zip(members, timings, strict=True):
             if flight.done or attempt != flight.attempt or timing["skipped"]:
                 continue
-            calls.setdefault((timing["start"], timing["end"]), []).append((flight.request, timing["error"] is None))
-        for (start, end), runs in calls.items():
-            start, end = start - self._wall_to_perf, end - self._wall_to_perf
+            n = timing.get("call", -1 - len(spans))  # a request that never reached the runner: a record of its own
+            calls.setdefault(n, []).append((flight.request, timing["error"] is None))
+            spans[n] = (timing["start"], timing["end"])
+        for n, runs in calls.items():
+            start, end = (t - self._wall_to_perf for t in spans[n])
             # Clocks of other hosts, and calls finishing out of order, can put a start before the last end.
             requests = [request for request, _ in runs]
             self._recorders[i][r].record_call(requests, start, end, [None if ok else _FAILED for _, ok in runs])

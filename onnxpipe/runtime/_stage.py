@@ -370,9 +370,9 @@ class StageRunner:
         outputs not split back, each member runs again alone so only a bad one fails."""
         clock = time.perf_counter
         start = clock()
-        if self._layout:
-            batch, feeds = self._in_held_order(batch, feeds)
-        stacked = self._stack(batch, feeds)
+        layouts: list[_Rows | None] = [self._layout.get(r.stream) if r.step else None for r in batch] if self._layout else [None] * len(batch)  # type: ignore[arg-type]
+        batch, feeds, layouts, whole = self._in_held_order(batch, feeds, layouts)
+        stacked = self._stack(batch, feeds, layouts, whole)
         if stacked is None:
             self.unbatched = "their padded inputs do not grow alike, or their inputs disagree on a request's batch size"
             return run_alone(self, batch)
@@ -388,7 +388,7 @@ class StageRunner:
             return run_alone(self, batch)
         # Each stream's new state is its rows of the batch's, padding and all (no copy); the batch
         # keeps the whole, which its next step feeds as it is when the same streams come back together.
-        whole = _Batch(tuple(r.stream for r in batch), tuple(rows), {name: results[at] for name, at in self._state_at})
+        made = _Batch(tuple(r.stream for r in batch), {name: results[at] for name, at in self._state_at})
         kept = [(key, results[at], self._stripped[at]) for at, key in self._kept]
         states = [(name, results[at]) for name, at in self._state_at]
         for j, request in enumerate(batch):
@@ -404,18 +404,19 @@ class StageRunner:
             if states:
                 assert request.stream is not None
                 self.states[request.stream] = (request.step + 1, {name: result[lo:hi] for name, result in states})
-                self._layout[request.stream] = _Rows(whole, j, shift)
+                self._layout[request.stream] = _Rows(made, j, shift)
         return [Call(list(batch), start, clock(), [None] * len(batch))]
 
-    def _in_held_order(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> tuple[list[Request], list[dict[str, np.ndarray]]]:
-        """The batch in the rows of the batched call that made all its members' states, when it
-        holds exactly that call's streams: then that call's state outputs feed this one as they are."""
-        layouts = [self._layout.get(r.stream) if r.step else None for r in batch]  # type: ignore[arg-type]
+    def _in_held_order(self, batch: list[Request], feeds: list[dict[str, np.ndarray]], layouts: list[_Rows | None]
+                       ) -> tuple[list[Request], list[dict[str, np.ndarray]], list[_Rows | None], bool]:
+        """The batch, its feeds and its members' layouts in the rows of the batched call that made
+        all their states, when it holds exactly that call's streams (then ``True``: that call's state
+        outputs may feed this one as they are); otherwise as given, and ``False``."""
         first = layouts[0]
         if first is None or len(first.batch.streams) != len(batch) or any(lay is None or lay.batch is not first.batch for lay in layouts):
-            return batch, feeds
+            return batch, feeds, layouts, False
         order = sorted(range(len(batch)), key=lambda j: layouts[j].index)  # type: ignore[union-attr]
-        return [batch[j] for j in order], [feeds[j] for j in order]
+        return [batch[j] for j in order], [feeds[j] for j in order], [layouts[j] for j in order], True
 
     def complete(self, group: Sequence[Request]) -> bool:
         """Whether a stage waiting for a batch (``max_delay_ms``) may stop waiting: ``group`` holds
@@ -434,7 +435,8 @@ class StageRunner:
             return True
         return all(stream in present for stream in self.states)
 
-    def _stack(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int], list[int]] | None:
+    def _stack(self, batch: list[Request], feeds: list[dict[str, np.ndarray]], layouts: Sequence[_Rows | None], whole: bool
+               ) -> tuple[dict[str, np.ndarray], list[int], list[int]] | None:
         """The batch's feeds: each input's members joined along dim 0, padded inputs padded on
         the left of their axis to the longest; with each member's first row (and the total) and
         its padding. ``None`` when the padded inputs do not grow alike (they then run alone)."""
@@ -447,7 +449,6 @@ class StageRunner:
         if any(len(f[name]) != rows[j + 1] - rows[j] for j, f in enumerate(feeds) for name in stacked):
             return None  # inputs of one request disagree on its batch size: each runs alone, and says so
         # The padding each member's held state carries already (from the batched step that made it).
-        layouts = [self._layout.get(r.stream) if r.step else None for r in batch] if self._layout else [None] * len(batch)  # type: ignore[arg-type]
         held = [0 if lay is None else lay.pad for lay in layouts]
         shifts = [0] * len(feeds)
         padded = [name for name in feeds[0] if name in self._padded]
@@ -464,11 +465,10 @@ class StageRunner:
                 grown = lengths[name]
                 if any(grown[j] + shifts[j] != grown[0] + shifts[0] for j in range(1, len(feeds))):
                     return None
-        # The same streams as the batch that made their states, in the same rows, padded alike:
+        # The same streams as the batch that made their states, in its rows, padded alike:
         # that batch's state outputs are this call's state inputs, as they are.
         first = layouts[0]
-        reuse = (first is not None and shifts == held and first.batch.streams == tuple(r.stream for r in batch)
-                 and all(lay is not None and lay.batch is first.batch and lay.index == j for j, lay in enumerate(layouts)))
+        reuse = whole and shifts == held
         self.reused += reuse
         joined: dict[str, np.ndarray] = {}
         for name, value in feeds[0].items():
@@ -509,10 +509,9 @@ class StageRunner:
 
 @dataclass(frozen=True, eq=False)
 class _Batch:
-    """The state outputs of one batched call, whole: the streams it ran, their rows, the arrays."""
+    """The state outputs of one batched call, whole, and the streams it ran, in their rows."""
 
     streams: tuple[int | None, ...]
-    rows: tuple[int, ...]
     state: dict[str, np.ndarray]
 
 
