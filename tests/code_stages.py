@@ -7,6 +7,7 @@ h * factor + g)``; ``misbehave`` breaks its contract on purpose when ``x[0, 0]``
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,33 @@ class Holder:
     @staticmethod
     def double(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
         return {"y": (inputs["h"] + inputs["g"]) * 2}
+
+
+#: Set to let :func:`gated` return; cleared by whoever closes it.
+GATE = threading.Event()
+
+
+def gated(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """y = x, once :data:`GATE` is set (a request that cannot finish before the test says so)."""
+    if not GATE.wait(30):
+        raise TimeoutError("tests.code_stages.GATE was never set")
+    return {"y": inputs["x"]}
+
+
+def matmul_when_file(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """y = x @ w @ w with w = 1/size everywhere (:func:`tests.models.slow_stage`), once the file
+    ``params["path"]`` exists: a gate that also works in another process (a Ray actor)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(params["path"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{params['path']} never appeared")
+        time.sleep(0.01)
+    x = inputs["x"]
+    w = np.full((x.shape[1], x.shape[1]), 1.0 / x.shape[1], np.float32)
+    return {"y": x @ w @ w}
 
 
 def config(entry: str = "tests.code_stages:combine", factor: float = 2.0) -> Any:

@@ -18,7 +18,7 @@ from onnxpipe import BusyError, ConfigError, InputError, StageError
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import TensorSpec, load
 from onnxpipe.splitter import split
-from tests import models
+from tests import code_stages, models
 
 BRANCHY_CUTS = {2: ["a"], 3: ["a", ["b", "c"]], 4: ["a", ["b", "c"], "e"]}
 
@@ -98,18 +98,24 @@ def test_set_input_run_get_output_protocol(tmp_path: Path, no_thread_left: objec
 
 
 def test_get_output_before_ready_returns_none_without_blocking(tmp_path: Path, no_thread_left: object) -> None:
+    # The request is held by a code stage until the test lets it go: "not ready" is certain, not a race.
     config = PipelineConfig()
-    slow = config.add_stage(models.slow_stage(), "slow")
-    config.input("x").connect(slow.input("x"))
-    slow.output("y").connect(config.output("y"))
-    with load(models.bundle_of(config, tmp_path)) as pipe:
-        pipe.set_input("x", np.ones((256, 768), np.float32))
-        pipe.run()
-        start = time.perf_counter()
-        assert pipe.get_output(block=False) is None
-        assert pipe.get_output(timeout=0.0001) is None
-        assert time.perf_counter() - start < 0.5
-        assert pipe.get_output(timeout=30)["y"].shape == (256, 768)
+    spec = [TensorSpec("x", "float32", ("N", 4))]
+    held = config.add_python_stage("tests.code_stages:gated", inputs=spec, outputs=[TensorSpec("y", "float32", ("N", 4))], name="held")
+    config.input("x").connect(held.input("x"))
+    held.output("y").connect(config.output("y"))
+    code_stages.GATE.clear()
+    with load(models.bundle_of(config, tmp_path), allow_code=["tests.code_stages:gated"]) as pipe:
+        try:
+            pipe.set_input("x", np.ones((3, 4), np.float32))
+            pipe.run()
+            start = time.perf_counter()
+            assert pipe.get_output(block=False) is None
+            assert pipe.get_output(timeout=0.0001) is None
+            assert time.perf_counter() - start < 0.5
+        finally:
+            code_stages.GATE.set()
+        np.testing.assert_array_equal(pipe.get_output(timeout=30)["y"], np.ones((3, 4), np.float32))
 
 
 def _slow_bundle(tmp_path: Path, size: int = 256) -> Path:

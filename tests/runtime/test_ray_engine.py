@@ -398,15 +398,19 @@ def _relu(size: int) -> Any:
 
 def test_values_lost_with_their_node_are_made_again_from_the_stage_that_made_them(tmp_path: Path, ray_cluster: Any,
                                                                                    ray_pids: set[int]) -> None:
-    """first (node a) -> middle (node c) -> slow (node b): while 'slow' works through the queue,
-    the middle's outputs (768 KiB each, so in node c's object store, not inline) wait on c. Node c
-    goes; a node labelled c comes: the middle actor restarts there, the lost outputs are made again
-    by it, and 'first' runs each request exactly once."""
+    """first (node a) -> middle (node c) -> slow (node b): while 'slow' is held (a code stage
+    waiting for a file), the middle's outputs (768 KiB each, so in node c's object store, not inline)
+    wait on c. Node c goes; a node labelled c comes: the middle actor restarts there, the lost outputs
+    are made again by it, and 'first' runs each request exactly once."""
     from onnxpipe.builder import PipelineConfig
+    from onnxpipe.runtime import TensorSpec
 
     size = 768
+    gate = tmp_path / "go"
     config = PipelineConfig("three")
-    first, middle, slow = (config.add_stage(m, n) for m, n in ((_relu(size), "first"), (_relu(size), "middle"), (models.slow_stage(size), "slow")))
+    first, middle = (config.add_stage(_relu(size), n) for n in ("first", "middle"))
+    ports = [TensorSpec("x", "float32", (256, size))], [TensorSpec("y", "float32", (256, size))]
+    slow = config.add_python_stage("tests.code_stages:matmul_when_file", inputs=ports[0], outputs=ports[1], params={"path": str(gate)}, name="slow")
     config.input("x").connect(first.input("x"))
     first.output("y").connect(middle.input("x"))
     middle.output("y").connect(slow.input("x"))
@@ -417,7 +421,7 @@ def test_values_lost_with_their_node_are_made_again_from_the_stage_that_made_the
     inputs = [{"x": rng.standard_normal((256, size)).astype(np.float32)} for _ in range(32)]
     whole = [np.maximum(x["x"], 0) @ np.full((size, size), 1.0 / size, np.float32) @ np.full((size, size), 1.0 / size, np.float32) for x in inputs]
     try:
-        with load(_bundle(config, tmp_path, ["a", "c", "b"]), engine="ray", queue_depth=16) as pipe:
+        with load(_bundle(config, tmp_path, ["a", "c", "b"]), engine="ray", queue_depth=16, allow_code=["tests.code_stages:*"]) as pipe:
             ray_pids.update(_actor_pids(pipe))
             spare = ray_cluster.add_node(num_cpus=1, labels={"onnxpipe/host": "c"}, **ray_cluster.common_node_args)
             futures = [pipe.submit(x) for x in inputs]
@@ -425,13 +429,15 @@ def test_values_lost_with_their_node_are_made_again_from_the_stage_that_made_the
             while pipe.stats().stages[1].count < len(inputs) and time.monotonic() < deadline:  # every middle output made, on c
                 time.sleep(0.005)
             done_before = sum(f.done() for f in futures)
+            assert pipe.stats().stages[1].count == len(inputs), "the middle did not make every output while 'slow' was held"
             ray_cluster.remove_node(node, allow_graceful=False)  # a crash: its object store goes at once
             node = None
+            gate.touch()
             for future, expected in zip(futures, whole, strict=True):
                 np.testing.assert_allclose(future.result(timeout=120)["y"], expected, rtol=1e-4, atol=1e-5)
             stats = pipe.stats()
             counts = {s.stage: s.count for s in stats.stages}
-            assert done_before < len(inputs), "node c went while requests still needed its values"
+            assert done_before == 0, "node c went while requests still needed its values"
             assert counts["first"] == len(inputs), f"'first' ran a request again: {counts}"
             assert counts["middle"] > len(inputs), f"no value was lost with node c: {counts}"
             assert (stats.completed, stats.failed) == (len(inputs), 0)
