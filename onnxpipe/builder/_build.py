@@ -35,6 +35,8 @@ from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Stage
 from onnxpipe.builder._modules import move_into_place, save_model
 from onnxpipe.runtime import ParamGroup, PipelineSpec
 from onnxpipe.runtime._code import custom_ops_library
+from onnxpipe.runtime._session import open_session
+from onnxpipe.runtime._settings import StageSettings
 
 __all__ = ["BuildResult", "StageReport", "build"]
 
@@ -203,11 +205,18 @@ def _build_stage(stage: Stage, groups: list[ParamGroup], staging: Path, ort_form
         suffix = ".ort" if ort_format and offline else ".onnx"
         module = f"{STAGE_DIR}/{stage.name}{suffix}"
         level = _PORTABLE.get(settings.optimization, settings.optimization) if offline else "basic"
-        if available and not offline:
-            target_options = settings.session_options()
-            _register_custom_ops(stage, target_options)
-            _open(source, stage, target_options, settings.providers(), "load it for its target")
-        options = settings.replace(affinity=None).session_options(level)  # pinning is for run time, not build time
+        if available and not offline:  # prove it loads on its target: options, devices, and every node placed where fallback is off
+            def options_for(chosen: StageSettings) -> ort.SessionOptions:
+                options = chosen.replace(affinity=None).session_options()
+                _register_custom_ops(stage, options)
+                return options
+
+            try:
+                open_session(str(source), stage.name, settings, options_for, "load it for its target")
+            except BundleError as e:
+                raise BuildError(str(e)) from e
+        # The module saved runs on any provider: made on the CPU provider alone, so fallback does not apply.
+        options = settings.replace(affinity=None, fallback=True).session_options(level)  # pinning is for run time, not build time
         _register_custom_ops(stage, options)
         options.optimized_model_filepath = str(staging / module)
         if suffix == ".ort":

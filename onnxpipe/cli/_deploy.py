@@ -79,7 +79,12 @@ def build(
       affinity=0|0-3|0+2+5|none  cores to pin the stage to; '+' joins cores
                                  since ',' separates keys
       opt=disable|basic|extended|all   graph optimization level
+      ep.OPTION=VALUE            one option of the provider (ep.precision=FP32,
+                                 ep.device_type=CPU for openvino); added to the
+                                 stage's others
       fallback=on|off            let nodes the provider cannot run fall back to CPU
+                                 (off: a stage it cannot place whole fails to load,
+                                 naming the nodes)
       replicas=N                 workers running this stage
       max_batch=N                run up to N requests, or steps of N streams,
                                  as one session call (docs/batching.md)
@@ -98,6 +103,7 @@ def build(
       onnxpipe build split -o built
       onnxpipe build split -o built --stage 0:threads=2,affinity=0-1 --stage 1:threads=2,affinity=2-3
       onnxpipe build split -o built --stage '*:opt=extended' --stage head:target=cuda:1
+      onnxpipe build split -o built --stage 0:target=openvino,ep.precision=FP32,fallback=off
       onnxpipe build split -o built --stage '*:threads=1,max_batch=8'
       onnxpipe build split -o built --settings stages.json --ort-format --overwrite --json
       onnxpipe build ocr.toml -o built --stage det_0:threads=2

@@ -109,7 +109,10 @@ STAGE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_batch": ("max_batch", _count),
     "max_delay_ms": ("max_delay_ms", _millis),
 }
-_VALID_KEYS = "target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas, host, max_batch, max_delay_ms"
+_VALID_KEYS = ("target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas, host, max_batch, max_delay_ms, "
+               "and ep.OPTION for a provider option (ep.precision=FP32)")
+#: ``--stage 0:ep.precision=FP32``: a key with this prefix sets one of the provider's options.
+EP_PREFIX = "ep."
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,15 @@ class StageOptionType(click.ParamType):
             if not eq:
                 hint = "; ',' separates keys, so join cores with '+' (affinity=0+1)" if previous == "affinity" else ""
                 self.fail(f"{item!r} in {text!r} is not key=value{hint}", param, ctx)
+            if key.startswith(EP_PREFIX):  # one provider option: ep.precision=FP32
+                option = key[len(EP_PREFIX) :]
+                options = changes.setdefault("provider_options", {})
+                if not option or option in options:
+                    self.fail(f"{key!r} in {text!r}: " + ("name the provider option after 'ep.' (e.g. ep.precision=FP32)" if not option else "given twice"),
+                              param, ctx)
+                options[option] = raw.strip()
+                previous = key
+                continue
             if key not in STAGE_KEYS:
                 self.fail(f"unknown key {key!r} in {text!r}; valid keys: {_VALID_KEYS}", param, ctx)
             field, parse = STAGE_KEYS[key]
@@ -186,8 +198,11 @@ def apply(config: PipelineConfig, selector: str, changes: Mapping[str, Any], ori
     except ConfigError as e:
         raise ConfigError(f"{origin}: {e}") from e
     for stage in stages:
+        given = changes
+        if "provider_options" in changes:  # ep.KEY=VALUE adds to the stage's options, it does not replace them
+            given = {**changes, "provider_options": {**stage.settings.provider_options, **changes["provider_options"]}}
         try:
-            stage.configure(**changes)
+            stage.configure(**given)
         except ConfigError as e:
             raise ConfigError(f"{origin}: {e}") from e
 

@@ -29,6 +29,7 @@ Note: matching onnxruntime where a client can notice.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest
 from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._dtypes import numpy_dtype, ort_type
 from onnxpipe.runtime._inputs import check_inputs
+from onnxpipe.runtime._session import placement
 from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
 
 __all__ = [
@@ -173,11 +175,27 @@ class SessionFacts:
     providers: tuple[str, ...]
     provider_options: Mapping[str, Mapping[str, str]]
     meta: ModelMetadata
+    #: The stage whose session it is.
+    stage: str = ""
+    #: Provider -> the nodes it took (``_session.placement``); ``None`` where onnxruntime cannot tell.
+    placement: Mapping[str, tuple[str, ...]] | None = None
 
     @classmethod
-    def of(cls, session: ort.InferenceSession) -> SessionFacts:
+    def of(cls, session: ort.InferenceSession, stage: str = "") -> SessionFacts:
         """Read them from a session."""
-        return cls(tuple(session.get_providers()), dict(session.get_provider_options()), ModelMetadata.of(session.get_modelmeta()))
+        return cls(tuple(session.get_providers()), dict(session.get_provider_options()), ModelMetadata.of(session.get_modelmeta()), stage, placement(session))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain form (what a Ray actor sends back); :meth:`from_dict` reads it."""
+        return {"providers": list(self.providers), "provider_options": {k: dict(v) for k, v in self.provider_options.items()},
+                "meta": dataclasses.asdict(self.meta), "stage": self.stage,
+                "placement": None if self.placement is None else {ep: list(nodes) for ep, nodes in self.placement.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SessionFacts:
+        where = data.get("placement")
+        return cls(tuple(data["providers"]), data["provider_options"], ModelMetadata(**data["meta"]), data.get("stage", ""),
+                   None if where is None else {ep: tuple(nodes) for ep, nodes in where.items()})
 
 
 Outputs = dict[str, np.ndarray]
@@ -229,6 +247,21 @@ class InferenceSessionAPI:
         """The execution providers the stages' sessions registered, each once, in the order of
         the first stage that has it (a stage's own list is in priority order)."""
         return list(dict.fromkeys(p for facts in self._session_facts for p in facts.providers))
+
+    def placement(self) -> dict[str, dict[str, list[str]] | None]:
+        """Where each stage's nodes run: stage -> provider -> the nodes of its optimized graph that
+        provider took (``"OpType 'name'"``), from the stage's first replica; ``None`` for a stage
+        whose onnxruntime cannot tell (before 1.2x) and for code stages, which have no nodes.
+
+        A stage whose target is an accelerator and whose nodes all sit under that provider ran
+        nothing on the CPU; a node listed under ``CPUExecutionProvider`` fell back
+        (``fallback=on``, the default; with ``fallback=off`` such a stage does not load).
+        """
+        where: dict[str, dict[str, list[str]] | None] = {stage.name: None for stage in self._spec.stages}
+        for facts in self._session_facts:
+            if facts.stage in where and where[facts.stage] is None and facts.placement is not None:
+                where[facts.stage] = {ep: list(nodes) for ep, nodes in facts.placement.items()}
+        return where
 
     def get_provider_options(self) -> dict[str, dict[str, str]]:
         """Each provider's options, from the first stage session that registered it."""

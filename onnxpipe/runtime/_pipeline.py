@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -153,7 +154,7 @@ class Pipeline(InferenceSessionAPI):
     def _make_runner(self, plan: StagePlan, replica: int) -> Runner:
         runner = make_runner(self.bundle, plan, replica, self._target)
         if runner.session is not None:  # code stages have no session to report
-            self._session_facts.append(SessionFacts.of(runner.session))
+            self._session_facts.append(SessionFacts.of(runner.session, plan.stage.name))
         return runner
 
     # -- what the pipeline looks like ------------------------------------------------------------
@@ -540,7 +541,10 @@ class Pipeline(InferenceSessionAPI):
     def stats(self) -> PipelineStats:
         """Throughput, latency, and per-stage utilization and queues since load or :meth:`reset_stats`."""
         rows = [(p[0].stage, p, q[0], q[1], q[2]) for p, q in zip(self._engine.recorders(), self._engine.queues(), strict=True)]
-        return summarize(rows, self._requests, self._in_flight)
+        stats = summarize(rows, self._requests, self._in_flight)
+        where = self.placement()
+        stages = tuple(dataclasses.replace(s, nodes={ep: len(n) for ep, n in (where.get(s.stage) or {}).items()}) for s in stats.stages)
+        return dataclasses.replace(stats, stages=stages)
 
     def reset_stats(self) -> None:
         """Start a new measurement window (e.g. after warm-up)."""

@@ -70,7 +70,7 @@ import numpy as np
 from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError, StageError, StreamError
 from onnxpipe.runtime._bundle import MANIFEST_NAME, Bundle, Limits, read_bundle, sha256_file
 from onnxpipe.runtime._channel import Closed, Full
-from onnxpipe.runtime._ortapi import ModelMetadata, SessionFacts
+from onnxpipe.runtime._ortapi import SessionFacts
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, pinned_replica, plan_stages
 from onnxpipe.runtime._stats import StageRecorder
@@ -181,9 +181,7 @@ class _StageActor:
 
         info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(), "error": self._error}
         if self._runner is not None and self._runner.session is not None:  # code stages have no session
-            s = self._runner.session
-            info["facts"] = {"providers": list(s.get_providers()), "provider_options": dict(s.get_provider_options()),
-                             "meta": dataclasses.asdict(ModelMetadata.of(s.get_modelmeta()))}
+            info["facts"] = SessionFacts.of(self._runner.session, self._runner.name).to_dict()
         return info
 
     def run(self, calls: Sequence[tuple[int, int | None, tuple[int, int, dict[str, int]] | None, Sequence[Any]]],
@@ -491,7 +489,7 @@ class RayEngine:
             f = row[0].info.get("facts")
             if f is None:  # a code stage
                 continue
-            facts.append(SessionFacts(tuple(f["providers"]), f["provider_options"], ModelMetadata(**f["meta"])))
+            facts.append(SessionFacts.from_dict(f))
         return facts
 
     def held_streams(self) -> list[list[list[int]]]:

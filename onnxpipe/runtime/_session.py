@@ -1,9 +1,28 @@
-"""Making a stage's onnxruntime session from its module, settings and build record."""
+"""Making a stage's onnxruntime session from its module, settings and build record.
+
+Note: a session on the provider asked for, or an error.
+    onnxruntime's Python ``InferenceSession`` retries a session whose provider fails to start on
+    the CPU provider alone, printing the error and going on (its ``enable_fallback``); a provider
+    whose factory refuses its options (OpenVINO with ``precision=FP99``, or a device it cannot
+    find) is dropped in C++ with a log line. Either way a stage meant for an accelerator would run
+    on the CPU without a word. :func:`open_session` turns the retry off and checks that the
+    session it got has the stage's provider, so a stage runs where its settings say or fails to
+    load naming the stage, the provider and why.
+
+Note: where each node ran.
+    onnxruntime 1.2x and later record which provider took each node of the optimized graph when
+    asked (``session.record_ep_graph_assignment_info``; ``get_provider_graph_assignment_info``);
+    every session onnxpipe makes asks, and :func:`placement` reads it: provider -> the nodes it
+    took. An older onnxruntime cannot tell, and the placement is then ``None``. With
+    ``fallback=off`` a provider that cannot take every node fails the session; the error names
+    the nodes, found by making the session again with fallback on and reading its placement.
+"""
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import onnxruntime as ort
@@ -13,7 +32,26 @@ from onnxpipe.runtime._code import custom_ops_library
 from onnxpipe.runtime._settings import StageSettings
 from onnxpipe.runtime._spec import StageSpec
 
-__all__ = ["load_optimization", "make_session", "maps_archive_data"]
+__all__ = ["RECORDS_PLACEMENT", "Placement", "check_available", "load_optimization", "make_session", "maps_archive_data", "open_session", "placement"]
+
+#: Whether this onnxruntime can say which provider took each node (see Note: where each node ran).
+RECORDS_PLACEMENT = hasattr(ort.InferenceSession, "get_provider_graph_assignment_info")
+#: Provider -> the nodes of the optimized graph it runs, each ``"OpType 'name'"``, in graph order.
+Placement = dict[str, tuple[str, ...]]
+#: The package that brings a provider to a Python host, for the error naming a missing one.
+PROVIDER_PACKAGES: dict[str, str] = {
+    "OpenVINOExecutionProvider": "onnxruntime-openvino (it replaces onnxruntime)",
+    "CUDAExecutionProvider": "onnxruntime-gpu (it replaces onnxruntime; needs CUDA and cuDNN)",
+    "TensorrtExecutionProvider": "onnxruntime-gpu (it replaces onnxruntime; needs TensorRT)",
+    "DmlExecutionProvider": "onnxruntime-directml (Windows; it replaces onnxruntime)",
+    "ROCMExecutionProvider": "onnxruntime-rocm (it replaces onnxruntime)",
+    "MIGraphXExecutionProvider": "onnxruntime-migraphx (it replaces onnxruntime)",
+    "QNNExecutionProvider": "onnxruntime-qnn",
+    "DnnlExecutionProvider": "an onnxruntime built with oneDNN (--use_dnnl)",
+    "CoreMLExecutionProvider": "onnxruntime on macOS",
+}
+_ORT_HEAD = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_FALLBACK_REFUSED = "fallback to CPU EP has been explicitly disabled"
 
 
 def maps_archive_data() -> bool:
@@ -59,18 +97,106 @@ def make_session(module: Path | str | bytes, stage: StageSpec, target: str | Non
         config: More session config entries (where a module given as bytes finds its external data).
     """
     settings = stage.settings if target is None else stage.settings.replace(target=target, provider_options={})
+    check_available(stage.name, settings)
+    level = load_optimization(stage, settings)
+
+    def options_for(chosen: StageSettings) -> ort.SessionOptions:
+        options = chosen.session_options(level)
+        for package in chosen.custom_ops:  # allowed by the caller (see _code.check_allowed)
+            options.register_custom_ops_library(custom_ops_library(stage.name, package))
+        for key, value in (config or {}).items():
+            options.add_session_config_entry(key, value)
+        return options
+
+    source = module if isinstance(module, bytes) else str(module)
+    return open_session(source, stage.name, settings, options_for, f"load module '{posixpath.basename(stage.module or '')}'")
+
+
+def check_available(stage: str, settings: StageSettings) -> None:
+    """Refuse a stage whose provider this host's onnxruntime lacks, naming what it has and what brings it.
+
+    Raises:
+        BundleError: the provider is not available.
+    """
     available = ort.get_available_providers()
-    if settings.provider not in available:
-        raise BundleError(
-            f"stage '{stage.name}' targets {settings.provider}, which this host's onnxruntime does not have; "
-            f"available: {', '.join(available)} (use target 'cpu' to run every stage on the CPU instead)"
-        )
-    options = settings.session_options(load_optimization(stage, settings))
-    for package in settings.custom_ops:  # allowed by the caller (see _code.check_allowed)
-        options.register_custom_ops_library(custom_ops_library(stage.name, package))
-    for key, value in (config or {}).items():
-        options.add_session_config_entry(key, value)
+    if settings.provider in available:
+        return
+    package = PROVIDER_PACKAGES.get(settings.provider)
+    get = f"install {package} to get it, or " if package else ""
+    raise BundleError(
+        f"stage '{stage}' targets {settings.provider}, which this host's onnxruntime ({ort.__version__}) does not have; "
+        f"available: {', '.join(available)}; {get}use target 'cpu' to run every stage on the CPU instead"
+    )
+
+
+def open_session(module: str | bytes, stage: str, settings: StageSettings, options_for: Callable[[StageSettings], ort.SessionOptions],
+                 what: str = "load it") -> ort.InferenceSession:
+    """A session on ``settings``' provider, or one error saying why not (see the module's notes).
+
+    Args:
+        module: A module's path, or its bytes.
+        stage: The stage's name, for errors.
+        settings: Its settings (provider, options, fallback).
+        options_for: Session options for given settings (called again, with fallback on, to find
+            the nodes a provider could not take).
+        what: What the session is for, in errors (``"load module 'stage0.onnx'"``).
+
+    Raises:
+        BundleError: onnxruntime refused the module or the provider's options, the provider
+            cannot take every node while fallback is off, or the session came without the provider.
+    """
+    provider = settings.provider
+    options = options_for(settings)
+    if RECORDS_PLACEMENT:
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     try:
-        return ort.InferenceSession(module if isinstance(module, bytes) else str(module), sess_options=options, providers=settings.providers())
-    except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/RuntimeException types
-        raise BundleError(f"stage '{stage.name}': onnxruntime cannot load module '{posixpath.basename(stage.module or '')}': {e}") from e
+        session = ort.InferenceSession(module, sess_options=options, providers=settings.providers(), enable_fallback=0)
+    except Exception as e:  # onnxruntime raises its own Fail/InvalidArgument/InvalidGraph types
+        if not settings.fallback and _FALLBACK_REFUSED in str(e):
+            raise BundleError(_not_placed(module, stage, settings, options_for)) from e
+        options_given = f" with options {dict(settings.provider_options)}" if settings.provider_options else ""
+        raise BundleError(f"stage '{stage}': onnxruntime cannot {what} on {provider}{options_given}: {_one_line(e)}") from e
+    if provider not in session.get_providers():
+        raise BundleError(
+            f"stage '{stage}': onnxruntime made the session without {provider} (it has {', '.join(session.get_providers())}): "
+            f"the provider refused its options {dict(settings.provider_options)} or found no device for them; onnxruntime's log says which"
+        )
+    return session
+
+
+def _not_placed(module: str | bytes, stage: str, settings: StageSettings, options_for: Callable[[StageSettings], ort.SessionOptions]) -> str:
+    """The error for a provider that cannot take every node while fallback is off, naming the nodes."""
+    head = f"stage '{stage}': {settings.provider} cannot run every node and fallback is off"
+    advice = "; set fallback=on to run them on the CPU, or cut them into a stage of their own with target cpu"
+    if not RECORDS_PLACEMENT:
+        return f"{head} (this onnxruntime, {ort.__version__}, cannot say which nodes){advice}"
+    allowed = settings.replace(fallback=True)
+    options = options_for(allowed)
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    try:
+        where = placement(ort.InferenceSession(module, sess_options=options, providers=allowed.providers(), enable_fallback=0)) or {}
+    except Exception:  # it cannot be made even so: say what is known
+        return f"{head}{advice}"
+    left = [node for ep, nodes in where.items() if ep != settings.provider for node in nodes]
+    total = sum(len(nodes) for nodes in where.values())
+    shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+    return f"{head}: it cannot take {len(left)} of the {total} nodes: {shown}{advice}"
+
+
+def placement(session: ort.InferenceSession) -> Placement | None:
+    """Provider -> the nodes it took (``"OpType 'name'"``), or ``None`` where onnxruntime cannot tell."""
+    if not RECORDS_PLACEMENT:
+        return None
+    try:
+        assigned = session.get_provider_graph_assignment_info()
+    except Exception:  # recording was not asked for (a session made elsewhere)
+        return None
+    nodes: dict[str, list[str]] = {}
+    for subgraph in assigned:
+        nodes.setdefault(subgraph.ep_name, []).extend(f"{n.op_type} '{n.name}'" if n.name else n.op_type for n in subgraph.get_nodes())
+    return {ep: tuple(names) for ep, names in nodes.items()}
+
+
+def _one_line(error: BaseException) -> str:
+    """onnxruntime's message on one line, without its ``[ONNXRuntimeError] : 1 : FAIL :`` head."""
+    return _ORT_HEAD.sub("", " ".join(str(error).split()))

@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, closest
 
-__all__ = ["MAX_BATCH", "OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "host_cores", "resolve_provider"]
+__all__ = ["EP_THREAD_OPTIONS", "MAX_BATCH", "OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "host_cores", "resolve_provider"]
 
 #: Short names for execution providers; any full name onnxruntime knows is accepted too.
 PROVIDER_ALIASES: dict[str, str] = {
@@ -62,6 +62,9 @@ _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 MAX_BATCH = 1024
 #: The longest ``max_delay_ms`` (a minute): longer is a typo, not a policy.
 MAX_DELAY_MS = 60_000.0
+#: Providers that run a node on threads of their own, and the option that sizes them: the stage's
+#: ``intra_op_threads`` is given to it unless its provider options set it (docs/building.md).
+EP_THREAD_OPTIONS: dict[str, str] = {"OpenVINOExecutionProvider": "num_of_threads"}
 _PROVIDERS_WITH_DEVICE = {"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider",
                           "DmlExecutionProvider", "CANNExecutionProvider"}
 
@@ -290,7 +293,7 @@ class StageSettings:
         spin = "1" if self.spinning else "0"
         opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
         opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
-        if not self.fallback:
+        if not self.fallback and self.provider != "CPUExecutionProvider":  # the CPU provider has nothing to fall back from
             opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
         if self.affinity is not None:
             check_cores(self.affinity)
@@ -307,6 +310,9 @@ class StageSettings:
         options = dict(self.provider_options)
         if device is not None and name in _PROVIDERS_WITH_DEVICE:
             options.setdefault("device_id", str(device))
+        thread_option = EP_THREAD_OPTIONS.get(name)
+        if thread_option and self.intra_op_threads and thread_option not in options:
+            options[thread_option] = str(self.intra_op_threads)  # the provider's own pool, sized like the stage's
         chain = [(name, options)]
         if name != "CPUExecutionProvider" and self.fallback:
             chain.append(("CPUExecutionProvider", {}))

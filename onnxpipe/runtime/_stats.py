@@ -130,6 +130,9 @@ class StageStats:
         queue_depth: Requests waiting for the stage now.
         queue_high_water: The most that ever waited.
         queue_capacity: How many may wait before the stage before it blocks.
+        nodes: Execution provider -> how many nodes of the stage's optimized graph it runs
+            (``Pipeline.placement()`` names them); empty where onnxruntime cannot tell, and for
+            code stages.
     """
 
     stage: str
@@ -149,6 +152,7 @@ class StageStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)
     batch_mean: float = 1.0
     batch_wait_ms: float = 0.0
+    nodes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
