@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= demo-out
 
-.PHONY: demo test test-oldest-ort perf-analyzer protos lint bench bench-serve clean
+.PHONY: demo test test-oldest-ort test-openvino perf-analyzer protos lint bench bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,27 @@ test-oldest-ort: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -c 'import onnxruntime; print("onnxruntime", onnxruntime.__version__)'
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(SAFETY_TESTS)
 
+# A second real execution provider: a venv whose onnxruntime is Intel's onnxruntime-openvino (it
+# replaces the onnxruntime package, so it cannot share .venv), with Ray for both engines and the
+# rapidocr wheel for its PP-OCR models (--no-deps: it would bring plain onnxruntime back). The
+# target tests run there (tests/targets: stages on OpenVINO and on the CPU, fallback, provider
+# options, a bundle built by .venv, which lacks OpenVINO); .ci/run runs it after `make test`.
+OPENVINO_ORT := onnxruntime-openvino==1.24.1
+OPENVINO := .venv-openvino
+
+$(OPENVINO)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OPENVINO)
+	$(OPENVINO)/bin/python -m pip install --quiet --upgrade pip
+	$(OPENVINO)/bin/python -m pip install --quiet -e '.[ray]' 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
+	$(OPENVINO)/bin/python -m pip uninstall --quiet -y onnxruntime
+	$(OPENVINO)/bin/python -m pip install --quiet $(OPENVINO_ORT)
+	$(OPENVINO)/bin/python -m pip install --quiet --no-deps rapidocr_onnxruntime==1.4.4
+	touch $@
+
+test-openvino: $(OPENVINO)/.installed $(VENV)/.installed-dev
+	$(OPENVINO)/bin/python -c 'import onnxruntime as ort; print("onnxruntime", ort.__version__, ort.get_available_providers()); assert "OpenVINOExecutionProvider" in ort.get_available_providers()'
+	$(OPENVINO)/bin/python -m pytest -q -p no:cacheprovider tests/targets
+
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check onnxpipe tests benchmarks
 	$(BIN)/mypy
@@ -96,4 +117,4 @@ bench-serve: $(VENV)/.installed-dev $(KSERVE)/.installed
 	$(BIN)/python -m benchmarks.serve --peer $(KSERVE)/bin/python
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(KSERVE) $(DEMO_OUT) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(KSERVE) $(DEMO_OUT) .pytest_cache .hypothesis

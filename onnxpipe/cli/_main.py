@@ -363,9 +363,13 @@ def _read_assignment(path: Path) -> dict[str, int]:
 @click.option(
     "--max-stages", "max_stages", default=4, show_default=True, type=click.IntRange(min=2), metavar="K", help="With --profile: best cuts for 2..K stages."
 )
+@click.option("--host", "on_host", is_flag=True, help="Bundles only: make each stage's session on this host and show which provider takes each node.")
+@TARGET
+@ALLOW_CODE
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON, nothing else.")
 @click.pass_context
-def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, int]], profile: bool, threads: int, max_stages: int, as_json: bool) -> None:
+def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, int]], profile: bool, threads: int, max_stages: int, on_host: bool,
+            target: str | None, allow_code: Sequence[str], as_json: bool) -> None:
     """Show a model and where to cut it, or a bundle and how it will run.
 
     For a MODEL (.onnx): its inputs, outputs, ops and weights, and the cheapest places to cut it.
@@ -383,7 +387,10 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
     against its sha256 first; then the stages in order with their module, settings and build
     record, the wiring, the parameter groups, the versions, opsets and providers it needs, and
     the code it would run (code stages' entry points, custom-op packages: what --allow-code must
-    match; nothing is imported).
+    match; nothing is imported). With --host, each ONNX stage's session is also made here, as
+    loading the bundle would make it (--target, --allow-code for custom-op packages), and the
+    providers that took its nodes are listed with their counts, naming the nodes that fell back
+    to the CPU: a stage on an accelerator that ran nothing on the CPU shows one provider.
 
     For a PIPELINE FILE (.toml, docs/pipelines.md): the graph of stages in pipeline order, what
     each reads and makes and where it flows.
@@ -394,6 +401,7 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
       onnxpipe inspect model.onnx --top 4 --dim batch=8 --json
       onnxpipe inspect model.onnx --profile --threads 2 --max-stages 6
       onnxpipe inspect model.onnxpipe
+      onnxpipe inspect model.onnxpipe --host
       onnxpipe inspect ocr.toml
     """
     from onnxpipe.runtime import is_bundle
@@ -402,8 +410,14 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
         model_only = given(ctx, "top", "dims", "profile", "threads", "max_stages")
         if model_only:
             raise click.UsageError(f"{', '.join(model_only)}: only used for a model, not for a bundle")
-        _inspect_bundle(path, as_json)
+        host_only = given(ctx, "target", "allow_code")
+        if host_only and not on_host:
+            raise click.UsageError(f"{', '.join(host_only)}: only with --host")
+        _inspect_bundle(path, as_json, on_host, target, allow_code)
         return
+    bundle_only = given(ctx, "on_host", "target", "allow_code")
+    if bundle_only:
+        raise click.UsageError(f"{', '.join(bundle_only)}: only used for a bundle")
     if path.suffix == ".toml":
         model_only = given(ctx, "top", "dims", "profile", "threads", "max_stages")
         if model_only:
@@ -440,16 +454,22 @@ def _inspect_pipeline_file(path: Path, as_json: bool) -> None:
         click.echo(str(config))
 
 
-def _inspect_bundle(path: Path, as_json: bool) -> None:
+def _inspect_bundle(path: Path, as_json: bool, on_host: bool = False, target: str | None = None, allow_code: Sequence[str] = ()) -> None:
     from onnxpipe.cli import _render
-    from onnxpipe.runtime import read_bundle
+    from onnxpipe.runtime import host_placement, read_bundle
 
-    with read_bundle(path) as bundle:
+    with read_bundle(path, allow_code=allow_code) as bundle:
         kind, nbytes, files = bundle_size(path)
+        where = host_placement(bundle, target) if on_host else None
         if as_json:
-            click.echo(json.dumps(_bundle_dict(bundle, path, kind, nbytes, files), indent=2))
-        else:
-            _render.bundle_summary(bundle, path, kind, nbytes, files)
+            data = _bundle_dict(bundle, path, kind, nbytes, files)
+            if where is not None:
+                data["placement"] = {stage: None if p is None else {ep: list(nodes) for ep, nodes in p.items()} for stage, p in where.items()}
+            click.echo(json.dumps(data, indent=2))
+            return
+        _render.bundle_summary(bundle, path, kind, nbytes, files)
+        if where is not None:
+            _render.placement(bundle, where)
 
 
 def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int) -> dict[str, Any]:

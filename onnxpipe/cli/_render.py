@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -410,6 +410,26 @@ def reference_checks(rows: list[ReferenceCheck], rtol: float, atol: float) -> No
         _line(console, f"ok: all {len(rows)} output(s) within rtol={rtol:g} atol={atol:g}")
 
 
+def placement(bundle: Bundle, where: Mapping[str, Mapping[str, Sequence[str]] | None]) -> None:
+    """Which provider takes each stage's nodes on this host (``inspect BUNDLE --host``)."""
+    import onnxruntime as ort
+
+    console = _console()
+    _line(console, f"on this host (onnxruntime {ort.__version__}, providers {', '.join(ort.get_available_providers())}):")
+    for stage in bundle.spec.stages:
+        nodes = where.get(stage.name)
+        if stage.code is not None:
+            _line(console, f"  {stage.name}: code, no nodes")
+        elif nodes is None:
+            _line(console, f"  {stage.name}: this onnxruntime cannot say which provider takes which node")
+        else:
+            parts = []
+            for ep, names in nodes.items():
+                fell = ep == "CPUExecutionProvider" and stage.settings.provider != ep
+                parts.append(f"{ep} {len(names)}" + (f" (fell back: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})" if fell else ""))
+            _line(console, f"  {stage.name}: {', '.join(parts)}")
+
+
 def _settings(st: StageSettings) -> str:
     parallel = st.execution_mode == "parallel"
     parts = [st.target, f"threads {_threads(st.intra_op_threads, st.inter_op_threads if parallel else 1)}", f"cores {format_cores(st.affinity)}"]
@@ -417,6 +437,8 @@ def _settings(st: StageSettings) -> str:
     if st.max_batch > 1:
         parts.append(f"max_batch {st.max_batch}" + (f", max_delay_ms {st.max_delay_ms:g}" if st.max_delay_ms else ""))
     parts += ["parallel"] * parallel + ["spinning"] * st.spinning + ["no cpu fallback"] * (not st.fallback)
+    if st.provider_options:
+        parts.append("options " + " ".join(f"{k}={v}" for k, v in sorted(st.provider_options.items())))
     return ", ".join(parts)
 
 

@@ -13,6 +13,7 @@ from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
 from onnxpipe.runtime._spec import SPEC_VERSION, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, StateLink, TensorSpec
+from onnxpipe.runtime._stage import host_placement
 from onnxpipe.runtime._stats import PipelineStats, StageStats
 from onnxpipe.runtime._stream import Stream
 
@@ -56,6 +57,7 @@ __all__ = [
     "code_entries",
     "dtype_from_onnx",
     "dtype_from_ort",
+    "host_placement",
     "interleaved_rounds",
     "is_bundle",
     "load",

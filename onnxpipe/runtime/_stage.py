@@ -52,10 +52,10 @@ from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import check_inputs
-from onnxpipe.runtime._session import make_session
+from onnxpipe.runtime._session import Placement, make_session, placement
 from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, StateLink
 
-__all__ = ["CLOSE", "Call", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "make_runner", "pinned_replica", "plan_stages"]
+__all__ = ["CLOSE", "Call", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "host_placement", "make_runner", "pinned_replica", "plan_stages"]
 
 #: ``Request.step`` of a control request that closes its stream: each stateful runner drops the
 #: stream's state; stateless ones pass it on.
@@ -653,6 +653,28 @@ def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | Non
     check_allowed([stage], bundle.allow_code)
     if stage.code is not None:
         return CodeRunner(plan, resolve_entry(stage))
+    return StageRunner(plan, _stage_session(bundle, stage, replica, target))
+
+
+def _stage_session(bundle: Bundle, stage: StageSpec, replica: int, target: str | None) -> ort.InferenceSession:
     module, config = bundle.session_source(stage)
-    session = make_session(module, dataclasses.replace(stage, settings=stage.settings.for_replica(replica)), target, config)
-    return StageRunner(plan, session)
+    return make_session(module, dataclasses.replace(stage, settings=stage.settings.for_replica(replica)), target, config)
+
+
+def host_placement(bundle: Bundle, target: str | None = None) -> dict[str, Placement | None]:
+    """Where each stage's nodes would run on this host: each ONNX stage's session made as a
+    pipeline loading the bundle makes its first replica's, and which provider took each node of it
+    (``_session.placement``); ``None`` for a code stage (nothing is imported) and where this
+    onnxruntime cannot tell. What ``onnxpipe inspect BUNDLE --host`` prints.
+
+    Raises:
+        BundleError: a stage would not load here, as :func:`~onnxpipe.runtime.load` would say
+            (its provider missing, nodes it cannot take with fallback off, custom-op packages
+            ``allow_code`` does not allow).
+    """
+    onnx_stages = [s for s in bundle.spec.stages if s.code is None]
+    check_allowed(onnx_stages, bundle.allow_code)
+    where: dict[str, Placement | None] = {s.name: None for s in bundle.spec.stages}
+    for stage in onnx_stages:
+        where[stage.name] = placement(_stage_session(bundle, stage, 0, target))
+    return where
