@@ -202,3 +202,14 @@ def test_cli_builds_with_provider_options_and_inspect_host_says_where_nodes_run(
     result = runner.invoke(cli, ["inspect", str(tmp_path / "bundle"), "--host", "--json"])
     where = json.loads(result.output)["placement"]
     assert where["stage1"]["CPUExecutionProvider"] == ["Hardmax 'onehot'"]
+
+
+def test_the_targets_benchmark_runs_and_reports_every_row() -> None:
+    from benchmarks.targets import run
+
+    result = run(requests=8, rounds=1)
+    assert [row["stage"] for row in result["stages"]] == ["stage0", "stage1"]
+    assert all(row[t]["ms"] > 0 and sum(row[t]["nodes"].values()) > 100 for row in result["stages"] for t in ("cpu", "openvino"))
+    assert set(result["rates"]) == {"one session, cpu", "one session, openvino", "pipeline cpu -> cpu", "pipeline openvino -> openvino",
+                                    "pipeline cpu -> openvino", "pipeline openvino -> cpu"}
+    assert all(r["median"] > 0 for r in result["rates"].values())
