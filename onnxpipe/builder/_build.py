@@ -16,6 +16,7 @@ Note: offline optimization and cross-target builds.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -189,7 +190,8 @@ def _build_stage(stage: Stage, groups: list[ParamGroup], staging: Path, ort_form
     start = time.perf_counter()
     settings = stage.settings
     provider = settings.provider
-    available = provider in ort.get_available_providers()
+    # A plugin provider's package is imported only to build for it: the build host is the author's.
+    available = provider in ort.get_available_providers() if settings.ep_package is None else importlib.util.find_spec(settings.ep_package) is not None
     source_dir = stage.source_dir or (stage.path.parent if stage.path else None)
     try:
         model, note = _prepare(stage.load_model(), groups)

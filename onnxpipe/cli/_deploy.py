@@ -82,6 +82,9 @@ def build(
       ep.OPTION=VALUE            one option of the provider (ep.precision=FP32,
                                  ep.device_type=CPU for openvino); added to the
                                  stage's others
+      ep_package=PKG             a plugin provider's Python package (onnxruntime_qnn);
+                                 loading it needs --allow-code PKG on the host
+      ep_device=cpu|gpu|npu      with ep_package: the kind of device to take
       fallback=on|off            let nodes the provider cannot run fall back to CPU
                                  (off: a stage it cannot place whole fails to load,
                                  naming the nodes)
@@ -95,7 +98,7 @@ def build(
     The --settings file is keyed by *, a stage name or a position; its values use the
     StageSettings field names (target, provider_options, fallback, intra_op_threads,
     inter_op_threads, execution_mode, spinning, affinity, optimization,
-    session_config, replicas, max_batch, max_delay_ms, batch_pad). Order of application, later wins: the file's "*"
+    session_config, replicas, max_batch, max_delay_ms, batch_pad, ep_package, ep_device). Order of application, later wins: the file's "*"
     entry, its other entries in file order, then each --stage in command-line order.
 
     \b

@@ -108,9 +108,11 @@ STAGE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "host": ("host", _host),
     "max_batch": ("max_batch", _count),
     "max_delay_ms": ("max_delay_ms", _millis),
+    "ep_package": ("ep_package", _text),
+    "ep_device": ("ep_device", _text),
 }
 _VALID_KEYS = ("target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas, host, max_batch, max_delay_ms, "
-               "and ep.OPTION for a provider option (ep.precision=FP32)")
+               "ep_package, ep_device, and ep.OPTION for a provider option (ep.precision=FP32)")
 #: ``--stage 0:ep.precision=FP32``: a key with this prefix sets one of the provider's options.
 EP_PREFIX = "ep."
 

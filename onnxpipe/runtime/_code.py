@@ -33,23 +33,27 @@ import numpy as np
 from onnxpipe._errors import BundleError, closest
 from onnxpipe.runtime._spec import PipelineSpec, StageSpec
 
-__all__ = ["CodeFunction", "check_allowed", "code_entries", "copy_params", "custom_ops_library", "is_allowed", "resolve_entry"]
+__all__ = ["CodeFunction", "check_allowed", "code_entries", "copy_params", "custom_ops_library", "is_allowed", "package_library", "resolve_entry"]
 
 #: The callable a code stage names: ``fn(inputs, params) -> outputs`` (arrays by tensor name).
 CodeFunction = Callable[[dict[str, np.ndarray], dict[str, Any]], Mapping[str, np.ndarray]]
 
+_KINDS = {"code": "", "custom_ops": "custom-op library of package ", "ep_package": "execution provider library of package "}
 _HOW = "allow it with runtime.load(..., allow_code=[...]) or onnxpipe run --allow-code PATTERN (fnmatch patterns, e.g. 'mypkg.*')"
 
 
 def code_entries(spec: PipelineSpec | Iterable[StageSpec]) -> list[tuple[str, str, str]]:
     """What Python a pipeline (or some of its stages) would import: ``(stage, kind, name)`` with kind
-    ``"code"`` (name: the entry point) or ``"custom_ops"`` (name: the package shipping the
-    library), in pipeline order."""
+    ``"code"`` (name: the entry point), ``"custom_ops"`` (name: the package shipping the
+    library) or ``"ep_package"`` (name: the package shipping a plugin execution provider), in
+    pipeline order."""
     found: list[tuple[str, str, str]] = []
     for stage in spec.stages if isinstance(spec, PipelineSpec) else spec:
         if stage.code is not None:
             found.append((stage.name, "code", stage.code.entry))
         found.extend((stage.name, "custom_ops", package) for package in stage.settings.custom_ops)
+        if stage.settings.ep_package is not None:
+            found.append((stage.name, "ep_package", stage.settings.ep_package))
     return found
 
 
@@ -70,7 +74,7 @@ def check_allowed(spec: PipelineSpec | Iterable[StageSpec], allow: Sequence[str]
     refused = [(stage, kind, name) for stage, kind, name in code_entries(spec) if not is_allowed(name, allow)]
     if not refused:
         return
-    listed = ", ".join(f"{'custom-op library of package ' if kind == 'custom_ops' else ''}'{name}' (stage '{stage}')" for stage, kind, name in refused)
+    listed = ", ".join(f"{_KINDS[kind]}'{name}' (stage '{stage}')" for stage, kind, name in refused)
     shown = f"allowed now: {', '.join(repr(p) for p in allow)}" if allow else "nothing is allowed by default"
     raise BundleError(f"the pipeline runs Python this host has not allowed: {listed}; {shown}; {_HOW}")
 
@@ -113,7 +117,17 @@ def custom_ops_library(stage: str, package: str) -> str:
     Raises:
         BundleError: the package is not installed (naming it, to install), or gives no library.
     """
-    where = f"stage '{stage}' needs the custom-op library of package '{package}'"
+    return package_library(stage, package, "custom-op library", "onnxruntime_extensions")
+
+
+def package_library(stage: str, package: str, what: str = "custom-op library", example: str = "onnxruntime_extensions") -> str:
+    """The path of the library (``what``: a custom-op library, an execution provider's) a
+    package ships, from its ``get_library_path()`` (call only after :func:`check_allowed`).
+
+    Raises:
+        BundleError: the package is not installed (naming it, to install), or gives no library.
+    """
+    where = f"stage '{stage}' needs the {what} of package '{package}'"
     try:
         module = importlib.import_module(package)
     except ModuleNotFoundError as e:
@@ -125,7 +139,7 @@ def custom_ops_library(stage: str, package: str) -> str:
         raise BundleError(f"{where}: importing it failed: {type(e).__name__}: {e}") from e
     get_path = getattr(module, "get_library_path", None)
     if not callable(get_path):
-        raise BundleError(f"{where}, but '{package}' has no get_library_path(); name a package that ships a custom-op library (e.g. onnxruntime_extensions)")
+        raise BundleError(f"{where}, but '{package}' has no get_library_path(); name a package that ships a {what} (e.g. {example})")
     path = get_path()
     if not isinstance(path, str) or not path:
         raise BundleError(f"{where}: its get_library_path() gave {path!r}, not a path")

@@ -22,17 +22,29 @@ from __future__ import annotations
 
 import posixpath
 import re
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import onnxruntime as ort
 
 from onnxpipe._errors import BundleError
-from onnxpipe.runtime._code import custom_ops_library
+from onnxpipe.runtime._code import custom_ops_library, package_library
 from onnxpipe.runtime._settings import StageSettings
 from onnxpipe.runtime._spec import StageSpec
 
-__all__ = ["RECORDS_PLACEMENT", "Placement", "check_available", "load_optimization", "make_session", "maps_archive_data", "open_session", "placement"]
+__all__ = [
+    "RECORDS_PLACEMENT",
+    "Placement",
+    "check_available",
+    "load_optimization",
+    "make_session",
+    "maps_archive_data",
+    "open_session",
+    "placement",
+    "plugin_devices",
+]
 
 #: Whether this onnxruntime can say which provider took each node (see Note: where each node ran).
 RECORDS_PLACEMENT = hasattr(ort.InferenceSession, "get_provider_graph_assignment_info")
@@ -96,7 +108,7 @@ def make_session(module: Path | str | bytes, stage: StageSpec, target: str | Non
             the module.
         config: More session config entries (where a module given as bytes finds its external data).
     """
-    settings = stage.settings if target is None else stage.settings.replace(target=target, provider_options={})
+    settings = stage.settings if target is None else stage.settings.replace(target=target, provider_options={}, ep_package=None, ep_device=None)
     check_available(stage.name, settings)
     level = load_optimization(stage, settings)
 
@@ -113,11 +125,14 @@ def make_session(module: Path | str | bytes, stage: StageSpec, target: str | Non
 
 
 def check_available(stage: str, settings: StageSettings) -> None:
-    """Refuse a stage whose provider this host's onnxruntime lacks, naming what it has and what brings it.
+    """Refuse a stage whose provider this host's onnxruntime lacks, naming what it has and what brings it
+    (a plugin provider's package and devices are checked when its session is made: :func:`plugin_devices`).
 
     Raises:
         BundleError: the provider is not available.
     """
+    if settings.ep_package is not None:
+        return
     available = ort.get_available_providers()
     if settings.provider in available:
         return
@@ -146,11 +161,20 @@ def open_session(module: str | bytes, stage: str, settings: StageSettings, optio
             cannot take every node while fallback is off, or the session came without the provider.
     """
     provider = settings.provider
+    if settings.ep_package is not None:  # a plugin provider: its devices go into the options, not a provider list
+        devices = plugin_devices(stage, settings)
+        given = options_for
+
+        def options_for(chosen: StageSettings) -> ort.SessionOptions:
+            options = given(chosen)
+            options.add_provider_for_devices(devices, dict(chosen.provider_options))
+            return options
+
     options = options_for(settings)
     if RECORDS_PLACEMENT:
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     try:
-        session = ort.InferenceSession(module, sess_options=options, providers=settings.providers(), enable_fallback=0)
+        session = _new_session(module, options, settings)
     except Exception as e:  # onnxruntime raises its own Fail/InvalidArgument/InvalidGraph types
         if not settings.fallback and _FALLBACK_REFUSED in str(e):
             raise BundleError(_not_placed(module, stage, settings, options_for)) from e
@@ -174,13 +198,58 @@ def _not_placed(module: str | bytes, stage: str, settings: StageSettings, option
     options = options_for(allowed)
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     try:
-        where = placement(ort.InferenceSession(module, sess_options=options, providers=allowed.providers(), enable_fallback=0)) or {}
+        where = placement(_new_session(module, options, allowed)) or {}
     except Exception:  # it cannot be made even so: say what is known
         return f"{head}{advice}"
     left = [node for ep, nodes in where.items() if ep != settings.provider for node in nodes]
     total = sum(len(nodes) for nodes in where.values())
     shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
     return f"{head}: it cannot take {len(left)} of the {total} nodes: {shown}{advice}"
+
+
+def _new_session(module: str | bytes, options: ort.SessionOptions, settings: StageSettings) -> ort.InferenceSession:
+    if settings.ep_package is not None:  # the providers are in the options (add_provider_for_devices)
+        return ort.InferenceSession(module, sess_options=options, enable_fallback=0)
+    return ort.InferenceSession(module, sess_options=options, providers=settings.providers(), enable_fallback=0)
+
+
+#: Plugin provider libraries registered in this process: package -> the name it was registered under.
+_REGISTERED: dict[str, str] = {}
+_REGISTERING = threading.Lock()
+
+
+def plugin_devices(stage: str, settings: StageSettings) -> list[Any]:
+    """The devices a stage's plugin provider offers here (``ep_package``; call only after
+    ``check_allowed``): its package imported and its library registered, once per process,
+    under the provider's name, and ``get_ep_devices()`` filtered by that name and ``ep_device``.
+
+    Raises:
+        BundleError: this onnxruntime cannot load plugin providers (before 1.23), the package is
+            not installed or ships no library, onnxruntime refuses the library, or no device
+            matches (naming the devices there are).
+    """
+    package, provider = settings.ep_package, settings.provider
+    assert package is not None
+    if not hasattr(ort, "register_execution_provider_library"):
+        raise BundleError(f"stage '{stage}' runs on the plugin execution provider of package '{package}', which needs onnxruntime 1.23 or later; "
+                          f"this host has {ort.__version__}")
+    with _REGISTERING:
+        if package not in _REGISTERED:
+            path = package_library(stage, package, "execution provider library", "onnxruntime_qnn")
+            try:
+                ort.register_execution_provider_library(provider, path)
+            except Exception as e:  # onnxruntime's own types
+                raise BundleError(f"stage '{stage}': onnxruntime cannot register the execution provider library of package '{package}': {_one_line(e)}") from e
+            _REGISTERED[package] = provider
+    devices = ort.get_ep_devices()
+    kind = None if settings.ep_device is None else getattr(ort.OrtHardwareDeviceType, settings.ep_device.upper())
+    chosen = [d for d in devices if d.ep_name == provider and (kind is None or d.device.type == kind)]
+    if not chosen:
+        listed = ", ".join(f"{d.ep_name} ({d.device.type.name.lower()}, {d.device.vendor})" for d in devices)
+        wanted = f"{provider}" + (f" of type {settings.ep_device}" if settings.ep_device else "")
+        raise BundleError(f"stage '{stage}': no device of {wanted} here (package '{package}', registered as {_REGISTERED[package]}); "
+                          f"get_ep_devices() lists: {listed}")
+    return chosen
 
 
 def placement(session: ort.InferenceSession) -> Placement | None:

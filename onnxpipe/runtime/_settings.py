@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, closest
 
-__all__ = ["EP_THREAD_OPTIONS", "MAX_BATCH", "OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "host_cores", "resolve_provider"]
+__all__ = ["EP_DEVICES", "EP_THREAD_OPTIONS", "MAX_BATCH", "OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "host_cores", "resolve_provider"]
 
 #: Short names for execution providers; any full name onnxruntime knows is accepted too.
 PROVIDER_ALIASES: dict[str, str] = {
@@ -62,6 +62,8 @@ _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 MAX_BATCH = 1024
 #: The longest ``max_delay_ms`` (a minute): longer is a typo, not a policy.
 MAX_DELAY_MS = 60_000.0
+#: The device kinds a plugin provider's devices may be taken by (``ep_device``).
+EP_DEVICES = ("cpu", "gpu", "npu")
 #: Providers that run a node on threads of their own, and the option that sizes them: the stage's
 #: ``intra_op_threads`` is given to it unless its provider options set it (docs/building.md).
 EP_THREAD_OPTIONS: dict[str, str] = {"OpenVINOExecutionProvider": "num_of_threads"}
@@ -69,8 +71,13 @@ _PROVIDERS_WITH_DEVICE = {"CUDAExecutionProvider", "TensorrtExecutionProvider", 
                           "DmlExecutionProvider", "CANNExecutionProvider"}
 
 
-def resolve_provider(name: str) -> tuple[str, int | None]:
+def resolve_provider(name: str, plugin: bool = False) -> tuple[str, int | None]:
     """Full provider name and device id of a target such as ``cpu``, ``cuda:1``, ``DnnlExecutionProvider``.
+
+    Args:
+        name: The target.
+        plugin: The provider comes from a plugin library (``ep_package``): any name is taken, since
+            only the library knows its own.
 
     Raises:
         ConfigError: onnxruntime knows no such provider (the message lists the known ones).
@@ -83,7 +90,7 @@ def resolve_provider(name: str) -> tuple[str, int | None]:
         device_id = int(device)
     full = PROVIDER_ALIASES.get(base.lower(), base)
     known = set(ort.get_all_providers()) | set(PROVIDER_ALIASES.values())
-    if full not in known:
+    if full not in known and not plugin:
         raise ConfigError(f"unknown execution provider '{base}'; {closest(base, [*PROVIDER_ALIASES, *sorted(known)])}")
     return full, device_id
 
@@ -124,6 +131,14 @@ class StageSettings:
             build's probe would choose (0 for states and int masks, a float mask's lowest value):
             for a mask the model applies other than as an additive bias. The probe still checks
             that batched equals alone. Written to ``pipeline.json`` only when set.
+        ep_package: For a plugin execution provider (onnxruntime 1.23 and later), the Python
+            package that ships its library (e.g. ``onnxruntime_qnn``), never a path: the host
+            imports it only when its allow-list permits (like ``custom_ops``), registers the
+            library from its ``get_library_path()`` once per process, and adds the devices the
+            provider offers (``get_ep_devices()``) with the stage's provider options. ``target``
+            names the provider (``qnn`` or its full name). Written to ``pipeline.json`` only when set.
+        ep_device: With ``ep_package``: the kind of device to take, ``cpu``, ``gpu`` or ``npu``;
+            None: every device the provider offers.
     """
 
     target: str = "cpu"
@@ -142,6 +157,8 @@ class StageSettings:
     max_batch: int = 1
     max_delay_ms: float = 0.0
     batch_pad: Mapping[str, float] = field(default_factory=dict)
+    ep_package: str | None = None
+    ep_device: str | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("target", str), ("execution_mode", str), ("optimization", str), ("fallback", bool), ("spinning", bool)):
@@ -150,7 +167,12 @@ class StageSettings:
         for name in ("provider_options", "session_config"):
             if not isinstance(getattr(self, name), Mapping):
                 raise ConfigError(f"{name} must map strings to strings, got {getattr(self, name)!r}")
-        resolve_provider(self.target)
+        if self.ep_package is not None and (not isinstance(self.ep_package, str) or not all(p.isidentifier() for p in self.ep_package.split("."))):
+            raise ConfigError(f"ep_package must be a Python package name (e.g. 'onnxruntime_qnn'), never a path; got {self.ep_package!r}")
+        if self.ep_device is not None and (self.ep_package is None or self.ep_device not in EP_DEVICES):
+            raise ConfigError(f"ep_device must be one of {', '.join(EP_DEVICES)}, with ep_package set; got {self.ep_device!r}"
+                              + ("" if self.ep_package else " without ep_package"))
+        resolve_provider(self.target, plugin=self.ep_package is not None)
         for name in ("intra_op_threads", "inter_op_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -194,12 +216,12 @@ class StageSettings:
     @property
     def provider(self) -> str:
         """The full execution provider name."""
-        return resolve_provider(self.target)[0]
+        return resolve_provider(self.target, plugin=self.ep_package is not None)[0]
 
     @property
     def device_id(self) -> int | None:
         """The device number given with ``:N``, if any."""
-        return resolve_provider(self.target)[1]
+        return resolve_provider(self.target, plugin=self.ep_package is not None)[1]
 
     def replace(self, **changes: Any) -> StageSettings:
         """A copy with some fields changed (checked again)."""
@@ -224,6 +246,9 @@ class StageSettings:
             data["batch_pad"] = dict(self.batch_pad)
         else:
             del data["batch_pad"]
+        for key in ("ep_package", "ep_device"):
+            if data[key] is None:
+                del data[key]  # absent = a provider built into onnxruntime: bundles read as before
         return data
 
     @classmethod
