@@ -169,6 +169,15 @@ main.add_command(serve)
     "and keep it only if it wins every round; 1: do not consider batching (docs/batching.md).",
 )
 @click.option(
+    "--targets",
+    "targets",
+    default="cpu",
+    show_default=True,
+    metavar="T1,T2",
+    help="With --cores: the targets a stage may run on (cpu,openvino); with more than cpu, every stage and the whole model are "
+    "measured on each, and the plan sets each stage's target.",
+)
+@click.option(
     "--measure",
     "measure",
     default=3,
@@ -206,6 +215,7 @@ def split(
     rounds: int,
     requests: int,
     batch: int,
+    targets: str,
     measure: int,
     state: Sequence[str],
     overwrite: bool,
@@ -229,7 +239,10 @@ def split(
                       simple plan (one session or replicas) in every round; the
                       plan is written with its stage settings (threads,
                       replicas, cores), which 'onnxpipe build' uses. Every
-                      symbolic input dim but a leading batch dim needs --dim
+                      symbolic input dim but a leading batch dim needs --dim.
+                      With --targets cpu,openvino, every stage and the whole
+                      model are also measured on each target, and the plan
+                      sets each stage's target
 
     The measured policy profiles every node with --threads intra-op threads (the profile is cached
     next to the model) and adds the cost of handing tensors between stages; uniform balances node
@@ -245,6 +258,7 @@ def split(
       onnxpipe split model.onnx -o out --auto --max-stages 4 --max-stage-weights 512MiB --pin conv1=0
       onnxpipe split model.onnx -o out --auto --stages 3 --policy params
       onnxpipe split model.onnx -o plan --auto --cores 4 && onnxpipe build plan -o built
+      onnxpipe split model.onnx -o plan --auto --cores 2 --targets cpu,openvino
       onnxpipe split decoder.onnx -o out --at layer3.out --state auto   # KV cache stays in its stage
 
     `onnxpipe inspect MODEL` proposes cuts with the exact --at value to use; `onnxpipe inspect MODEL
@@ -255,7 +269,8 @@ def split(
     if auto:
         _split_auto(ctx, model, out, by_hand, overwrite, states)
         return
-    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "rounds", "requests", "measure", "batch")
+    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "rounds", "requests", "measure", "batch",
+                      "targets")
     if auto_only:
         raise click.UsageError(f"{', '.join(auto_only)}: only with --auto; see 'onnxpipe split --help'")
     if len(by_hand) != 1:
@@ -309,10 +324,10 @@ def _split_auto(
             raise click.UsageError(f"{', '.join(not_planner)}: not with --cores; the planner profiles 1..C threads itself and cuts with the measured policy")
         _autosplit.planned_split(
             model, out, cores=p["cores"], rounds=p["rounds"], requests=p["requests"], measure=p["measure"], dims=dict(p["dims"]), overwrite=overwrite,
-            batch=p["batch"],
+            batch=p["batch"], targets=[t.strip() for t in p["targets"].split(",")],
         )
         return
-    planner_only = given(ctx, "rounds", "requests", "measure", "batch")
+    planner_only = given(ctx, "rounds", "requests", "measure", "batch", "targets")
     if planner_only:
         raise click.UsageError(f"{', '.join(planner_only)}: only with --cores (they set how the planner measures its plans)")
     _autosplit.policy_split(

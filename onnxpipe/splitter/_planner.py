@@ -33,6 +33,20 @@ Note: batching.
     same rule: batching is kept only if it wins *every* round. CPU models often gain nothing from
     it (docs/batching.md), so it is measured, never assumed.
 
+Note: targets.
+    With ``targets`` naming more than the CPU (``split --auto --cores C --targets cpu,openvino``), a
+    node's cost on another provider cannot be read from the CPU profile (a provider that compiles
+    its part of the graph runs it as one fused node, so its profile has no per-node costs). So the
+    cut stays the one the CPU profile chooses, and **each stage of each cut, and the whole model,
+    is measured on each target** at each thread count (built, loaded and run one request at a time:
+    each stage's median time alone). Every pipeline allocation is then predicted with every
+    assignment of targets to its stages, and the one-session and replicas plans on every target;
+    the finalists are measured in interleaved rounds as always. Moving a boundary tensor between
+    host providers (the CPU's, OpenVINO's on the CPU) costs what any hand-off does, so no transfer
+    cost is added; a device provider would need its copies counted, and is refused here. On one
+    CPU every target shares the same cores: a stage's threads count against the budget whatever
+    its provider, and the plan's notes say so.
+
 Note: symbolic dims.
     What a plan costs depends on the input sizes, so dims are never guessed silently. A dim that
     is symbolic or unknown must be given (``dims``: by name, or ``"input.axis"`` for an unnamed one),
@@ -55,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onnxpipe._errors import BuildError, SplitError
+from onnxpipe._errors import BuildError, ConfigError, SplitError
 from onnxpipe.builder import build, export, io_specs
 from onnxpipe.runtime import Pipeline, StageSettings, TensorSpec, interleaved_rounds, load, random_inputs
 from onnxpipe.splitter._auto import MeasuredPolicy
@@ -67,6 +81,8 @@ __all__ = ["PlanCandidate", "PlanChoice", "PlanResult", "plan_pipeline"]
 
 Progress = Callable[[str, int, int], None]
 
+#: Providers that run in host memory: moving a tensor between them is a hand-off like any other.
+_HOST_PROVIDERS = frozenset({"CPUExecutionProvider", "OpenVINOExecutionProvider", "DnnlExecutionProvider", "XnnpackExecutionProvider"})
 #: Untimed requests before each timed round: a pipeline that sat idle while the others ran wakes up first.
 _ROUND_WARMUP = 3
 
@@ -86,6 +102,8 @@ class PlanCandidate:
         rounds: Measured requests per second in each round, in round order.
         stage_measured_ms: Measured mean time of each stage inside the pipeline (median over the
             rounds), when measured.
+        targets: Each stage's target when the planner chose among several (see Note: targets);
+            empty: every stage on the CPU.
     """
 
     label: str
@@ -98,6 +116,7 @@ class PlanCandidate:
     rounds: tuple[float, ...] = ()
     stage_measured_ms: tuple[float, ...] = ()
     split: SplitPlan | None = field(default=None, repr=False)
+    targets: tuple[str, ...] = ()
 
     @property
     def simple(self) -> bool:
@@ -242,13 +261,96 @@ def _settings(threads: int, replicas: int, cores: list[int]) -> dict[str, object
 
 
 def _configure(candidate: PlanCandidate, split_plan: SplitPlan, allowed: list[int]) -> SplitPlan:
-    """Give each stage its threads, replicas and a slice of the cores, in order."""
+    """Give each stage its threads, replicas, target and a slice of the cores, in order."""
     start = 0
-    for stage, t, r in zip(split_plan.config.stages, candidate.threads, candidate.replicas, strict=True):
+    targets = candidate.targets or ("cpu",) * len(candidate.threads)
+    for stage, t, r, target in zip(split_plan.config.stages, candidate.threads, candidate.replicas, targets, strict=True):
         cores = allowed[start : start + t * r] if len(allowed) >= candidate.cores else []
-        stage.configure(**_settings(t, r, cores))
+        stage.configure(target=target, **_settings(t, r, cores))
         start += t * r
     return split_plan
+
+
+def _check_targets(targets: Sequence[str]) -> tuple[str, ...]:
+    """The targets to plan over, each checked: known, on this host, and using host memory.
+
+    Raises:
+        SplitError: an unknown target, one this host lacks, or a device provider (its copies are not counted).
+    """
+    import onnxruntime as ort
+
+    from onnxpipe.runtime import resolve_provider
+
+    out = []
+    for target in targets:
+        try:
+            provider, device = resolve_provider(target)
+        except ConfigError as e:
+            raise SplitError(f"--targets: {e}") from None
+        if provider not in ort.get_available_providers():
+            raise SplitError(f"cannot plan for target '{target}': this host's onnxruntime ({ort.__version__}) does not have {provider} "
+                             f"(it has {', '.join(ort.get_available_providers())}); the planner measures every stage on every target")
+        if device is not None or provider not in _HOST_PROVIDERS:
+            raise SplitError(f"cannot plan for target '{target}': the planner counts no device copies, so it plans over providers that run "
+                             f"in host memory only ({', '.join(sorted(_HOST_PROVIDERS))})")
+        if target not in out:
+            out.append(target)
+    if not out:
+        raise SplitError("--targets names no target")
+    return tuple(out)
+
+
+def _measure_on_targets(split_plan: SplitPlan, targets: Sequence[str], threads: Sequence[int], feeds: dict[str, np.ndarray], requests: int,
+                        work: Path) -> dict[tuple[int, str, int], float]:
+    """Each stage's median milliseconds alone, per (stage, target, threads): the plan built for each
+    target and thread count, loaded, and run one request at a time (see Note: targets)."""
+    out: dict[tuple[int, str, int], float] = {}
+    for target in targets:
+        for t in threads:
+            for stage in split_plan.config.stages:
+                stage.configure(target=target, intra_op_threads=t, replicas=1, affinity=None)
+            folder = work / f"t{time.monotonic_ns()}"
+            with load(export(build(split_plan.config, folder / "built").path, folder / "bundle")) as pipe:
+                for _ in range(3):
+                    pipe(feeds)
+                pipe.reset_stats()
+                for _ in range(max(10, requests // 4)):
+                    pipe(feeds)
+                for i, stage_stats in enumerate(pipe.stats().stages):
+                    out[(i, target, t)] = stage_stats.p50_ms
+    return out
+
+
+def _target_candidates(whole: SplitPlan, plans: Sequence[SplitPlan], profile: CostProfile, targets: Sequence[str], cores: int,
+                       feeds: dict[str, np.ndarray], requests: int, report: Progress) -> list[PlanCandidate]:
+    """Every one-session, replicas and pipeline plan with every assignment of ``targets``, predicted
+    from each stage measured on each target (see Note: targets)."""
+    threads = list(range(1, cores + 1))
+    out: list[PlanCandidate] = []
+    with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp:
+        todo = [whole, *plans]
+        measured = []
+        for done, plan in enumerate(todo):
+            report("targets", done, len(todo))
+            measured.append(_measure_on_targets(plan, targets, threads, feeds, requests, Path(tmp)))
+        report("targets", len(todo), len(todo))
+    whole_ms = measured[0]
+    for target in targets:
+        for t in threads:
+            alone = whole_ms[(0, target, t)]
+            out.append(PlanCandidate(f"1 session x {t}t {target}", "session", (t,), (1,), 1e3 / alone, (alone,), targets=(target,)))
+            for r in range(2, cores // t + 1):
+                out.append(PlanCandidate(f"{r} replicas x {t}t {target}", "replicas", (t,), (r,), r * 1e3 / alone, (alone,), targets=(target,)))
+    for plan, stage_ms in zip(plans, measured[1:], strict=True):
+        k = len(plan.stages)
+        for base in _pipelines(plan, {t: profile for t in threads}, cores):
+            for chosen in itertools.product(targets, repeat=k):
+                ms = tuple(stage_ms[(i, target, t)] + (0.0 if i == 0 else 1e3 * profile.crossing_seconds(plan.stages[i].bytes_in or 0))
+                           for i, (target, t) in enumerate(zip(chosen, base.threads, strict=True)))
+                predicted = min(r / (m / 1e3) for r, m in zip(base.replicas, ms, strict=True) if m > 0)
+                parts = ", ".join(f"{t}t" + (f"x{r}" if r > 1 else "") + f" {target}" for t, r, target in zip(base.threads, base.replicas, chosen, strict=True))
+                out.append(PlanCandidate(f"pipeline {k} x ({parts})", "pipeline", base.threads, base.replicas, predicted, ms, split=plan, targets=chosen))
+    return out
 
 
 def _contender(base: PlanCandidate, rivals: Sequence[PlanCandidate]) -> tuple[PlanCandidate, tuple[float, ...], bool]:
@@ -383,6 +485,7 @@ def plan_pipeline(
     runs: int = 3,
     progress: Progress | None = None,
     batch: int = 1,
+    targets: Sequence[str] = ("cpu",),
 ) -> PlanResult:
     """Plan how to run ``model`` on ``cores`` cores, measure the finalists side by side, choose.
 
@@ -401,6 +504,8 @@ def plan_pipeline(
             (and ``batching`` when ``batch`` is above 1).
         batch: Also measure the chosen plan batching up to this many requests per call, and keep
             it if it wins every round (see Note: batching); 1: do not consider batching.
+        targets: The targets a stage (or the whole model) may run on; with more than ``cpu``,
+            every stage is measured on each and the plan sets each stage's target (see Note: targets).
 
     Returns:
         The :class:`PlanResult`; ``result.plan.save(folder)`` writes the chosen stages with their
@@ -408,7 +513,8 @@ def plan_pipeline(
 
     Raises:
         SplitError: the core budget is below 1 or above what this process may use; ``rounds`` or
-            ``requests`` is below 1; an input dim the cost depends on is not given.
+            ``requests`` is below 1; an input dim the cost depends on is not given; a target is
+            unknown, missing here, or a device's.
     """
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     cores = cores or len(allowed)
@@ -416,6 +522,7 @@ def plan_pipeline(
         raise SplitError(f"core budget {cores} is outside 1..{len(allowed)} (the cores this process may use: {allowed})")
     if rounds < 1 or requests < 1:
         raise SplitError(f"rounds and requests must be at least 1, got rounds={rounds}, requests={requests}")
+    planned_targets = _check_targets(targets)
     dims = dict(dims or {})
     proto, _ = load_model(model)
     specs = io_specs(proto)[0]
@@ -428,14 +535,21 @@ def plan_pipeline(
         profiles[t] = profile_model(model, StageSettings(intra_op_threads=t), runs=runs, dims=dims)
     report("profiling", cores, cores)
     candidates = _baselines(profiles, cores)
+    plans = []
     for k in range(2, min(cores, max_stages or cores) + 1):
         try:
             plan_k = split(model, policy=MeasuredPolicy(stages=k, profile=profiles[1], dims=dims))
         except SplitError as e:
             notes.append(f"no {k}-stage pipeline: {e}")
             continue
+        plans.append(plan_k)
         candidates.extend(_pipelines(plan_k, profiles, cores))
     whole = split(model, assignment={n.name or n.output[0]: 0 for n in proto.graph.node})
+    if planned_targets != ("cpu",):
+        candidates = _target_candidates(whole, plans, profiles[1], planned_targets, cores, feeds, requests, report)
+        notes.append(f"targets {', '.join(planned_targets)} share this host's cores: a stage's threads count against the {cores}-core budget "
+                     "whatever its provider (OpenVINO's run on its own threads, sized by the stage's); cuts come from the CPU profile, "
+                     "each stage measured on each target")
     ranked = sorted(candidates, key=lambda c: -c.predicted)
     finalists = [c for c in ranked if not c.simple][:measure]
     finalists += [best for kind in ("session", "replicas") if (best := next((c for c in ranked if c.kind == kind), None))]

@@ -12,7 +12,7 @@ import pytest
 
 from onnxpipe import InputError, SplitError
 from onnxpipe.builder import PipelineConfig
-from onnxpipe.runtime import TensorSpec
+from onnxpipe.runtime import TensorSpec, resolve_provider
 from onnxpipe.splitter import PlanCandidate, plan_pipeline, verify
 from onnxpipe.splitter._planner import _planning_dims, choose_plan
 from tests import models
@@ -205,3 +205,29 @@ def test_the_planner_does_not_batch_a_fixed_batch_dim(squeezenet: Path) -> None:
     result = plan_pipeline(squeezenet, cores=1, rounds=1, requests=3, runs=1, batch=4)
     assert result.batching == "not considered: 'data_0' has no symbolic batch dim (dim 0 is 1)"
     assert all(s.settings.max_batch == 1 for s in result.plan.config.stages)
+
+
+def test_targets_are_checked_before_any_profiling(squeezenet: Path) -> None:
+    import onnxruntime as ort
+
+    missing = [t for t in ("openvino", "dnnl") if resolve_provider(t)[0] not in ort.get_available_providers()]
+    for target in missing:
+        with pytest.raises(SplitError, match=rf"^cannot plan for target '{target}': this host's onnxruntime \(.*\) does not have "):
+            plan_pipeline(squeezenet, 1, targets=("cpu", target))
+    with pytest.raises(SplitError, match=r"^--targets: unknown execution provider 'nosuch'"):
+        plan_pipeline(squeezenet, 1, targets=("cpu", "nosuch"))
+    if "AzureExecutionProvider" in ort.get_available_providers():
+        with pytest.raises(SplitError, match=r"^cannot plan for target .azure.: the planner counts no device copies"):
+            plan_pipeline(squeezenet, 1, targets=("cpu", "azure"))
+
+
+def test_split_targets_needs_the_planner(squeezenet: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from onnxpipe.cli import main as cli
+
+    runner = CliRunner()
+    result = runner.invoke(cli, ["split", str(squeezenet), "-o", str(tmp_path / "a"), "--auto", "--stages", "2", "--targets", "cpu,openvino"])
+    assert result.exit_code == 2 and "--targets: only with --cores" in result.output, result.output
+    result = runner.invoke(cli, ["split", str(squeezenet), "-o", str(tmp_path / "b"), "--at", "r24", "--targets", "cpu"])
+    assert result.exit_code == 2 and "--targets: only with --auto" in result.output, result.output

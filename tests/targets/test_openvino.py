@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
@@ -159,6 +160,7 @@ def test_options_the_provider_refuses_while_making_itself_are_one_error(tmp_path
 _COUNT_THREADS = """
 import os, sys
 import numpy as np
+import onnx
 from onnxpipe.runtime import load
 with load(sys.argv[1]) as pipe:
     pipe({"data_0": np.ones((1, 3, 224, 224), np.float32)})
@@ -213,3 +215,26 @@ def test_the_targets_benchmark_runs_and_reports_every_row() -> None:
     assert set(result["rates"]) == {"one session, cpu", "one session, openvino", "pipeline cpu -> cpu", "pipeline openvino -> openvino",
                                     "pipeline cpu -> openvino", "pipeline openvino -> cpu"}
     assert all(r["median"] > 0 for r in result["rates"].values())
+
+
+def test_the_planner_measures_every_stage_on_every_target_and_sets_each_stages_target(tmp_path: Path) -> None:
+    from onnxpipe.splitter import plan_pipeline
+
+    model = tmp_path / "rec.onnx"
+    onnx.save(recognizer(), str(model))
+    steps: list[str] = []
+    result = plan_pipeline(model, 2, targets=("cpu", "openvino"), rounds=2, requests=8, measure=2, dims={"p2o.DynamicDimension.1": 320, "?": 48},
+                           progress=lambda step, done, total: steps.append(step))
+    assert "targets" in steps
+    labels = {c.label for c in result.candidates}
+    for label in ("1 session x 1t cpu", "1 session x 1t openvino", "pipeline 2 x (1t cpu, 1t openvino)", "pipeline 2 x (1t openvino, 1t cpu)"):
+        assert label in labels, sorted(labels)
+    assert all(len(c.targets) == len(c.threads) and set(c.targets) <= {"cpu", "openvino"} for c in result.candidates)
+    measured = [c for c in result.candidates if c.measured is not None]
+    assert len(measured) >= 3 and any(c.kind == "pipeline" for c in measured)
+    # On this CPU OpenVINO runs the recognizer about twice as fast as the CPU provider (benchmarks.targets),
+    # so the best-predicted plans use it.
+    assert "openvino" in result.candidates[0].targets
+    stages = result.plan.config.stages
+    assert tuple(s.settings.target for s in stages) == result.chosen.targets
+    assert any("share this host's cores" in n for n in result.notes)
