@@ -251,7 +251,7 @@ class InferenceSessionAPI:
     def placement(self) -> dict[str, dict[str, list[str]] | None]:
         """Where each stage's nodes run: stage -> provider -> the nodes of its optimized graph that
         provider took (``"OpType 'name'"``), from the stage's first replica; ``None`` for a stage
-        whose onnxruntime cannot tell (before 1.2x) and for code stages, which have no nodes.
+        whose onnxruntime cannot tell (before 1.24) and for code stages, which have no nodes.
 
         A stage whose target is an accelerator and whose nodes all sit under that provider ran
         nothing on the CPU; a node listed under ``CPUExecutionProvider`` fell back

@@ -10,7 +10,7 @@ Note: a session on the provider asked for, or an error.
     load naming the stage, the provider and why.
 
 Note: where each node ran.
-    onnxruntime 1.2x and later record which provider took each node of the optimized graph when
+    onnxruntime 1.24 and later record which provider took each node of the optimized graph when
     asked (``session.record_ep_graph_assignment_info``; ``get_provider_graph_assignment_info``);
     every session onnxpipe makes asks, and :func:`placement` reads it: provider -> the nodes it
     took. An older onnxruntime cannot tell, and the placement is then ``None``. With
