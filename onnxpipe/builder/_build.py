@@ -191,7 +191,7 @@ def _build_stage(stage: Stage, groups: list[ParamGroup], staging: Path, ort_form
     settings = stage.settings
     provider = settings.provider
     # A plugin provider's package is imported only to build for it: the build host is the author's.
-    available = provider in ort.get_available_providers() if settings.ep_package is None else importlib.util.find_spec(settings.ep_package) is not None
+    available = provider in ort.get_available_providers() if settings.ep_package is None else _installed(settings.ep_package)
     source_dir = stage.source_dir or (stage.path.parent if stage.path else None)
     try:
         model, note = _prepare(stage.load_model(), groups)
@@ -249,6 +249,14 @@ def _build_stage(stage: Stage, groups: list[ParamGroup], staging: Path, ort_form
         seconds=time.perf_counter() - start,
     )
     return report, module, record
+
+
+def _installed(package: str) -> bool:
+    """Whether a package can be imported here (a dotted name whose parent is missing counts as not)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _open(path: Path, stage: Stage, options: ort.SessionOptions, providers: list[Any], why: str) -> None:

@@ -623,7 +623,9 @@ def _directory(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.ZipInfo
     assert zf.fp is not None
     size = zf.fp.seek(0, os.SEEK_END)
     checked: dict[str, zipfile.ZipInfo] = {}
-    for m in members:
+    for k, m in enumerate(members):
+        if not m.filename:  # a damaged directory entry; zipfile's own is_dir() would fail on it (IndexError)
+            raise BundleError(f"archive member {k} has an empty name: damaged")
         name = m.filename.rstrip("/") if m.is_dir() else m.filename
         check_relative(name, "archive member")
         if not 0 <= m.header_offset <= size - 30:  # zipfile would seek there (a negative seek: OSError)

@@ -133,6 +133,7 @@ class Pipeline(InferenceSessionAPI):
         self._origin = time.perf_counter()
         self._closed = False
         self._session_facts: list[SessionFacts] = []
+        self._node_counts: dict[str, dict[str, int]] | None = None
         self._engine: Engine
         if engine == "thread":
             if address is not None or ray_options is not None:
@@ -542,8 +543,9 @@ class Pipeline(InferenceSessionAPI):
         """Throughput, latency, and per-stage utilization and queues since load or :meth:`reset_stats`."""
         rows = [(p[0].stage, p, q[0], q[1], q[2]) for p, q in zip(self._engine.recorders(), self._engine.queues(), strict=True)]
         stats = summarize(rows, self._requests, self._in_flight)
-        where = self.placement()
-        stages = tuple(dataclasses.replace(s, nodes={ep: len(n) for ep, n in (where.get(s.stage) or {}).items()}) for s in stats.stages)
+        if self._node_counts is None:  # the sessions do not change: counted once, not on every poll
+            self._node_counts = {stage: {ep: len(nodes) for ep, nodes in (where or {}).items()} for stage, where in self.placement().items()}
+        stages = tuple(dataclasses.replace(s, nodes=dict(self._node_counts.get(s.stage, {}))) for s in stats.stages)
         return dataclasses.replace(stats, stages=stages)
 
     def reset_stats(self) -> None:

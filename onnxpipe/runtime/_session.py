@@ -58,7 +58,7 @@ PROVIDER_PACKAGES: dict[str, str] = {
     "DmlExecutionProvider": "onnxruntime-directml (Windows; it replaces onnxruntime)",
     "ROCMExecutionProvider": "onnxruntime-rocm (it replaces onnxruntime)",
     "MIGraphXExecutionProvider": "onnxruntime-migraphx (it replaces onnxruntime)",
-    "QNNExecutionProvider": "onnxruntime-qnn",
+    "QNNExecutionProvider": "onnxruntime-qnn (2.x is a plugin for plain onnxruntime: also set ep_package=onnxruntime_qnn)",
     "DnnlExecutionProvider": "an onnxruntime built with oneDNN (--use_dnnl)",
     "CoreMLExecutionProvider": "onnxruntime on macOS",
 }

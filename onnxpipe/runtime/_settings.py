@@ -173,6 +173,9 @@ class StageSettings:
             raise ConfigError(f"ep_device must be one of {', '.join(EP_DEVICES)}, with ep_package set; got {self.ep_device!r}"
                               + ("" if self.ep_package else " without ep_package"))
         resolve_provider(self.target, plugin=self.ep_package is not None)
+        if self.ep_package is not None and self.provider == "CPUExecutionProvider":
+            raise ConfigError(f"ep_package '{self.ep_package}' names a plugin provider's package, but target is onnxruntime's own CPU provider; "
+                              "set target to the plugin's provider (e.g. qnn), or drop ep_package")
         for name in ("intra_op_threads", "inter_op_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

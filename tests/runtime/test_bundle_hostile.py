@@ -177,6 +177,14 @@ def test_archive_member_inside_a_file_is_refused(good_archive: Archive, tmp_path
         load(archive)
 
 
+def test_a_member_with_an_empty_name_is_refused(good_archive: Archive, tmp_path: Path, private_tmp: Path) -> None:
+    # Found by test_damaged_archive_gives_a_bundle_error_or_a_bundle: one byte of the central
+    # directory set to 0 left a member named "", on which zipfile's is_dir() raises IndexError.
+    archive = _zip(tmp_path / "b.onnxpipe", {**_members(good_archive), "": b"x"})
+    with pytest.raises(BundleError, match=r"^archive member \d+ has an empty name: damaged$"):
+        read_bundle(archive)
+
+
 def test_encrypted_and_unsupported_compression_are_refused(good_archive: Archive, tmp_path: Path, private_tmp: Path) -> None:
     path = _zip(tmp_path / "e.onnxpipe", _members(good_archive))
     _set_header(path, "pipeline.json", "flags", 1)  # zipfile then wants a password: RuntimeError

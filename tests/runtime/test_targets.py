@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from onnxpipe import BuildError, BundleError
+from onnxpipe import BuildError, BundleError, ConfigError
 from onnxpipe.builder import build, export
 from onnxpipe.cli import main as cli
 from onnxpipe.runtime import StageSettings, host_placement, load, read_bundle
@@ -147,3 +147,19 @@ def test_inspect_host_of_a_bundle_for_a_missing_provider_is_one_line(tmp_path: P
     assert "Traceback" not in result.output
     result = CliRunner().invoke(cli, ["inspect", str(bundle), "--host", "--target", "cpu"])
     assert result.exit_code == 0 and "  stage0: CPUExecutionProvider " in result.output, result.output
+
+
+def test_a_plugin_package_missing_on_the_build_host_makes_a_cross_target_build(tmp_path: Path) -> None:
+    # A dotted package whose parent is missing too: find_spec raises there, which must read as "not installed".
+    plan = split(onnx.load(str(models.light_model_path("squeezenet"))), ["r24"])
+    plan.config.stages[0].configure(target="qnn", ep_package="onnxpipe_nosuch.ep")
+    bundle = export(build(plan.config, tmp_path / "built").path, tmp_path / "bundle")
+    spec = read_bundle(bundle).spec
+    assert spec.stages[0].build["optimize_at_load"] is True and spec.stages[0].settings.ep_package == "onnxpipe_nosuch.ep"
+    with pytest.raises(ConfigError, match=r"ep_package 'x' names a plugin provider's package, but target is onnxruntime's own CPU provider"):
+        StageSettings(target="cpu", ep_package="x")
+    with pytest.raises(BundleError, match=r"not allowed: execution provider library of package 'onnxpipe_nosuch\.ep' \(stage 'stage0'\)"):
+        load(bundle)
+    if hasattr(ort, "register_execution_provider_library"):
+        with pytest.raises(BundleError, match=r"^stage 'stage0' needs the execution provider library of package 'onnxpipe_nosuch\.ep', which is not installed"):
+            load(bundle, allow_code=["onnxpipe_nosuch.*"])
