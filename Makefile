@@ -78,7 +78,10 @@ test-oldest-ort: $(OLDEST)/.installed
 OPENVINO_ORT := onnxruntime-openvino==1.24.1
 OPENVINO := .venv-openvino
 
+# Made anew whenever pyproject.toml changes: installing onnxpipe into it again would bring plain
+# onnxruntime back over onnxruntime-openvino's files (both are the package `onnxruntime`).
 $(OPENVINO)/.installed: pyproject.toml
+	rm -rf $(OPENVINO)
 	$(PYTHON) -m venv $(OPENVINO)
 	$(OPENVINO)/bin/python -m pip install --quiet --upgrade pip
 	$(OPENVINO)/bin/python -m pip install --quiet -e '.[ray]' 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'

@@ -452,11 +452,16 @@ def load_npz(path: str | os.PathLike[str], limits: Limits | None = None) -> dict
         if not isinstance(data, np.lib.npyio.NpzFile):
             raise BundleError(f"'{Path(path).name}' holds a single array, not an .npz of named arrays")
         with data:
-            return {k: data[k] for k in data.files}
+            return {k: _loaded(data[k]) for k in data.files}
     except FileNotFoundError:
         raise BundleError(f"'{path}' does not exist") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise BundleError(f"cannot read '{Path(path).name}' as an .npz of arrays: {e}") from e
+
+
+def _loaded(array: np.ndarray) -> np.ndarray:
+    """A stored array as the pipeline uses it: fixed-width unicode back to an ``object`` array of ``str``."""
+    return array.astype(object) if array.dtype.kind == "U" else array
 
 
 def npz_layout(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, np.ndarray]:
@@ -507,16 +512,33 @@ def save_npz(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray]) -> 
     """Write arrays by name to exactly ``path`` as an .npz, without pickle.
 
     Unlike ``numpy.savez`` it takes any name (``file``, ``allow_pickle``, names with ``/``) and
-    never appends ``.npz``. The file is written whole or not at all.
+    never appends ``.npz``. The file is written whole or not at all. A ``string`` tensor (a numpy
+    ``object`` array of ``str``, as onnxruntime returns it) is stored as numpy's fixed-width
+    unicode (``<U``, no pickle), which :func:`load_npz` turns back into an ``object`` array of ``str``.
+
+    Raises:
+        BundleError: an array holds Python objects other than ``str`` (nothing is written).
     """
     path = Path(path)
+    plain = {name: _storable(name, value) for name, value in arrays.items()}  # checked before anything is written
     tmp = path.with_name(f".{path.name}.tmp")
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:
-        for name, value in arrays.items():
+        for name, value in plain.items():
             with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, np.asanyarray(value), allow_pickle=False)
+                np.lib.format.write_array(f, value, allow_pickle=False)
     os.replace(tmp, path)
     return path
+
+
+def _storable(name: str, value: object) -> np.ndarray:
+    """The array as .npy stores it without pickle: strings as fixed-width unicode."""
+    array = np.asanyarray(value)
+    if array.dtype != object:
+        return array
+    odd = next((v for v in array.reshape(-1) if not isinstance(v, str)), None)
+    if odd is not None:
+        raise BundleError(f"array '{name}' holds a {type(odd).__name__}; of Python objects only str (a string tensor) can be saved, without pickle")
+    return array.astype(str) if array.size else np.zeros(array.shape, "<U1")
 
 
 def is_bundle(path: object) -> bool:

@@ -42,8 +42,11 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
         value = feeds[spec.name]
         array = value if isinstance(value, np.ndarray) else np.asarray(value)
         want = _numpy(spec, what)
+        if want.kind == "O" and array.dtype.kind == "U":  # numpy's own str arrays (np.array(["a"])): onnxruntime's string tensors are object arrays of str
+            array = array.astype(object)
         if array.dtype != want:
-            raise InputError(f"{what} '{spec.name}' has dtype {array.dtype}; expected {spec.dtype}")
+            hint = " (a numpy object array of str, np.array([...], dtype=object), or numpy's own str array)" if want.kind == "O" else ""
+            raise InputError(f"{what} '{spec.name}' has dtype {array.dtype}; expected {spec.dtype}{hint}")
         if spec.shape is not None:
             if array.ndim != len(spec.shape):
                 raise InputError(f"{what} '{spec.name}' has shape {list(array.shape)}; expected rank {len(spec.shape)}: {_fmt(spec.shape)}")

@@ -508,7 +508,8 @@ class Pipeline(InferenceSessionAPI):
     def check(self, rtol: float = 1e-4, atol: float = 1e-5) -> list[ReferenceCheck]:
         """Run the bundle's reference inputs and compare with its reference outputs.
 
-        Values match when ``|got - want| <= atol + rtol * |want|`` everywhere (NaN equals NaN).
+        Values match when ``|got - want| <= atol + rtol * |want|`` everywhere (NaN equals NaN);
+        integer, boolean and string outputs when they are equal.
         """
         rows = []
         samples = self.bundle.reference()
@@ -517,6 +518,10 @@ class Pipeline(InferenceSessionAPI):
                 value = got.get(name)
                 if value is None or value.shape != want.shape or value.dtype != want.dtype:
                     rows.append(ReferenceCheck(i, name, float("inf"), False))
+                    continue
+                if want.dtype.kind not in "fc":  # integers, bools, strings: equal or not
+                    equal = bool(np.array_equal(value, want))
+                    rows.append(ReferenceCheck(i, name, 0.0 if equal else float("inf"), equal))
                     continue
                 diff = float(np.nanmax(np.abs(value.astype(np.float64) - want.astype(np.float64)))) if want.size else 0.0
                 rows.append(ReferenceCheck(i, name, diff, bool(np.allclose(value, want, rtol=rtol, atol=atol, equal_nan=True))))
