@@ -85,8 +85,16 @@ def matmul_when_file(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> d
     return {"y": x @ w @ w}
 
 
-def config(entry: str = "tests.code_stages:combine", factor: float = 2.0) -> Any:
-    """``x -> head (ONNX) -> combine (code, entry) -> y``, as a PipelineConfig."""
+def remember(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """y = h * len(seen) after appending to the list param ``seen`` (and changing ``factor``): what a
+    library that changes what it is given does; the stage must see the bundle's params every time."""
+    params["seen"].append(len(params["seen"]))
+    params["factor"] = -1.0
+    return {"y": inputs["h"] * np.float32(len(params["seen"])) + inputs["g"]}
+
+
+def config(entry: str = "tests.code_stages:combine", factor: float = 2.0, params: dict[str, Any] | None = None) -> Any:
+    """``x -> head (ONNX) -> combine (code, entry) -> y``, as a PipelineConfig (params: ``{"factor": factor}`` unless given)."""
     from onnxpipe.builder import PipelineConfig
     from onnxpipe.runtime import TensorSpec
     from tests.models import stage_head
@@ -97,7 +105,7 @@ def config(entry: str = "tests.code_stages:combine", factor: float = 2.0) -> Any
         entry,
         inputs=[TensorSpec("h", "float32", ("N", 4)), TensorSpec("g", "float32", ("N", 4))],
         outputs=[TensorSpec("y", "float32", ("N", 4))],
-        params={"factor": factor},
+        params=params if params is not None else {"factor": factor},
         name="combine",
     )
     cfg.input("x").connect(head.input("x"))

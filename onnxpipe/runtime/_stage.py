@@ -576,7 +576,7 @@ class CodeRunner:
         self.plan = plan
         self.name: str = plan.stage.name
         self.function = function
-        # One private copy per runner: a function that changes its params affects only this replica.
+        # The stage's params as the bundle gives them; each call gets a fresh copy of its own (below).
         self.params: dict[str, Any] = copy_params(plan.stage.code.params)
         self._keys = tuple((o, Endpoint(self.name, o)) for o in plan.outputs)
 
@@ -586,7 +586,10 @@ class CodeRunner:
         Raises:
             StageError: the function's result is not the declared outputs.
         """
-        result = self.function(feeds, self.params)
+        # A fresh copy per call: a function (or a library it hands them to) that changes its params
+        # changes nothing for the next request. Measured: 0.4 us for a few numbers, 1.25 ms for
+        # an 18,708-entry list of strings (docs/pipelines.md).
+        result = self.function(feeds, copy_params(self.params))
         if not isinstance(result, Mapping):
             raise StageError(f"code stage '{self.name}' returned {type(result).__name__}; it must return a dict of arrays by output name")
         declared = self.plan.stage.outputs

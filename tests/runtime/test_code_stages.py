@@ -275,3 +275,19 @@ def test_a_real_custom_op_library_runs_once_the_host_allows_it(tmp_path: Path) -
 def test_custom_ops_is_never_a_path(value: object) -> None:
     with pytest.raises(ConfigError, match="custom_ops must be a list of Python package names"):
         runtime.StageSettings(custom_ops=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["pipeline", "sequential"])
+def test_each_call_gets_its_own_params_so_changing_them_leaks_nothing(tmp_path: Path, how: str) -> None:
+    bundle = bundle_of(code_stages.config("tests.code_stages:remember", params={"seen": [7], "factor": 2.0}), tmp_path)
+    x = _x()
+    h, g = np.maximum(x, 0), -x
+    if how == "pipeline":
+        with runtime.load(bundle, allow_code=["tests.code_stages:*"]) as pipe:
+            outs = [pipe({"x": x})["y"] for _ in range(3)] + [o["y"] for o in pipe.map({"x": x} for _ in range(3))]
+    else:
+        seq = SequentialPipeline(read_bundle(bundle).spec, bundle, allow_code=["tests.code_stages:*"])
+        outs = [seq.run({"x": x})["y"] for _ in range(3)]
+    for y in outs:  # every call saw seen = [7]: after its append, length 2
+        np.testing.assert_allclose(y, h * 2 + g)
+    assert json.loads((bundle / "pipeline.json").read_text())["stages"][1]["code"]["params"] == {"seen": [7], "factor": 2.0}
