@@ -80,23 +80,32 @@ class InputError(OnnxpipeError):
     """Inputs given to a pipeline or a model do not match what it declares."""
 
 
+#: Up to this many valid names, a message lists every one of them (keys, settings, stages...);
+#: past it (the tensors of a big model) the first few and how many more.
+ALL_UP_TO = 30
+
+
 def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
     """Format the valid names closest to ``name`` for an error message.
 
     Args:
         name: The name the user gave.
         choices: Every valid name.
-        n: How many names to show at most.
+        n: How many close names to show, and how many valid ones when there are more than
+            :data:`ALL_UP_TO` and none is close.
 
     Returns:
-        ``"closest: 'a', 'b'"``, or a short listing of valid names when none is close.
+        ``"closest: 'a', 'b'"`` (with every valid name after it when there are few), or the valid
+        names: all of them up to :data:`ALL_UP_TO`, else the first ``n`` and how many more.
     """
     pool = sorted(set(choices))
     near = difflib.get_close_matches(name, pool, n=n, cutoff=0.5)
+    every = len(pool) <= ALL_UP_TO
+    listing = ", ".join(repr(c) for c in pool)
     if near:
-        return "closest: " + ", ".join(repr(c) for c in near)
+        return "closest: " + ", ".join(repr(c) for c in near) + (f"; valid: {listing}" if every and len(pool) > len(near) else "")
     if not pool:
         return "there are none"
-    shown = ", ".join(repr(c) for c in pool[:n])
-    more = f" (and {len(pool) - n} more)" if len(pool) > n else ""
-    return f"valid: {shown}{more}"
+    if every:
+        return f"valid: {listing}"
+    return f"valid: {', '.join(repr(c) for c in pool[:n])} (and {len(pool) - n} more)"

@@ -693,3 +693,23 @@ def embed_mlp(vocab: int = 16, width: int = 8) -> ModelProto:
          numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), "W")],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def fpn_net() -> ModelProto:
+    """A feature-pyramid block, as in PP-OCR's detector: ``x [N, 3, H, W]`` -> conv -> c0 [N, 8, H, W];
+    c0 -> stride-2 conv -> c1 -> Resize x2 -> up; ``y = Concat(c0, up)`` [N, 16, H, W]. It runs only
+    where H and W are even: at the 1 x 1 a profile would guess, up is 2 x 2 and the Concat fails."""
+    rng = np.random.default_rng(0)
+    w0 = numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.2, "w0")
+    w1 = numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.1, "w1")
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1], name="conv0"),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "w1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv1"),
+        helper.make_node("Resize", ["c1", "", "scales"], ["up"], mode="nearest", name="up"),
+        helper.make_node("Concat", ["r0", "up"], ["y"], axis=1, name="cat"),
+    ]
+    graph = helper.make_graph(nodes, "fpn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16, "H", "W"])], initializer=[w0, w1, scales])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

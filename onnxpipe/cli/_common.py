@@ -87,7 +87,8 @@ DIM = click.option(
     multiple=True,
     help=(
         "Size of a dynamic dim: by name, --dim batch=8, or by input and axis when it has no name "
-        "(declared -1 or empty), --dim x.0=8 (repeatable; dims not given count as 1)."
+        "(declared -1 or empty), --dim x.0=8 (repeatable). Dims not given count as 1, which a model "
+        "may not run at (a convolutional one needs image sizes): profiling and sample runs that fail say which to give."
     ),
 )
 

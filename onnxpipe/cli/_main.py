@@ -269,7 +269,7 @@ def split(
     if auto:
         _split_auto(ctx, model, out, by_hand, overwrite, states)
         return
-    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "dims", "threads", "rounds", "requests", "measure", "batch",
+    auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "threads", "rounds", "requests", "measure", "batch",
                       "targets")
     if auto_only:
         raise click.UsageError(f"{', '.join(auto_only)}: only with --auto; see 'onnxpipe split --help'")
@@ -279,11 +279,12 @@ def split(
     from onnxpipe.cli import _render
     from onnxpipe.splitter import split as split_model
 
+    dims_given = dict(dims) or None  # by hand: they size the sample run that finds a boundary's rank
     if assign is not None:
-        plan = split_model(model, assignment=_read_assignment(assign), states=states)
+        plan = split_model(model, assignment=_read_assignment(assign), states=states, dims=dims_given)
     else:
         cuts: list[object] = [_tensor_cut(a) for a in at] if at else list(at_op)
-        plan = split_model(model, cuts, states=states)
+        plan = split_model(model, cuts, states=states, dims=dims_given)
     folder = plan.save(out, overwrite=overwrite)
     _render.split_plan(plan, folder)
 

@@ -42,6 +42,7 @@ __all__ = [
     "make_session",
     "maps_archive_data",
     "open_session",
+    "ort_message",
     "placement",
     "plugin_devices",
 ]
@@ -179,7 +180,7 @@ def open_session(module: str | bytes, stage: str, settings: StageSettings, optio
         if not settings.fallback and _FALLBACK_REFUSED in str(e):
             raise BundleError(_not_placed(module, stage, settings, options_for)) from e
         options_given = f" with options {dict(settings.provider_options)}" if settings.provider_options else ""
-        raise BundleError(f"stage '{stage}': onnxruntime cannot {what} on {provider}{options_given}: {_one_line(e)}") from e
+        raise BundleError(f"stage '{stage}': onnxruntime cannot {what} on {provider}{options_given}: {ort_message(e)}") from e
     if provider not in session.get_providers():
         raise BundleError(
             f"stage '{stage}': onnxruntime made the session without {provider} (it has {', '.join(session.get_providers())}): "
@@ -239,7 +240,8 @@ def plugin_devices(stage: str, settings: StageSettings) -> list[Any]:
             try:
                 ort.register_execution_provider_library(provider, path)
             except Exception as e:  # onnxruntime's own types
-                raise BundleError(f"stage '{stage}': onnxruntime cannot register the execution provider library of package '{package}': {_one_line(e)}") from e
+                why = ort_message(e)
+                raise BundleError(f"stage '{stage}': onnxruntime cannot register the execution provider library of package '{package}': {why}") from e
             _REGISTERED[package] = provider
     devices = ort.get_ep_devices()
     kind = None if settings.ep_device is None else getattr(ort.OrtHardwareDeviceType, settings.ep_device.upper())
@@ -266,6 +268,6 @@ def placement(session: ort.InferenceSession) -> Placement | None:
     return {ep: tuple(names) for ep, names in nodes.items()}
 
 
-def _one_line(error: BaseException) -> str:
+def ort_message(error: BaseException) -> str:
     """onnxruntime's message on one line, without its ``[ONNXRuntimeError] : 1 : FAIL :`` head."""
     return _ORT_HEAD.sub("", " ".join(str(error).split()))

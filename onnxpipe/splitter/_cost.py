@@ -28,7 +28,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,9 @@ from onnx import ModelProto
 
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import tensor_spec
-from onnxpipe.runtime import StageSettings, random_inputs
+from onnxpipe.runtime import StageSettings, TensorSpec, random_inputs
 from onnxpipe.runtime._bundle import sha256_file
+from onnxpipe.runtime._session import ort_message
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex, load_model
 
@@ -184,12 +185,16 @@ def _session_source(proto: ModelProto, path: Path | None, tmp: Path) -> str | by
 
 def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: StageSettings, runs: int, dims: Mapping[str, int], digest: str) -> CostProfile:
     types, _ = infer_types(proto)
-    feeds, notes = random_inputs([tensor_spec(types[name]) for name in index.inputs], dims)
+    specs = [tensor_spec(types[name]) for name in index.inputs]
+    feeds, notes = random_inputs(specs, dims)
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         source = _session_source(proto, path, Path(tmp))
-        plain = ort.InferenceSession(source, sess_options=settings.replace(affinity=None).session_options(), providers=settings.providers())
-        for _ in range(2):
-            plain.run(None, feeds)
+        try:
+            plain = ort.InferenceSession(source, sess_options=_quiet(settings.replace(affinity=None).session_options()), providers=settings.providers())
+            for _ in range(2):
+                plain.run(None, feeds)
+        except Exception as e:  # onnxruntime's own types: a model that cannot run on these sizes
+            raise SplitError(_unprofiled(proto, specs, feeds, dims, e)) from e
         samples: list[float] = []
         # Small models run many more times than asked: a median of 5 runs of 2 ms is noise.
         while len(samples) < runs or (sum(samples) < _MIN_SECONDS and len(samples) < _MAX_RUNS):
@@ -221,6 +226,32 @@ def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: 
         unmatched=sorted(unmatched),
         notes=[f"profiled with {n}" for n in notes],
     )
+
+
+def _quiet(options: ort.SessionOptions) -> ort.SessionOptions:
+    """onnxruntime logs a failed run at error level to the terminal; the SplitError says it instead."""
+    options.log_severity_level = 4
+    return options
+
+
+def _unprofiled(proto: ModelProto, specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray], dims: Mapping[str, int], error: Exception) -> str:
+    """Why profiling could not run the model: the shapes it fed, the dims it sized 1, and how to size them."""
+    defaulted: list[str] = []
+    batch: list[str] = []  # a leading dim: a batch of 1 is seldom what fails, so it is named last
+    for spec in specs:
+        for axis, d in enumerate(spec.shape or ()):
+            key = d if isinstance(d, str) and d else f"{spec.name}.{axis}"
+            if not isinstance(d, int) and key not in dims and f"{spec.name}.{axis}" not in dims and key not in defaulted + batch:
+                (batch if axis == 0 and len(spec.shape or ()) >= 2 else defaulted).append(key)
+    defaulted += [k for k in batch if k not in defaulted]
+    shapes = ", ".join(f"'{n}' {list(a.shape)}" for n, a in feeds.items())
+    name = proto.graph.name or "the model"
+    head = f"profiling cannot run {name}: onnxruntime failed on random inputs of shapes {shapes}: {ort_message(error)}"
+    if not defaulted:
+        return head
+    given = " ".join(f"--dim {k}=SIZE" for k in defaulted)
+    return (f"{head}. Symbolic dims not given were sized 1 ({', '.join(defaulted)}), which this model may not take (a convolutional "
+            f"model needs real image sizes); give them: {given} (in Python: dims={{NAME: SIZE}})")
 
 
 def _attribute(events: list[dict[str, Any]], index: GraphIndex, runs: int) -> tuple[dict[int, float], set[str]]:

@@ -7,7 +7,7 @@ IR version, and typed inputs and outputs that keep their original tensor names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,7 +103,8 @@ def unranked(types: dict[str, ValueInfoProto], names: Iterable[str]) -> list[str
     return out
 
 
-def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: list[str], source_dir: Path | None) -> dict[str, ValueInfoProto]:
+def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: list[str], source_dir: Path | None,
+                  dims: Mapping[str, int] | None = None) -> dict[str, ValueInfoProto]:
     """Types for boundary tensors of unknown rank: the rank one onnxruntime run on sample inputs
     gives, every dim dynamic (see Note: boundaries of unknown rank).
 
@@ -112,13 +113,17 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
         shape inference cannot always tell one: an If whose branches make tensors of different
         ranks, or an op whose output rank depends on values, leaves its output -- and everything
         computed from it -- without a shape. A stage boundary at such a tensor takes the rank the
-        whole model gives it in one run on sample inputs (named dims 1, like ``random_inputs``),
-        with every dim dynamic; the run is made only when a boundary needs it. A tensor whose rank
-        changes with the input (the If takes another branch) then fails at that stage's input, as
-        onnxruntime checks ranks.
+        whole model gives it in one run on sample inputs (sized by ``dims``, other symbolic dims 1,
+        like ``random_inputs``), with every dim dynamic; the run is made only when a boundary needs
+        it. A tensor whose rank changes with the input (the If takes another branch) then fails at
+        that stage's input, as onnxruntime checks ranks. Where the run fails, the cut is refused
+        rather than carried without a rank: the ONNX checker requires a shape on every graph input
+        and output ("Field 'shape' of 'type' is required but missing"), and every stage must be a
+        valid model.
 
     Raises:
-        SplitError: the sample run fails, so no rank is known (the message names the tensors).
+        SplitError: the sample run fails, so no rank is known (the message names the tensors, the
+            dims the run used and how to give others).
     """
     import onnxruntime as ort
 
@@ -136,20 +141,25 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
     outputs = {v.name for v in probe.graph.output}
     for name in (n for n in names if n not in outputs):
         probe.graph.output.append(onnx.helper.make_tensor_value_info(name, types[name].type.tensor_type.elem_type, None))
+    feeds, _ = random_inputs([tensor_spec(types[name]) for name in index.inputs], dims)  # an unknown dim name: InputError, now
     try:
         if any(t.data_location == onnx.TensorProto.EXTERNAL for t in probe.graph.initializer):
             if source_dir is None:
                 raise SplitError("its weights are external data and the model's folder is not known")
             load_external_data_for_model(probe, str(source_dir))
-        feeds, _ = random_inputs([tensor_spec(types[name]) for name in index.inputs])
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # its failure is the SplitError below, not a log line on the user's terminal
         session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
         arrays = session.run(names, feeds)
     except Exception as e:  # onnxruntime's own exception types, InputError, OSError, protobuf's size limit
+        from onnxpipe.runtime._session import ort_message
+
+        used = ", ".join(f"'{n}' {list(a.shape)}" for n, a in feeds.items())
+        sized = ", ".join(f"{k}={v}" for k, v in (dims or {}).items())
         raise SplitError(
-            f"shape inference cannot tell the rank of boundary tensor(s) {what}, and a sample run to see it failed "
-            f"({type(e).__name__}: {e}); cut elsewhere, or declare the tensor's shape in the model's value_info"
+            f"shape inference cannot tell the rank of boundary tensor(s) {what}, and a sample run to see it failed on inputs {used} "
+            f"({'dims ' + sized + '; ' if sized else ''}other symbolic dims sized 1): {ort_message(e)}; give the sizes the model needs with "
+            "--dim NAME=SIZE (dims={NAME: SIZE} in Python), cut elsewhere, or declare the tensor's shape in the model's value_info"
         ) from e
     observed = {}
     for name, array in zip(names, arrays, strict=True):

@@ -11,6 +11,7 @@ Format ``onnxpipe.pipeline-file``, version 1 (docs/pipelines.md has the full ref
     [[stages]]
     name = "head"
     model = "head.onnx"            # relative to this file; with at = [...] or auto = N: split in place
+    # dims = { H = 640 }           # with auto / at: sizes of symbolic input dims for profiling or the sample run
     settings = { intra_op_threads = 1 }
     # states = "auto"              # state links of a stateful model (present.N.* -> past_key_values.N.*),
     #                              # or pairs: states = { "state1N" = "state1" } (docs/streams.md)
@@ -36,6 +37,7 @@ Note: wiring by tensor names.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
@@ -60,7 +62,7 @@ __all__ = ["PIPELINE_FILE_FORMAT", "PIPELINE_FILE_VERSION", "is_pipeline_file", 
 PIPELINE_FILE_FORMAT = "onnxpipe.pipeline-file"
 PIPELINE_FILE_VERSION = 1
 _TOP_KEYS = ("format", "version", "name", "inputs", "outputs", "stages")
-_STAGE_KEYS = ("name", "model", "at", "auto", "policy", "states", "code", "params", "inputs", "outputs", "input_map", "output_map", "settings")
+_STAGE_KEYS = ("name", "model", "at", "auto", "policy", "dims", "states", "code", "params", "inputs", "outputs", "input_map", "output_map", "settings")
 
 
 def is_pipeline_file(path: str | os.PathLike[str]) -> bool:
@@ -166,7 +168,7 @@ def _add_stage(config: PipelineConfig, entry: dict[str, Any], folder: Path, wher
         raise ConfigError(f"{where}: a stage has exactly one of 'model' (an .onnx file) or 'code' (an entry point), got {kinds or 'neither'}")
     settings = _settings(entry, where)
     if "code" in entry:
-        for key in ("at", "auto", "policy", "states"):
+        for key in ("at", "auto", "policy", "dims", "states"):
             if key in entry:
                 raise ConfigError(f"{where}: '{key}' is for model stages; a code stage takes code, params, inputs, outputs")
         stage = config.add_python_stage(
@@ -196,9 +198,12 @@ def _model_stage(
     """A model as one stage, or split in place into ``<name>_<i>`` stages wired as the split says;
     with ``states``, its state links too (their ports are fed by the links, not wired by the file)."""
     states = _states(entry, where)
+    dims = _dims(entry, where)
     if "at" not in entry and "auto" not in entry:
         if "policy" in entry:
             raise ConfigError(f"{where}: 'policy' goes with auto = N (the stage count)")
+        if dims:
+            raise ConfigError(f"{where}: 'dims' sizes the profile of auto = N or the sample run of at = [...]; this stage is not split")
         stage = config.add_stage(model, name, settings=settings)
         pairs = pair_states(stage.inputs, stage.outputs, states) if states is not None else []
         for pair in pairs:
@@ -210,7 +215,7 @@ def _model_stage(
     if not model.is_file():
         raise ConfigError(f"{where}: model '{model}' does not exist")
     if "at" in entry:
-        plan = split(model, _cuts(entry["at"], where), states=states)
+        plan = split(model, _cuts(entry["at"], where), states=states, dims=dims or None)
     else:
         count = entry["auto"]
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -218,7 +223,11 @@ def _model_stage(
         policy = _kind(entry, "policy", str, where, "measured")
         if policy not in POLICIES:
             raise ConfigError(f"{where}: unknown split policy '{policy}'; valid: {', '.join(POLICIES)}")
-        plan = split(model, policy=make_policy(policy, stages=count), states=states)
+        takes = {f.name for f in dataclasses.fields(POLICIES[policy])}
+        if dims and "dims" not in takes:
+            profiling = [name for name, cls in POLICIES.items() if "dims" in {f.name for f in dataclasses.fields(cls)}]
+            raise ConfigError(f"{where}: policy '{policy}' measures nothing, so takes no dims; 'dims' is for policy {' or '.join(repr(p) for p in profiling)}")
+        plan = split(model, policy=make_policy(policy, stages=count, **({"dims": dims} if dims else {})), states=states)
     sub = plan.config.to_spec()
     renamed: dict[str, Stage] = {}
     for i, piece in enumerate(plan.config.stages):
@@ -238,6 +247,14 @@ def _model_stage(
         config.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis)
     # A split keeps tensor names: a piece's input port is named after the model input feeding it.
     return ins, outs
+
+
+def _dims(entry: dict[str, Any], where: str) -> dict[str, int]:
+    """A split stage's ``dims``: symbolic input dim -> size (``{ H = 640, "x.0" = 1 }``)."""
+    value = entry.get("dims", {})
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in value.items()):
+        raise ConfigError(f"{where}: dims must be a table of symbolic dim names and sizes >= 1, e.g. dims = {{ H = 640, W = 640 }}; got {value!r}")
+    return dict(value)
 
 
 def _states(entry: dict[str, Any], where: str) -> str | dict[str, str] | None:

@@ -175,6 +175,7 @@ def split(
     source_dir: str | os.PathLike[str] | None = None,
     check: bool = True,
     states: str | Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+    dims: Mapping[str, int] | None = None,
 ) -> SplitPlan:
     """Split a model into stages at hand-picked cuts, or by an explicit node -> stage assignment.
 
@@ -194,6 +195,10 @@ def split(
             ``"auto"`` pairs them by name (``present.N.key`` -> ``past_key_values.N.key``,
             ``stateN`` -> ``state``...), or give them as output -> input. Each pair must end up in
             one stage; it becomes a state link of that stage (see docs/streams.md).
+        dims: Sizes of symbolic input dims (by name, or ``"input.axis"``) for the sample run that
+            finds the rank of a boundary tensor shape inference cannot tell (see Note: boundaries
+            of unknown rank in ``_extract``); others are sized 1. A policy that profiles takes its
+            own ``dims``.
 
     Returns:
         The :class:`SplitPlan`.
@@ -230,7 +235,7 @@ def split(
     blind = unranked(types, crossing)
     if blind:
         # See Note: boundaries of unknown rank (_extract.py).
-        observed = observe_ranks(index, types, blind, folder)
+        observed = observe_ranks(index, types, blind, folder, dims)
         types = {**types, **observed}
         ranks = ", ".join(f"'{n}' (rank {len(observed[n].type.tensor_type.shape.dim)})" for n in blind)
         notes.append(f"shape inference cannot tell the rank of boundary tensor(s) {ranks}: declared with the rank a sample run gave, every dim dynamic")

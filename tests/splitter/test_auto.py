@@ -111,3 +111,24 @@ def test_auto_splits_of_every_light_model_equal_the_whole_model(name: str) -> No
     assert len(plan.stages) == 3
     report = verify(plan, path)
     assert report.ok, [r for r in report.rows if not r.ok]
+
+
+def test_a_model_that_cannot_run_at_size_1_is_one_split_error_naming_the_dims(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "fpn.onnx"
+    onnx.save(models.fpn_net(), str(path))
+    message = (r"^profiling cannot run fpn: onnxruntime failed on random inputs of shapes 'x' \[1, 3, 1, 1\]: .*Concat.*\. Symbolic dims not given "
+               r"were sized 1 \(H, W, N\), which this model may not take .*; give them: --dim H=SIZE --dim W=SIZE --dim N=SIZE \(in Python: dims=")
+    with pytest.raises(SplitError, match=message):
+        split(path, policy=MeasuredPolicy(stages=2))
+    assert "[E:onnxruntime" not in capfd.readouterr().err
+    plan = split(path, policy=MeasuredPolicy(stages=2, dims={"H": 32, "W": 32}))
+    assert len(plan.stages) == 2 and verify(plan, path, dims={"H": 32, "W": 32}).ok
+
+
+def test_split_auto_cli_says_which_dims_to_give_in_one_line(tmp_path: Path) -> None:
+    from tests.cli.helpers import assert_user_error, ok, run
+
+    path = tmp_path / "fpn.onnx"
+    onnx.save(models.fpn_net(), str(path))
+    assert_user_error(run("split", path, "-o", tmp_path / "a", "--auto", "--stages", "2"), "profiling cannot run fpn", "--dim H=SIZE --dim W=SIZE")
+    ok("split", path, "-o", tmp_path / "b", "--auto", "--stages", "2", "--dim", "H=32", "--dim", "W=32")

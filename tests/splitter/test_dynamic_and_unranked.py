@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from onnxpipe import InputError, SplitError
 from onnxpipe.builder import PipelineConfig, tensor_spec
@@ -149,3 +149,39 @@ def test_a_model_output_declared_without_a_shape_gets_its_rank_from_a_sample_run
     for stage in plan.stages:
         onnx.checker.check_model(stage.model, full_check=True)
     assert verify(plan, model, samples=1, **FP16_TOL).ok
+
+
+def _reflect_padded_if_decoder() -> onnx.ModelProto:
+    """fp16_if_decoder with symbolic spatial dims ``S`` and a reflect Pad first (as silero-vad has):
+    at S = 1 onnxruntime refuses the Pad ("reflect requires axis length >= 2"), at S = 8 it runs."""
+    model = models.fp16_if_decoder()
+    graph = model.graph
+    for axis in (2, 3):
+        graph.input[0].type.tensor_type.shape.dim[axis].dim_param = "S"
+        graph.output[0].type.tensor_type.shape.dim[axis].dim_param = "T"
+    graph.initializer.append(numpy_helper.from_array(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "reflect_pads"))
+    graph.node[0].input[0] = "x_padded"
+    graph.node.insert(0, helper.make_node("Pad", ["x", "reflect_pads"], ["x_padded"], mode="reflect", name="pad0"))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_the_sample_run_that_finds_a_boundary_rank_takes_dims_and_says_which_it_used(capfd: pytest.CaptureFixture[str]) -> None:
+    model = _reflect_padded_if_decoder()
+    with pytest.raises(SplitError, match=r"a sample run to see it failed on inputs 'x' \[1, 4, 1, 1\] \(other symbolic dims sized 1\): .*Pad.*; "
+                                         r"give the sizes the model needs with --dim NAME=SIZE"):
+        split(model, ["g"])
+    assert "[E:onnxruntime" not in capfd.readouterr().err  # onnxruntime's own log line stays out of the user's terminal
+    plan = split(model, ["g"], dims={"S": 8})
+    assert any("'g' (rank 4)" in n for n in plan.notes), plan.notes
+    report = verify(plan, model, samples=2, dims={"S": 8}, **FP16_TOL)
+    assert report.ok, [r for r in report.rows if not r.ok]
+
+
+def test_split_cli_passes_dims_to_the_sample_run_of_a_hand_cut(tmp_path: Path) -> None:
+    from tests.cli.helpers import assert_user_error, ok, run
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_reflect_padded_if_decoder(), str(path))
+    assert_user_error(run("split", path, "-o", tmp_path / "a", "--at", "g"), "a sample run to see it failed on inputs 'x' [1, 4, 1, 1]", "--dim NAME=SIZE")
+    ok("split", path, "-o", tmp_path / "b", "--at", "g", "--dim", "S=8")

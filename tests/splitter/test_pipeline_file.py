@@ -168,3 +168,59 @@ def test_bad_state_links_in_the_file_are_one_error(tmp_path: Path, how: str, mes
     (tmp_path / "p.toml").write_text(STATEFUL.format(how=how))
     with pytest.raises(OnnxpipeError, match=message):
         read_pipeline_file(tmp_path / "p.toml")
+
+
+FPN = """
+format = "onnxpipe.pipeline-file"
+version = 1
+name = "pyramid"
+inputs = ["x"]
+outputs = ["y"]
+
+[[stages]]
+name = "fpn"
+model = "fpn.onnx"
+auto = 2
+{dims}
+"""
+
+
+def test_an_auto_stage_takes_the_dims_its_profile_needs(tmp_path: Path) -> None:
+    from onnxpipe import SplitError
+    from tests.models import fpn_net
+
+    onnx.save(fpn_net(), tmp_path / "fpn.onnx")
+    path = tmp_path / "p.toml"
+    path.write_text(FPN.format(dims=""))
+    with pytest.raises(SplitError, match=r"^profiling cannot run fpn: .* give them: --dim H=SIZE --dim W=SIZE --dim N=SIZE"):
+        read_pipeline_file(path)
+    path.write_text(FPN.format(dims="dims = { H = 32, W = 32 }"))
+    config = read_pipeline_file(path)
+    assert [s.name for s in config.stages] == ["fpn_0", "fpn_1"]
+    for bad, message in (("dims = { H = 0 }", r"dims must be a table of symbolic dim names and sizes >= 1"),
+                         ('dims = { H = 32 }\npolicy = "uniform"', r"policy 'uniform' measures nothing, so takes no dims; 'dims' is for policy 'measured'")):
+        path.write_text(FPN.format(dims=bad))
+        with pytest.raises(ConfigError, match=message):
+            read_pipeline_file(path)
+    path.write_text(FPN.format(dims="").replace("auto = 2\n", "dims = { H = 32 }\n"))
+    with pytest.raises(ConfigError, match=r"'dims' sizes the profile of auto = N or the sample run of at = \[\.\.\.\]; this stage is not split"):
+        read_pipeline_file(path)
+
+
+def test_an_unknown_stage_key_lists_every_valid_one(tmp_path: Path) -> None:
+    path = write(tmp_path, HEAD.replace('settings = { intra_op_threads = 1 }', 'settings = { intra_op_threads = 1 }\nsizes = { H = 3 }'))
+    every = r"'at', 'auto', 'code', 'dims', 'input_map', 'inputs', 'model', 'name', 'output_map', 'outputs', 'params', 'policy', 'settings', 'states'"
+    with pytest.raises(ConfigError, match=rf"unknown key 'sizes'; closest: 'states'; valid: {every}$"):
+        read_pipeline_file(path)
+
+
+def test_inspect_of_a_file_whose_auto_stage_cannot_be_profiled_is_one_line(tmp_path: Path) -> None:
+    from tests.cli.helpers import assert_user_error, ok, run
+    from tests.models import fpn_net
+
+    onnx.save(fpn_net(), tmp_path / "fpn.onnx")
+    path = tmp_path / "p.toml"
+    path.write_text(FPN.format(dims=""))
+    assert_user_error(run("inspect", path), "profiling cannot run fpn", "--dim H=SIZE")
+    path.write_text(FPN.format(dims="dims = { H = 32, W = 32 }"))
+    ok("inspect", path)
