@@ -61,8 +61,9 @@ def models(draw: st.DrawFn) -> Case:
     np_type = helper.tensor_dtype_to_np_dtype(elem_type)
     inputs = []
     for i in range(draw(st.integers(1, 2))):
-        rows = draw(st.sampled_from([ROWS, -1, None, "N"]))  # fixed, PaddlePaddle's -1, no value nor name, named
-        cols = draw(st.sampled_from([COLS, COLS, -1, None]))
+        # fixed, PaddlePaddle's -1, no value nor name, named, and PaddlePaddle's "?" (a name that binds nothing)
+        rows = draw(st.sampled_from([ROWS, -1, None, "N", "?"]))
+        cols = draw(st.sampled_from([COLS, COLS, -1, None, "?"]))
         inputs.append(helper.make_tensor_value_info(f"X{i}", elem_type, [rows, cols]))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     inits = [numpy_helper.from_array((0.5 * rng.standard_normal((ROWS, COLS))).astype(np_type), "W0")]
@@ -142,6 +143,8 @@ def test_whole_job_matches_the_model_or_refuses_as_a_user_error(case: Case, data
         event("a boundary of unknown rank")
     if any(d.dim_value < 0 or not (d.HasField("dim_value") or d.dim_param) for v in case.model.graph.input for d in v.type.tensor_type.shape.dim):
         event("an input dim declared -1 or without value nor name")
+    if any(d.dim_param == "?" for v in case.model.graph.input for d in v.type.tensor_type.shape.dim):
+        event("an input dim named '?'")
     rtol, atol = TOLERANCE[case.elem_type]
     for v, expected in zip(case.model.graph.output, want, strict=True):
         np.testing.assert_allclose(got[v.name].astype(np.float64), expected.astype(np.float64), rtol=rtol, atol=atol, err_msg=v.name)

@@ -22,6 +22,10 @@ from onnx import ModelProto, TensorProto
 
 from onnxpipe._errors import ConfigError, SplitError
 from onnxpipe.runtime import DTYPES, TensorSpec, dtype_from_onnx
+from onnxpipe.runtime._inputs import UNKNOWN_DIM_NAMES
+
+#: Dim names read as no name at all (``""`` and PaddlePaddle's ``?``): the dim is dynamic and unnamed.
+UNKNOWN = UNKNOWN_DIM_NAMES | {""}
 
 __all__ = [
     "PROTOBUF_LIMIT",
@@ -59,7 +63,10 @@ def tensor_spec(value: onnx.ValueInfoProto) -> TensorSpec:
         raise ConfigError(f"tensor '{value.name}' has no element type")
     shape = None
     if tt.HasField("shape"):
-        shape = tuple((d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        shape = tuple(
+            (d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value") else (d.dim_param if d.dim_param not in UNKNOWN else None)
+            for d in tt.shape.dim
+        )
     return TensorSpec(value.name, _dtype(tt.elem_type, value.name), shape)
 
 

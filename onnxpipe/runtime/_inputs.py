@@ -11,20 +11,30 @@ from onnxpipe._errors import InputError, closest
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._spec import TensorSpec
 
-__all__ = ["check_dims", "check_inputs", "random_array", "random_inputs", "sample_shapes"]
+__all__ = ["UNKNOWN_DIM_NAMES", "check_dims", "check_inputs", "random_array", "random_inputs", "sample_shapes"]
 
 
-def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: str = "input") -> dict[str, np.ndarray]:
+#: Dim names that mean "unknown", not a symbol shared between dims: PaddlePaddle's exports name
+#: every unknown dim ``?`` (PP-OCR's classifier: ``x: [-1, 3, '?', '?']``).
+UNKNOWN_DIM_NAMES = frozenset({"?"})
+
+
+def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: str = "input", same_dims: bool = False) -> dict[str, np.ndarray]:
     """The feeds as arrays, once each is known, present, of the declared dtype, rank and sizes.
 
-    Arrays are not copied. A symbolic dim (``"N"``) may take any size but the same size in every
-    input that names it. Values are never cast: a float64 array for a float32 input is an error,
-    since a silent cast would hide a caller's mistake and cost a copy per request.
+    Arrays are not copied. A symbolic dim (``"N"``) may take any size. As onnxruntime does, two
+    dims of the same name need not agree (onnxruntime runs a model whose inputs disagree on a
+    named dim, and fails only where an op cannot take the sizes), unless ``same_dims`` asks for it
+    (a code stage's outputs: its declared contract). A name that means "unknown"
+    (:data:`UNKNOWN_DIM_NAMES`) never binds. Values are never cast: a float64 array for a float32
+    input is an error, since a silent cast would hide a caller's mistake and cost a copy per
+    request; numpy's own str arrays are taken for a string input (as an ``object`` array of ``str``).
 
     Args:
         specs: What the pipeline (or a parameter group) declares.
         feeds: The values, by name.
         what: How messages call a value (``input``, ``parameter``).
+        same_dims: Refuse a symbolic dim given two sizes among the values.
 
     Raises:
         InputError: one message naming the input and what was expected.
@@ -53,7 +63,7 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
             for axis, (dim, size) in enumerate(zip(spec.shape, array.shape, strict=True)):
                 if isinstance(dim, int) and dim != size:
                     raise InputError(f"{what} '{spec.name}' has shape {list(array.shape)}; expected {_fmt(spec.shape)} (dim {axis} must be {dim})")
-                if isinstance(dim, str):
+                if same_dims and isinstance(dim, str) and dim not in UNKNOWN_DIM_NAMES:
                     seen = sizes.setdefault(dim, (size, spec.name))
                     if seen[0] != size:
                         raise InputError(f"{what} '{spec.name}' has {dim}={size} (dim {axis}) but {what} '{seen[1]}' has {dim}={seen[0]}")

@@ -598,7 +598,7 @@ class CodeRunner:
             names = ", ".join(repr(str(k)) for k in extra)
             raise StageError(f"code stage '{self.name}' returned output(s) {names} it does not declare; declared: {', '.join(repr(t.name) for t in declared)}")
         try:
-            return check_inputs(declared, result, what=f"stage '{self.name}' output")
+            return check_inputs(declared, result, what=f"stage '{self.name}' output", same_dims=True)
         except InputError as e:
             raise StageError(f"code stage '{self.name}': {e}") from None
 

@@ -18,6 +18,7 @@ from onnx.external_data_helper import load_external_data_for_model
 
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import without_initializers
+from onnxpipe.builder._modules import UNKNOWN
 from onnxpipe.splitter._graph import GraphIndex, subgraphs
 
 __all__ = ["Boundary", "build_stage_models", "compute_boundary", "infer_types", "observe_ranks", "unranked"]
@@ -74,7 +75,8 @@ def _name_input_dims(model: ModelProto) -> None:
     """Name every dynamic dim of a graph input that has no name by its address, ``<input>.<axis>``, in place.
 
     Note: input dims without a name.
-        A graph input's dim declared ``-1`` (PaddlePaddle) or with neither value nor name is
+        A graph input's dim declared ``-1`` (PaddlePaddle), named ``?`` (PaddlePaddle's name for
+        "unknown", which binds nothing in onnxruntime) or with neither value nor name is
         dynamic. The splitter names it after its input and axis (``x.0``) before shape inference,
         so the name flows into every tensor that carries the dim, the stages' boundaries say which
         dims are the same (the pipeline's own inputs and outputs show them unnamed, as onnxruntime
@@ -87,7 +89,7 @@ def _name_input_dims(model: ModelProto) -> None:
         if not v.type.HasField("tensor_type"):
             continue
         for axis, d in enumerate(v.type.tensor_type.shape.dim):
-            dynamic = d.dim_value < 0 if d.HasField("dim_value") else not d.dim_param
+            dynamic = d.dim_value < 0 if d.HasField("dim_value") else d.dim_param in UNKNOWN
             name = f"{v.name}.{axis}"
             if dynamic and name not in taken:
                 d.dim_param = name  # setting the name clears the value: they are one oneof
