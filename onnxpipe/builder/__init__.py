@@ -1,7 +1,7 @@
 """The builder: PipelineConfig (the authoring object) and stage modules as files."""
 
 from onnxpipe.builder._build import BuildResult, StageReport, build
-from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Port, Stage
+from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Port, SplitPieces, Stage
 from onnxpipe.builder._export import export, read_build
 from onnxpipe.builder._modules import io_specs, save_model, tensor_nbytes, tensor_spec, weights_bytes, without_initializers
 
@@ -10,6 +10,7 @@ __all__ = [
     "BuildResult",
     "PipelineConfig",
     "Port",
+    "SplitPieces",
     "Stage",
     "StageReport",
     "build",

@@ -38,7 +38,7 @@ from onnxpipe.builder._modules import io_specs, save_model, weight_specs
 from onnxpipe.runtime import Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, TensorSpec
 from onnxpipe.runtime._spec import CodeSpec, check_entry_point, check_state_ends, find_tensor
 
-__all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "Stage"]
+__all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "SplitPieces", "Stage"]
 
 #: Name of the wiring file inside a split or config folder.
 CONFIG_FILE = "pipeline.json"
@@ -120,6 +120,55 @@ class Port:
 
     def __str__(self) -> str:
         return str(self.endpoint)
+
+
+@dataclass(frozen=True)
+class SplitPieces:
+    """The stages :meth:`PipelineConfig.add_split` added, and the ports of the split model's own
+    inputs and outputs (a split keeps tensor names: they are the model's).
+
+    Attributes:
+        stages: The pieces, in pipeline order.
+        inputs: Model input -> the pieces' input ports that read it (several where more than one
+            piece reads it).
+        outputs: Model output -> the piece's output port that makes it.
+    """
+
+    stages: tuple[Stage, ...]
+    inputs: Mapping[str, tuple[Port, ...]]
+    outputs: Mapping[str, Port]
+
+    def input(self, name: str) -> Port:
+        """The one piece input that reads model input ``name`` (use :meth:`feed` when several do).
+
+        Raises:
+            ConfigError: no piece reads it, or several do.
+        """
+        ports = self.inputs.get(name)
+        if not ports:
+            raise ConfigError(f"the split model has no input '{name}'; {closest(name, self.inputs)}")
+        if len(ports) > 1:
+            readers = ", ".join(str(p) for p in ports)
+            raise ConfigError(f"model input '{name}' is read by {len(ports)} pieces ({readers}): connect it with pieces.feed('{name}', source)")
+        return ports[0]
+
+    def output(self, name: str) -> Port:
+        """The piece output that makes model output ``name``.
+
+        Raises:
+            ConfigError: the model has no such output.
+        """
+        if name not in self.outputs:
+            raise ConfigError(f"the split model has no output '{name}'; {closest(name, self.outputs)}")
+        return self.outputs[name]
+
+    def feed(self, name: str, source: Port) -> None:
+        """Connect ``source`` (a pipeline input or a stage output) to every piece that reads model input ``name``."""
+        ports = self.inputs.get(name)
+        if not ports:
+            raise ConfigError(f"the split model has no input '{name}'; {closest(name, self.inputs)}")
+        for port in ports:
+            source.connect(port)
 
 
 class PipelineConfig:
@@ -277,6 +326,49 @@ class PipelineConfig:
         specs = tuple(find_tensor(target.weights.values(), n, f"stage '{target.name}' has no initializer") for n in names)
         group = self._groups[name] = ParamGroup(name, target.name, specs)
         return group
+
+    def add_split(self, split: Any, name: str, *, settings: StageSettings | None = None) -> SplitPieces:
+        """Add a model split into stages (a ``SplitPlan``, or any object whose ``config`` is a
+        :class:`PipelineConfig` of model stages): its stages become ``<name>_0``, ``<name>_1``, ...,
+        wired among themselves as the split says, with its state links; what the whole model reads
+        and makes is left for the caller to wire through the returned :class:`SplitPieces`.
+
+        Args:
+            split: The split (``onnxpipe.splitter.split(model, cuts)``).
+            name: The prefix of the pieces' names.
+            settings: Session settings for every piece (default: each piece's own).
+
+        Returns:
+            The pieces: ``pieces.input("x")`` / ``pieces.output("y")`` are the ports of the model's
+            own input and output, ``pieces.feed("x", source)`` connects a source to every piece
+            that reads ``x``.
+
+        Raises:
+            ConfigError: a piece's name is taken, or the split holds code stages.
+        """
+        inner: PipelineConfig = getattr(split, "config", split)
+        if not isinstance(inner, PipelineConfig):
+            raise ConfigError(f"add_split takes a SplitPlan (onnxpipe.splitter.split) or a PipelineConfig, not {type(split).__name__}")
+        sub = inner.to_spec()
+        renamed: dict[str, Stage] = {}
+        for i, piece in enumerate(inner.stages):
+            if piece.code is not None:
+                raise ConfigError(f"add_split takes a model's split; its stage '{piece.name}' is a code stage")
+            model = piece.model if piece.model is not None else piece.path
+            assert model is not None
+            renamed[piece.name] = self.add_stage(model, f"{name}_{i}", settings=settings or piece.settings, source_dir=piece.source_dir)
+        inputs: dict[str, list[Port]] = {}
+        outputs: dict[str, Port] = {}
+        for link in sub.links:
+            if link.src.stage is not None and link.dst.stage is not None:
+                renamed[link.src.stage].output(link.src.tensor).connect(renamed[link.dst.stage].input(link.dst.tensor))
+            elif link.src.stage is None and link.dst.stage is not None:
+                inputs.setdefault(link.src.tensor, []).append(renamed[link.dst.stage].input(link.dst.tensor))
+            elif link.src.stage is not None and link.dst.stage is None:
+                outputs[link.dst.tensor] = renamed[link.src.stage].output(link.src.tensor)
+        for st in sub.states:
+            self.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis)
+        return SplitPieces(tuple(renamed.values()), {k: tuple(v) for k, v in inputs.items()}, outputs)
 
     def add_state(self, output: Port, input: Port, empty_axis: int | None = None) -> StateLink:
         """State that a stage output feeds the same stage's input on the stream's next step.

@@ -410,6 +410,30 @@ def reference_checks(rows: list[ReferenceCheck], rtol: float, atol: float) -> No
         _line(console, f"ok: all {len(rows)} output(s) within rtol={rtol:g} atol={atol:g}")
 
 
+#: A code stage's param shown in full up to this many characters of JSON; longer ones are summarised.
+PARAM_CHARS = 80
+
+
+def summarize_params(params: Mapping[str, Any]) -> str:
+    """A code stage's params for a person: each value as JSON when short, else what it is and how
+    big (``character: list of 18708 (str), ["　", "一", ...]``); ``inspect --json`` gives them whole."""
+    parts = []
+    for key in sorted(params):
+        value = params[key]
+        text = json.dumps(value, ensure_ascii=False)
+        if len(text) > PARAM_CHARS:
+            if isinstance(value, list):
+                kinds = sorted({type(v).__name__ for v in value})
+                head = json.dumps(value[:3], ensure_ascii=False)[:-1]
+                text = f"list of {len(value)} ({', '.join(kinds)}), {head}, ...]"
+            elif isinstance(value, dict):
+                text = f"table of {len(value)} keys ({', '.join(repr(k) for k in list(value)[:3])}{', ...' if len(value) > 3 else ''})"
+            else:
+                text = f"{text[:PARAM_CHARS]}... ({len(text)} characters)"
+        parts.append(f"{key}: {text}")
+    return "{" + ", ".join(parts) + "}"
+
+
 def placement(bundle: Bundle, where: Mapping[str, Mapping[str, Sequence[str]] | None]) -> None:
     """Which provider takes each stage's nodes on this host (``inspect BUNDLE --host``)."""
     import onnxruntime as ort
@@ -478,7 +502,7 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
         by_src.setdefault(link.src, []).append(link.dst)
     for k, s in enumerate(spec.stages):
         if s.code is not None:
-            _line(console, f"stage {k} '{s.name}': code {s.code.entry}, params {json.dumps(dict(s.code.params), sort_keys=True)}")
+            _line(console, f"stage {k} '{s.name}': code {s.code.entry}, params {summarize_params(s.code.params)}")
         else:
             _line(console, f"stage {k} '{s.name}': {s.module}, {human_bytes(stage_module_bytes(bundle, s))}")
             _line(console, f"  settings: {_settings(s.settings)}")

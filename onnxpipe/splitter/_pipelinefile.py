@@ -228,23 +228,9 @@ def _model_stage(
             profiling = [name for name, cls in POLICIES.items() if "dims" in {f.name for f in dataclasses.fields(cls)}]
             raise ConfigError(f"{where}: policy '{policy}' measures nothing, so takes no dims; 'dims' is for policy {' or '.join(repr(p) for p in profiling)}")
         plan = split(model, policy=make_policy(policy, stages=count, **({"dims": dims} if dims else {})), states=states)
-    sub = plan.config.to_spec()
-    renamed: dict[str, Stage] = {}
-    for i, piece in enumerate(plan.config.stages):
-        model_or_path = piece.model if piece.model is not None else piece.path
-        assert model_or_path is not None
-        renamed[piece.name] = config.add_stage(model_or_path, f"{name}_{i}", settings=settings, source_dir=piece.source_dir)
-    ins: list[tuple[Stage, str]] = []
-    outs: list[tuple[Stage, str]] = []
-    for link in sub.links:
-        if link.src.stage is not None and link.dst.stage is not None:
-            renamed[link.src.stage].output(link.src.tensor).connect(renamed[link.dst.stage].input(link.dst.tensor))
-        elif link.src.stage is None and link.dst.stage is not None:
-            ins.append((renamed[link.dst.stage], link.dst.tensor))
-        elif link.src.stage is not None and link.dst.stage is None:
-            outs.append((renamed[link.src.stage], link.src.tensor))
-    for st in sub.states:
-        config.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis)
+    pieces = config.add_split(plan, name, settings=settings)
+    ins = [(config.stage(port.endpoint.stage or ""), port.endpoint.tensor) for ports in pieces.inputs.values() for port in ports]
+    outs = [(config.stage(port.endpoint.stage or ""), port.endpoint.tensor) for port in pieces.outputs.values()]
     # A split keeps tensor names: a piece's input port is named after the model input feeding it.
     return ins, outs
 

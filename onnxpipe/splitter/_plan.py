@@ -37,7 +37,7 @@ class SplitStage:
         index: Position in the pipeline, from 0.
         name: Stage name in the wiring (``stage<index>``).
         model: The stage's ONNX model (weights may still be external references).
-        nodes: Compute nodes in the stage.
+        nodes: How many compute nodes the stage has (a count).
         weight_nodes: Weight nodes carried along (Constant, ConstantOfShape, ...).
         weights_bytes: Bytes of the weights the stage's compute nodes read: initializers, and
             tensors that weight nodes compute (``ConstantOfShape`` weights, say).

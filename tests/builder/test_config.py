@@ -106,3 +106,28 @@ def test_add_stage_from_file_and_unreadable_file(tmp_path: Path) -> None:
         config.add_stage(tmp_path / "bad.onnx")
     with pytest.raises(ConfigError, match="is not a split or config folder: it has no pipeline.json"):
         PipelineConfig.load(tmp_path / "nowhere")
+
+
+def test_add_split_wires_the_pieces_and_leaves_the_models_own_ports(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    from onnxpipe.builder import build, export
+    from onnxpipe.runtime import StageSettings, load
+    from onnxpipe.splitter import split
+    from tests import code_stages, models
+
+    plan = split(models.chain(), ["a", "b"])  # X -> a -> b -> Y in 3 pieces
+    config = code_stages.config()  # x -> head -> combine -> y
+    pieces = config.add_split(plan, "chain", settings=StageSettings(intra_op_threads=1))
+    assert [s.name for s in pieces.stages] == ["chain_0", "chain_1", "chain_2"] and set(pieces.inputs) == {"X"} and set(pieces.outputs) == {"Y"}
+    config.input("X").connect(pieces.input("X"))
+    pieces.output("Y").connect(config.output("Y"))
+    with pytest.raises(ConfigError, match=r"the split model has no input 'x'; valid: 'X'"):
+        pieces.input("x")
+    bundle = export(build(config, tmp_path / "built").path, tmp_path / "bundle")
+    X = np.array([[1.0, -2.0, 0.5, 3.0]], np.float32)
+    whole = ort.InferenceSession(models.chain().SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": X})[0]
+    with load(bundle, allow_code=["tests.code_stages:*"]) as pipe:
+        out = pipe({"x": np.ones((2, 4), np.float32), "X": X})
+    np.testing.assert_allclose(out["Y"], whole, rtol=1e-6)
+    assert all(s.settings.intra_op_threads == 1 for s in pieces.stages)

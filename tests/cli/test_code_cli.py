@@ -43,3 +43,17 @@ def test_inspect_a_bundle_without_code_says_so(tmp_path: Path) -> None:
 
     bundle = bundle_of(head_then_tail(4), tmp_path)
     assert "code: none (ONNX stages only)" in ok("inspect", bundle).output
+
+
+def test_inspect_summarises_long_code_params(tmp_path: Path) -> None:
+    from onnxpipe.builder import build, export
+
+    table = [chr(0x4E00 + i) for i in range(18708)]  # a character list, as PP-OCR's decoder takes
+    config = code_stages.config(params={"factor": 2.0, "character": table, "note": "x" * 200})
+    bundle = export(build(config, tmp_path / "built").path, tmp_path / "bundle")
+    shown = ok("inspect", bundle).output
+    assert 'params {character: list of 18708 (str), ["一", "丁", "丂", ...], factor: 2.0, note: "xxxxx' in shown
+    assert "... (202 characters)" in shown and len(shown) < 5000
+    import json
+
+    assert len(json.loads(ok("inspect", bundle, "--json").output)["pipeline"]["stages"][1]["code"]["params"]["character"]) == 18708
