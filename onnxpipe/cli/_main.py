@@ -244,9 +244,10 @@ def split(
                       model are also measured on each target, and the plan
                       sets each stage's target
 
-    The measured policy profiles every node with --threads intra-op threads (the profile is cached
-    next to the model) and adds the cost of handing tensors between stages; uniform balances node
-    counts and params weight bytes, for comparison.
+    The measured policy profiles every node with --threads intra-op threads and adds the cost of
+    handing tensors between stages; uniform balances node counts and params weight bytes, for
+    comparison. The profile is cached next to the model, or in $ONNXPIPE_CACHE_DIR when set, or in
+    ~/.cache/onnxpipe when the model's folder is read-only or an installed package's.
 
     \b
     Examples:
@@ -394,7 +395,7 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
     comes with the --at value that makes exactly that cut.
 
     With --profile, the model also runs under onnxruntime's profiler with --threads intra-op
-    threads (the profile is cached next to the model): the costliest nodes with their share of one
+    threads (the profile is cached next to the model, or in $ONNXPIPE_CACHE_DIR): the costliest nodes with their share of one
     run, and for each number of stages 2..K the best cut by measured cost, with each stage's
     predicted time, the bytes crossing, and the speedup a pipeline can reach at most (one run of
     the whole model / the slowest stage). --json lists every node.

@@ -240,6 +240,8 @@ class MeasuredPolicy:
         profile: Use this profile instead of measuring.
         dims: Sizes of symbolic dims for profiling and byte counts.
         runs: Profiled runs.
+        cache_dir: Where the profile is cached (see ``profile_model``); None: next to the model,
+            or ``$ONNXPIPE_CACHE_DIR``, or the user's cache folder.
     """
 
     stages: int | None = None
@@ -250,11 +252,12 @@ class MeasuredPolicy:
     profile: CostProfile | None = None
     dims: Mapping[str, int] = field(default_factory=dict)
     runs: int = 5
+    cache_dir: str | None = None
     name: str = "measured"
 
     def assign(self, index: GraphIndex, types: dict[str, ValueInfoProto], model_path: str | None) -> AutoSplit:
         """Profile (or reuse the profile) and minimize the slowest stage."""
-        profile = self.profile or profile_model(model_path or index.model, self.settings, runs=self.runs, dims=self.dims)
+        profile = self.profile or profile_model(model_path or index.model, self.settings, runs=self.runs, dims=self.dims, cache_dir=self.cache_dir)
         options = _Options(self.stages, self.max_stages, self.max_stage_weights, self.pinned, self.dims)
         result = _run(self.name, index, types, options, profile.node_seconds, profile.crossing_seconds, profile.source, True)
         return dataclasses.replace(result, notes=(*profile.notes, *result.notes))

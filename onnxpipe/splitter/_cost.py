@@ -114,7 +114,13 @@ def _cache_key(digest: str, settings: StageSettings, dims: Mapping[str, int]) ->
     return hashlib.sha256((digest + json.dumps(wanted, sort_keys=True)).encode()).hexdigest()[:16]
 
 
+#: Where profiles are cached when neither ``cache_dir`` nor the model's own folder is used.
+CACHE_ENV = "ONNXPIPE_CACHE_DIR"
+
+
 def _cache_path(model_path: Path | None, key: str, cache_dir: Path | None) -> Path:
+    if cache_dir is None and os.environ.get(CACHE_ENV):
+        cache_dir = Path(os.environ[CACHE_ENV])
     if cache_dir is not None:
         return cache_dir / f"{key}.profile.json"
     # Next to the model, unless it lives in an installed package (the onnx wheel's light models).
@@ -134,9 +140,11 @@ def profile_model(
 ) -> CostProfile:
     """Measure (or recall) the cost of every node of ``model``.
 
-    The profile is cached next to the model (``<model>.onnx.<key>.profile.json``; in the user's
-    cache folder when the model's folder is not writable or is inside an installed package),
-    keyed by the model's hash and the settings, so planning again is instant.
+    The profile is cached, keyed by the model's hash and the settings, so planning again is
+    instant: in ``cache_dir`` if given, else in ``$ONNXPIPE_CACHE_DIR`` if set, else next to the
+    model (``<model>.onnx.<key>.profile.json``), or in the user's cache folder
+    (``$XDG_CACHE_HOME/onnxpipe``, ``~/.cache/onnxpipe``) when the model's folder is not writable or
+    is inside an installed package.
 
     Args:
         model: The model (path or ModelProto).

@@ -132,3 +132,13 @@ def test_split_auto_cli_says_which_dims_to_give_in_one_line(tmp_path: Path) -> N
     onnx.save(models.fpn_net(), str(path))
     assert_user_error(run("split", path, "-o", tmp_path / "a", "--auto", "--stages", "2"), "profiling cannot run fpn", "--dim H=SIZE --dim W=SIZE")
     ok("split", path, "-o", tmp_path / "b", "--auto", "--stages", "2", "--dim", "H=32", "--dim", "W=32")
+
+
+def test_the_profile_cache_goes_where_the_policy_or_the_environment_says(squeezenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen = tmp_path / "chosen"
+    split(squeezenet, policy=MeasuredPolicy(stages=2, runs=2, cache_dir=str(chosen)))
+    assert len(list(chosen.glob("*.profile.json"))) == 1
+    env = tmp_path / "env"
+    monkeypatch.setenv("ONNXPIPE_CACHE_DIR", str(env))
+    profile_model(squeezenet, StageSettings(intra_op_threads=1), runs=3)
+    assert len(list(env.glob("*.profile.json"))) == 1
