@@ -35,6 +35,20 @@ Note: the data plane.
     engine; replicas of a stage share its work (:meth:`RayEngine._replica`, the one place a replica
     is chosen for a request).
 
+Note: the bundle an actor reads, and Ray's log line about it.
+    The driver puts the packed bundle into Ray's object store once (``ray.put``) and hands each
+    actor a reference to it as a constructor argument. Ray logs at error level, once per actor,
+    that such an actor cannot restart if the argument is lost (ray-project/ray#53727). Here it is
+    not lost while the pipeline can use it: the engine holds the reference for as long as it runs
+    (``self._payload``), and the object's primary copy lives in the object store of the driver's
+    node, so it goes only with the driver, and the pipeline with it. A node that dies takes only
+    its own copy: an actor restarted elsewhere fetches the object again from the driver's node
+    (tests/runtime/test_ray_engine.py kills the node holding a stage and its copy; the stage's actor
+    restarts on another node and the requests complete). Passing the reference inside a tuple
+    logs the same line (measured with Ray 2.60), and the alternatives (a method call after
+    construction that every restart must repeat, a helper actor holding the reference) add a step
+    to the restart path to hide a log line, so the line stays (docs/limitations.md).
+
 Note: faults.
     A call that fails because its actor died (process killed, node gone) or because a value it read
     was lost re-runs the request: from the stage that failed, or, when a value was lost with its
