@@ -713,3 +713,18 @@ def fpn_net() -> ModelProto:
     graph = helper.make_graph(nodes, "fpn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16, "H", "W"])], initializer=[w0, w1, scales])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def wide_mlp(width: int = 2048, layers: int = 4) -> ModelProto:
+    """``x [N, width]`` through ``layers`` MatMul+Relu layers of ``width x width`` float32 weights
+    (16 MiB each at 2048): a model whose weights, not its activations, take its memory."""
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for k in range(layers):
+        inits.append(numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), f"w{k}"))
+        out = "y" if k == layers - 1 else f"r{k}"
+        nodes += [helper.make_node("MatMul", [prev, f"w{k}"], [f"m{k}"], name=f"mm{k}"), helper.make_node("Relu", [f"m{k}"], [out], name=f"relu{k}")]
+        prev = out
+    graph = helper.make_graph(nodes, "wide_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -77,7 +77,7 @@ def _field(cls: type, flag: str) -> bool:
 
 
 def planned_split(model: Path, out: Path, *, cores: int, rounds: int, requests: int, measure: int, dims: Mapping[str, int], overwrite: bool,
-                  batch: int = 1, targets: Sequence[str] = ("cpu",)) -> None:
+                  batch: int = 1, targets: Sequence[str] = ("cpu",), memory: int | None = None) -> None:
     """Plan ``model`` for ``cores`` cores, measure the finalists in interleaved rounds, write the chosen one with its settings."""
     from onnxpipe.cli import _render
     from onnxpipe.splitter import load_model, plan_pipeline
@@ -86,7 +86,8 @@ def planned_split(model: Path, out: Path, *, cores: int, rounds: int, requests: 
     load_model(model)  # plan_pipeline meets a file that is no ONNX model with a bare protobuf DecodeError
     quiet_onnxruntime()
     with step_progress() as report:
-        result = plan_pipeline(model, cores, measure=measure, rounds=rounds, requests=requests, dims=dims, progress=report, batch=batch, targets=targets)
+        result = plan_pipeline(model, cores, measure=measure, rounds=rounds, requests=requests, dims=dims, progress=report, batch=batch, targets=targets,
+                               memory=memory)
     folder = result.plan.save(out, overwrite=overwrite)
     _render.plan_result(result, folder)
 

@@ -169,6 +169,13 @@ main.add_command(serve)
     "and keep it only if it wins every round; 1: do not consider batching (docs/batching.md).",
 )
 @click.option(
+    "--memory",
+    "memory",
+    type=SizeType(),
+    metavar="SIZE",
+    help="With --cores: a memory budget (1.5GiB); plans whose measured memory is over it are dropped, and the summary says which.",
+)
+@click.option(
     "--targets",
     "targets",
     default="cpu",
@@ -215,6 +222,7 @@ def split(
     rounds: int,
     requests: int,
     batch: int,
+    memory: int | None,
     targets: str,
     measure: int,
     state: Sequence[str],
@@ -271,7 +279,7 @@ def split(
         _split_auto(ctx, model, out, by_hand, overwrite, states)
         return
     auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "threads", "rounds", "requests", "measure", "batch",
-                      "targets")
+                      "targets", "memory")
     if auto_only:
         raise click.UsageError(f"{', '.join(auto_only)}: only with --auto; see 'onnxpipe split --help'")
     if len(by_hand) != 1:
@@ -326,10 +334,10 @@ def _split_auto(
             raise click.UsageError(f"{', '.join(not_planner)}: not with --cores; the planner profiles 1..C threads itself and cuts with the measured policy")
         _autosplit.planned_split(
             model, out, cores=p["cores"], rounds=p["rounds"], requests=p["requests"], measure=p["measure"], dims=dict(p["dims"]), overwrite=overwrite,
-            batch=p["batch"], targets=[t.strip() for t in p["targets"].split(",")],
+            batch=p["batch"], targets=[t.strip() for t in p["targets"].split(",")], memory=p["memory"],
         )
         return
-    planner_only = given(ctx, "rounds", "requests", "measure", "batch", "targets")
+    planner_only = given(ctx, "rounds", "requests", "measure", "batch", "targets", "memory")
     if planner_only:
         raise click.UsageError(f"{', '.join(planner_only)}: only with --cores (they set how the planner measures its plans)")
     _autosplit.policy_split(

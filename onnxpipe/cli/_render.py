@@ -372,6 +372,8 @@ def bench_report(report: BenchReport, warmup: int, notes: Iterable[str], trace: 
     _line(console, f"latency:    mean {report.latency_mean_ms:.2f} ms, p50 {report.latency_p50_ms:.2f} ms, p99 {report.latency_p99_ms:.2f} ms")
     if report.caller_cores is not None:
         _line(console, f"the thread feeding the pipeline ran on core(s) {', '.join(map(str, report.caller_cores))}")
+    if report.resident_bytes is not None:
+        _line(console, f"memory:     {human_bytes(report.resident_bytes)} resident in this process (the pipeline and all else it holds)")
     table = Table(title="stages")
     batching = any(s.batch_sizes for s in report.stages)
     for column in ("stage", "replicas", "alone ms", "in pipeline ms", *(("batch mean", "max") if batching else ()), "utilization", ""):

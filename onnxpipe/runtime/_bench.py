@@ -67,6 +67,7 @@ class BenchReport:
         stages: Per-stage numbers, in pipeline order.
         notes: Things to know (defaulted dims, ...).
         caller_cores: Cores the feeding thread was pinned to while timed, or ``None``.
+        resident_bytes: The physical memory of the process the pipeline runs in (``PipelineStats.resident_bytes``), or ``None``.
     """
 
     requests: int
@@ -81,6 +82,7 @@ class BenchReport:
     stages: tuple[StageBench, ...]
     notes: tuple[str, ...] = ()
     caller_cores: tuple[int, ...] | None = None
+    resident_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -210,6 +212,7 @@ def benchmark(
         ),
         notes=tuple(notes),
         caller_cores=tuple(sorted(cores)) if cores is not None else None,
+        resident_bytes=stats.resident_bytes,
     )
 
 

@@ -40,7 +40,7 @@ from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, Ses
 from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is imported only when a RayEngine starts
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
-from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, summarize, write_trace
+from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, resident_bytes, summarize, write_trace
 from onnxpipe.runtime._stream import Stream, state_dims
 
 __all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
@@ -551,7 +551,8 @@ class Pipeline(InferenceSessionAPI):
         if self._node_counts is None:  # the sessions do not change: counted once, not on every poll
             self._node_counts = {stage: {ep: len(nodes) for ep, nodes in (where or {}).items()} for stage, where in self.placement().items()}
         stages = tuple(dataclasses.replace(s, nodes=dict(self._node_counts.get(s.stage, {}))) for s in stats.stages)
-        return dataclasses.replace(stats, stages=stages)
+        memory = resident_bytes() if self.engine == "thread" else None  # the Ray engine's sessions live in other processes
+        return dataclasses.replace(stats, stages=stages, resident_bytes=memory)
 
     def reset_stats(self) -> None:
         """Start a new measurement window (e.g. after warm-up)."""

@@ -47,6 +47,19 @@ Note: targets.
     CPU every target shares the same cores: a stage's threads count against the budget whatever
     its provider, and the plan's notes say so.
 
+Note: memory.
+    On one host, replicas of the whole model often match a pipeline's throughput, but hold the
+    weights once per replica, where a pipeline of k stages holds them once and still uses k
+    cores. With ``memory`` (``split --auto --cores C --memory 1.5GiB``), each finalist's memory is
+    **measured**, not estimated from its weights: its bundle loaded in a process of its own
+    (``_memory.plan_memory``), the proportional set size (``runtime._stats.resident_bytes``: weights
+    mapped in place count once) before loading and after loading and warming up (sessions,
+    prepacked weights, arenas after the first runs). A process of its own, since in the planner's
+    memory that earlier sessions freed is handed out again without the process growing.
+    Finalists over the budget leave the choice, and the notes list them with what they measured;
+    the one-session plan at one thread is always a finalist then, as the leanest simple plan. No
+    plan fitting is a :class:`SplitError` listing every finalist's memory.
+
 Note: symbolic dims.
     What a plan costs depends on the input sizes, so dims are never guessed silently. A dim that
     is symbolic or unknown must be given (``dims``: by name, or ``"input.axis"`` for an unnamed one),
@@ -72,9 +85,11 @@ import numpy as np
 from onnxpipe._errors import BuildError, ConfigError, SplitError
 from onnxpipe.builder import build, export, io_specs
 from onnxpipe.runtime import Pipeline, StageSettings, TensorSpec, interleaved_rounds, load, random_inputs
+from onnxpipe.runtime._stats import resident_bytes
 from onnxpipe.splitter._auto import MeasuredPolicy
 from onnxpipe.splitter._cost import CostProfile, profile_model
 from onnxpipe.splitter._graph import load_model
+from onnxpipe.splitter._memory import plan_memory
 from onnxpipe.splitter._plan import SplitPlan, split
 
 __all__ = ["PlanCandidate", "PlanChoice", "PlanResult", "plan_pipeline"]
@@ -104,6 +119,8 @@ class PlanCandidate:
             rounds), when measured.
         targets: Each stage's target when the planner chose among several (see Note: targets);
             empty: every stage on the CPU.
+        memory_bytes: The physical memory the plan took once loaded and warmed up, measured
+            (see Note: memory), when it was measured.
     """
 
     label: str
@@ -117,6 +134,7 @@ class PlanCandidate:
     stage_measured_ms: tuple[float, ...] = ()
     split: SplitPlan | None = field(default=None, repr=False)
     targets: tuple[str, ...] = ()
+    memory_bytes: int | None = None
 
     @property
     def simple(self) -> bool:
@@ -141,7 +159,8 @@ class PlanChoice:
         rounds: Rounds run.
         requests: Timed requests per plan and round.
         verdict: ``pipeline`` (it won every round), ``tie`` (it won some rounds, lost others),
-            ``simple`` (the simple plan won every round) or ``no pipeline`` (none was measured).
+            ``simple`` (the simple plan won every round), ``no pipeline`` (none was measured) or
+            ``only pipelines`` (no simple plan was left to compare with: a memory budget).
     """
 
     simple: str
@@ -154,6 +173,9 @@ class PlanChoice:
     def __str__(self) -> str:
         if self.contender is None:
             return f"{self.simple}: no pipeline was measured (best simple plan over {self.rounds} round(s) of {self.requests} requests)"
+        if self.verdict == "only pipelines":
+            measured = f"{self.rounds} round(s) of {self.requests} requests"
+            return f"{self.contender}: the fastest of the pipelines, since no one-session or replicas plan fits ({measured})"
         median = statistics.median(self.ratios)
         spread = f"paired ratios {min(self.ratios):.2f}-{max(self.ratios):.2f} over {self.rounds} round(s) of {self.requests} requests"
         if self.verdict == "pipeline":
@@ -188,10 +210,11 @@ class PlanResult:
     batching: str | None = None
 
     def baselines(self) -> dict[str, float]:
-        """Measured throughput of the best one-session plan and the best replicas plan."""
+        """Measured throughput of the best one-session plan and the best replicas plan (of those
+        that took part in the choice: a plan a memory budget dropped does not)."""
         best: dict[str, float] = {}
         for c in self.candidates:
-            if c.kind != "pipeline" and c.measured is not None:
+            if c.kind != "pipeline" and c.measured is not None and c.rounds:
                 best[c.kind] = max(best.get(c.kind, 0.0), c.measured)
         return best
 
@@ -376,6 +399,9 @@ def choose_plan(candidates: Sequence[PlanCandidate], requests: int) -> tuple[Pla
     """
     measured = [c for c in candidates if c.rounds]
     sessions, replicas, pipelines = ([c for c in measured if c.kind == kind] for kind in ("session", "replicas", "pipeline"))
+    if not sessions and not replicas:  # none left to compare with (a memory budget dropped them): the fastest pipeline
+        best = max(pipelines, key=lambda c: statistics.median(c.rounds))
+        return best, PlanChoice("no simple plan (none fits)", best.label, (), len(best.rounds), requests, "only pipelines")
     simple = max(sessions or replicas, key=lambda c: statistics.median(c.rounds))
     if sessions and replicas:  # replicas take more cores and memory than one session: the same rule
         rival, _, won = _contender(simple, replicas)
@@ -424,11 +450,15 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
     return notes
 
 
-def _load_finalist(candidate: PlanCandidate, target: SplitPlan, allowed: list[int], feeds: dict[str, np.ndarray], requests: int, work: Path) -> Pipeline:
-    """Build, export and load one finalist, and warm it up."""
+def _load_finalist(candidate: PlanCandidate, target: SplitPlan, allowed: list[int], feeds: dict[str, np.ndarray], requests: int, work: Path,
+                   memory_dims: Mapping[str, int] | None = None) -> Pipeline:
+    """Build, export and load one finalist, and warm it up; with ``memory_dims``, also measure its
+    memory in a process of its own (see Note: memory), into ``candidate.memory_bytes``."""
     folder = work / f"m{time.monotonic_ns()}"
     # _configure changes the shared split's settings in place: build right after it, before the next finalist's.
     bundle = export(build(_configure(candidate, target, allowed).config, folder / "built").path, folder / "bundle")
+    if memory_dims is not None:
+        candidate.memory_bytes = plan_memory(bundle, memory_dims)
     pipe = load(bundle)
     for _ in pipe.map(feeds for _ in range(max(5, requests // 10))):
         pass
@@ -456,14 +486,16 @@ def _measure(
     rounds: int,
     requests: int,
     report: Progress,
+    memory_dims: Mapping[str, int] | None = None,
 ) -> None:
-    """Measure the finalists, all loaded at once, in interleaved rounds; set their ``rounds``, ``measured``, ``stage_measured_ms``."""
+    """Measure the finalists, all loaded at once, in interleaved rounds; set their ``rounds``, ``measured``, ``stage_measured_ms``
+    (and with ``memory_dims``, their ``memory_bytes``: see Note: memory)."""
     stage_ms: dict[str, list[tuple[float, ...]]] = {c.label: [] for c in finalists}
     with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp, contextlib.ExitStack() as stack:
         pipes = {}
         for done, c in enumerate(finalists):
             report("loading", done, len(finalists))
-            pipes[c.label] = stack.enter_context(_load_finalist(c, c.split or whole, allowed, feeds, requests, Path(tmp)))
+            pipes[c.label] = stack.enter_context(_load_finalist(c, c.split or whole, allowed, feeds, requests, Path(tmp), memory_dims))
         report("loading", len(finalists), len(finalists))
         runners = {label: (lambda p=pipe, ms=stage_ms[label]: _timed_round(p, feeds, requests, ms)) for label, pipe in pipes.items()}
         measured = interleaved_rounds(runners, rounds, lambda done, total: report("measuring", done, total))
@@ -486,6 +518,7 @@ def plan_pipeline(
     progress: Progress | None = None,
     batch: int = 1,
     targets: Sequence[str] = ("cpu",),
+    memory: int | None = None,
 ) -> PlanResult:
     """Plan how to run ``model`` on ``cores`` cores, measure the finalists side by side, choose.
 
@@ -506,6 +539,8 @@ def plan_pipeline(
             it if it wins every round (see Note: batching); 1: do not consider batching.
         targets: The targets a stage (or the whole model) may run on; with more than ``cpu``,
             every stage is measured on each and the plan sets each stage's target (see Note: targets).
+        memory: A budget in bytes: finalists whose measured memory is over it are dropped, and
+            the notes say which, with what they measured (see Note: memory).
 
     Returns:
         The :class:`PlanResult`; ``result.plan.save(folder)`` writes the chosen stages with their
@@ -523,6 +558,8 @@ def plan_pipeline(
     if rounds < 1 or requests < 1:
         raise SplitError(f"rounds and requests must be at least 1, got rounds={rounds}, requests={requests}")
     planned_targets = _check_targets(targets)
+    if memory is not None and (memory < 1 or resident_bytes() is None):
+        raise SplitError(f"memory budget {memory}: " + ("must be at least 1 byte" if memory < 1 else "this OS has no /proc to measure a plan's memory with"))
     dims = dict(dims or {})
     proto, _ = load_model(model)
     specs = io_specs(proto)[0]
@@ -553,13 +590,33 @@ def plan_pipeline(
     ranked = sorted(candidates, key=lambda c: -c.predicted)
     finalists = [c for c in ranked if not c.simple][:measure]
     finalists += [best for kind in ("session", "replicas") if (best := next((c for c in ranked if c.kind == kind), None))]
-    _measure(finalists, whole, allowed, feeds, rounds, requests, report)
+    if memory is not None:  # the best one-session plan always fits what a session needs: keep one at 1 thread too, the leanest
+        lean = next((c for c in ranked if c.kind == "session" and c.threads == (1,)), None)
+        if lean is not None and lean not in finalists:
+            finalists.append(lean)
+    _measure(finalists, whole, allowed, feeds, rounds, requests, report, dims if memory is not None else None)
+    if memory is not None:
+        over = [c for c in finalists if c.memory_bytes is not None and c.memory_bytes > memory]
+        fits = [c for c in finalists if c not in over]
+        budget = f"the {_mib(memory)} memory budget"
+        if not fits:
+            measured = ", ".join(f"{c.label} {_mib(c.memory_bytes)}" for c in finalists)
+            raise SplitError(f"no plan fits {budget}: measured {measured}")
+        if over:
+            notes.append(f"dropped over {budget}: " + ", ".join(f"{c.label} ({_mib(c.memory_bytes)} measured)" for c in over))
+        for c in over:  # out of the choice: only what fits is chosen from
+            c.rounds = ()
+        notes.append("memory measured per plan once loaded and warmed up: " + ", ".join(f"{c.label} {_mib(c.memory_bytes)}" for c in finalists))
     chosen, choice = choose_plan(candidates, requests)
     final = chosen.split or whole
     _configure(chosen, final, allowed)
     batching = _try_batching(chosen, final, allowed, feeds, rounds, requests, report, batch) if batch > 1 else None
     candidates.sort(key=lambda c: (c.measured is None, -(c.measured or 0.0), -c.predicted))
     return PlanResult(final, chosen, candidates, cores, choice, notes, batching)
+
+
+def _mib(size: int | None) -> str:
+    return "unmeasured" if size is None else f"{size / 2**20:.1f} MiB"
 
 
 def _try_batching(chosen: PlanCandidate, final: SplitPlan, allowed: list[int], feeds: dict[str, np.ndarray], rounds: int, requests: int,

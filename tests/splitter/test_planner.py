@@ -231,3 +231,41 @@ def test_split_targets_needs_the_planner(squeezenet: Path, tmp_path: Path) -> No
     assert result.exit_code == 2 and "--targets: only with --cores" in result.output, result.output
     result = runner.invoke(cli, ["split", str(squeezenet), "-o", str(tmp_path / "b"), "--at", "r24", "--targets", "cpu"])
     assert result.exit_code == 2 and "--targets: only with --auto" in result.output, result.output
+
+
+def test_a_memory_budget_drops_the_plans_that_measure_over_it(tmp_path: Path) -> None:
+    path = tmp_path / "mlp.onnx"
+    onnx.save(models.wide_mlp(width=1024), str(path))  # 16 MiB of weights
+    budget = 32 << 20  # one copy of the weights fits, two do not
+    result = plan_pipeline(path, cores=2, rounds=2, requests=10, runs=2, memory=budget)
+    measured = {c.label: c.memory_bytes for c in result.candidates if c.memory_bytes is not None}
+    assert len(measured) >= 3 and "1 session x 1t" in measured
+    assert all(m > 16 << 20 for m in measured.values()), measured  # each holds the weights: measured, not 0
+    over = [label for label, m in measured.items() if m > budget]
+    assert "2 replicas x 1t" in over, measured  # two copies of the weights
+    assert result.chosen.memory_bytes is not None and result.chosen.memory_bytes <= budget and result.chosen.label not in over
+    dropped = next(n for n in result.notes if n.startswith("dropped over the 32.0 MiB memory budget: "))
+    assert "2 replicas x 1t (" in dropped and " MiB measured)" in dropped
+    plain = plan_pipeline(path, cores=2, rounds=1, requests=5, runs=2)
+    assert all(c.memory_bytes is None for c in plain.candidates) and not any("memory" in n for n in plain.notes)
+
+
+def test_a_budget_nothing_fits_names_what_each_plan_measured(squeezenet: Path) -> None:
+    with pytest.raises(SplitError, match=r"^no plan fits the 0\.0 MiB memory budget: measured 1 session x 1t \d+\.\d MiB"):
+        plan_pipeline(squeezenet, cores=1, rounds=1, requests=5, runs=2, memory=1)
+
+
+def test_with_no_simple_plan_left_the_fastest_pipeline_is_chosen() -> None:
+    a = PlanCandidate("pipeline 2 x (1t, 1t)", "pipeline", (1, 1), (1, 1), 10.0, (1.0, 1.0), rounds=(9.0, 10.0))
+    b = PlanCandidate("pipeline 2 x (2t, 1t)", "pipeline", (2, 1), (1, 1), 12.0, (1.0, 1.0), rounds=(11.0, 12.0))
+    chosen, choice = choose_plan([a, b, PlanCandidate("2 replicas x 1t", "replicas", (1,), (2,), 20.0, (1.0,))], 10)
+    assert chosen is b and choice.verdict == "only pipelines" and "since no one-session or replicas plan fits" in str(choice)
+
+
+def test_split_memory_needs_the_planner(squeezenet: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from onnxpipe.cli import main as cli
+
+    result = CliRunner().invoke(cli, ["split", str(squeezenet), "-o", str(tmp_path / "a"), "--auto", "--stages", "2", "--memory", "1GiB"])
+    assert result.exit_code == 2 and "--memory: only with --cores" in result.output, result.output
