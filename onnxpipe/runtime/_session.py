@@ -103,11 +103,11 @@ def make_session(module: Path | str | bytes, stage: StageSpec, target: str | Non
         stage: The stage's spec (settings and build record).
         target: Run on this target instead of the stage's own (e.g. ``"cpu"`` to check a bundle
             built for a GPU on a host without one).
+        config: More session config entries (where a module given as bytes finds its external data).
 
     Raises:
-        BundleError: the target's provider is not available on this host, or onnxruntime refuses
-            the module.
-        config: More session config entries (where a module given as bytes finds its external data).
+        BundleError: the target's provider is not available on this host, onnxruntime refuses the
+            module or the provider's options, or the provider cannot take the stage (see :func:`open_session`).
     """
     settings = stage.settings if target is None else stage.settings.replace(target=target, provider_options={}, ep_package=None, ep_device=None)
     check_available(stage.name, settings)
