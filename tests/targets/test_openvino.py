@@ -223,7 +223,7 @@ def test_the_planner_measures_every_stage_on_every_target_and_sets_each_stages_t
     model = tmp_path / "rec.onnx"
     onnx.save(recognizer(), str(model))
     steps: list[str] = []
-    result = plan_pipeline(model, 2, targets=("cpu", "openvino"), rounds=2, requests=8, measure=2, dims={"p2o.DynamicDimension.1": 320, "?": 48},
+    result = plan_pipeline(model, 2, targets=("cpu", "openvino"), rounds=2, requests=8, measure=2, dims={"p2o.DynamicDimension.1": 320, "x.2": 48},
                            progress=lambda step, done, total: steps.append(step))
     assert "targets" in steps
     labels = {c.label for c in result.candidates}
