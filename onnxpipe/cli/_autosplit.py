@@ -62,7 +62,8 @@ def policy_split(
         users = {flag: [name for name, cls in POLICIES.items() if _field(cls, flag)] for flag in refused}
         hint = "; ".join(f"{flag} is for policy {' or '.join(names) or 'none'}" for flag, names in users.items())
         raise click.UsageError(f"policy '{policy}' does not take {', '.join(refused)} ({hint})")
-    wanted: dict[str, object] = {"settings": StageSettings(intra_op_threads=threads), "max_stage_weights": max_stage_weights, "pinned": pins, "dims": dims}
+    wanted: dict[str, object] = {"settings": StageSettings(intra_op_threads=threads), "max_stage_weights": max_stage_weights, "pinned": pins, "dims": dims,
+                                 "remeasure": True}  # the CLI checks sub-millisecond cuts against their neighbours (_remeasure)
     options = {name: value for name, value in wanted.items() if name in takes and value not in (None, {})}
     _check_paths(model, out, overwrite)
     quiet_onnxruntime()

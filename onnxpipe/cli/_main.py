@@ -253,8 +253,10 @@ def split(
                       sets each stage's target
 
     The measured policy profiles every node with --threads intra-op threads and adds the cost of
-    handing tensors between stages; uniform balances node counts and params weight bytes, for
-    comparison. The profile is cached next to the model, or in $ONNXPIPE_CACHE_DIR when set, or in
+    handing tensors between stages; where the slowest stage is predicted under 1 ms, the cut and
+    its neighbours are then timed together in interleaved rounds and the fastest kept (the profile's
+    noise is as large as their differences there). Uniform balances node counts and params weight
+    bytes, for comparison. The profile is cached next to the model, or in $ONNXPIPE_CACHE_DIR when set, or in
     ~/.cache/onnxpipe when the model's folder is read-only or an installed package's.
 
     \b

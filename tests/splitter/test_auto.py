@@ -142,3 +142,33 @@ def test_the_profile_cache_goes_where_the_policy_or_the_environment_says(squeeze
     monkeypatch.setenv("ONNXPIPE_CACHE_DIR", str(env))
     profile_model(squeezenet, StageSettings(intra_op_threads=1), runs=3)
     assert len(list(env.glob("*.profile.json"))) == 1
+
+
+def test_a_sub_millisecond_cut_is_timed_against_its_neighbours(tmp_path: Path) -> None:
+    path = tmp_path / "chain.onnx"
+    onnx.save(models.chain(), str(path))
+    plain = split(path, policy=MeasuredPolicy(stages=2, runs=2))
+    assert not any("timed together" in n for n in plain.notes)
+    plan = split(path, policy=MeasuredPolicy(stages=2, runs=2, remeasure=True))
+    note = next(n for n in plan.notes if "cuts near the predicted one timed together (3 interleaved rounds, stages under 1 ms)" in n)
+    assert note.startswith(("4 cuts", "5 cuts", "3 cuts")) and ("kept the predicted cut" in note or "faster in every round" in note), note
+    assert len(plan.stages) == 2 and verify(plan, path).ok
+
+
+def test_moving_a_cut_keeps_every_stage_and_refuses_to_empty_one() -> None:
+    from onnxpipe.splitter._remeasure import _moved
+
+    order = [10, 11, 12, 13]
+    assignment = {10: 0, 11: 0, 12: 1, 13: 1}
+    assert _moved(assignment, order, 0, -1) == {10: 0, 11: 1, 12: 1, 13: 1}
+    assert _moved(assignment, order, 0, 1) == {10: 0, 11: 0, 12: 0, 13: 1}
+    assert _moved(assignment, order, 0, 2) is None and _moved(assignment, order, 0, -2) is None  # a stage would be empty
+
+
+def test_split_auto_cli_remeasures_a_tiny_model(tmp_path: Path) -> None:
+    from tests.cli.helpers import ok
+
+    path = tmp_path / "chain.onnx"
+    onnx.save(models.chain(), str(path))
+    out = ok("split", path, "-o", tmp_path / "out", "--auto", "--stages", "2").output
+    assert "timed together" in out, out
