@@ -33,7 +33,6 @@ from onnxpipe.splitter._cost import CostProfile, profile_model
 from onnxpipe.splitter._graph import GraphIndex
 from onnxpipe.splitter._live import Sizer, live_sweep
 from onnxpipe.splitter._partition import Partition, PartitionProblem, best_partition, partition
-from onnxpipe.splitter._remeasure import REMEASURE_BELOW, remeasure
 
 __all__ = ["POLICIES", "AutoSplit", "MeasuredPolicy", "ParamsPolicy", "SplitPolicy", "UniformPolicy", "make_policy"]
 
@@ -262,19 +261,11 @@ class MeasuredPolicy:
     name: str = "measured"
 
     def assign(self, index: GraphIndex, types: dict[str, ValueInfoProto], model_path: str | None) -> AutoSplit:
-        """Profile (or reuse the profile) and minimize the slowest stage; with ``remeasure``, check
-        a cut whose stages are predicted under 1 ms against its neighbours (``_remeasure``)."""
+        """Profile (or reuse the profile) and minimize the slowest stage."""
         profile = self.profile or profile_model(model_path or index.model, self.settings, runs=self.runs, dims=self.dims, cache_dir=self.cache_dir)
         options = _Options(self.stages, self.max_stages, self.max_stage_weights, self.pinned, self.dims)
         result = _run(self.name, index, types, options, profile.node_seconds, profile.crossing_seconds, profile.source, True)
-        notes = (*profile.notes, *result.notes)
-        small = result.predicted_seconds is not None and max(result.predicted_seconds) < REMEASURE_BELOW
-        if self.remeasure and small and len(set(result.assignment.values())) > 1 and not self.pinned and self.max_stage_weights is None:
-            assignment, note = remeasure(result.assignment, index, model_path or index.model, self.settings, self.dims)
-            if assignment is not result.assignment:
-                result = dataclasses.replace(result, assignment=assignment, predicted_seconds=None)  # a measured cut: the profile's times are not its own
-            notes = (*notes, note)
-        return dataclasses.replace(result, notes=notes)
+        return dataclasses.replace(result, notes=(*profile.notes, *result.notes))  # with remeasure, split() checks the cut next (_remeasure)
 
 
 #: Policies by name, for ``make_policy`` and the CLI's ``--policy``.

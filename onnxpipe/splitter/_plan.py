@@ -21,6 +21,7 @@ from onnxpipe.runtime import ModelMetadata, PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
+from onnxpipe.splitter._remeasure import REMEASURE_BELOW, remeasure
 from onnxpipe.splitter._states import StatePair, check_together, pair_states
 
 if TYPE_CHECKING:
@@ -166,6 +167,14 @@ def _model_metadata(proto: ModelProto) -> ModelMetadata:
     return dataclasses.replace(meta, version=proto.model_version) if proto.HasField("model_version") else meta
 
 
+def _small_enough_to_remeasure(policy: SplitPolicy, auto: AutoSplit) -> bool:
+    """Whether a policy asked to re-measure (``MeasuredPolicy(remeasure=True)``) and its cut's
+    stages are predicted under 1 ms, with no pins or weight cap a moved cut could break (``_remeasure``)."""
+    if not getattr(policy, "remeasure", False) or not auto.predicted_seconds or len(set(auto.assignment.values())) < 2:
+        return False
+    return max(auto.predicted_seconds) < REMEASURE_BELOW and not getattr(policy, "pinned", None) and getattr(policy, "max_stage_weights", None) is None
+
+
 def split(
     model: ModelProto | str | os.PathLike[str],
     cuts: Sequence[object] | None = None,
@@ -217,6 +226,12 @@ def split(
     auto = None
     if policy is not None:
         auto = policy.assign(index, types, None if isinstance(model, ModelProto) else str(model))
+        if _small_enough_to_remeasure(policy, auto):
+            moved, note = remeasure(auto.assignment, index, model if isinstance(model, ModelProto) else str(model), policy.settings,  # type: ignore[attr-defined]
+                                    policy.dims, split)  # type: ignore[attr-defined]
+            # A moved cut is measured, not predicted: the profile's stage times are not its own.
+            auto = dataclasses.replace(auto, assignment=moved, predicted_seconds=None if moved is not auto.assignment else auto.predicted_seconds,
+                                       notes=(*auto.notes, note))
         stage_of = auto.assignment
     elif cuts is not None:
         stage_of = assign_by_cuts(index, [cuts] if isinstance(cuts, (str, bytes)) else list(cuts))

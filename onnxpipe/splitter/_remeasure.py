@@ -19,8 +19,9 @@ import functools
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -51,11 +52,8 @@ def _moved(assignment: dict[int, int], order: list[int], boundary: int, delta: i
     return moved
 
 
-def _stage_seconds(plan: object, feeds: Mapping[str, np.ndarray], settings: StageSettings, work: Path) -> float:
-    """The slowest stage's median seconds per run, each stage alone on what the stages before it make."""
-    from onnxpipe.splitter._plan import SplitPlan
-
-    assert isinstance(plan, SplitPlan)
+def _stage_seconds(plan: Any, feeds: Mapping[str, np.ndarray], settings: StageSettings, work: Path) -> float:
+    """The slowest stage's median seconds per run (of a ``SplitPlan``), each stage alone on what the stages before it make."""
     folder = plan.save(work / f"c{len(list(work.iterdir()))}")
     spec = plan.spec
     values = SequentialPipeline(spec, folder).run_all(feeds)
@@ -77,15 +75,17 @@ def _stage_seconds(plan: object, feeds: Mapping[str, np.ndarray], settings: Stag
 
 
 def remeasure(assignment: dict[int, int], index: GraphIndex, model: str | ModelProto, settings: StageSettings,
-              dims: Mapping[str, int]) -> tuple[dict[int, int], str]:
+              dims: Mapping[str, int], split: Callable[..., Any]) -> tuple[dict[int, int], str]:
     """The best of the predicted cut and its neighbours, measured together (see Note: small stages).
+
+    Args:
+        split: ``onnxpipe.splitter.split`` (passed in: it calls this).
 
     Returns:
         The assignment kept (or moved to), and a note saying what was measured.
     """
     from onnxpipe.builder import tensor_spec
     from onnxpipe.splitter._extract import infer_types
-    from onnxpipe.splitter._plan import split
 
     order = [i for i in index.compute_nodes() if i in assignment]
     stages = max(assignment.values()) + 1
