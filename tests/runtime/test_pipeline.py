@@ -149,19 +149,35 @@ def test_submit_without_blocking_refuses_a_full_pipeline_and_takes_nothing(tmp_p
 
 
 def test_stage_statistics_time_the_queues(tmp_path: Path, no_thread_left: object) -> None:
-    # 12 requests at once behind a slow stage: the requests wait in its queue, not in the fast one's.
-    request = {"x": np.ones((256, 256), np.float32), "v": np.ones((1, 4), np.float32)}
-    with load(_slow_bundle(tmp_path), queue_depth=16) as pipe:
+    # 12 requests at once behind a stage held shut until all are queued: they wait in its queue, not
+    # in the fast one's (a held code stage makes the pile-up certain; a merely slow one raced the caller).
+    config = PipelineConfig()
+    fast = config.add_stage(models.stage_head(), "fast")
+    spec = [TensorSpec("x", "float32", ("N", 4))]
+    slow = config.add_python_stage("tests.code_stages:gated", inputs=spec, outputs=[TensorSpec("y", "float32", ("N", 4))], name="slow")
+    config.add_input(TensorSpec("v", "float32", ("N", 4)))
+    config.input("v").connect(fast.input("x"))
+    fast.output("h").connect(config.output("h"))
+    config.input("x").connect(slow.input("x"))
+    slow.output("y").connect(config.output("y"))
+    request = {"x": np.ones((3, 4), np.float32), "v": np.ones((1, 4), np.float32)}
+    code_stages.GATE.clear()
+    with load(models.bundle_of(config, tmp_path), queue_depth=16, allow_code=["tests.code_stages:gated"]) as pipe:
         pipe.reset_stats()
-        for future in [pipe.submit(request) for _ in range(12)]:
-            future.result()
+        try:
+            futures = [pipe.submit(request) for _ in range(12)]
+            time.sleep(0.05)  # every request is queued behind the held first one
+        finally:
+            code_stages.GATE.set()
+        for future in futures:
+            future.result(timeout=30)
         by_name = {s.stage: s for s in pipe.stats().stages}
-    slow, fast = by_name["slow"], by_name["fast"]
-    assert slow.count == 12 and slow.queued_s > 0
-    # The k-th request waits for the k runs before it: about 5.5 runs on average.
-    assert slow.queue_mean_ms > 2 * slow.mean_ms
-    assert slow.queue_mean_ms == pytest.approx(1e3 * slow.queued_s / 12)
-    assert fast.queue_mean_ms < slow.queue_mean_ms
+    slow_stats, fast_stats = by_name["slow"], by_name["fast"]
+    assert slow_stats.count == 12 and slow_stats.queued_s > 0
+    # 11 requests waited about the 50 ms the first one was held; the runs themselves are one held and 11 instant.
+    assert slow_stats.queue_mean_ms > 2 * slow_stats.mean_ms
+    assert slow_stats.queue_mean_ms == pytest.approx(1e3 * slow_stats.queued_s / 12)
+    assert fast_stats.queue_mean_ms < slow_stats.queue_mean_ms
 
 
 def _hand_pipeline(tmp_path: Path) -> Path:
