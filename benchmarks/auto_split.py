@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from benchmarks._timing import median_seconds
-from onnxpipe.runtime import Endpoint, SequentialPipeline, interleaved_rounds
+from onnxpipe.runtime import StageSettings, interleaved_rounds
 from onnxpipe.splitter import MeasuredPolicy, SplitPlan, plan_pipeline, profile_model, split
 from onnxpipe.splitter._graph import GraphIndex
+from onnxpipe.splitter._remeasure import stage_seconds
 
 LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"
 MODELS = ["bvlc_alexnet", "zfnet512", "vgg19", "squeezenet", "inception_v1", "resnet50", "shufflenet", "inception_v2", "densenet121"]
@@ -47,20 +46,7 @@ ort.set_default_logger_severity(3)
 
 def _stage_times(plan: SplitPlan, feeds: dict[str, np.ndarray], runs: int, work: Path) -> list[float]:
     """Seconds per run of each stage alone (1 thread), fed the values the previous stages make."""
-    folder = plan.save(work / f"s{time.monotonic_ns()}")
-    spec = plan.spec
-    values = SequentialPipeline(spec, folder).run_all(feeds)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    times = []
-    for stage in spec.stages:
-        assert stage.module is not None  # a split has ONNX stages only
-        session = ort.InferenceSession(str(folder / stage.module), sess_options=opts, providers=["CPUExecutionProvider"])
-        stage_feeds = {t.name: values[spec.source_of(Endpoint(stage.name, t.name))] for t in stage.inputs}
-        times.append(median_seconds(functools.partial(session.run, None, stage_feeds), runs, min_seconds=0.2))  # fast stages: more runs)
-    shutil.rmtree(folder)
-    return times
+    return stage_seconds(plan, feeds, StageSettings(intra_op_threads=1), work, runs=runs, min_seconds=0.2)  # fast stages: more runs
 
 
 def _cut_at(path: Path, order: list[int], index: GraphIndex, p: int) -> SplitPlan:

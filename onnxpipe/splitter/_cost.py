@@ -21,6 +21,7 @@ Note: measuring node costs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from onnxpipe.runtime._session import ort_message
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex, load_model
 
-__all__ = ["CostProfile", "profile_model"]
+__all__ = ["CostProfile", "median_run_seconds", "profile_model"]
 
 PROFILE_VERSION = 1
 _SUFFIXES = re.compile(r"(_nchwc|_fused.*|_token_\d+|_output_\d+|_\d+)$")
@@ -203,14 +204,8 @@ def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: 
                 plain.run(None, feeds)
         except Exception as e:  # onnxruntime's own types: a model that cannot run on these sizes
             raise SplitError(_unprofiled(proto, specs, feeds, dims, e)) from e
-        samples: list[float] = []
         # Small models run many more times than asked: a median of 5 runs of 2 ms is noise.
-        while len(samples) < runs or (sum(samples) < _MIN_SECONDS and len(samples) < _MAX_RUNS):
-            start = time.perf_counter()
-            plain.run(None, feeds)
-            samples.append(time.perf_counter() - start)
-        total = statistics.median(samples)
-        runs = len(samples)
+        total, runs = median_run_seconds(functools.partial(plain.run, None, feeds), runs, _MIN_SECONDS, _MAX_RUNS)
         opts = settings.replace(affinity=None).session_options()
         opts.enable_profiling = True
         opts.profile_file_prefix = str(Path(tmp) / "profile")
@@ -326,6 +321,17 @@ def _match(name: str, index: GraphIndex) -> int | None:
             break
         candidate = stripped
     return None
+
+
+def median_run_seconds(run: Callable[[], object], runs: int, min_seconds: float, max_runs: int) -> tuple[float, int]:
+    """The median seconds of a call of ``run``, and how many were timed: at least ``runs``, more
+    (up to ``max_runs``) until ``min_seconds`` of them, so that fast calls are timed often."""
+    samples: list[float] = []
+    while len(samples) < runs or (sum(samples) < min_seconds and len(samples) < max_runs):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples), len(samples)
 
 
 def _byte_seconds() -> float:

@@ -16,7 +16,7 @@ Note: small stages.
 from __future__ import annotations
 
 import functools
-import statistics
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -29,9 +29,10 @@ from onnx import ModelProto
 
 from onnxpipe._errors import SplitError
 from onnxpipe.runtime import Endpoint, SequentialPipeline, StageSettings, interleaved_rounds, random_inputs
+from onnxpipe.splitter._cost import median_run_seconds
 from onnxpipe.splitter._graph import GraphIndex
 
-__all__ = ["REMEASURE_BELOW", "remeasure"]
+__all__ = ["REMEASURE_BELOW", "remeasure", "stage_seconds"]
 
 #: A predicted slowest stage below this many seconds gets its cut re-measured (see Note: small stages).
 REMEASURE_BELOW = 1e-3
@@ -52,26 +53,27 @@ def _moved(assignment: dict[int, int], order: list[int], boundary: int, delta: i
     return moved
 
 
-def _stage_seconds(plan: Any, feeds: Mapping[str, np.ndarray], settings: StageSettings, work: Path) -> float:
-    """The slowest stage's median seconds per run (of a ``SplitPlan``), each stage alone on what the stages before it make."""
-    folder = plan.save(work / f"c{len(list(work.iterdir()))}")
+def stage_seconds(plan: Any, feeds: Mapping[str, np.ndarray], settings: StageSettings, work: Path, runs: int = 20, min_seconds: float = 0.05) -> list[float]:
+    """Each stage's median seconds per run (of a ``SplitPlan``), alone, on what the stages before it
+    make from ``feeds``: at least ``runs`` runs, more until ``min_seconds`` of them (500 at most)."""
+    folder = plan.save(work / f"c{time.monotonic_ns()}")
     spec = plan.spec
     values = SequentialPipeline(spec, folder).run_all(feeds)
     options = settings.replace(affinity=None).session_options()
     options.log_severity_level = 4
-    slowest = 0.0
+    times = []
     for stage in spec.stages:
-        assert stage.module is not None
+        assert stage.module is not None  # a split has ONNX stages only
         session = ort.InferenceSession(str(folder / stage.module), sess_options=options, providers=settings.providers())
         stage_feeds = {t.name: values[spec.source_of(Endpoint(stage.name, t.name))] for t in stage.inputs}
-        session.run(None, stage_feeds)
-        samples: list[float] = []
-        while len(samples) < 20 or (sum(samples) < 0.05 and len(samples) < 500):
-            start = time.perf_counter()
-            session.run(None, stage_feeds)
-            samples.append(time.perf_counter() - start)
-        slowest = max(slowest, statistics.median(samples))
-    return slowest
+        session.run(None, stage_feeds)  # warm-up
+        times.append(median_run_seconds(functools.partial(session.run, None, stage_feeds), runs, min_seconds, 500)[0])
+    shutil.rmtree(folder, ignore_errors=True)
+    return times
+
+
+def _slowest(plan: Any, feeds: Mapping[str, np.ndarray], settings: StageSettings, work: Path) -> float:
+    return max(stage_seconds(plan, feeds, settings, work))
 
 
 def remeasure(assignment: dict[int, int], index: GraphIndex, model: str | ModelProto, settings: StageSettings,
@@ -108,7 +110,7 @@ def remeasure(assignment: dict[int, int], index: GraphIndex, model: str | ModelP
         return assignment, "its stages are under 1 ms, but no neighbouring cut could be split to compare with"
     with tempfile.TemporaryDirectory(prefix="onnxpipe-remeasure-") as tmp:
         work = Path(tmp)
-        rounds = interleaved_rounds({label: functools.partial(_stage_seconds, plan, feeds, settings, work) for label, plan in plans.items()}, _ROUNDS)
+        rounds = interleaved_rounds({label: functools.partial(_slowest, plan, feeds, settings, work) for label, plan in plans.items()}, _ROUNDS)
     base = rounds.values["predicted"]
     winners = [label for label in plans if label != "predicted" and all(v < b for v, b in zip(rounds.values[label], base, strict=True))]
     shown = f"{len(plans)} cuts near the predicted one timed together ({_ROUNDS} interleaved rounds, stages under 1 ms)"
