@@ -16,8 +16,12 @@ Note: the batching probe.
        exactly 2 grows along it. Its inputs are *padded* (state inputs and int / bool masks with
        0, a float mask made from the attention mask with the dtype's lowest value, as an
        additive mask's blocked positions are), its outputs *stripped*.
-    4. The same streams then run two more steps batched, through the runners the engines use
-       (``StageRunner.run_many``), and every output must equal the alone run's within 1e-4
+    4. The same streams then run three decode steps batched, as the runtime runs them: their
+       inputs stacked once at the entry (``scheduling.stack_steps``), one request through the
+       runners the engines use, split at the exit; in the second and third, every other stage
+       runs the members one by one and joins their outputs again with the record's pad values,
+       as after a failed batched call, for the next stage to read batched. Every output must
+       equal the alone run's within 1e-4
        (fp32; 1e-2 for 16-bit floats), as optimum validates exports; otherwise the stage is
        refused with the largest difference and where it was.
 
@@ -40,8 +44,9 @@ from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import random_array
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, TensorSpec
-from onnxpipe.runtime._stage import Request, StagePlan, StageRunner, plan_stages
+from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
 from onnxpipe.runtime._stream import bind_dims, state_dims
+from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_outputs, stack_steps
 
 __all__ = ["MASK_NAMES", "check_batching"]
 
@@ -66,6 +71,13 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     batching = [s for s in spec.stages if s.settings.max_batch > 1]
     if not batching:
         return spec
+    alone = [s for s in spec.stages if s.settings.max_batch <= 1]
+    if spec.states and alone:
+        names = ", ".join(f"'{s.name}'" for s in alone)
+        raise BuildError(
+            f"stage(s) {names} of this pipeline with state have max_batch=1: streams' steps are batched once, at the pipeline's entry, "
+            "and travel every stage as one batch, so every stage must batch them; set max_batch on every stage (or on none)"
+        )
     for stage in batching:
         _check_batch_axes(stage)
     growing = [s for s in batching if any(link.empty_axis is not None for link in spec.states_of(s.name))]
@@ -154,16 +166,17 @@ class _Probe:
     # -- what runs ----------------------------------------------------------------------------
 
     def _runners(self, records: Mapping[str, Batching]) -> list[StageRunner]:
-        runners = []
-        for plan in self.plans:
-            stage = plan.stage
+        """A runner per stage, as a pipeline with these records makes them (stages without one do not batch)."""
+        stages = []
+        for stage in self.spec.stages:
             if stage.name not in self.sessions:
                 raise _NotProbed(f"stage '{stage.name}' is a code stage")
             batching = records.get(stage.name)
             settings = stage.settings if batching is not None else stage.settings.replace(max_batch=1)
-            runners.append(StageRunner(StagePlan(dataclasses.replace(stage, batching=batching, settings=settings), plan.sources, plan.outputs,
-                                                 plan.drop, plan.states), self.sessions[stage.name]))
-        return runners
+            stages.append(dataclasses.replace(stage, batching=batching, settings=settings))
+        spec = dataclasses.replace(self.spec, stages=tuple(stages))
+        self.pads = bag_pads(spec)
+        return [StageRunner(plan, self.sessions[plan.stage.name]) for plan in plan_stages(spec)[0]]
 
     def _feeds(self, past: int, new: int, seed: int) -> dict[str, np.ndarray]:
         """A step's pipeline inputs: the mask over past + new positions, positions counted from
@@ -217,6 +230,39 @@ class _Probe:
                                  if Endpoint(runner.name, o) in member.values})
                     seen[runner.name].append(mine)
 
+    def _batched(self, runners: Sequence[StageRunner], group: list[Request], replay: set[int]) -> list[dict[str, np.ndarray]]:
+        """Streams' steps as the runtime batches them: stacked at the entry, one request through
+        every stage, split at the exit; each member's outputs. Raises :class:`_Differs` where a
+        stage did not run them as one call. The stages in ``replay`` run the members one by one
+        and join their outputs again, padded with the record's fills, as after a failed batched
+        call, for the next stage to read batched (so a fill that would let it attend a padded
+        position is caught too)."""
+        entry = {key.tensor: pad for key, pad in self.pads.items() if key.stage is None}
+        arrays = [{key.tensor: value for key, value in r.values.items()} for r in group]
+        stacked = stack_steps(arrays, entry)
+        if stacked is None:
+            raise _Differs(runners[0].name, "the steps' growing inputs do not line up when padded")
+        values, rows, shifts = stacked
+        batch = StepBatch(tuple(r.id for r in group), tuple(r.stream for r in group), tuple(r.step for r in group),  # type: ignore[misc]
+                          tuple(r.dims for r in group), (0.0,) * len(group), rows, shifts)
+        request = Request(group[0].id, {Endpoint(None, k): v for k, v in values.items()}, {}, 0.0, batch=batch)
+        for k, runner in enumerate(runners):
+            runner.unbatched = None
+            if k in replay:
+                runner._replay(request)
+            else:
+                runner(request)
+            assert request.batch is not None
+            if request.batch.failed:
+                raise _Differs(runner.name, f"a request that runs alone failed batched: {request.batch.failed[0].error}")
+            if runner.unbatched:
+                raise _Differs(runner.name, f"its requests did not run as one call ({runner.unbatched})")
+        outputs = {name: np.asarray(request.values[key]) for name, key in self.finals.items()}
+        exit_pads = {name: self.pads[key] for name, key in self.finals.items() if key in self.pads}
+        done = request.batch
+        assert done is not None
+        return [member_outputs(outputs, done, j, exit_pads) for j in range(len(group))]
+
     def _outputs(self, request: Request) -> dict[str, np.ndarray]:
         return {name: np.asarray(request.values[key]) for name, key in self.finals.items()}
 
@@ -268,9 +314,15 @@ class _Probe:
                 for sid, prompt in enumerate(_PROMPTS):
                     past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
                     group.append(self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step))
-                self._through(runners, group, batched=step > 0)
-                for sid, request in enumerate(group):
-                    got[sid].append(self._outputs(request))
+                if step == 0:
+                    self._through(runners, group)
+                    for sid, request in enumerate(group):
+                        got[sid].append(self._outputs(request))
+                    continue
+                # Step 1 batched throughout; steps 2 and 3 replayed by every other stage (Note: the batching probe, 4).
+                replay = {k for k in range(len(runners)) if step > 1 and k % 2 == step % 2}
+                for sid, outputs in enumerate(self._batched(runners, group, replay)):
+                    got[sid].append(outputs)
         except _Differs as e:
             raise BuildError(f"stage '{e.stage}' cannot batch streams: {e.why}; set max_batch=1 for it") from None
         worst = self._compare([o for outs in want for o in outs], [o for outs in got for o in outs], batching)

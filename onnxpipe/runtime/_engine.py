@@ -129,13 +129,17 @@ class ThreadEngine:
             return
         # Hot loop: bound methods looked up once.
         take = reader.get
-        record, clock = recorder.record, time.perf_counter
+        record, record_steps, clock = recorder.record, recorder.record_steps, time.perf_counter
+        steps = runner.plan.streams and runner.plan.stage.batching is not None  # its calls' sizes are counted
+        first = i == 0  # records the batches' wait at the entry
         while True:
             try:
                 request = take()
             except Closed:
                 return
             if request.error is None:
+                batch = request.batch
+                size, failed = (len(batch), len(batch.failed)) if batch is not None else (1, 0)
                 start = clock()
                 try:
                     runner(request)
@@ -143,7 +147,11 @@ class ThreadEngine:
                     request.error = self._failure(runner.name, request.id, e)
                 if request.step != CLOSE:
                     end = clock()
-                    record(request.id, start, end, request.error is None, start - request.queued_at)
+                    if not steps:
+                        record(request.id, start, end, request.error is None, start - request.queued_at)
+                    elif size:  # a batch whose members all failed earlier ran nothing here
+                        failed = len(request.batch.failed) - failed if request.batch is not None else int(request.error is not None)
+                        record_steps(request.id, start, end, size, failed, start - request.queued_at, batch.waited if first and batch is not None else 0.0)
                     request.queued_at = end
             if not self._pass_on(request, hand_on):
                 self._orphan([request])
@@ -152,11 +160,12 @@ class ThreadEngine:
             del request
 
     def _work_batched(self, runner: Runner, reader: Reader[Request], recorder: StageRecorder, hand_on: Callable[[Request], None] | None) -> None:
-        """The worker of a stage that batches: it takes a request, then what else is queued (up
-        to ``max_batch``, waiting up to ``max_delay_ms`` for more), and runs them together."""
+        """The worker of a stage that batches stateless requests (Triton's dynamic batcher): it
+        takes a request, then what else is queued (up to ``max_batch``, waiting up to
+        ``max_delay_ms`` for more), and runs them together. (Streams' steps are batched at the
+        entry: ``onnxpipe.runtime.scheduling``.)"""
         settings = runner.plan.stage.settings
         most, delay = settings.max_batch, settings.max_delay_ms / 1e3
-        complete = getattr(runner, "complete", lambda group: False)
         clock = time.perf_counter
         while True:
             group: list[Request] = []
@@ -164,7 +173,7 @@ class ThreadEngine:
                 group.append(reader.get())
                 taken = clock()
                 deadline = taken + delay
-                while len(group) < most and not (delay and complete(group)):
+                while len(group) < most:
                     more = reader.get_more(max(0.0, deadline - clock()) if delay else 0.0)
                     if more is None:
                         break

@@ -42,6 +42,7 @@ from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, resident_bytes, summarize, write_trace
 from onnxpipe.runtime._stream import Stream, state_dims
+from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, bag_pads, member_outputs, stack_steps, step_key
 
 __all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
 
@@ -85,12 +86,15 @@ class Pipeline(InferenceSessionAPI):
         max_streams: Streams that may be open at once (see :meth:`stream`).
         stream_timeout: Close a stream idle for longer than this many seconds (``None``: never);
             its next step then raises :class:`StreamError` saying so.
+        micro_batches: For streams whose stages batch: how many groups the streams are spread
+            over, each stepping as one batch (``None``: one per stage, so every stage has a batch
+            to work on). See ``onnxpipe.runtime.scheduling``.
 
     Raises:
         BundleError: the bundle names Python (code stages, custom-op libraries) that
             ``bundle.allow_code`` does not allow (nothing is imported then), or that is not on
             this host.
-        ConfigError: ``max_streams`` or ``stream_timeout`` is not positive.
+        ConfigError: ``max_streams``, ``stream_timeout`` or ``micro_batches`` is not positive.
     """
 
     def __init__(
@@ -105,7 +109,10 @@ class Pipeline(InferenceSessionAPI):
         source: str | os.PathLike[str] | None = None,
         max_streams: int = DEFAULT_MAX_STREAMS,
         stream_timeout: float | None = None,
+        micro_batches: int | None = None,
     ) -> None:
+        if micro_batches is not None and micro_batches < 1:
+            raise ConfigError(f"micro_batches must be at least 1, got {micro_batches}")
         if max_streams < 1:
             raise ConfigError(f"max_streams must be at least 1, got {max_streams}")
         if stream_timeout is not None and not stream_timeout > 0:
@@ -132,6 +139,11 @@ class Pipeline(InferenceSessionAPI):
         self._requests = RequestRecorder()
         self._origin = time.perf_counter()
         self._closed = False
+        pads = bag_pads(bundle.spec)
+        self._entry_pads = {key.tensor: pad for key, pad in pads.items() if key.stage is None}
+        self._exit_pads = {name: pads[key] for name, key in self._finals.items() if key in pads}
+        self.micro_batches = micro_batches or len(plans)
+        self._scheduler = self._step_scheduler(plans)
         self._session_facts: list[SessionFacts] = []
         self._node_counts: dict[str, dict[str, int]] | None = None
         self._engine: Engine
@@ -151,6 +163,18 @@ class Pipeline(InferenceSessionAPI):
         # A pipeline dropped without close() must not leave its workers running.
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
+
+    def _step_scheduler(self, plans: Sequence[StagePlan]) -> StepScheduler | None:
+        """The entry's scheduler of streams' steps, for a pipeline whose every stage batches them
+        (each has the build's ``Batching`` record and ``max_batch`` above 1); ``None`` otherwise:
+        each step then travels alone."""
+        stages = [p.stage for p in plans]
+        if not self.spec.states or any(s.batching is None or s.settings.max_batch < 2 for s in stages):
+            return None
+        limit = min(s.settings.max_batch for s in stages)
+        delay = max(s.settings.max_delay_ms for s in stages) / 1e3
+        pinned = [p.stage.settings.replicas for p in plans if p.states and p.stage.settings.replicas > 1]
+        return StepScheduler(self._send_steps, limit, self.micro_batches, delay, lambda stream: tuple(stream % n for n in pinned))
 
     def _make_runner(self, plan: StagePlan, replica: int) -> Runner:
         runner = make_runner(self.bundle, plan, replica, self._target)
@@ -327,15 +351,17 @@ class Pipeline(InferenceSessionAPI):
     def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return check_inputs(self.spec.inputs, inputs)
 
-    def _enqueue(self, arrays: Mapping[str, np.ndarray], stream: Stream | None = None, step: int = 0, block: bool = True) -> tuple[int, Future[Outputs]]:
+    def _enqueue(self, arrays: Mapping[str, np.ndarray], stream: Stream | None = None, step: int = 0, block: bool = True,
+                 future: Future[Outputs] | None = None, params: Any = None, submitted: float | None = None) -> tuple[int, Future[Outputs]]:
         """Hand one request (a stateless one, a stream's step, or a stream's close) to the engine."""
-        future: Future[Outputs] = Future()
+        future = future or Future()
         with self._lock:
             if self._closed:
                 if stream is not None and step != CLOSE:
                     stream._finished(step, None, ())
                 raise StageError("the pipeline is closed")
-            request = Request(self._next_id, {Endpoint(None, n): a for n, a in arrays.items()}, self._params, time.perf_counter(), done=self._finish)
+            request = Request(self._next_id, {Endpoint(None, n): a for n, a in arrays.items()}, self._params if params is None else params,
+                              submitted or time.perf_counter(), done=self._finish)
             if stream is not None:
                 request.stream, request.step, request.dims = stream.id, step, stream.dims
             self._next_id += 1
@@ -356,9 +382,122 @@ class Pipeline(InferenceSessionAPI):
         return request.id, future
 
     def _submit_step(self, arrays: Mapping[str, np.ndarray], stream: Stream, step: int) -> Future[Outputs]:
-        return self._enqueue(arrays, stream, step)[1]
+        if self._scheduler is None:
+            return self._enqueue(arrays, stream, step)[1]
+        with self._lock:
+            if self._closed:
+                stream._finished(step, None, ())
+                raise StageError("the pipeline is closed")
+        future: Future[Outputs] = Future()
+        params = self._params
+        self._scheduler.offer(Step(stream.id, step, dict(arrays), stream.dims, params, step_key(arrays, self._entry_pads, params), future))
+        return future
+
+    def submit_steps(self, steps: Mapping[Stream, Mapping[str, Any]]) -> dict[Stream, Future[Outputs]]:
+        """Submit the next step of many streams at once; a future of each stream's outputs.
+
+        What one thread stepping many streams (a generation loop, a server's batch) calls instead
+        of ``Stream.submit`` per stream: every step is checked first, and nothing is submitted
+        when one is refused; the steps then leave for the pipeline at once, as few batches as the
+        streams' groups allow (``onnxpipe.runtime.scheduling``), without waiting for any other
+        step. Each stream's step runs after its earlier ones, as with ``Stream.submit``.
+
+        Raises:
+            StreamError: a stream is closed, belongs to another pipeline, or its state is no longer valid.
+            InputError: a step's inputs do not fit (as ``Stream.submit``); the message names the stream.
+        """
+        streams = sorted(steps, key=lambda s: s.id)
+        for stream in streams:
+            if stream._pipeline is not self:
+                raise StreamError(f"stream {stream.id} belongs to another pipeline")
+        self._expire_idle(None)
+        with contextlib.ExitStack() as held:
+            for stream in streams:
+                held.enter_context(stream._order)
+            checked = []
+            for stream in streams:
+                try:
+                    checked.append(stream._accept(steps[stream]))
+                except InputError as e:
+                    raise InputError(f"stream {stream.id}: {e}") from None
+            numbered = [(stream, arrays, stream._advance()) for stream, arrays in zip(streams, checked, strict=True)]
+            if self._scheduler is None:
+                return {stream: self._enqueue(arrays, stream, step)[1] for stream, arrays, step in numbered}
+            futures: dict[Stream, Future[Outputs]] = {}
+            params = self._params
+            pending = []
+            for stream, arrays, step in numbered:
+                future: Future[Outputs] = Future()
+                futures[stream] = future
+                pending.append(Step(stream.id, step, arrays, stream.dims, params, step_key(arrays, self._entry_pads, params), future))
+            with self._lock:
+                if self._closed:
+                    for stream, _, step in numbered:
+                        stream._finished(step, None, ())
+                    raise StageError("the pipeline is closed")
+            self._scheduler.offer_many(pending, flush=True)
+            return futures
+
+    def _send_steps(self, steps: list[Step]) -> None:
+        """The scheduler's batch, stacked once and submitted as one request (see ``scheduling``);
+        one step alone travels as a plain step. Never raises: a step that cannot go fails its future."""
+        if len(steps) == 1 or (stacked := stack_steps([s.arrays for s in steps], self._entry_pads)) is None:
+            for s in steps:
+                with self._lock:
+                    stream = self._streams.get(s.stream) or self._closing_streams.get(s.stream)
+                if stream is None:
+                    self._scheduler.done(s.stream)  # type: ignore[union-attr]
+                    s.future.set_exception(StageError("the pipeline is closed"))
+                    continue
+                try:
+                    self._enqueue(s.arrays, stream, s.number, future=s.future, params=s.params, submitted=s.submitted)
+                except StageError as e:  # the pipeline is closed
+                    self._scheduler.done(s.stream)  # type: ignore[union-attr]
+                    s.future.set_exception(e)
+            return
+        values, rows, shifts = stacked
+        n = len(steps)
+        with self._lock:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                first = self._next_id
+                self._next_id += n
+                self._in_flight += n
+                for k, s in enumerate(steps):
+                    self._futures[first + k] = s.future
+        if closed:
+            for s in steps:
+                self._fail_step(s, StageError("the pipeline is closed"))
+            return
+        submitted = tuple(s.submitted for s in steps)
+        batch = StepBatch(tuple(range(first, first + n)), tuple(s.stream for s in steps), tuple(s.number for s in steps),
+                          tuple(s.dims for s in steps), submitted, rows, shifts, waited=time.perf_counter() - min(submitted))
+        request = Request(first, {Endpoint(None, k): v for k, v in values.items()}, steps[0].params, min(batch.submitted), done=self._finish, batch=batch)
+        for s in steps:
+            s.future.set_running_or_notify_cancel()
+            self._requests.submitted(s.submitted)
+        try:
+            self._engine.submit(request, True)
+        except Closed:
+            self._fail(request, StageError(f"the pipeline was closed before request {request.id} started", request=request.id))
+
+    def _fail_step(self, step: Step, error: BaseException) -> None:
+        """A step the scheduler held that will never run (the pipeline closed)."""
+        with self._lock:
+            stream = self._streams.get(step.stream) or self._closing_streams.get(step.stream)
+        if stream is not None:
+            stream._finished(step.number, None, ())
+        if self._scheduler is not None:
+            self._scheduler.done(step.stream)
+        with contextlib.suppress(InvalidStateError):
+            step.future.set_exception(error)
 
     def _finish(self, request: Request) -> None:
+        if request.batch is not None:
+            self._finish_steps(request)
+            return
         error = request.error
         if request.step == CLOSE:
             outputs: Outputs = {}
@@ -367,7 +506,9 @@ class Pipeline(InferenceSessionAPI):
                 outputs = {name: request.values[key] for name, key in self._finals.items()}
             self._requests.finished(request.submitted, time.perf_counter(), error is None)
             if request.stream is not None:
-                error = self._stream_finished(request)
+                error = self._stream_finished(request.stream, request.step, request.error)
+                if self._scheduler is not None:
+                    self._scheduler.done(request.stream)
         with self._lock:
             future = self._futures.pop(request.id, None)
             self._in_flight -= 1
@@ -381,16 +522,54 @@ class Pipeline(InferenceSessionAPI):
         except InvalidStateError:
             pass  # cancelled by its owner meanwhile
 
-    def _stream_finished(self, request: Request) -> BaseException | None:
+    def _finish_steps(self, request: Request) -> None:
+        """A batch of steps left the pipeline: split it, once, into each member's outputs (or error)."""
+        batch = request.batch
+        assert batch is not None
+        now = time.perf_counter()
+        ended: list[tuple[int, int, int, float, Outputs | None, BaseException | None]] = []
+        if request.error is None:
+            outputs = {name: request.values[key] for name, key in self._finals.items()} if len(batch) else {}
+            for j, (rid, stream, step, submitted) in enumerate(zip(batch.ids, batch.streams, batch.steps, batch.submitted, strict=True)):
+                ended.append((rid, stream, step, submitted, member_outputs(outputs, batch, j, self._exit_pads), None))
+        else:
+            ended.extend((rid, stream, step, sub, None, request.error)
+                         for rid, stream, step, sub in zip(batch.ids, batch.streams, batch.steps, batch.submitted, strict=True))
+        ended.extend((f.id, f.stream, f.step, f.submitted, None, f.error) for f in batch.failed)
+        results = []
+        for rid, stream, step, submitted, outs, error in ended:
+            self._requests.finished(submitted, now, error is None)
+            error = self._stream_finished(stream, step, error)
+            if self._scheduler is not None:
+                self._scheduler.done(stream)
+            results.append((rid, outs, error))
+        with self._lock:
+            futures = [self._futures.pop(rid, None) for rid, _, _ in results]
+            self._in_flight -= len(results)
+        for future, (_, outs, error) in zip(futures, results, strict=True):
+            if future is None:
+                continue
+            try:
+                if error is None:
+                    future.set_result(outs)  # type: ignore[arg-type]
+                else:
+                    future.set_exception(error)
+            except InvalidStateError:
+                pass  # cancelled by its owner meanwhile
+
+    def _stream_finished(self, stream_id: int, step: int, error: BaseException | None) -> BaseException | None:
         """Tell the step's stream how it ended; the error its future raises (see Note: a failed step, _stream.py)."""
         with self._lock:
-            stream = self._streams.get(request.stream) or self._closing_streams.get(request.stream)  # type: ignore[arg-type]
+            stream = self._streams.get(stream_id) or self._closing_streams.get(stream_id)
         if stream is None:
-            return request.error
-        failed_at = getattr(request.error, "stage", None)
+            return error
+        failed_at = getattr(error, "stage", None)
         last = self._order.get(failed_at, -1) if failed_at else -1
         advanced = [s for s in self._state_stages if self._order[s] < last]
-        return stream._finished(request.step, request.error, advanced)
+        raised = stream._finished(step, error, advanced)
+        if self._scheduler is not None and isinstance(raised, StreamError) and raised.state_valid is False:
+            self._scheduler.retire(stream_id)  # its group no longer waits for it
+        return raised
 
     def _fail(self, request: Request, error: BaseException) -> None:
         request.error = request.error or error
@@ -447,6 +626,8 @@ class Pipeline(InferenceSessionAPI):
             stream = Stream(self, self._next_stream)
             self._next_stream += 1
             self._streams[stream.id] = stream
+        if self._scheduler is not None:
+            self._scheduler.join(stream.id)
         return stream
 
     @property
@@ -467,6 +648,8 @@ class Pipeline(InferenceSessionAPI):
             with self._lock:
                 self._closing_streams.pop(stream.id, None)
 
+        if self._scheduler is not None:
+            self._scheduler.leave(stream.id)  # its steps still waiting at the entry go first
         done = None
         if self.spec.states:
             with contextlib.suppress(StageError):  # the pipeline is closed: its runners and states are gone with it
@@ -587,6 +770,10 @@ class Pipeline(InferenceSessionAPI):
         for stream in list(self._streams.values()):
             stream._expire("its pipeline was closed")
         self._streams.clear()
+        if self._scheduler is not None:
+            self._scheduler.close()
+            for step in self._scheduler.waiting():
+                self._fail_step(step, StageError("the pipeline was closed before this step started"))
         for request in self._engine.close():
             self._fail(request, StageError(f"the pipeline was closed before request {request.id} finished", request=request.id))
         with self._lock:
@@ -619,6 +806,7 @@ def load(
     ray_options: RayOptions | None = None,
     max_streams: int = DEFAULT_MAX_STREAMS,
     stream_timeout: float | None = None,
+    micro_batches: int | None = None,
 ) -> Pipeline:
     """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime, and start it.
 
@@ -640,20 +828,23 @@ def load(
         ray_options: Placement, shipping and supervision on Ray (:class:`RayOptions`).
         max_streams: Streams that may be open at once (see :meth:`Pipeline.stream`).
         stream_timeout: Close streams idle for longer than this many seconds (``None``: never).
+        micro_batches: Groups the streams of a pipeline whose stages batch them are spread over,
+            each stepping as one batch (``None``: one per stage; see :class:`Pipeline`).
 
     Raises:
         BundleError: the bundle is missing, broken or refused as unsafe, a stage's provider is
             not available here (or, on Ray, on the node its actor landed on), or it names Python
             ``allow_code`` does not allow or this host does not have.
         ConfigError: the OS refused a stage's CPU affinity; an unknown engine; on Ray: Ray is not
-            installed, the cluster cannot be reached, or a stage cannot be placed; ``max_streams`` or
-            ``stream_timeout`` is not positive.
+            installed, the cluster cannot be reached, or a stage cannot be placed; ``max_streams``,
+            ``stream_timeout`` or ``micro_batches`` is not positive.
     """
     # A hostile bundle, or code the host does not allow, is refused here, before anything ships. On
     # Ray no session starts here: each actor checks its stage's threads against its own node.
     bundle = read_bundle(path, limits, allow_code=allow_code, sessions=() if engine == "ray" else None)
     try:
-        return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path, max_streams=max_streams, stream_timeout=stream_timeout)
+        return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path, max_streams=max_streams, stream_timeout=stream_timeout,
+                        micro_batches=micro_batches)
     except BaseException:
         bundle.close()
         raise

@@ -49,6 +49,18 @@ Note: the bundle an actor reads, and Ray's log line about it.
     construction that every restart must repeat, a helper actor holding the reference) add a step
     to the restart path to hide a log line, so the line stays (docs/limitations.md).
 
+Note: batches of steps.
+    A batch of streams' steps (``Request.batch``) is one request here too: one actor call per
+    stage, one session call in it. Its layout (members, rows, padding) travels WITH its values,
+    under ``_LAYOUT`` in the inputs and in each stage's outputs, because members may leave the
+    batch in any stage (they failed there: ``StageRunner``, Note: state blocks) after the driver
+    has submitted the next stages' calls. An actor brings every value it reads to the newest
+    layout among them (the one with the fewest members: members only leave) by taking the rows of
+    the members still in it (:func:`_aligned`), runs, and returns its outputs with the batch's
+    layout after its run and the members that failed there, which the driver removes from its own
+    copy of the batch for the exit. A member whose state died with an actor fails alone, as a
+    stream stepping alone does.
+
 Note: faults.
     A call that fails because its actor died (process killed, node gone) or because a value it read
     was lost re-runs the request: from the stage that failed, or, when a value was lost with its
@@ -88,6 +100,7 @@ from onnxpipe.runtime._ortapi import SessionFacts
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, pinned_replica, plan_stages
 from onnxpipe.runtime._stats import StageRecorder
+from onnxpipe.runtime.scheduling import StepBatch, take_rows
 
 __all__ = ["HOST_LABEL", "RayEngine", "RayOptions", "import_ray"]
 
@@ -103,6 +116,9 @@ _CALLS_PER_REPLICA = 2
 _SHUTDOWN_WAIT_S = 2.0
 _TICK_S = 0.2
 _FAILED = RuntimeError("failed")  # what a stage record counts as a failed run
+#: The key, among a call's values, of the layout of a batch of streams' steps those values are in
+#: (``StepBatch.describe``): see Note: batches of steps. No tensor has it (a tensor name is never empty).
+_LAYOUT: tuple[str | None, str] = ("", "")
 
 
 @dataclass(frozen=True)
@@ -198,16 +214,17 @@ class _StageActor:
             info["facts"] = SessionFacts.of(self._runner.session, self._runner.name).to_dict()
         return info
 
-    def run(self, calls: Sequence[tuple[int, int | None, tuple[int, int, dict[str, int]] | None, Sequence[Any]]],
-            *objects: Any) -> tuple[list[dict[tuple[str, str], Any] | None], list[dict[str, Any]]]:
+    def run(self, calls: Sequence[tuple[int, int | None, tuple[int, int, dict[str, int]] | None, Sequence[Any], Mapping[int, str] | None]],
+            *objects: Any) -> tuple[list[dict[tuple[str | None, str], Any] | None], list[dict[str, Any]]]:
         """Run the stage on each request of one call, in order. A call carries one request, or
         several when they queued up for this replica while it was busy (see the data-plane note);
         a stage that batches runs them as batched session calls (``StageRunner.run_many``).
 
-        ``calls`` holds one ``(request, params, stream, sources)`` per request: ``params`` is the
+        ``calls`` holds one ``(request, params, stream, sources, lost)`` per request: ``params`` is the
         position in ``objects`` of its parameter snapshot (or None); ``stream`` is ``(stream, step,
         dims)`` for a stream's step or close (see ``Request``), whose state the runner keeps in this
-        actor; ``sources`` are what the stage reads from, one per producer: ``("v", values)`` for the
+        actor; ``lost``, for a batch of steps, the members whose state the driver knows died (id ->
+        why: Note: batches of steps); ``sources`` are what the stage reads from, one per producer: ``("v", values)`` for the
         request's pipeline inputs sent by value, ``("o", position, index)`` for an object of
         ``objects`` (an earlier call's outputs: its ``index``-th entry; ``index`` None: the object
         itself). Values are keyed by ``(stage, tensor)``.
@@ -215,12 +232,12 @@ class _StageActor:
         Returns the kept outputs of each request (None where it failed here or before) as ONE
         object, then each request's timing record.
         """
-        outputs: list[dict[tuple[str, str], Any] | None] = []
+        outputs: list[dict[tuple[str | None, str], Any] | None] = []
         timings: list[dict[str, Any]] = []
         runnable: list[tuple[int, Request]] = []
-        for request, params, stream, sources in calls:
+        for request, params, stream, sources, lost in calls:
             produced = [s[1] if s[0] == "v" else _entry(objects[s[1]], s[2]) for s in sources]
-            req, timing = self._prepare(request, None if params is None else objects[params], stream, produced)
+            req, timing = self._prepare(request, None if params is None else objects[params], stream, produced, lost)
             outputs.append(None)
             timings.append(timing)
             if req is not None:
@@ -235,17 +252,24 @@ class _StageActor:
                     if member.step == CLOSE:
                         continue
                     timings[j].update(start=self._wall(call.start), end=self._wall(call.end), call=n)
-                    if error is None:
-                        outputs[j] = {(name, o): member.values[Endpoint(name, o)] for o in self._returns}
-                    else:
+                    if error is not None:
                         timings[j]["error"] = str(error)
+                    elif member.batch is not None:
+                        batch = member.batch
+                        timings[j]["failed"] = [(f.id, str(f.error), isinstance(f.error, StreamError)) for f in batch.failed]
+                        if len(batch):  # else every member failed: later stages pass it on untouched
+                            kept: dict[tuple[str | None, str], Any] = {(name, o): member.values[Endpoint(name, o)] for o in self._returns}
+                            kept[_LAYOUT] = batch.describe()
+                            outputs[j] = kept
+                    else:
+                        outputs[j] = {(name, o): member.values[Endpoint(name, o)] for o in self._returns}
         return outputs, timings
 
     def _wall(self, perf: float) -> float:
         return perf - self._perf_to_wall
 
     def _prepare(self, request: int, params: Mapping[str, np.ndarray] | None, stream: tuple[int, int, dict[str, int]] | None,
-                 produced: Sequence[dict[tuple[str | None, str], Any] | None]) -> tuple[Request | None, dict[str, Any]]:
+                 produced: Sequence[dict[tuple[str | None, str], Any] | None], lost: Mapping[int, str] | None = None) -> tuple[Request | None, dict[str, Any]]:
         """One request of a call: the :class:`Request` to run (None if it needs no run) and its timing record."""
         now = time.time()
         timing: dict[str, Any] = {"start": now, "end": now, "error": None, "skipped": False}
@@ -259,8 +283,12 @@ class _StageActor:
             timing["error"] = self._error or "the stage has no session"
         else:
             name = self._runner.name
-            merged = {k: v for p in produced if p is not None for k, v in p.items()}
+            merged, layout = _aligned(produced)  # type: ignore[arg-type]
             req = Request(request, {key: merged[(key.stage, key.tensor)] for _, key in self._runner.plan.sources}, {name: params} if params else {}, 0.0)
+            if layout is not None:
+                req.batch = layout
+                self._drop_lost(req, lost or {})
+                return req, timing
             if stream is not None:
                 req.stream, req.step, req.dims = stream
             states = getattr(self._runner, "states", None)
@@ -271,6 +299,25 @@ class _StageActor:
                 return None, timing
             return req, timing
         return None, timing
+
+    def _drop_lost(self, request: Request, lost: Mapping[int, str]) -> None:
+        """Members of a batch whose state is gone (the driver says so, or this actor restarted
+        without it) leave the batch before it runs, failing as a stream alone would."""
+        batch = request.batch
+        assert batch is not None and self._runner is not None
+        states = getattr(self._runner, "states", None)
+        name = self._runner.name
+        gone: dict[int, BaseException] = {}
+        for j, (rid, stream, step) in enumerate(zip(batch.ids, batch.streams, batch.steps, strict=True)):
+            why = lost.get(rid)
+            if why is None and self._restarted and step > 0 and states is not None and self._runner.plan.states and stream not in states:
+                why = f"stage '{name}' lost the state of stream {stream}: the actor holding it died and was restarted without it; close the stream"
+            if why is not None:
+                gone[j] = StreamError(why, stage=name, request=rid, state_valid=False)
+        if gone:
+            keep = [j for j in range(len(batch)) if j not in gone]
+            request.values = {key: take_rows(value, batch.rows, keep) for key, value in request.values.items()}
+            request.batch = batch.without(gone)
 
     def streams(self) -> list[int]:
         """The streams whose state this replica holds (for diagnostics and tests)."""
@@ -639,7 +686,8 @@ class RayEngine:
                     sources.append(("v", held) if isinstance(held, dict) else ("o", position(held[0]), held[1]))
             params = self._params_ref(request, plan)
             stream = None if request.stream is None else (request.stream, request.step, dict(request.dims))
-            calls.append((request.id, None if params is None else position(params), stream, sources))
+            lost = self._members_lost(i, r, request) if request.batch is not None else None
+            calls.append((request.id, None if params is None else position(params), stream, sources, lost))
         refs = rep.actor.run.options(num_returns=2).remote(calls, *objects)
         for j, (flight, _) in enumerate(members):
             flight.bag[plan.stage.name] = (refs[0], j)
@@ -653,14 +701,29 @@ class RayEngine:
         holding the stream's state died since the stream began there (its state died with it)."""
         if request.stream is None or not self._plans[i].states:
             return None
+        why = self._lost_why(i, r, request.stream, request.step)
+        return None if why is None else StreamError(why, stage=self._plans[i].stage.name, request=request.id, state_valid=False)
+
+    def _members_lost(self, i: int, r: int, request: Request) -> dict[int, str]:
+        """For a batch of steps in a stage with state: the members whose state died, by request id (see ``_state_lost``)."""
+        batch = request.batch
+        if batch is None or not self._plans[i].states:
+            return {}
+        lost = {}
+        for rid, stream, step in zip(batch.ids, batch.streams, batch.steps, strict=True):
+            why = self._lost_why(i, r, stream, step)
+            if why is not None:
+                lost[rid] = why
+        return lost
+
+    def _lost_why(self, i: int, r: int, stream: int, step: int) -> str | None:
         rep = self._replicas[i][r]
-        key = (i, request.stream)
-        if request.step == 0:
+        key = (i, stream)
+        if step == 0:
             self._incarnations[key] = rep.incarnation
         if rep.state == "dead" or self._incarnations.get(key) != rep.incarnation:
-            name = self._plans[i].stage.name
-            return StreamError(f"stage '{name}' lost the state of stream {request.stream}: the actor holding it (replica {r}) died "
-                               f"({rep.cause or 'restarted'}); close the stream", stage=name, request=request.id, state_valid=False)
+            return (f"stage '{self._plans[i].stage.name}' lost the state of stream {stream}: the actor holding it (replica {r}) died "
+                    f"({rep.cause or 'restarted'}); close the stream")
         return None
 
     def _params_ref(self, request: Request, plan: StagePlan) -> Any:
@@ -730,8 +793,16 @@ class RayEngine:
         members share theirs)."""
         calls: dict[int, list[tuple[Request, bool]]] = {}
         spans: dict[int, tuple[float, float]] = {}
+        recorder = self._recorders[i][r]
         for (flight, attempt), timing in zip(members, timings, strict=True):
             if flight.done or attempt != flight.attempt or timing["skipped"]:
+                continue
+            request = flight.request
+            if self._plans[i].streams and self._plans[i].stage.batching is not None and "call" in timing:
+                size = request.size  # a batch of steps, or one step: its own session call (Note: batches of steps)
+                failed = len(timing.get("failed", ())) if request.batch is not None else int(timing["error"] is not None)
+                start, end = (t - self._wall_to_perf for t in (timing["start"], timing["end"]))
+                recorder.record_steps(request.id, start, end, size, failed, 0.0, request.batch.waited if i == 0 and request.batch is not None else 0.0)
                 continue
             n = timing.get("call", -1 - len(spans))  # a request that never reached the runner: a record of its own
             calls.setdefault(n, []).append((flight.request, timing["error"] is None))
@@ -745,6 +816,14 @@ class RayEngine:
     def _record(self, flight: _Flight, i: int, r: int, timing: Mapping[str, Any]) -> None:
         request = flight.request
         name = self._plans[i].stage.name
+        if request.batch is not None and timing.get("failed"):
+            at = {rid: j for j, rid in enumerate(request.batch.ids)}
+            gone: dict[int, BaseException] = {}
+            for rid, why, lost in timing["failed"]:
+                if rid in at:
+                    gone[at[rid]] = (StreamError(why, stage=name, request=rid, state_valid=False) if lost
+                                     else StageError(why, stage=name, request=rid))
+            request.batch = request.batch.without(gone)
         if timing.get("state_lost") and request.error is None:
             request.error = StreamError(timing["error"], stage=name, request=request.id, state_valid=False)
         if timing["error"] is not None and request.error is None:
@@ -769,13 +848,16 @@ class RayEngine:
             return
         lost = next((e for e in (error, getattr(error, "cause", None)) if isinstance(e, self._exc.ObjectLostError)), None)
         first = self._lost_stage(flight, lost) if lost is not None else min(set(range(len(self._plans))) - flight.finished)
-        if flight.request.stream is not None and any(self._plans[k].states for k in range(first, len(self._plans)) if k in flight.finished or k == i):
+        steps = flight.request.stream is not None or flight.request.batch is not None
+        if steps and any(self._plans[k].states for k in range(first, len(self._plans)) if k in flight.finished or k == i):
             # A stage with state ran (or was running) this step: running it again would apply the step twice,
             # or run it on a restarted actor that holds no state. The stream learns which (see _stream.py).
             name = self._plans[i].stage.name
             if self._plans[i].states and isinstance(error, self._exc.RayActorError):
+                batch = flight.request.batch
+                which = f"stream {flight.request.stream}" if batch is None else "streams " + ", ".join(map(str, batch.streams))
                 self._fail(flight, self._state_lost(i, r, flight.request) or StreamError(
-                    f"stage '{name}' lost the state of stream {flight.request.stream}: its actor died ({_brief(error)}); close the stream",
+                    f"stage '{name}' lost the state of {which}: its actor died ({_brief(error)}); close the stream",
                     stage=name, request=flight.request.id, state_valid=False))
             else:
                 self._fail(flight, StageError(f"stage '{name}' failed on request {flight.request.id}: {_brief(error)}", stage=name,
@@ -853,7 +935,7 @@ class RayEngine:
 
     def _finish(self, flight: _Flight) -> None:
         request = flight.request
-        if request.error is None and request.step != CLOSE:
+        if request.error is None and request.step != CLOSE and request.size:
             held = [flight.bag[p] for p in self._final_producers]
             try:
                 # The pipeline inputs may be held by value (an output that is an input passed through).
@@ -862,7 +944,7 @@ class RayEngine:
             except self._exc.RayError as e:  # an output was lost with its node: run the request again
                 self._fault(flight, len(self._plans) - 1, 0, e)
                 return
-            merged = {k: v for p in fetched for k, v in p.items()}
+            merged, _ = _aligned(fetched)
             request.values = {key: merged[(key.stage, key.tensor)] for key in self._finals}
         self._complete(flight)
 
@@ -936,8 +1018,36 @@ class RayEngine:
 
 
 def _inputs(request: Request) -> dict[tuple[str | None, str], Any]:
-    """A request's pipeline inputs as the actors read them, keyed by ``(None, tensor)``."""
-    return {(key.stage, key.tensor): value for key, value in request.values.items()}
+    """A request's pipeline inputs as the actors read them, keyed by ``(None, tensor)``; with its
+    layout, for a batch of steps (Note: batches of steps)."""
+    inputs: dict[tuple[str | None, str], Any] = {(key.stage, key.tensor): value for key, value in request.values.items()}
+    if request.batch is not None:
+        inputs[_LAYOUT] = request.batch.describe()
+    return inputs
+
+
+def _aligned(produced: Sequence[Mapping[tuple[str | None, str], Any]]) -> tuple[dict[tuple[str | None, str], Any], StepBatch | None]:
+    """The values of several producers merged, each brought to the newest batch layout among them
+    (the one with the fewest members: members only leave a batch), and that layout (None: not a
+    batch of steps). See Note: batches of steps."""
+    layouts = [p[_LAYOUT] for p in produced if p is not None and _LAYOUT in p]
+    if not layouts:
+        return {k: v for p in produced if p is not None for k, v in p.items()}, None
+    newest = min(layouts, key=lambda layout: len(layout[0]))
+    ids = newest[0]
+    merged: dict[tuple[str | None, str], Any] = {}
+    for p in produced:
+        if p is None:
+            continue
+        layout = p.get(_LAYOUT, newest)
+        if tuple(layout[0]) == tuple(ids):
+            merged.update(p)
+            continue
+        at = {rid: j for j, rid in enumerate(layout[0])}
+        keep = [at[rid] for rid in ids]
+        merged.update({k: v if k == _LAYOUT else take_rows(v, layout[4], keep) for k, v in p.items()})
+    merged.pop(_LAYOUT, None)
+    return merged, StepBatch.from_description(newest)
 
 
 def _entry(outputs: Any, index: int | None) -> Any:

@@ -21,19 +21,26 @@ Note: state stays in its stage.
     CLOSE``) drops the stream's state; an engine delivers it like any request, so it reaches each
     stage after that stream's earlier steps (see docs/streams.md, what an engine must do).
 
+Note: state blocks.
+    A batch of streams' steps (``request.batch``, a :class:`~onnxpipe.runtime.scheduling.StepBatch`
+    formed at the pipeline's entry) is one request: the runner feeds the session the bag's values
+    as they are (already stacked and padded in the batch's layout) and the batch's state as ONE
+    block, runs once, and commits the call's state outputs as the new block, each member's state
+    being its rows of it (``_InBlock``: no copy, no split). When the next step holds the same
+    members in the same rows, that block is fed back as it is; when members joined or left, the
+    block is made anew once (one compaction, or one pad of each member's rows to the new layout).
+    A step that runs alone (a prefill, an unbatched stream) runs on its stream's rows without
+    their padding and commits arrays of its own. Should a batched call fail, or a member's state
+    not hold its step, each member runs alone (nothing was committed): a member that fails leaves
+    the batch with its error, and the others go on to the next stage as a smaller batch.
+
 Note: batched calls.
-    A stage whose ``max_batch`` is above 1 (and whose spec carries the build's ``Batching``
-    record) is given what its worker took from the queue, and :meth:`StageRunner.run_many` runs it
-    in as few session calls as it can: requests with equal shapes but for dim 0 (and, for padded
-    inputs, the padded axis) and the same parameters go together, one step per stream per call, a
-    stream's steps in order. Inputs are joined along dim 0; padded inputs (a KV cache, the mask)
-    are padded on the left of their growing axis to the longest member, so member i is shifted by
-    ``longest - its length``. After the call each request gets its rows; stripped outputs lose the
-    shift again. A stream's committed state is its rows of the call's state outputs *with* the
-    shift (no copy), and ``_layout`` remembers where: when the same streams next run together, the
-    call's state outputs are fed as they are; otherwise each held state's shift is dropped while
-    the new batch is padded. A failed call, or one whose outputs cannot be split back, runs its
-    members again one by one (nothing was committed), so only a bad request fails.
+    A stage whose ``max_batch`` is above 1 in a stateless pipeline (Triton's dynamic batcher) is
+    given what its worker took from the queue, and :meth:`StageRunner.run_many` runs it in as few
+    session calls as it can: requests with equal shapes but for dim 0 and the same parameters go
+    together, stacked along dim 0; after the call each request gets its rows. A failed call, or
+    one whose outputs cannot be split back, runs its members again one by one, so only a bad
+    request fails. (Streams' steps are batched at the entry instead: Note: state blocks.)
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, res
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import Placement, make_session, placement
-from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, StateLink
+from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
+from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_rows, pad_stack, take_rows
 
 __all__ = ["CLOSE", "Call", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "host_placement", "make_runner", "pinned_replica", "plan_stages"]
 
@@ -81,6 +89,8 @@ class Request:
         queued_at: ``time.perf_counter()`` when it entered the queue of the stage it waits for
             (its submission, then the end of each stage's run): what stage statistics time
             queues by.
+        batch: For a batch of streams' steps travelling as one request (Note: state blocks): its
+            members and layout; ``stream`` is then ``None``.
     """
 
     id: int
@@ -93,9 +103,22 @@ class Request:
     step: int = 0
     dims: Mapping[str, int] = field(default_factory=dict)
     queued_at: float = 0.0
+    batch: StepBatch | None = None
 
     def __post_init__(self) -> None:
         self.queued_at = self.queued_at or self.submitted
+
+    @property
+    def route(self) -> int | None:
+        """The stream an engine routes the request by (a batch's members share their replicas)."""
+        if self.batch is not None:
+            return self.batch.streams[0] if len(self.batch) else None
+        return self.stream
+
+    @property
+    def size(self) -> int:
+        """Steps or requests it carries: a batch's members, else 1."""
+        return 1 if self.batch is None else len(self.batch)
 
 
 @dataclass(frozen=True)
@@ -107,6 +130,8 @@ class StagePlan:
     outputs: tuple[str, ...]
     drop: tuple[Endpoint, ...]  # bag keys nothing after this stage reads
     states: tuple[StateLink, ...] = ()  # fed by the runner from its streams' state, not from the bag
+    streams: bool = False  # the pipeline keeps state: its steps are batched at the entry, never in the stage's queue
+    pads: Mapping[Endpoint, tuple[int, float]] = field(default_factory=dict)  # bag values that grow with the past (scheduling.bag_pads)
 
 
 def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint]]:
@@ -119,13 +144,14 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
             if Endpoint(stage.name, t.name) not in fed_by_state:
                 last_use[spec.source_of(Endpoint(stage.name, t.name))] = i
     keep = set(finals.values())
+    pads = bag_pads(spec)
     plans = []
     for i, stage in enumerate(spec.stages):
         sources = tuple((t.name, spec.source_of(Endpoint(stage.name, t.name))) for t in stage.inputs if Endpoint(stage.name, t.name) not in fed_by_state)
         produced = [Endpoint(stage.name, t.name) for t in stage.outputs]
         drop = [k for k, last in last_use.items() if last == i and k not in keep]
         drop += [k for k in produced if k not in last_use and k not in keep]  # outputs nothing reads
-        plans.append(StagePlan(stage, sources, tuple(t.name for t in stage.outputs), tuple(drop), spec.states_of(stage.name)))
+        plans.append(StagePlan(stage, sources, tuple(t.name for t in stage.outputs), tuple(drop), spec.states_of(stage.name), bool(spec.states), pads))
     return plans, finals
 
 
@@ -198,185 +224,267 @@ class StageRunner:
         self.session = session
         self.run_options = ort.RunOptions()
         self._keys = tuple(Endpoint(self.name, o) for o in plan.outputs)
-        #: Per stream: (steps in the state, state input name -> array). See Note: state stays in its stage.
-        self.states: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        #: Per stream: (steps in the state, the state: its own arrays, or its rows of a block). See Note: state blocks.
+        self.states: dict[int, tuple[int, dict[str, np.ndarray] | _InBlock]] = {}
         self._state_at = tuple((s.input, plan.outputs.index(s.output)) for s in plan.states)
-        self.max_batch = plan.stage.settings.max_batch if plan.stage.batching is not None else 1
-        batching = plan.stage.batching or Batching()
-        self._padded = dict(batching.padded)
-        # Outputs stripped of a batch's padding: those but the state (which keeps it, see _Rows).
-        states_out = {link.output for link in plan.states}
-        self._stripped = tuple(None if o in states_out else batching.stripped.get(o) for o in plan.outputs)
+        #: Requests taken from the stage's queue that may run as one call (stateless requests: Note: batched calls).
+        self.max_batch = plan.stage.settings.max_batch if plan.stage.batching is not None and not plan.streams else 1
         #: The feeds stacked along dim 0; the others (parameter overrides) are the batch's own, as one.
-        self._stacked = frozenset(name for name, _ in plan.sources) | {s.input for s in plan.states}
+        self._stacked = tuple(name for name, _ in plan.sources)
         # Outputs put in the bag (those some later stage or pipeline output reads), and the
         # earlier values this stage is the last to read: the plan's drops, without putting in
         # what would be dropped at once.
         dropped = set(plan.drop)
         self._kept = tuple((at, key) for at, key in enumerate(self._keys) if key not in dropped)
         self._dropped = tuple(key for key in plan.drop if key not in self._keys)
-        self._stacked_order = tuple(name for name, _ in plan.sources) + tuple(s.input for s in plan.states)
+        self._made = frozenset(self._keys)
+        self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None}
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
         self.unbatched: str | None = None
-        #: Batched calls fed the state outputs of the batched call before them as they were (no copy).
+        #: Batched steps fed the block of state the step before left, as it was (no copy), and those
+        #: whose block was made anew (a member joined, left or failed: one pad or compaction).
         self.reused = 0
-        #: Per stream whose state a batched call committed: where its rows are in that call's state (Note: batched calls).
-        self._layout: dict[int, _Rows] = {}
-        self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None}
+        self.rebuilt = 0
 
     def __call__(self, request: Request) -> None:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
 
-        For a stage with state, also feed the request's stream its state and commit the new one.
+        For a stage with state, also feed the request's stream its state and commit the new one;
+        a batch of streams' steps (``request.batch``) runs as one call (Note: state blocks).
         """
         if request.step == CLOSE:
             self.states.pop(request.stream, None)  # type: ignore[arg-type]
-            self._layout.pop(request.stream, None)  # type: ignore[arg-type]
+            return
+        if request.batch is not None:
+            self._run_steps(request)
             return
         values = request.values
-        results = self.session.run(self.plan.outputs, self._feeds(request, held=False), self.run_options)
+        results = self.session.run(self.plan.outputs, self._feeds(request), self.run_options)
         if self._state_at:
             assert request.stream is not None
             self.states[request.stream] = (request.step + 1, {name: results[at] for name, at in self._state_at})
-            if self._layout:
-                self._layout.pop(request.stream, None)
         for at, key in self._kept:
             values[key] = results[at]
         for key in self._dropped:
             values.pop(key, None)
 
-    def _state(self, request: Request) -> dict[str, np.ndarray]:
-        """The state this step of its stream runs on: the stream's, or the initial one at step 0;
-        without the padding a batched step left in it (see Note: batched calls)."""
-        state = self._held_state(request)
-        layout = self._layout.get(request.stream) if self._layout and request.step else None  # type: ignore[arg-type]
-        if layout is None or not layout.pad:
-            return state
-        return {name: np.ascontiguousarray(self._unpad(name, value, layout.pad)) for name, value in state.items()}
-
-    def _unpad(self, name: str, value: np.ndarray, pad: int) -> np.ndarray:
-        axis = self._empty.get(name)
-        return value if axis is None else value[(slice(None),) * axis + (slice(pad, None),)]
-
-    def _held_state(self, request: Request) -> dict[str, np.ndarray]:
-        """The state arrays the runner holds for this step's stream (or the initial ones at step 0)."""
-        if request.stream is None:
-            raise StageError(f"stage '{self.name}' keeps state per stream ({self.plan.states[0]}): run the pipeline through pipe.stream()", stage=self.name)
-        if request.step == 0:
-            if request.stream in self.states:
-                raise AssertionError(f"stream {request.stream} started twice in stage '{self.name}'")
-            return initial_state(self.plan, request.dims)
-        entry = self.states.get(request.stream)
-        if entry is None or entry[0] != request.step:
-            held = "no state of it" if entry is None else f"its state after step {entry[0] - 1}"
-            raise StageError(
-                f"stage '{self.name}' holds {held}, not after step {request.step - 1}: "
-                f"an earlier step of stream {request.stream} failed, so step {request.step} cannot run on its state",
-                stage=self.name,
-            )
-        return entry[1]
-
-    def run_many(self, requests: Sequence[Request]) -> list[Call]:
-        """Run a group of requests taken from the stage's queue, in as few session calls as the
-        stage's batching allows (see Note: batched calls); each request's outputs go to its bag
-        and each stream's state is committed exactly as :meth:`__call__` does.
-
-        Requests that failed earlier are passed over; a close request runs alone, after the
-        stream's earlier steps. Never raises: each member's error is in its :class:`Call`.
-        """
-        if self.max_batch <= 1:
-            return run_alone(self, requests)
-        calls: list[Call] = []
-        pending = [r for r in requests if r.error is None]
-        while pending:
-            batch, feeds, rest = self._take_batch(pending, calls)
-            pending = rest
-            if len(batch) == 1:
-                calls.extend(run_alone(self, batch))
-            elif batch:
-                calls.extend(self._run_batch(batch, feeds))
-        return calls
-
-    def _take_batch(self, pending: list[Request], calls: list[Call]) -> tuple[list[Request], list[dict[str, np.ndarray]], list[Request]]:
-        """The next batch: the first pending request and, after it in order, those that fit with
-        it (the same key, another stream); the rest stay pending. A stream one of whose requests
-        stays pending keeps all its later ones pending too, so its steps keep their order."""
-        batch: list[Request] = []
-        feeds: list[dict[str, np.ndarray]] = []
-        rest: list[Request] = []
-        streams: set[int] = set()
-        held: set[int] = set()
-        key: tuple[Any, ...] | None = None
-        for request in pending:
-            stream = request.stream
-            if (stream is not None and (stream in held or stream in streams)) or len(batch) >= self.max_batch or (request.step == CLOSE and batch):
-                rest.append(request)
-                if stream is not None:
-                    held.add(stream)
-                continue
-            if request.step == CLOSE:
-                return [request], [], [r for r in pending if r is not request]
-            try:
-                feed = self._feeds(request)
-            except Exception as e:  # its state does not match its step: it fails alone, now
-                calls.append(Call([request], time.perf_counter(), time.perf_counter(), [e]))
-                continue
-            mine = self._key(request, feed)
-            if key is None:
-                key = mine
-            elif mine != key:
-                rest.append(request)
-                if stream is not None:
-                    held.add(stream)
-                continue
-            batch.append(request)
-            feeds.append(feed)
-            if stream is not None:
-                streams.add(stream)
-        return batch, feeds, rest
-
-    def _feeds(self, request: Request, held: bool = True) -> dict[str, np.ndarray]:
-        """What the session is fed for one request: its inputs from the bag, its parameters, its
-        state: as held (``held``: a batched step's padding in it, which ``_stack`` deals with), or
-        as the request alone runs on."""
+    def _feeds(self, request: Request) -> dict[str, np.ndarray]:
+        """What the session is fed for one request alone: its inputs from the bag, its parameters,
+        its stream's state."""
         values = request.values
         feeds = {name: values[key] for name, key in self.plan.sources}
         own = request.params.get(self.name)
         if own:
             feeds.update(own)
         if self._state_at:
-            feeds.update(self._held_state(request) if held else self._state(request))
+            feeds.update(self._own(self._held(request.stream, request.step, request.dims)))
         return feeds
 
-    def _key(self, request: Request, feeds: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
-        """Requests batch together only with the same key: the same parameters, and the same
-        shapes but the batch axis (and, for padded inputs, the padded axis). Dtypes need no place
-        in it: a pipeline input's is checked at submission, and a stage's or a state's is its module's."""
-        own = request.params.get(self.name)
-        key: list[Any] = [id(own) if own else None]
-        padded = self._padded
-        for name in self._stacked_order:
-            shape = feeds[name].shape
-            pad = padded.get(name)
-            if pad is None:
-                key.append(shape[1:])
-            else:
-                axis = pad[0]
-                key.append(shape[1:axis] + shape[axis + 1 :])
-        return tuple(key)
+    # -- state ----------------------------------------------------------------------------------
 
-    def _run_batch(self, batch: list[Request], feeds: list[dict[str, np.ndarray]]) -> list[Call]:
-        """One session call for the batch (see Note: batched calls); should it fail, or its
-        outputs not split back, each member runs again alone so only a bad one fails."""
+    def _held(self, stream: int | None, step: int, dims: Mapping[str, int]) -> dict[str, np.ndarray] | _InBlock:
+        """The state this step of its stream runs on (the initial one at step 0), as held.
+
+        Raises:
+            StageError: the state does not hold exactly ``step`` steps (an earlier step failed).
+        """
+        if stream is None:
+            raise StageError(f"stage '{self.name}' keeps state per stream ({self.plan.states[0]}): run the pipeline through pipe.stream()", stage=self.name)
+        if step == 0:
+            if stream in self.states:
+                raise AssertionError(f"stream {stream} started twice in stage '{self.name}'")
+            return initial_state(self.plan, dims)
+        entry = self.states.get(stream)
+        if entry is None or entry[0] != step:
+            held = "no state of it" if entry is None else f"its state after step {entry[0] - 1}"
+            raise StageError(
+                f"stage '{self.name}' holds {held}, not after step {step - 1}: "
+                f"an earlier step of stream {stream} failed, so step {step} cannot run on its state",
+                stage=self.name,
+            )
+        return entry[1]
+
+    def _own(self, held: dict[str, np.ndarray] | _InBlock) -> dict[str, np.ndarray]:
+        """A stream's state arrays alone: its own, or its rows of a block without its padding."""
+        if not isinstance(held, _InBlock):
+            return held
+        block, j = held.block, held.index
+        lo, hi, shift = block.rows[j], block.rows[j + 1], block.shifts[j]
+        return {name: member_rows(value, lo, hi, None if name not in self._empty else (self._empty[name], 0.0), shift)
+                for name, value in block.arrays.items()}
+
+    def _block_for(self, batch: StepBatch) -> dict[str, np.ndarray] | None:
+        """The state a batch of steps runs on, as one block in the batch's layout (Note: state
+        blocks); ``None`` when the members' states do not line up with the batch's padding.
+
+        Raises:
+            StageError: a member's state does not hold its step's number of steps.
+        """
+        helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
+        first = helds[0]
+        block = first.block if isinstance(first, _InBlock) else None
+        if block is not None and all(isinstance(h, _InBlock) and h.block is block for h in helds):
+            if block.streams == batch.streams and block.shifts == batch.shifts and block.rows == batch.rows:
+                self.reused += 1
+                return block.arrays  # the same members as the step before, in the same rows
+            at = [h.index for h in helds]  # type: ignore[union-attr]
+            if all(block.shifts[k] == s and block.rows[k + 1] - block.rows[k] == batch.rows[j + 1] - batch.rows[j]
+                   for j, (k, s) in enumerate(zip(at, batch.shifts, strict=True))):
+                self.rebuilt += 1
+                return {name: take_rows(value, block.rows, at) for name, value in block.arrays.items()}  # members left: one compaction
+        self.rebuilt += 1
+        owns = [self._own(h) for h in helds]
+        out: dict[str, np.ndarray] = {}
+        for name, _ in self._state_at:
+            parts = [own[name] for own in owns]
+            if any(len(p) != batch.rows[j + 1] - batch.rows[j] for j, p in enumerate(parts)):
+                return None
+            axis = self._empty.get(name)
+            if axis is not None and len({p.shape[axis] + s for p, s in zip(parts, batch.shifts, strict=True)}) != 1:
+                return None
+            out[name] = pad_stack(parts, axis, 0.0, batch.shifts) if axis is not None and any(batch.shifts) else np.concatenate(parts)
+        return out
+
+    # -- a batch of streams' steps ----------------------------------------------------------
+
+    def _run_steps(self, request: Request) -> None:
+        """One session call for a batch of steps (Note: state blocks); should it fail, or its
+        members' states not line up, each member runs alone so that only a bad one fails."""
+        batch = request.batch
+        assert batch is not None
+        if not len(batch):
+            return  # every member failed in an earlier stage
+        values = request.values
+        feeds = {name: values[key] for name, key in self.plan.sources}
+        own = request.params.get(self.name)
+        if own:
+            feeds.update(own)
+        try:
+            if self._state_at:
+                block = self._block_for(batch)
+                if block is None:
+                    self.unbatched = "the members' states do not line up with the batch's padding"
+                    self._replay(request)
+                    return
+                feeds.update(block)
+            results = self.session.run(self.plan.outputs, feeds, self.run_options)
+        except Exception as e:  # which member was bad is found by running each alone
+            self.unbatched = f"the batched call failed: {e}"
+            self._replay(request)
+            return
+        total = batch.rows[-1]
+        if any(np.ndim(r) == 0 or len(r) != total for r in results):
+            self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
+            self._replay(request)
+            return
+        if self._state_at:
+            made = _Block(batch.streams, batch.rows, batch.shifts, {name: results[at] for name, at in self._state_at})
+            states = self.states
+            for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
+                states[stream] = (step + 1, _InBlock(made, j))
+        for at, key in self._kept:
+            values[key] = results[at]
+        for key in self._dropped:
+            values.pop(key, None)
+
+    def _replay(self, request: Request) -> None:
+        """Each member of the batch alone (nothing was committed); members that fail leave the
+        batch with their error, the others go on as a smaller batch in the same layout."""
+        batch = request.batch
+        assert batch is not None
+        values = request.values
+        pads = self.plan.pads
+        gone: dict[int, BaseException] = {}
+        done: list[tuple[int, list[Any]]] = []
+        for j, (stream, step, dims) in enumerate(zip(batch.streams, batch.steps, batch.dims, strict=True)):
+            lo, hi, shift = batch.rows[j], batch.rows[j + 1], batch.shifts[j]
+            feeds = {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self.plan.sources}
+            own = request.params.get(self.name)
+            if own:
+                feeds.update(own)
+            try:
+                if self._state_at:
+                    feeds.update(self._own(self._held(stream, step, dims)))
+                results = self.session.run(self.plan.outputs, feeds, self.run_options)
+            except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
+                gone[j] = StageError(f"stage '{self.name}' failed on request {batch.ids[j]}: {e}", stage=self.name, request=batch.ids[j])
+                continue
+            if self._state_at:
+                self.states[stream] = (step + 1, {name: results[at] for name, at in self._state_at})
+            done.append((j, results))
+        for key in self._dropped:
+            values.pop(key, None)
+        keep = [j for j, _ in done]
+        if len(keep) < len(batch):
+            for key in [k for k in values if k not in self._made]:
+                values[key] = take_rows(values[key], batch.rows, keep)
+        shifts = [batch.shifts[j] for j in keep]
+        for at, key in self._kept:
+            if not done:
+                values.pop(key, None)
+                continue
+            parts = [results[at] for _, results in done]
+            pad = pads.get(key)
+            values[key] = pad_stack(parts, pad[0], pad[1], shifts) if pad is not None and any(shifts) else np.concatenate(parts)
+        request.batch = batch.without(gone)
+
+    # -- stateless requests taken together ----------------------------------------------------
+
+    def run_many(self, requests: Sequence[Request]) -> list[Call]:
+        """Run a group of requests taken from the stage's queue, in as few session calls as the
+        stage's batching allows (stateless requests: see Note: batched calls); each request's
+        outputs go to its bag exactly as :meth:`__call__` puts them.
+
+        Requests that failed earlier are passed over. Never raises: each member's error is in its :class:`Call`.
+        """
+        if self.max_batch <= 1:
+            return run_alone(self, requests)
+        calls: list[Call] = []
+        pending = [r for r in requests if r.error is None]
+        while pending:
+            batch, rest = self._take_batch(pending)
+            pending = rest
+            if len(batch) == 1:
+                calls.extend(run_alone(self, batch))
+            else:
+                calls.extend(self._run_batch(batch))
+        return calls
+
+    def _take_batch(self, pending: list[Request]) -> tuple[list[Request], list[Request]]:
+        """The next batch: the first pending request and, after it in order, those with its key,
+        up to ``max_batch``; the rest stay pending."""
+        key = self._key(pending[0])
+        batch, rest = [pending[0]], []
+        for request in pending[1:]:
+            if len(batch) < self.max_batch and self._key(request) == key:
+                batch.append(request)
+            else:
+                rest.append(request)
+        return batch, rest
+
+    def _key(self, request: Request) -> tuple[Any, ...]:
+        """Requests batch together only with the same key: the same parameters, and the same
+        shapes but the batch axis. Dtypes need no place in it: a pipeline input's is checked at
+        submission, and a stage's is its module's."""
+        own = request.params.get(self.name)
+        values = request.values
+        return (id(own) if own else None, *(np.shape(values[key])[1:] for _, key in self.plan.sources))
+
+    def _run_batch(self, batch: list[Request]) -> list[Call]:
+        """One session call for the batch, stacked along dim 0; should it fail, or its outputs not
+        split back, each member runs again alone so only a bad one fails."""
         clock = time.perf_counter
         start = clock()
-        layouts: list[_Rows | None] = [self._layout.get(r.stream) if r.step else None for r in batch] if self._layout else [None] * len(batch)  # type: ignore[arg-type]
-        batch, feeds, layouts, whole = self._in_held_order(batch, feeds, layouts)
-        stacked = self._stack(batch, feeds, layouts, whole)
-        if stacked is None:
-            self.unbatched = "their padded inputs do not grow alike, or their inputs disagree on a request's batch size"
-            return run_alone(self, batch)
-        joined, rows, shifts = stacked
+        feeds = [self._feeds(r) for r in batch]
+        stacked = self._stacked
+        rows = [0]
+        for feed in feeds:
+            sizes = {len(feed[name]) if np.ndim(feed[name]) else -1 for name in stacked}
+            if len(sizes) != 1 or -1 in sizes:
+                self.unbatched = "an input is a scalar, or the inputs of one request disagree on its batch size"
+                return run_alone(self, batch)
+            rows.append(rows[-1] + sizes.pop())
+        joined = {name: np.concatenate([f[name] for f in feeds]) if name in stacked else value for name, value in feeds[0].items()}
         try:
             results = self.session.run(self.plan.outputs, joined, self.run_options)
         except Exception as e:  # which member was bad is found by running each alone
@@ -386,121 +494,26 @@ class StageRunner:
         if any(np.ndim(r) == 0 or len(r) != total for r in results):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
             return run_alone(self, batch)
-        # Each stream's new state is its rows of the batch's, padding and all (no copy); the batch
-        # keeps the whole, which its next step feeds as it is when the same streams come back together.
-        made = _Batch(tuple(r.stream for r in batch), {name: results[at] for name, at in self._state_at})
-        kept = [(key, results[at], self._stripped[at]) for at, key in self._kept]
-        states = [(name, results[at]) for name, at in self._state_at]
+        kept = [(key, results[at]) for at, key in self._kept]
         for j, request in enumerate(batch):
-            lo, hi, shift = rows[j], rows[j + 1], shifts[j]
+            lo, hi = rows[j], rows[j + 1]
             values = request.values
-            for key, result, axis in kept:
-                part = result[lo:hi]
-                if axis is not None and shift:
-                    part = np.ascontiguousarray(part[(slice(None),) * axis + (slice(shift, None),)])
-                values[key] = part
+            for key, result in kept:
+                values[key] = result[lo:hi]
             for key in self._dropped:
                 values.pop(key, None)
-            if states:
-                assert request.stream is not None
-                self.states[request.stream] = (request.step + 1, {name: result[lo:hi] for name, result in states})
-                self._layout[request.stream] = _Rows(made, j, shift)
         return [Call(list(batch), start, clock(), [None] * len(batch))]
 
-    def _in_held_order(self, batch: list[Request], feeds: list[dict[str, np.ndarray]], layouts: list[_Rows | None]
-                       ) -> tuple[list[Request], list[dict[str, np.ndarray]], list[_Rows | None], bool]:
-        """The batch, its feeds and its members' layouts in the rows of the batched call that made
-        all their states, when it holds exactly that call's streams (then ``True``: that call's state
-        outputs may feed this one as they are); otherwise as given, and ``False``."""
-        first = layouts[0]
-        if first is None or len(first.batch.streams) != len(batch) or any(lay is None or lay.batch is not first.batch for lay in layouts):
-            return batch, feeds, layouts, False
-        order = sorted(range(len(batch)), key=lambda j: layouts[j].index)  # type: ignore[union-attr]
-        return [batch[j] for j in order], [feeds[j] for j in order], [layouts[j] for j in order], True
-
-    def complete(self, group: Sequence[Request]) -> bool:
-        """Whether a stage waiting for a batch (``max_delay_ms``) may stop waiting: ``group`` holds
-        a step of every stream whose state this stage holds (no other step can come to join it
-        but a new stream's), or of every stream of the batch its first stream last ran in (the
-        streams that batch together keep doing so: their state then feeds the next call as it
-        is), or a close (which never waits). Always false for a stage without state (any request
-        may still come)."""
-        if any(r.step == CLOSE for r in group):
-            return True
-        if not self._state_at or not self.states:
-            return False
-        present = {r.stream for r in group}
-        last = self._layout.get(group[0].stream) if self._layout else None  # type: ignore[arg-type]
-        if last is not None and all(stream in present for stream in last.batch.streams):
-            return True
-        return all(stream in present for stream in self.states)
-
-    def _stack(self, batch: list[Request], feeds: list[dict[str, np.ndarray]], layouts: Sequence[_Rows | None], whole: bool
-               ) -> tuple[dict[str, np.ndarray], list[int], list[int]] | None:
-        """The batch's feeds: each input's members joined along dim 0, padded inputs padded on
-        the left of their axis to the longest; with each member's first row (and the total) and
-        its padding. ``None`` when the padded inputs do not grow alike (they then run alone)."""
-        stacked = [name for name in feeds[0] if name in self._stacked]
-        if not stacked or any(np.ndim(feeds[0][name]) == 0 for name in stacked):
-            return None
-        rows = [0]
-        for feed in feeds:
-            rows.append(rows[-1] + len(feed[stacked[0]]))
-        if any(len(f[name]) != rows[j + 1] - rows[j] for j, f in enumerate(feeds) for name in stacked):
-            return None  # inputs of one request disagree on its batch size: each runs alone, and says so
-        # The padding each member's held state carries already (from the batched step that made it).
-        held = [0 if lay is None else lay.pad for lay in layouts]
-        shifts = [0] * len(feeds)
-        padded = [name for name in feeds[0] if name in self._padded]
-        lengths: dict[str, list[int]] = {}
-        if padded:
-            for name in padded:
-                axis = self._padded[name][0]
-                own = [f[name].shape[axis] for f in feeds]
-                lengths[name] = [n - h for n, h in zip(own, held, strict=True)] if name in self._empty else own
-            first_lengths = lengths[padded[0]]
-            longest = max(first_lengths)
-            shifts = [longest - n for n in first_lengths]
-            for name in padded[1:]:
-                grown = lengths[name]
-                if any(grown[j] + shifts[j] != grown[0] + shifts[0] for j in range(1, len(feeds))):
-                    return None
-        # The same streams as the batch that made their states, in its rows, padded alike:
-        # that batch's state outputs are this call's state inputs, as they are.
-        first = layouts[0]
-        reuse = whole and shifts == held
-        self.reused += reuse
-        joined: dict[str, np.ndarray] = {}
-        for name, value in feeds[0].items():
-            if name not in self._stacked:
-                joined[name] = value
-                continue
-            if reuse and first is not None and name in first.batch.state:
-                joined[name] = first.batch.state[name]
-                continue
-            pad = self._padded.get(name)
-            if pad is None or (not any(shifts) and not any(held)):
-                joined[name] = np.concatenate([f[name] for f in feeds]) if len(feeds) > 1 else value
-                continue
-            axis, fill = pad
-            shape = list(value.shape)
-            shape[0] = rows[-1]
-            shape[axis] = lengths[name][0] + shifts[0]
-            out = np.full(shape, fill, value.dtype) if fill else np.zeros(shape, value.dtype)
-            lead = (slice(None),) * (axis - 1)
-            for j, feed in enumerate(feeds):
-                part = feed[name]
-                if held[j] and name in self._empty:
-                    unpadded = (slice(None), *lead, slice(held[j], None))
-                    part = part[unpadded]
-                at = (slice(rows[j], rows[j + 1]), *lead, slice(shifts[j], None))
-                out[at] = part
-            joined[name] = out
-        return joined, rows, shifts
-
     def state_bytes(self) -> int:
-        """Bytes of the state arrays this runner holds, over all its streams."""
-        return sum(a.nbytes for _, state in self.states.values() for a in state.values())
+        """Bytes of the state arrays this runner holds, over all its streams (a block counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for _, held in self.states.values():
+            arrays = held.block.arrays if isinstance(held, _InBlock) else held
+            if id(arrays) not in seen:
+                seen.add(id(arrays))
+                total += sum(a.nbytes for a in arrays.values())
+        return total
 
     def cancel(self) -> None:
         """Make a run in progress return early (onnxruntime's ``RunOptions.terminate``)."""
@@ -508,21 +521,22 @@ class StageRunner:
 
 
 @dataclass(frozen=True, eq=False)
-class _Batch:
-    """The state outputs of one batched call, whole, and the streams it ran, in their rows."""
+class _Block:
+    """The state outputs of one batched call, whole: the streams it ran and its layout (as in
+    ``StepBatch``)."""
 
-    streams: tuple[int | None, ...]
-    state: dict[str, np.ndarray]
+    streams: tuple[int, ...]
+    rows: tuple[int, ...]
+    shifts: tuple[int, ...]
+    arrays: dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
-class _Rows:
-    """Where a stream's state lies in the batched call that committed it: its member ``index``,
-    and the ``pad`` positions its held state arrays carry on the left of their empty axis."""
+class _InBlock:
+    """A stream's state held as member ``index`` of a block."""
 
-    batch: _Batch
+    block: _Block
     index: int
-    pad: int
 
 
 def initial_state(plan: StagePlan, dims: Mapping[str, int]) -> dict[str, np.ndarray]:
@@ -628,9 +642,10 @@ def pinned_replica(plan: StagePlan, request: Request, replicas: int) -> int | No
     holds the stream's state (streams are numbered in order, so they spread evenly). Every engine
     routes by this (see the streams note of ``_engine.py``).
     """
-    if request.stream is None or not plan.states:
+    route = request.route
+    if route is None or not plan.states:
         return None
-    return request.stream % replicas
+    return route % replicas
 
 
 def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | None = None) -> Runner:

@@ -68,6 +68,22 @@ class StageRecorder:
         if self.events is not None:
             self.events.append((request, start, end, ok, 1))
 
+    def record_steps(self, request: int, start: float, end: float, size: int, failed: int, queued: float, waited: float = 0.0) -> None:
+        """One session call of a stage in a pipeline whose streams batch: a request carrying
+        ``size`` steps (a batch formed at the entry, or one step alone), ``failed`` of which failed
+        here, after ``queued`` seconds in the stage's queue (and, for the first stage, ``waited``
+        seconds at the entry for the batch to form). Counts each step as a run, and the call's time once."""
+        self.count += size
+        self.batch_wait += waited
+        self.calls += 1
+        self.failed += failed
+        self.busy += end - start
+        self.batches[size] = self.batches.get(size, 0) + 1
+        self.latencies.append(end - start)
+        self.queued += queued * size
+        if self.events is not None:
+            self.events.append((request, start, end, not failed, size))
+
     def record_call(self, members: Sequence[Any], start: float, end: float, errors: Sequence[BaseException | None], waited: float = 0.0) -> None:
         """One session call that ran ``members`` (requests: their ``id`` and ``queued_at`` are
         read, and ``queued_at`` moved to ``end``) together, after the worker waited ``waited``

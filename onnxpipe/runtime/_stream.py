@@ -129,17 +129,31 @@ class Stream:
         # _order keeps the steps of one stream in submission order into the engine; _lock guards the
         # counters and is never held while waiting on the pipeline (its last stage takes it).
         with self._order:
-            with self._lock:
-                if self._closed is not None:
-                    raise StreamError(f"stream {self.id} is closed ({self._closed}); open a new one with pipe.stream()")
-                if self._invalid is not None:
-                    raise StreamError(f"stream {self.id} cannot take more steps: {self._invalid}; close it and open a new one", state_valid=False)
-                arrays = self._pipeline._check(inputs)
-                self._check_dims(arrays)
-                step = self._next
-                self._next += 1
-                self._pending += 1
-            return self._pipeline._submit_step(arrays, self, step)
+            arrays = self._accept(inputs)
+            return self._pipeline._submit_step(arrays, self, self._advance())
+
+    def _accept(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The next step's inputs, checked (``_order`` held); nothing is taken yet.
+
+        Raises:
+            StreamError, InputError: as :meth:`submit`.
+        """
+        with self._lock:
+            if self._closed is not None:
+                raise StreamError(f"stream {self.id} is closed ({self._closed}); open a new one with pipe.stream()")
+            if self._invalid is not None:
+                raise StreamError(f"stream {self.id} cannot take more steps: {self._invalid}; close it and open a new one", state_valid=False)
+            arrays = self._pipeline._check(inputs)
+            self._check_dims(arrays)
+            return arrays
+
+    def _advance(self) -> int:
+        """Take the next step's number (``_order`` held, after :meth:`_accept`): the step is in flight."""
+        with self._lock:
+            step = self._next
+            self._next += 1
+            self._pending += 1
+            return step
 
     def step(self, inputs: Mapping[str, Any]) -> Outputs:
         """Run the stream's next step and wait for its outputs (see :meth:`submit`).

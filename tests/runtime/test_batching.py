@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import Pipeline, StageSettings, load
 from onnxpipe.splitter import split
 from tests.models import bundle_of, embed_mlp
-from tests.stateful_models import generate, gpt_decoder, recurrent, whole_generate, whole_recurrent
+from tests.stateful_models import decoder_feeds, generate, gpt_decoder, recurrent, whole_generate, whole_recurrent
 
 DECODER_CUTS = {2: ["layer1.out"], 3: ["layer0.out", "layer2.out"]}
 PROMPTS = ([1, 2, 3], [5], [7, 8, 9, 10, 11], [40, 41], [3, 3, 3, 3], [9], [11, 12], [20, 21, 22, 23, 24, 25])
@@ -57,47 +57,100 @@ def _runners(pipe: Pipeline) -> list[Any]:
     return [r for rs in pipe._engine.runners() for r in rs]
 
 
-def _decode_concurrently(pipe: Pipeline, prompts: Sequence[list[int]], count: int) -> list[tuple[list[int], list[np.ndarray]]]:
-    """Each prompt greedy-decoded in a thread of its own, the threads started 2 ms apart."""
-    results: dict[int, tuple[list[int], list[np.ndarray]]] = {}
-    errors: list[BaseException] = []
+def _mixed(count: int) -> tuple[list[list[int]], list[int]]:
+    """``count`` prompts of 1 to 7 tokens and how many tokens each stream generates (12 to 23): the
+    streams start apart and end apart, so they join and leave while others decode."""
+    prompts = [[(5 * k + 3 * t + 1) % 64 for t in range(1 + (3 * k) % 7)] for k in range(count)]
+    return prompts, [12 + (5 * k) % 12 for k in range(count)]
 
-    def run(i: int) -> None:
-        time.sleep(0.002 * i)
-        try:
-            with pipe.stream() as s:
-                results[i] = generate(s.step, prompts[i], count)
-        except BaseException as e:
-            errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return [results[i] for i in range(len(prompts))]
+@pytest.fixture(scope="module")
+def mixed_references(decoder: ModelProto) -> dict[int, tuple[list[int], list[np.ndarray]]]:
+    prompts, counts = _mixed(16)
+    return {k: whole_generate(decoder, p, n) for k, (p, n) in enumerate(zip(prompts, counts, strict=True))}
 
 
 @pytest.mark.parametrize("stages", sorted(DECODER_CUTS))
-def test_eight_streams_batched_equal_each_stream_alone(stages: int, decoder_bundles: dict[int, Path], references: list[Any]) -> None:
-    """8 streams with different prompt lengths, started at different times, greedy-decoded at once
-    with batching on: every stream's tokens equal the whole model alone, logits within 1e-4, and
-    every stage ran batches of several streams."""
+@pytest.mark.parametrize("count", [1, 3, 8, 16])
+def test_streams_joining_and_leaving_batch_to_the_tokens_each_makes_alone(stages: int, count: int, decoder_bundles: dict[int, Path],
+                                                                          mixed_references: dict[int, Any]) -> None:
+    """1, 3, 8 and 16 streams, each greedy-decoded in a thread of its own, started 1 ms apart with
+    prompts of 1 to 7 tokens and generating 12 to 23 tokens (so they join and leave batches while
+    others decode): every stream's tokens equal the whole model alone, logits within 1e-4; with
+    several streams, every stage ran batches of several; closed streams leave no state behind."""
+    prompts, counts = _mixed(count)
+    results: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+    errors: list[BaseException] = []
     with load(decoder_bundles[stages], max_streams=16) as pipe:
-        got = _decode_concurrently(pipe, PROMPTS, TOKENS)
+
+        def run(k: int) -> None:
+            time.sleep(0.001 * k)
+            try:
+                with pipe.stream() as s:
+                    results[k] = generate(s.step, prompts[k], counts[k])
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
         stats = pipe.stats()
         assert all(not r.states for r in _runners(pipe)), "closed streams left state behind"
-        # Streams that came back together were fed their batch's state as it was, without a copy.
-        assert all(r.reused > 0 for r in _runners(pipe)), [r.reused for r in _runners(pipe)]
-    for i, ((tokens, logits), (want_tokens, want_logits)) in enumerate(zip(got, references, strict=True)):
-        assert tokens == want_tokens, f"stream {i}"
-        np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), rtol=0, atol=1e-4, err_msg=f"stream {i}")
+    assert not errors, errors
+    for k in range(count):
+        tokens, logits = results[k]
+        want_tokens, want_logits = mixed_references[k]
+        assert tokens == want_tokens, f"stream {k}"
+        np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), rtol=0, atol=1e-4, err_msg=f"stream {k}")
     for stage in stats.stages:
-        assert stage.count == len(PROMPTS) * TOKENS
-        assert max(stage.batch_sizes) >= 2, f"{stage.stage} never batched: {stage.batch_sizes}"
-        assert sum(k * v for k, v in stage.batch_sizes.items()) == stage.count
-        assert stage.batch_mean > 1.0 and stage.batch_wait_ms > 0.0
+        assert stage.count == sum(counts) and sum(k * v for k, v in stage.batch_sizes.items()) == stage.count
+        if count >= 8:
+            assert max(stage.batch_sizes) >= 2, f"{stage.stage} never batched: {stage.batch_sizes}"
+    if count >= 8:
+        assert stats.stages[0].batch_wait_ms > 0.0  # batches waited at the entry for their groups (max_delay_ms)
+
+
+def test_one_driver_steps_many_streams_as_one_request_per_group(decoder_bundles: dict[int, Path], decoder: ModelProto) -> None:
+    """One thread steps 8 streams with ``submit_steps``: the streams are spread over 2 groups
+    (micro-batches) of 4, and each round is two requests of 4 steps through every stage (the
+    prompts, of different lengths, run beside them); from the second decode step on, each stage
+    feeds every group's KV cache back as its last call left it, without a copy. One stream closed
+    while its step is in flight in a batch loses nothing of the others. Tokens equal the whole
+    model alone."""
+    prompts = [list(p) for p in PROMPTS]
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)
+    with load(decoder_bundles[2], max_streams=16, micro_batches=2) as pipe:
+        streams = [pipe.stream() for _ in prompts]
+        assert [pipe._scheduler.group_of(s.id) for s in streams[:2]] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+        live = list(range(len(streams)))
+        for step in range(6):
+            futures = pipe.submit_steps({streams[k]: decoder_feeds(tokens[k], done[k]) for k in live})
+            if step == 4:
+                streams[6].close(wait=False)  # its step of this round is in flight in its group's batch
+            for k in live:
+                logits = futures[streams[k]].result(timeout=60)["logits"]
+                done[k] = len(tokens[k])
+                tokens[k].append(int(np.argmax(logits[0, -1])))
+            if step == 4:
+                live.remove(6)
+        sizes = [s.batch_sizes for s in pipe.stats().stages]
+        reused = [r.reused for r in _runners(pipe)]
+        held = [sorted(r.states) for r in _runners(pipe)]
+        for s in streams:
+            s.close()
+    # Round 0: prompts of 3, 5, 4, 2 tokens (group 0) and 1, 2, 1, 6 (group 1): alone, but the two
+    # of 1 (their shapes are equal). Rounds 1-4: two batches of 4; round 5: 3 and 4.
+    assert sizes == [{1: 6, 2: 1, 3: 1, 4: 9}] * 2
+    # Round 1 made each group's block anew from its members' own states; rounds 2-4 fed it back as
+    # it was; round 5 compacted group 0's block once (stream 6 left) and fed group 1's back.
+    assert reused == [7, 7]
+    assert held == [[0, 1, 2, 3, 4, 5, 7]] * 2
+    for k, p in enumerate(prompts):
+        n = 5 if k == 6 else 6
+        assert tokens[k][len(p):] == whole_generate(decoder, p, n)[0], f"stream {k}"
 
 
 def test_a_stream_closed_while_others_batch_frees_its_state(decoder_bundles: dict[int, Path], decoder: ModelProto) -> None:
@@ -162,20 +215,19 @@ def test_a_failing_step_inside_a_batch_fails_only_that_stream(decoder_bundles: d
         assert tokens[k][len(p):] == whole_generate(decoder, p, 2)[0], f"stream {k}"
 
 
-def test_a_stage_waiting_for_a_batch_stops_once_every_stream_it_holds_is_in(tmp_path: Path) -> None:
-    """max_delay_ms=1 s, two streams stepping together: once both hold state in a stage (after
-    their first steps, which wait: a new stream may still come), each later step of both runs as
-    one batch as soon as both are queued, never after the wait (no other step could join it)."""
+def test_a_batch_waiting_at_the_entry_leaves_once_every_member_of_its_group_is_in(tmp_path: Path) -> None:
+    """max_delay_ms=1 s, two streams in one group (micro_batches=1) stepping together: each step
+    of both leaves as one batch as soon as both are submitted, never after the wait (no other
+    step could join it), the first steps included."""
     plan = batched(split(gpt_decoder(), DECODER_CUTS[2], states="auto"), delay_ms=1_000)
-    with load(bundle_of(plan, tmp_path)) as pipe:
+    with load(bundle_of(plan, tmp_path), micro_batches=1) as pipe:
         a, b = pipe.stream(), pipe.stream()
+        started = time.perf_counter()
         for k in range(5):
-            if k == 1:
-                started = time.perf_counter()
             feeds = {"input_ids": np.array([[k + 1]]), "attention_mask": np.ones((1, k + 1), np.int64), "position_ids": np.array([[k]])}
             fa, fb = a.submit(feeds), b.submit(feeds)
             np.testing.assert_array_equal(fa.result(timeout=30)["logits"], fb.result(timeout=30)["logits"])
-        assert time.perf_counter() - started < 0.9, "a stage waited although every stream it holds was in its batch"
+        assert time.perf_counter() - started < 0.9, "a batch waited although every member of its group was in it"
         sizes = [s.batch_sizes for s in pipe.stats().stages]
         a.close()
         b.close()
