@@ -3,22 +3,24 @@ one session decoding the same streams in lockstep, side by side in one run.
 
 A GPT-style decoder with a KV cache (tests/stateful_models.py, random weights; 4 layers, hidden
 128, 4 heads by default, as issue 20 measured) is split between its middle layers into 2 stages x 1
-thread, pinned to a core each where the machine has 2. For S = 1, 2, 4, 8, 16 streams:
+thread, pinned to a core each where the machine has 2. Batched bundles are built with
+``max_batch=16`` and ``max_delay_ms=2`` (a group's batch leaves as soon as every member's step is
+in, at most 2 ms after the first: ``onnxpipe.runtime.scheduling``); unbatched ones with
+``max_batch=1``. For S = 1, 2, 4, 8, 16 streams:
 
-- **batched, delay 0**: the stages built with ``max_batch=16`` and ``max_delay_ms=0`` (a stage
-  takes what is queued, never waits); S threads each decode their own prompt through
-  ``pipe.stream()``, started a little apart, so streams join (and leave) while others decode;
-- **batched, delay 2 ms**: the same with ``max_delay_ms=2``: a stage waits for the streams it
-  holds (or that last batched together) to come back, at most 2 ms, so batches fill and stay
-  together (their KV caches then feed the next call without a copy);
-- **unbatched**: the same bundle built without batching;
-- **one driver**: the unbatched and batched (delay 0) bundles with the S streams stepped by one
-  thread instead of S: every stream's step submitted (``Stream.submit``), then every result read;
-  no thread and no wake-up per stream and token (the per-token latency is then a whole round's);
-- **lockstep session**: the whole model in one session x 1 thread decoding the S streams as one
-  batch of S from start to end (the static batching a user of one session, or of
-  onnxruntime-genai's Generator, gets: streams cannot join or leave; its prompts have equal lengths,
-  the best case for it).
+- **thread per stream**: S threads each decode their own prompt through ``pipe.stream()``,
+  started a little apart, so streams join (and leave) while others decode;
+- **one driver**: one thread steps all S streams, submitting each stream's next step
+  (``Stream.submit``) as soon as its result is in (``concurrent.futures.wait``, first completed):
+  a generation loop that keeps every micro-batch in flight;
+- **one driver, 1 micro-batch**: the same with ``load(micro_batches=1)``: all streams in one
+  group, so one batch is in flight and the stages take turns (the choice the default, one group
+  per stage, is measured against);
+- **rounds**: one thread steps all S streams in lockstep rounds with ``pipe.submit_steps`` (every
+  stream's step at once, then every result);
+- **lockstep session, N threads**: the whole model in one session x N threads decoding the S
+  streams as one batch of S from start to end (the static batching a user of one session gets:
+  streams cannot join or leave; its prompts have equal lengths, the best case for it).
 
 Every stream gets a prompt of ``--past`` tokens (different tokens) and generates ``--tokens``
 more. Each configuration runs ``--rounds`` times, interleaved; medians are reported with their
@@ -31,7 +33,7 @@ layer (``tests.models.embed_mlp``, 16 ids per request) of width 64 (per-call ove
 and 1024 (compute dominates), one stage x 1 thread, 2,000 requests through ``pipe.map`` with
 ``max_batch=8`` against 1.
 
-    python -m benchmarks.batching [--layers 4] [--hidden 128] [--past 32] [--tokens 32] [--rounds 3] [--json]
+    python -m benchmarks.batching [--layers 4] [--hidden 128] [--past 32] [--tokens 32] [--rounds 3] [--streams 8,16] [--json]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,57 +65,123 @@ ort.set_default_logger_severity(3)
 
 STREAMS = (1, 2, 4, 8, 16)
 MAX_BATCH = 16
-#: (name, max_batch, max_delay_ms) of the pipelines measured.
-BATCHINGS = (("unbatched", 1, 0.0), ("batched, delay 0", MAX_BATCH, 0.0), ("batched, delay 2 ms", MAX_BATCH, 2.0))
+DELAY_MS = 2.0
+#: The rows measured at each stream count: (name, bundle, client, micro_batches).
+ROWS = (
+    ("unbatched, thread per stream", "unbatched", "threads", None),
+    ("batched, thread per stream", "batched", "threads", None),
+    ("unbatched, one driver", "unbatched", "driver", None),
+    ("batched, one driver", "batched", "driver", None),
+    ("batched, one driver, 1 micro-batch", "batched", "driver", 1),
+    ("batched, rounds", "batched", "rounds", None),
+    ("lockstep session, 1 thread", None, "lockstep", 1),
+    ("lockstep session, 2 threads", None, "lockstep", 2),
+)
+#: The ratios reported: (name, numerator row, denominator row).
+RATIOS = (
+    ("thread per stream: batched / unbatched", "batched, thread per stream", "unbatched, thread per stream"),
+    ("one driver: batched / unbatched", "batched, one driver", "unbatched, one driver"),
+    ("one driver: batched / lockstep session, 2 threads", "batched, one driver", "lockstep session, 2 threads"),
+    ("one driver: batched / lockstep session, 1 thread", "batched, one driver", "lockstep session, 1 thread"),
+    ("one driver: micro-batches per stage / 1 micro-batch", "batched, one driver", "batched, one driver, 1 micro-batch"),
+    ("rounds: batched / lockstep session, 2 threads", "batched, rounds", "lockstep session, 2 threads"),
+)
 
 
 def _prompt(k: int, length: int, vocab: int) -> list[int]:
     return [(7 * k + 3 * t + 1) % vocab for t in range(length)]
 
 
-def _decode(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], prompt: list[int], count: int, times: list[float]) -> None:
+class _Feeds:
+    """A decode step's inputs as a generation loop that cares builds them: the mask a view of one
+    array of ones, the token and position each one small array (``decoder_feeds`` for a prompt)."""
+
+    def __init__(self, longest: int) -> None:
+        self.ones = np.ones((1, longest), np.int64)
+
+    def __call__(self, tokens: list[int], done: int) -> dict[str, np.ndarray]:
+        n = len(tokens)
+        if n - done != 1:
+            return decoder_feeds(tokens, done)
+        return {"input_ids": np.array([[tokens[-1]]], np.int64), "attention_mask": self.ones[:, :n], "position_ids": np.array([[n - 1]], np.int64)}
+
+
+def _decode(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], prompt: list[int], count: int, times: list[float],
+            feeds: _Feeds) -> None:
     """Greedy decoding through ``step``, appending each decode step's seconds to ``times``."""
     tokens, done = list(prompt), 0
     for _ in range(count):
         start = time.perf_counter()
-        out = step(decoder_feeds(tokens, done))
+        out = step(feeds(tokens, done))
         times.append(time.perf_counter() - start)
         done = len(tokens)
         tokens.append(int(np.argmax(out["logits"][0, -1])))
 
 
-def _pipeline(bundle: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
-    with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH) as pipe:
-        with pipe.stream() as warm:
-            _decode(warm.step, _prompt(99, past, vocab), 4, [])
-        pipe.reset_stats()
+def _latency(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    return {"p50_ms": 1e3 * times[len(times) // 2], "p99_ms": 1e3 * times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]}
+
+
+def _warm(pipe: Any, past: int, vocab: int, feeds: _Feeds) -> None:
+    with pipe.stream() as warm:
+        _decode(warm.step, _prompt(99, past, vocab), 4, [], feeds)
+    pipe.reset_stats()
+
+
+def _threads(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micro: int | None) -> dict[str, Any]:
+    feeds = _Feeds(past + tokens + 1)
+    with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH, micro_batches=micro) as pipe:
+        _warm(pipe, past, vocab, feeds)
         times: list[list[float]] = [[] for _ in range(streams)]
 
         def run(k: int, start_line: threading.Barrier) -> None:
             start_line.wait()
             time.sleep(0.0005 * k)  # streams join while others decode
             with pipe.stream() as s:
-                _decode(s.step, _prompt(k, past, vocab), tokens, times[k])
+                _decode(s.step, _prompt(k, past, vocab), tokens, times[k], feeds)
 
         elapsed = timed_threads(run, streams)
         stats = pipe.stats()
-    steps = sorted(x for ts in times for x in ts)
-    return {
-        "tokens_per_s": streams * tokens / elapsed,
-        "p50_ms": 1e3 * steps[len(steps) // 2],
-        "p99_ms": 1e3 * steps[min(len(steps) - 1, round(0.99 * (len(steps) - 1)))],
-        "batch_mean": [round(s.batch_mean, 2) for s in stats.stages],
-        "compute_ms": sum(s.mean_ms for s in stats.stages),
-    }
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency([x for ts in times for x in ts]),
+            "batch_mean": [round(s.batch_mean, 2) for s in stats.stages], "compute_ms": sum(s.mean_ms for s in stats.stages)}
 
 
-def _driven(bundle: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
-    """The S streams stepped by one driver thread: each step of every stream submitted, then every
-    result read (``Stream.submit`` futures): no thread per stream, no wake-up per token."""
-    with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH) as pipe:
-        with pipe.stream() as warm:
-            _decode(warm.step, _prompt(99, past, vocab), 4, [])
-        pipe.reset_stats()
+def _driver(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micro: int | None) -> dict[str, Any]:
+    """One thread steps the S streams, each stream's next step submitted as soon as its result is
+    in: no thread per stream, every micro-batch kept in flight."""
+    feeds = _Feeds(past + tokens + 1)
+    with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH, micro_batches=micro) as pipe:
+        _warm(pipe, past, vocab, feeds)
+        opened = [pipe.stream() for _ in range(streams)]
+        texts = [_prompt(k, past, vocab) for k in range(streams)]
+        left = [tokens] * streams
+        times: list[float] = []
+        start = time.perf_counter()
+        pending: dict[Future[Any], tuple[int, float]] = {opened[k].submit(feeds(texts[k], 0)): (k, start) for k in range(streams)}
+        while pending:
+            ready, _ = wait(pending, return_when=FIRST_COMPLETED)
+            now = time.perf_counter()
+            for future in ready:
+                k, began = pending.pop(future)
+                times.append(now - began)
+                done = len(texts[k])
+                texts[k].append(int(np.argmax(future.result()["logits"][0, -1])))
+                left[k] -= 1
+                if left[k]:
+                    pending[opened[k].submit(feeds(texts[k], done))] = (k, time.perf_counter())
+        elapsed = time.perf_counter() - start
+        stats = pipe.stats()
+        for s in opened:
+            s.close()
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(times), "batch_mean": [round(s.batch_mean, 2) for s in stats.stages]}
+
+
+def _rounds(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micro: int | None) -> dict[str, Any]:
+    """One thread steps the S streams in lockstep rounds with ``submit_steps``."""
+    feeds = _Feeds(past + tokens + 1)
+    with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH, micro_batches=micro) as pipe:
+        _warm(pipe, past, vocab, feeds)
         opened = [pipe.stream() for _ in range(streams)]
         texts = [_prompt(k, past, vocab) for k in range(streams)]
         done = [0] * streams
@@ -120,9 +189,9 @@ def _driven(bundle: Path, streams: int, past: int, tokens: int, vocab: int) -> d
         start = time.perf_counter()
         for _ in range(tokens):
             begin = time.perf_counter()
-            futures = [s.submit(decoder_feeds(texts[k], done[k])) for k, s in enumerate(opened)]
-            for k, future in enumerate(futures):
-                logits = future.result()["logits"]
+            futures = pipe.submit_steps({s: feeds(texts[k], done[k]) for k, s in enumerate(opened)})
+            for k, s in enumerate(opened):
+                logits = futures[s].result()["logits"]
                 done[k] = len(texts[k])
                 texts[k].append(int(np.argmax(logits[0, -1])))
             times.append(time.perf_counter() - begin)
@@ -130,17 +199,57 @@ def _driven(bundle: Path, streams: int, past: int, tokens: int, vocab: int) -> d
         stats = pipe.stats()
         for s in opened:
             s.close()
-    times.sort()
-    return {
-        "tokens_per_s": streams * tokens / elapsed,
-        "p50_ms": 1e3 * times[len(times) // 2],
-        "p99_ms": 1e3 * times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
-        "batch_mean": [round(s.batch_mean, 2) for s in stats.stages],
-    }
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(times), "batch_mean": [round(s.batch_mean, 2) for s in stats.stages]}
 
 
-def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
-    session = decoder_session(model, 1)
+def _breakdown(bundle: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, float]:
+    """Where one round's time goes: one driver, all S streams in one batch (``micro_batches=1``,
+    ``submit_steps``), so the round is one request's trip; ms per round, from the driver's clock
+    and the stages' statistics (each stage's queue: from the batch's first step's submission, or
+    the stage before's end, to the stage's start)."""
+    feeds = _Feeds(past + tokens + 1)
+    with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH, micro_batches=1) as pipe:
+        _warm(pipe, past, vocab, feeds)
+        opened = [pipe.stream() for _ in range(streams)]
+        texts = [_prompt(k, past, vocab) for k in range(streams)]
+        done = [0] * streams
+        first = pipe.submit_steps({s: feeds(texts[k], 0) for k, s in enumerate(opened)})  # the prompts: not timed
+        for k, s in enumerate(opened):
+            done[k] = len(texts[k])
+            texts[k].append(int(np.argmax(first[s].result()["logits"][0, -1])))
+        pipe.reset_stats()
+        user = submit = 0.0
+        start = time.perf_counter()
+        for _ in range(tokens - 1):
+            a = time.perf_counter()
+            steps = {s: feeds(texts[k], done[k]) for k, s in enumerate(opened)}
+            b = time.perf_counter()
+            futures = pipe.submit_steps(steps)
+            c = time.perf_counter()
+            results = [futures[s].result() for s in opened]
+            d = time.perf_counter()
+            for k, out in enumerate(results):
+                done[k] = len(texts[k])
+                texts[k].append(int(np.argmax(out["logits"][0, -1])))
+            user += (b - a) + (time.perf_counter() - d)
+            submit += c - b
+        rounds = tokens - 1
+        total = (time.perf_counter() - start) / rounds
+        stages = pipe.stats().stages
+        for s in opened:
+            s.close()
+    user, submit = user / rounds, submit / rounds
+    q0, q1 = stages[0].queue_mean_ms / 1e3, stages[1].queue_mean_ms / 1e3
+    r0, r1 = stages[0].mean_ms / 1e3, stages[1].mean_ms / 1e3
+    rest = total - user - submit - max(0.0, q0 - submit) - r0 - q1 - r1
+    parts = {"round": total, "generation loop (feeds, argmax)": user, "submit_steps (checks, scheduler, stacking)": submit,
+             "hand-off to stage 0": max(0.0, q0 - submit), "stage 0 session call": r0, "hand-off to stage 1": q1,
+             "stage 1 session call": r1, "exit (split, futures) and wake-up": rest}
+    return {k: 1e3 * v for k, v in parts.items()}
+
+
+def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, threads: int = 1) -> dict[str, Any]:
+    session = decoder_session(model, threads)
     shapes = {i.name: i.shape for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs()]
     pasts = [n for n in shapes if n.startswith("past_key_values.")]
@@ -149,37 +258,33 @@ def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int) -> d
         cache = {n: np.zeros((streams, shapes[n][1], 0, shapes[n][3]), np.float32) for n in pasts}
         ids = np.array([_prompt(k, past, vocab) for k in range(streams)], np.int64)
         total = 0
-        for _ in range(count + 1):
+        for _ in range(count):
             seq = ids.shape[1]
+            start = time.perf_counter()
             feeds = {"input_ids": ids, "attention_mask": np.ones((streams, total + seq), np.int64),
                      "position_ids": np.broadcast_to(np.arange(total, total + seq), (streams, seq)).astype(np.int64), **cache}
-            start = time.perf_counter()
             out = dict(zip(names, session.run(names, feeds), strict=True))
-            if total:
-                times.append(time.perf_counter() - start)
             total += seq
             cache = {n: out[n.replace("past_key_values.", "present.")] for n in pasts}
             ids = np.argmax(out["logits"][:, -1], axis=-1)[:, None].astype(np.int64)
+            times.append(time.perf_counter() - start)
 
     generate(2, [])  # warm-up
     times: list[float] = []
     start = time.perf_counter()
     generate(tokens, times)
     elapsed = time.perf_counter() - start
-    times.sort()
-    return {"tokens_per_s": streams * tokens / elapsed, "p50_ms": 1e3 * times[len(times) // 2],
-            "p99_ms": 1e3 * times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]}
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(times)}
 
 
 def _overhead(bundle: Path, past: int, tokens: int, vocab: int) -> dict[str, float]:
     """One stream alone: a step end to end, beside what its stages computed (``stats()``)."""
+    feeds = _Feeds(past + tokens + 1)
     with load(bundle) as pipe:
-        with pipe.stream() as s:
-            _decode(s.step, _prompt(98, past, vocab), 4, [])
-        pipe.reset_stats()
+        _warm(pipe, past, vocab, feeds)
         times: list[float] = []
         with pipe.stream() as s:
-            _decode(s.step, _prompt(97, past, vocab), tokens, times)
+            _decode(s.step, _prompt(97, past, vocab), tokens, times, feeds)
         stats = pipe.stats()
     step = 1e3 * statistics.median(times)
     compute = sum(st.p50_ms for st in stats.stages)
@@ -206,27 +311,31 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
     vocab = 64
     model = gpt_decoder(layers=layers, hidden=hidden, heads=heads, vocab=vocab, positions=past + tokens + 8)
     cores = sorted(os.sched_getaffinity(0))
+    clients = {"threads": _threads, "driver": _driver, "rounds": _rounds}
     with tempfile.TemporaryDirectory() as tmp:
         bundles = {}
-        for k, (how, batch, delay) in enumerate(BATCHINGS):
+        for how, batch in (("unbatched", 1), ("batched", MAX_BATCH)):
             plan = split(model, [f"layer{layers // 2 - 1}.out"], states="auto")
             for c, stage in enumerate(plan.config.stages):
-                stage.configure(intra_op_threads=1, affinity=[cores[c]] if len(cores) >= 2 else None, max_batch=batch, max_delay_ms=delay)
-            bundles[how] = export(build(plan.config, Path(tmp) / f"built-{k}").path, Path(tmp) / f"bundle-{k}")
+                stage.configure(intra_op_threads=1, affinity=[cores[c]] if len(cores) >= 2 else None, max_batch=batch,
+                                max_delay_ms=DELAY_MS if batch > 1 else 0.0)
+            bundles[how] = export(build(plan.config, Path(tmp) / f"built-{how}").path, Path(tmp) / f"bundle-{how}")
         configs: dict[tuple[str, int], Callable[[], dict[str, Any]]] = {}
         for s in streams:
-            for how, _, _ in BATCHINGS:
-                configs[(how, s)] = partial(_pipeline, bundles[how], s, past, tokens, vocab)
-            for how in ("unbatched", "batched, delay 0"):
-                configs[(f"{how}, one driver", s)] = partial(_driven, bundles[how], s, past, tokens, vocab)
-            configs[("lockstep session", s)] = partial(_lockstep, model, s, past, tokens, vocab)
+            for name, bundle, client, micro in ROWS:
+                if client == "lockstep":
+                    configs[(name, s)] = partial(_lockstep, model, s, past, tokens, vocab, micro or 1)
+                else:
+                    configs[(name, s)] = partial(clients[client], bundles[bundle or "batched"], s, past, tokens, vocab, micro)
         measured: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in configs}
         overheads = []
+        breakdowns: list[dict[str, float]] = []
         stateless: dict[tuple[int, int], list[float]] = {(w, b): [] for w in (64, 1024) for b in (1, 8)}
         for _ in range(rounds):
             for key, fn in configs.items():
                 measured[key].append(fn())
             overheads.append(_overhead(bundles["unbatched"], past, tokens, vocab))
+            breakdowns.append(_breakdown(bundles["batched"], max(streams), past, tokens, vocab))
             for (width, batch), rates in stateless.items():
                 rates.append(_stateless(width, batch))
     rows = []
@@ -237,13 +346,15 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         if "batch_mean" in runs[0]:
             row["batch_mean"] = runs[len(runs) // 2]["batch_mean"]
         rows.append(row)
-    rate = {(r["how"], r["streams"]): r["tokens_per_s"] for r in rows}
-    ratios = {s: {f"{how} / {base}": rate[(how, s)] / rate[(base, s)]
-                  for how in ("batched, delay 0", "batched, delay 2 ms") for base in ("unbatched", "lockstep session")} for s in streams}
+    by = {(r["how"], r["streams"]): r for r in rows}
+    ratios: dict[int, dict[str, float]] = {}
     for s in streams:
-        ratios[s]["one driver: batched / unbatched"] = rate[("batched, delay 0, one driver", s)] / rate[("unbatched, one driver", s)]
-        ratios[s]["one driver: batched / lockstep session"] = rate[("batched, delay 0, one driver", s)] / rate[("lockstep session", s)]
+        ratios[s] = {name: by[(a, s)]["tokens_per_s"] / by[(b, s)]["tokens_per_s"] for name, a, b in RATIOS}
+        ratios[s]["one driver: p99 per token, batched / unbatched"] = by[("batched, one driver", s)]["p99_ms"] / by[("unbatched, one driver", s)]["p99_ms"]
+        ratios[s]["thread per stream: p99 per token, batched / unbatched"] = (by[("batched, thread per stream", s)]["p99_ms"]
+                                                                              / by[("unbatched, thread per stream", s)]["p99_ms"])
     overhead = {k: statistics.median(o[k] for o in overheads) for k in overheads[0]}
+    breakdown = {k: statistics.median(b[k] for b in breakdowns) for k in breakdowns[0]}
     return {
         "model": {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "past": past, "tokens": tokens},
         "cores": len(cores),
@@ -251,6 +362,7 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         "rows": rows,
         "ratios": ratios,
         "one_stream_step": overhead,
+        "round_ms": {"streams": max(streams), **breakdown},
         "stateless": [{"width": w, "max_batch": b, "requests_per_s": statistics.median(r), "min": min(r), "max": max(r)}
                       for (w, b), r in stateless.items()],
     }
@@ -273,16 +385,22 @@ def main() -> None:
         return
     m = result["model"]
     print(f"decoder: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads; prompt {m['past']} + {m['tokens']} tokens per stream; "
-          f"{result['cores']} cores; 2 stages x 1 thread; median (min-max) of {result['rounds']} interleaved rounds")
-    print(f"{'how':<30} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage")
+          f"{result['cores']} cores; 2 stages x 1 thread, max_batch {MAX_BATCH}, max_delay_ms {DELAY_MS:g}; "
+          f"median (min-max) of {result['rounds']} interleaved rounds")
+    print(f"{'how':<36} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage")
     for r in sorted(result["rows"], key=lambda r: (r["streams"], r["how"])):
         spread = f"({r['min']:.0f}-{r['max']:.0f})"
-        print(f"{r['how']:<30} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  {r.get('batch_mean', '')}")
+        print(f"{r['how']:<36} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  {r.get('batch_mean', '')}")
     for name in next(iter(result["ratios"].values())):
-        print(f"{name:<40} " + "  ".join(f"{s} streams {q[name]:.2f}x" for s, q in result["ratios"].items()))
+        print(f"{name:<56} " + "  ".join(f"{s} streams {q[name]:.2f}x" for s, q in result["ratios"].items()))
     o = result["one_stream_step"]
     print(f"one stream, unbatched: a step takes {o['step_ms']:.3f} ms end to end, its stages compute {o['stages_compute_ms']:.3f} ms (p50 each, summed): "
           f"{o['overhead_ms']:.3f} ms of hand-offs, futures and checks per token")
+    b = result["round_ms"]
+    print(f"one round of {b['streams']} streams as one batch (1 micro-batch, submit_steps), ms, median of the rounds:")
+    for name, ms in b.items():
+        if name != "streams":
+            print(f"  {name:<44} {ms:7.3f}")
     print("stateless requests, one stage x 1 thread (embed_mlp, 16 ids per request):")
     rates = {(r["width"], r["max_batch"]): r for r in result["stateless"]}
     for width in (64, 1024):

@@ -11,7 +11,7 @@ from onnxpipe._errors import InputError, closest
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._spec import TensorSpec
 
-__all__ = ["UNKNOWN_DIM_NAMES", "check_dims", "check_inputs", "random_array", "random_inputs", "sample_shapes"]
+__all__ = ["UNKNOWN_DIM_NAMES", "InputCheck", "check_dims", "check_inputs", "random_array", "random_inputs", "sample_shapes"]
 
 
 #: Dim names that mean "unknown", not a symbol shared between dims: PaddlePaddle's exports name
@@ -69,6 +69,57 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
                         raise InputError(f"{what} '{spec.name}' has {dim}={size} (dim {axis}) but {what} '{seen[1]}' has {dim}={seen[0]}")
         arrays[spec.name] = array
     return arrays
+
+
+class InputCheck:
+    """:func:`check_inputs` for one set of specs, with what it needs worked out once: what the
+    pipeline's door runs on every request and every stream's step.
+
+    Feeds that are exactly what the specs declare (numpy arrays of the declared dtype and rank,
+    the declared size on every fixed dim, nothing missing or unknown) are taken as they are, in
+    about a microsecond per input; anything else goes through :func:`check_inputs`, which converts
+    what it may and raises the message it would. Measured (8 small decoder inputs, 3 each):
+    check_inputs 7.9 us a step, this 2.1 us (docs/batching.md).
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec], what: str = "input") -> None:
+        self.specs = tuple(specs)
+        self.what = what
+        self._plan: list[tuple[str, np.dtype, int, tuple[tuple[int, int], ...]]] | None = []
+        for spec in self.specs:
+            try:
+                dtype = numpy_dtype(spec.dtype)
+            except ValueError:
+                self._plan = None  # check_inputs says what is wrong with it
+                break
+            if spec.shape is None or dtype.kind == "O":
+                self._plan = None  # unknown ranks and strings: the general path
+                break
+            fixed = tuple((axis, d) for axis, d in enumerate(spec.shape) if isinstance(d, int))
+            self._plan.append((spec.name, dtype, len(spec.shape), fixed))
+
+    def __call__(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The feeds, checked (see :func:`check_inputs`).
+
+        Raises:
+            InputError: as :func:`check_inputs`.
+        """
+        plan = self._plan
+        if plan is None or len(feeds) != len(plan):
+            return check_inputs(self.specs, feeds, self.what)
+        arrays: dict[str, np.ndarray] = {}
+        ndarray = np.ndarray
+        for name, dtype, rank, fixed in plan:
+            value = feeds.get(name)
+            if type(value) is not ndarray or value.dtype != dtype or value.ndim != rank:
+                return check_inputs(self.specs, feeds, self.what)
+            if fixed:
+                shape = value.shape
+                for axis, size in fixed:
+                    if shape[axis] != size:
+                        return check_inputs(self.specs, feeds, self.what)
+            arrays[name] = value
+        return arrays
 
 
 def _numpy(spec: TensorSpec, what: str) -> np.dtype:

@@ -35,7 +35,7 @@ from onnxpipe.runtime._bundle import Bundle, Limits, check_caps, read_bundle
 from onnxpipe.runtime._channel import Closed, Full
 from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
-from onnxpipe.runtime._inputs import check_inputs
+from onnxpipe.runtime._inputs import InputCheck, check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
 from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is imported only when a RayEngine starts
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
@@ -125,6 +125,10 @@ class Pipeline(InferenceSessionAPI):
         self._closing_streams: dict[int, Stream] = {}
         self._next_stream = 0
         self._state_dims = state_dims(bundle.spec)
+        self._checker = InputCheck(bundle.spec.inputs)
+        #: Where each state dim is bound: (dim, input, axis), for streams' steps (Stream._check_dims).
+        self._state_binds = tuple((d, t.name, axis) for t in bundle.spec.inputs for axis, d in enumerate(t.shape or ())
+                                  if isinstance(d, str) and d in self._state_dims)
         self._target = target
         plans, self._finals = plan_stages(bundle.spec)
         self._state_stages = [p.stage.name for p in plans if p.states]  # in pipeline order
@@ -349,7 +353,7 @@ class Pipeline(InferenceSessionAPI):
         return self._enqueue(self._check(inputs), block=block)
 
     def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return check_inputs(self.spec.inputs, inputs)
+        return self._checker(inputs)
 
     def _enqueue(self, arrays: Mapping[str, np.ndarray], stream: Stream | None = None, step: int = 0, block: bool = True,
                  future: Future[Outputs] | None = None, params: Any = None, submitted: float | None = None) -> tuple[int, Future[Outputs]]:
@@ -411,9 +415,11 @@ class Pipeline(InferenceSessionAPI):
             if stream._pipeline is not self:
                 raise StreamError(f"stream {stream.id} belongs to another pipeline")
         self._expire_idle(None)
-        with contextlib.ExitStack() as held:
+        held = []
+        try:
             for stream in streams:
-                held.enter_context(stream._order)
+                stream._order.acquire()
+                held.append(stream._order)
             checked = []
             for stream in streams:
                 try:
@@ -437,6 +443,9 @@ class Pipeline(InferenceSessionAPI):
                     raise StageError("the pipeline is closed")
             self._scheduler.offer_many(pending, flush=True)
             return futures
+        finally:
+            for lock in held:
+                lock.release()
 
     def _send_steps(self, steps: list[Step]) -> None:
         """The scheduler's batch, stacked once and submitted as one request (see ``scheduling``);

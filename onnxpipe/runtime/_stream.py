@@ -61,6 +61,7 @@ class StreamHost(Protocol):
     def spec(self) -> PipelineSpec: ...
 
     _state_dims: frozenset[str]
+    _state_binds: tuple[tuple[str, str, int], ...]
 
     def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
 
@@ -165,15 +166,18 @@ class Stream:
         return self.submit(inputs).result()
 
     def _check_dims(self, arrays: Mapping[str, np.ndarray]) -> None:
-        names = self._pipeline._state_dims
-        if not names:
+        binds = self._pipeline._state_binds
+        if not binds:
             return
-        bound = bind_dims(self._pipeline.spec.inputs, arrays, names)
         if self._next == 0:
-            self._dims = {d: size for d, (size, _) in bound.items()}
+            self._dims = {}
+            for d, name, axis in binds:
+                self._dims.setdefault(d, arrays[name].shape[axis])
             return
-        for d, (size, name) in bound.items():
-            if self._dims.get(d, size) != size:
+        dims = self._dims
+        for d, name, axis in binds:
+            size = arrays[name].shape[axis]
+            if dims.get(d, size) != size:
                 raise InputError(
                     f"stream {self.id}, step {self._next}: input '{name}' has {d}={size}, but the stream's state was made "
                     f"with {d}={self._dims[d]} on its first step; open a new stream for another {d}"

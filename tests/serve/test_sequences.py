@@ -111,3 +111,59 @@ def test_idle_sequences_are_freed_and_max_streams_refusals_are_503(bundles: dict
             _http_step(http, 1, x)
         _http_step(http, 3, x, start=True, end=True)
         assert proc.stop() == 0
+
+
+def test_decoder_sequences_batch_at_the_entry_and_decode_the_tokens_each_makes_alone(tmp_path: Path) -> None:
+    """A KV-cache decoder whose stages batch (max_batch=8, max_delay_ms=20), served: 6 sequences,
+    each greedy-decoded by a client thread of its own over HTTP (sequence_id, start, end), with
+    prompts of different lengths started apart: their steps meet at the pipeline's entry and travel
+    as batches (Triton's statistics: fewer executions than inferences), and every sequence's
+    tokens equal the whole model alone."""
+    import threading
+
+    from onnxpipe.splitter import split
+    from tests.models import bundle_of
+    from tests.stateful_models import decoder_feeds, gpt_decoder, whole_generate
+
+    decoder = gpt_decoder()
+    plan = split(decoder, ["layer1.out"], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(max_batch=8, max_delay_ms=20)
+    bundle = bundle_of(plan, tmp_path / "decoder")
+    prompts = [[1 + k, 2, 3][: 1 + k % 3] for k in range(6)]
+    count = 12
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    with ServerProcess(f"decoder={bundle}") as proc:
+        proc.start(tmp_path / "serve.log")
+
+        def run(k: int) -> None:
+            time.sleep(0.003 * k)
+            try:
+                client = httpclient.InferenceServerClient(proc.http)
+                tokens, done = list(prompts[k]), 0
+                for step in range(count):
+                    inputs = []
+                    for name, value in decoder_feeds(tokens, done).items():
+                        tensor = httpclient.InferInput(name, list(value.shape), "INT64")
+                        tensor.set_data_from_numpy(value)
+                        inputs.append(tensor)
+                    logits = client.infer("decoder", inputs, sequence_id=100 + k, sequence_start=step == 0,
+                                          sequence_end=step == count - 1).as_numpy("logits")
+                    done = len(tokens)
+                    tokens.append(int(np.argmax(logits[0, -1])))
+                got[k] = tokens[len(prompts[k]):]
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stats = httpclient.InferenceServerClient(proc.http).get_inference_statistics("decoder")["model_stats"][0]
+    assert not errors, errors
+    for k, prompt in enumerate(prompts):
+        assert got[k] == whole_generate(decoder, prompt, count)[0], f"sequence {k}"
+    assert stats["inference_count"] == len(prompts) * count
+    assert stats["execution_count"] < stats["inference_count"], stats
