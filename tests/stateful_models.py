@@ -19,7 +19,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-__all__ = ["decoder_feeds", "decoder_session", "generate", "gpt_decoder", "recurrent", "session_generate", "whole_generate", "whole_recurrent"]
+__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "generate", "gpt_decoder", "recurrent", "session_generate", "whole_generate",
+           "whole_recurrent"]
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -211,6 +212,37 @@ def session_generate(session: ort.InferenceSession, prompt: list[int], count: in
         return results
 
     return generate(step, prompt, count)
+
+
+def decode_in_threads(pipe: Any, prompts: list[list[int]], counts: list[int], apart: float) -> list[tuple[list[int], list[np.ndarray]]]:
+    """Each prompt greedy-decoded through a stream of its own (``pipe.stream()``), in a thread of its
+    own, the threads started ``apart`` seconds after one another (so streams join while others
+    decode, and leave when their count is done); each stream's tokens and logits, in order.
+
+    Raises:
+        AssertionError: a thread failed (with its errors).
+    """
+    import threading
+    import time
+
+    results: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        time.sleep(apart * k)
+        try:
+            with pipe.stream() as s:
+                results[k] = generate(s.step, prompts[k], counts[k])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return [results[k] for k in range(len(prompts))]
 
 
 def whole_generate(model: ModelProto, prompt: list[int], count: int, threads: int = 1) -> tuple[list[int], list[np.ndarray]]:

@@ -9,7 +9,6 @@ steps), and the statistics prove it did.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import Pipeline, StageSettings, load
 from onnxpipe.splitter import split
 from tests.models import bundle_of, embed_mlp
-from tests.stateful_models import decoder_feeds, generate, gpt_decoder, recurrent, whole_generate, whole_recurrent
+from tests.stateful_models import decode_in_threads, decoder_feeds, gpt_decoder, recurrent, whole_generate, whole_recurrent
 
 DECODER_CUTS = {2: ["layer1.out"], 3: ["layer0.out", "layer2.out"]}
 PROMPTS = ([1, 2, 3], [5], [7, 8, 9, 10, 11], [40, 41], [3, 3, 3, 3], [9], [11, 12], [20, 21, 22, 23, 24, 25])
@@ -79,26 +78,10 @@ def test_streams_joining_and_leaving_batch_to_the_tokens_each_makes_alone(stages
     others decode): every stream's tokens equal the whole model alone, logits within 1e-4; with
     several streams, every stage ran batches of several; closed streams leave no state behind."""
     prompts, counts = _mixed(count)
-    results: dict[int, tuple[list[int], list[np.ndarray]]] = {}
-    errors: list[BaseException] = []
     with load(decoder_bundles[stages], max_streams=16) as pipe:
-
-        def run(k: int) -> None:
-            time.sleep(0.001 * k)
-            try:
-                with pipe.stream() as s:
-                    results[k] = generate(s.step, prompts[k], counts[k])
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(count)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = decode_in_threads(pipe, prompts, counts, apart=0.001)
         stats = pipe.stats()
         assert all(not r.states for r in _runners(pipe)), "closed streams left state behind"
-    assert not errors, errors
     for k in range(count):
         tokens, logits = results[k]
         want_tokens, want_logits = mixed_references[k]

@@ -271,9 +271,10 @@ def whole_generate_logits(model: Any, tokens: list[int]) -> np.ndarray:
 
 
 def test_batched_stream_steps_run_as_one_call_on_each_actor(tmp_path: Path, ray_pids: set[int]) -> None:
-    """The decoder with max_batch=8 on nodes a and b: steps of 6 streams that queue up for an actor
-    become one call there, run as one batched session call (the driver's statistics show batches
-    above 1), and every stream's tokens equal the whole model alone."""
+    """The decoder with max_batch=8 on nodes a and b: the steps of 6 streams, started apart with
+    prompts of different lengths and generating 6 to 11 tokens (so they join and leave), meet at
+    the entry and travel as batches, one actor call and one session call per stage (the driver's
+    statistics show batches above 1), and every stream's tokens equal the whole model alone."""
     import threading
 
     from tests.stateful_models import generate, gpt_decoder, whole_generate
@@ -289,8 +290,9 @@ def test_batched_stream_steps_run_as_one_call_on_each_actor(tmp_path: Path, ray_
         ray_pids.update(_actor_pids(pipe))
 
         def run(i: int) -> None:
+            time.sleep(0.003 * i)
             with pipe.stream() as s:
-                results[i] = generate(s.step, prompts[i], 8)[0]
+                results[i] = generate(s.step, prompts[i], 6 + i)[0]
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -309,9 +311,9 @@ def test_batched_stream_steps_run_as_one_call_on_each_actor(tmp_path: Path, ray_
         assert pipe._engine.held_streams() == [[[]], [[]]]  # type: ignore[attr-defined]
     np.testing.assert_allclose(last, whole_generate_logits(model, tokens), rtol=0, atol=1e-4)
     for i, prompt in enumerate(prompts):
-        assert results[i] == whole_generate(model, prompt, 8)[0], f"prompt {i}"
+        assert results[i] == whole_generate(model, prompt, 6 + i)[0], f"prompt {i}"
     for stage in stats.stages:
-        assert stage.count == len(prompts) * 8
+        assert stage.count == sum(6 + i for i in range(len(prompts)))
         assert sum(k * v for k, v in stage.batch_sizes.items()) == stage.count
         assert max(stage.batch_sizes) >= 2, f"{stage.stage}: {stage.batch_sizes}"
 

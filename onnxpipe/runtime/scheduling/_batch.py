@@ -154,10 +154,10 @@ def stack_steps(steps: Sequence[Mapping[str, np.ndarray]], padded: Mapping[str, 
     names = list(first)
     rows = [0]
     for step in steps:
-        size = len(step[names[0]]) if names and np.ndim(step[names[0]]) else 1
-        if any(np.ndim(step[n]) == 0 or len(step[n]) != size for n in names):
+        sizes = {step[n].shape[0] if step[n].ndim else -1 for n in names}  # checked arrays: .ndim and .shape are theirs
+        if len(sizes) != 1 or -1 in sizes:
             return None
-        rows.append(rows[-1] + size)
+        rows.append(rows[-1] + sizes.pop())
     grows = [n for n in names if n in padded]
     shifts = [0] * len(steps)
     if grows:
