@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= demo-out
 
-.PHONY: demo test test-oldest-ort test-openvino perf-analyzer protos lint bench bench-serve clean
+.PHONY: demo test test-oldest-ort test-openvino perf-analyzer protos lint bench bench-serve bench-decoders clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -119,5 +119,32 @@ bench-serve: $(VENV)/.installed-dev $(KSERVE)/.installed
 	@.ci/install-perf-analyzer $(VENV) || echo "perf_analyzer could not be installed: served rows use the tritonclient load generator"
 	$(BIN)/python -m benchmarks.serve --peer $(KSERVE)/bin/python
 
+# benchmarks.batching on Llama decoders as users export them, beside onnxruntime-genai's Generator on
+# its own export of the same weights (issue 26). Two venvs, since the exporters disagree on
+# transformers: optimum-onnx 0.1.0 wants 4.x, onnxruntime-genai 0.18.0's model builder imports 5.x.
+# The Llamas are made locally with random weights (benchmarks/llama_exports.py); nothing is downloaded.
+DECODERS := .venv-decoders
+GENAI_BUILDER := .venv-genai-builder
+LLAMAS := bench-out/llama
+
+$(DECODERS)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DECODERS)
+	$(DECODERS)/bin/python -m pip install --quiet --upgrade pip
+	$(DECODERS)/bin/python -m pip install --quiet torch==2.13.0 'transformers<5' optimum-onnx==0.1.0 onnxruntime-genai==0.18.0 -e .
+	touch $@
+
+$(GENAI_BUILDER)/.installed:
+	$(PYTHON) -m venv $(GENAI_BUILDER)
+	$(GENAI_BUILDER)/bin/python -m pip install --quiet --upgrade pip
+	$(GENAI_BUILDER)/bin/python -m pip install --quiet torch==2.13.0 transformers onnxruntime-genai==0.18.0 onnx_ir
+	touch $@
+
+$(LLAMAS)/24m/about.json: $(DECODERS)/.installed $(GENAI_BUILDER)/.installed benchmarks/llama_exports.py
+	$(DECODERS)/bin/python -m benchmarks.llama_exports --out $(LLAMAS) --builder-python $(GENAI_BUILDER)/bin/python
+
+bench-decoders: $(LLAMAS)/24m/about.json
+	$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/tiny --streams 8,16 --rounds 3
+	$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/24m --streams 8,16 --rounds 3
+
 clean:
-	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(KSERVE) $(DEMO_OUT) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(KSERVE) $(DECODERS) $(GENAI_BUILDER) $(DEMO_OUT) .pytest_cache .hypothesis

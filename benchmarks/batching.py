@@ -22,6 +22,12 @@ in, at most 2 ms after the first: ``onnxpipe.runtime.scheduling``); unbatched on
   streams as one batch of S from start to end (the static batching a user of one session gets:
   streams cannot join or leave; its prompts have equal lengths, the best case for it).
 
+With ``--llama FOLDER`` (one of ``benchmarks.llama_exports``'s: a Llama with random weights exported
+by optimum-onnx and by onnxruntime-genai's builder), the decoder is that optimum export, split
+between its middle layers, and one more row runs the peer: onnxruntime-genai's ``og.Generator`` on
+its own export of the same weights, greedy, the S streams as one batch of S (``batch_size``), with
+onnxruntime's default threads (both cores).
+
 Every stream gets a prompt of ``--past`` tokens (different tokens) and generates ``--tokens``
 more. Each configuration runs ``--rounds`` times, interleaved; medians are reported with their
 spread (min-max), with per-token latency (p50 / p99 of each stream's step times). Also reported:
@@ -34,6 +40,7 @@ and 1024 (compute dominates), one stage x 1 thread, 2,000 requests through ``pip
 ``max_batch=8`` against 1.
 
     python -m benchmarks.batching [--layers 4] [--hidden 128] [--past 32] [--tokens 32] [--rounds 3] [--streams 8,16] [--json]
+    python -m benchmarks.batching --llama bench-out/llama/tiny --streams 8,16   # in make bench-decoders' venv
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 import threading
@@ -77,6 +85,8 @@ ROWS = (
     ("lockstep session, 1 thread", None, "lockstep", 1),
     ("lockstep session, 2 threads", None, "lockstep", 2),
 )
+#: The peer's row, with --llama: onnxruntime-genai's Generator on its own export.
+GENERATOR = ("onnxruntime-genai og.Generator, batch S", None, "generator", None)
 #: The ratios reported: (name, numerator row, denominator row).
 RATIOS = (
     ("thread per stream: batched / unbatched", "batched, thread per stream", "unbatched, thread per stream"),
@@ -248,6 +258,55 @@ def _breakdown(bundle: Path, streams: int, past: int, tokens: int, vocab: int) -
     return {k: 1e3 * v for k, v in parts.items()}
 
 
+def between_layers(model: Any, k: int) -> list[str]:
+    """The cut after decoder layer ``k`` of an optimum Llama export: every tensor made by a node of
+    layers 0..k (or before them) and read by a later layer or the head; what is computed from
+    constants alone goes with the stages that read it (the splitter's rule), so it is not part of it."""
+    def later(name: str) -> bool:
+        layer = re.match(r"/model/layers\.(\d+)/", name)
+        return int(layer.group(1)) > k if layer else name.startswith(("/model/norm", "/lm_head"))
+
+    graph = model.graph
+    constant = {i.name for i in graph.initializer}
+    for n in graph.node:  # in graph order: what is computed from constants alone (weights the exporter passes through Identity)
+        if all(i in constant for i in n.input if i):
+            constant.update(n.output)
+    made = {o for n in graph.node if not later(n.name) for o in n.output if o not in constant}
+    return sorted({i for n in graph.node if later(n.name) for i in n.input if i in made})
+
+
+def _generator(folder: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
+    """onnxruntime-genai's Generator on its own export: the S prompts as one batch, greedy, ``tokens`` new tokens each."""
+    import onnxruntime_genai as og
+
+    model = _og_model(folder)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=past + tokens, min_length=past + tokens, batch_size=streams, do_sample=False)
+    generator = og.Generator(model, params)
+    ids = np.array([_prompt(k, past, vocab) for k in range(streams)], np.int32)
+    times: list[float] = []
+    start = time.perf_counter()
+    generator.append_tokens(ids)
+    while not generator.is_done():
+        began = time.perf_counter()
+        generator.generate_next_token()
+        times.append(time.perf_counter() - began)
+    elapsed = time.perf_counter() - start
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(times)}
+
+
+_OG_MODELS: dict[Path, Any] = {}
+
+
+def _og_model(folder: Path) -> Any:
+    """The genai model, loaded once per process (as a server would)."""
+    import onnxruntime_genai as og
+
+    if folder not in _OG_MODELS:
+        _OG_MODELS[folder] = og.Model(str(folder))
+    return _OG_MODELS[folder]
+
+
 def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, threads: int = 1) -> dict[str, Any]:
     session = decoder_session(model, threads)
     shapes = {i.name: i.shape for i in session.get_inputs()}
@@ -307,23 +366,39 @@ def _stateless(width: int, max_batch: int, requests: int = 2000) -> float:
             return map_rate(pipe, ids, requests)
 
 
-def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: int, streams: tuple[int, ...] = STREAMS) -> dict[str, Any]:
-    vocab = 64
-    model = gpt_decoder(layers=layers, hidden=hidden, heads=heads, vocab=vocab, positions=past + tokens + 8)
+def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: int, streams: tuple[int, ...] = STREAMS,
+        llama: Path | None = None) -> dict[str, Any]:
+    rows_measured = list(ROWS)
+    if llama is None:
+        vocab = 64
+        model = gpt_decoder(layers=layers, hidden=hidden, heads=heads, vocab=vocab, positions=past + tokens + 8)
+        cut: list[str] = [f"layer{layers // 2 - 1}.out"]
+        described = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
+    else:
+        import onnx
+
+        described = json.loads((llama / "about.json").read_text())
+        vocab, layers = described["vocab"], described["layers"]
+        model = onnx.load(llama / "optimum" / "model.onnx")
+        cut = between_layers(model, layers // 2 - 1)
+        rows_measured.append(GENERATOR)
     cores = sorted(os.sched_getaffinity(0))
     clients = {"threads": _threads, "driver": _driver, "rounds": _rounds}
     with tempfile.TemporaryDirectory() as tmp:
         bundles = {}
         for how, batch in (("unbatched", 1), ("batched", MAX_BATCH)):
-            plan = split(model, [f"layer{layers // 2 - 1}.out"], states="auto")
+            plan = split(model, [cut], states="auto")
             for c, stage in enumerate(plan.config.stages):
                 stage.configure(intra_op_threads=1, affinity=[cores[c]] if len(cores) >= 2 else None, max_batch=batch,
                                 max_delay_ms=DELAY_MS if batch > 1 else 0.0)
             bundles[how] = export(build(plan.config, Path(tmp) / f"built-{how}").path, Path(tmp) / f"bundle-{how}")
         configs: dict[tuple[str, int], Callable[[], dict[str, Any]]] = {}
         for s in streams:
-            for name, bundle, client, micro in ROWS:
-                if client == "lockstep":
+            for name, bundle, client, micro in rows_measured:
+                if client == "generator":
+                    assert llama is not None
+                    configs[(name, s)] = partial(_generator, llama / "genai", s, past, tokens, vocab)
+                elif client == "lockstep":
                     configs[(name, s)] = partial(_lockstep, model, s, past, tokens, vocab, micro or 1)
                 else:
                     configs[(name, s)] = partial(clients[client], bundles[bundle or "batched"], s, past, tokens, vocab, micro)
@@ -336,7 +411,7 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
                 measured[key].append(fn())
             overheads.append(_overhead(bundles["unbatched"], past, tokens, vocab))
             breakdowns.append(_breakdown(bundles["batched"], max(streams), past, tokens, vocab))
-            for (width, batch), rates in stateless.items():
+            for (width, batch), rates in (stateless.items() if llama is None else ()):
                 rates.append(_stateless(width, batch))
     rows = []
     for (how, s), runs in measured.items():
@@ -350,13 +425,16 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
     ratios: dict[int, dict[str, float]] = {}
     for s in streams:
         ratios[s] = {name: by[(a, s)]["tokens_per_s"] / by[(b, s)]["tokens_per_s"] for name, a, b in RATIOS}
+        if llama is not None:
+            for how in ("batched, one driver", "batched, rounds"):
+                ratios[s][f"{how} / og.Generator"] = by[(how, s)]["tokens_per_s"] / by[(GENERATOR[0], s)]["tokens_per_s"]
         ratios[s]["one driver: p99 per token, batched / unbatched"] = by[("batched, one driver", s)]["p99_ms"] / by[("unbatched, one driver", s)]["p99_ms"]
         ratios[s]["thread per stream: p99 per token, batched / unbatched"] = (by[("batched, thread per stream", s)]["p99_ms"]
                                                                               / by[("unbatched, thread per stream", s)]["p99_ms"])
     overhead = {k: statistics.median(o[k] for o in overheads) for k in overheads[0]}
     breakdown = {k: statistics.median(b[k] for b in breakdowns) for k in breakdowns[0]}
     return {
-        "model": {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "past": past, "tokens": tokens},
+        "model": {**described, "past": past, "tokens": tokens, "cut": cut},
         "cores": len(cores),
         "rounds": rounds,
         "rows": rows,
@@ -364,7 +442,7 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         "one_stream_step": overhead,
         "round_ms": {"streams": max(streams), **breakdown},
         "stateless": [{"width": w, "max_batch": b, "requests_per_s": statistics.median(r), "min": min(r), "max": max(r)}
-                      for (w, b), r in stateless.items()],
+                      for (w, b), r in stateless.items() if r],
     }
 
 
@@ -378,13 +456,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", default=",".join(map(str, STREAMS)), help="stream counts, comma-separated")
     parser.add_argument("--json", action="store_true", help="print the results as JSON only")
+    parser.add_argument("--llama", type=Path, help="a folder of benchmarks.llama_exports: its optimum export, and og.Generator on its genai export")
     args = parser.parse_args()
-    result = run(args.layers, args.hidden, args.heads, args.past, args.tokens, args.rounds, tuple(int(s) for s in args.streams.split(",")))
+    result = run(args.layers, args.hidden, args.heads, args.past, args.tokens, args.rounds, tuple(int(s) for s in args.streams.split(",")),
+                 args.llama)
     if args.json:
         print(json.dumps(result, indent=2))
         return
     m = result["model"]
-    print(f"decoder: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads; prompt {m['past']} + {m['tokens']} tokens per stream; "
+    size = f", {m['parameters'] / 1e6:.1f} M parameters (optimum-onnx export, random weights)" if "parameters" in m else ""
+    print(f"decoder: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads{size}; prompt {m['past']} + {m['tokens']} tokens per stream; "
           f"{result['cores']} cores; 2 stages x 1 thread, max_batch {MAX_BATCH}, max_delay_ms {DELAY_MS:g}; "
           f"median (min-max) of {result['rounds']} interleaved rounds")
     print(f"{'how':<36} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage")
@@ -401,6 +482,8 @@ def main() -> None:
     for name, ms in b.items():
         if name != "streams":
             print(f"  {name:<44} {ms:7.3f}")
+    if not result["stateless"]:
+        return
     print("stateless requests, one stage x 1 thread (embed_mlp, 16 ids per request):")
     rates = {(r["width"], r["max_batch"]): r for r in result["stateless"]}
     for width in (64, 1024):

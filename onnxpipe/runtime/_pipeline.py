@@ -486,7 +486,7 @@ class Pipeline(InferenceSessionAPI):
         request = Request(first, {Endpoint(None, k): v for k, v in values.items()}, steps[0].params, min(batch.submitted), done=self._finish, batch=batch)
         for s in steps:
             s.future.set_running_or_notify_cancel()
-            self._requests.submitted(s.submitted)
+        self._requests.submitted(request.submitted)
         try:
             self._engine.submit(request, True)
         except Closed:
@@ -545,13 +545,12 @@ class Pipeline(InferenceSessionAPI):
             ended.extend((rid, stream, step, sub, None, request.error)
                          for rid, stream, step, sub in zip(batch.ids, batch.streams, batch.steps, batch.submitted, strict=True))
         ended.extend((f.id, f.stream, f.step, f.submitted, None, f.error) for f in batch.failed)
-        results = []
-        for rid, stream, step, submitted, outs, error in ended:
-            self._requests.finished(submitted, now, error is None)
-            error = self._stream_finished(stream, step, error)
-            if self._scheduler is not None:
-                self._scheduler.done(stream)
-            results.append((rid, outs, error))
+        self._requests.finished_many([(submitted, error is None) for _, _, _, submitted, _, error in ended], now)
+        with self._lock:
+            streams = [self._streams.get(stream) or self._closing_streams.get(stream) for _, stream, _, _, _, _ in ended]
+        results = [(rid, outs, self._stream_ended(held, stream, step, error)) for held, (rid, stream, step, _, outs, error) in zip(streams, ended, strict=True)]
+        if self._scheduler is not None:
+            self._scheduler.done_many([stream for _, stream, _, _, _, _ in ended])
         with self._lock:
             futures = [self._futures.pop(rid, None) for rid, _, _ in results]
             self._in_flight -= len(results)
@@ -570,6 +569,9 @@ class Pipeline(InferenceSessionAPI):
         """Tell the step's stream how it ended; the error its future raises (see Note: a failed step, _stream.py)."""
         with self._lock:
             stream = self._streams.get(stream_id) or self._closing_streams.get(stream_id)
+        return self._stream_ended(stream, stream_id, step, error)
+
+    def _stream_ended(self, stream: Stream | None, stream_id: int, step: int, error: BaseException | None) -> BaseException | None:
         if stream is None:
             return error
         failed_at = getattr(error, "stage", None)

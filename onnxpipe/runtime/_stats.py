@@ -277,6 +277,14 @@ class RequestRecorder:
             self.last_done = at
             self.latencies.append(at - submitted)
 
+    def finished_many(self, ended: list[tuple[float, bool]], at: float) -> None:
+        """Requests (a batch of steps) left the pipeline at ``at``: each ``(submitted, ok)``."""
+        with self._lock:
+            self.completed += len(ended)
+            self.failed += sum(not ok for _, ok in ended)
+            self.last_done = at
+            self.latencies.extend(at - submitted for submitted, _ in ended)
+
 
 def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int]], requests: RequestRecorder, in_flight: int) -> PipelineStats:
     """Combine the recorders into a :class:`PipelineStats`.

@@ -192,12 +192,18 @@ class StepScheduler:
 
     def done(self, stream: int) -> None:
         """A step of ``stream`` left the pipeline (a stream's steps leave in the order they came)."""
+        self.done_many((stream,))
+
+    def done_many(self, streams: Iterable[int]) -> None:
+        """A step of each of ``streams`` left the pipeline (a batch's members, at the exit)."""
+        busy = self._busy
         with self._lock:
-            keys = self._busy.get(stream)
-            if keys:
-                del keys[0]
-                if not keys:
-                    del self._busy[stream]
+            for stream in streams:
+                keys = busy.get(stream)
+                if keys:
+                    del keys[0]
+                    if not keys:
+                        del busy[stream]
 
     def close(self) -> None:
         """Stop the deadline timer; steps still waiting stay unsent (the pipeline fails them)."""
