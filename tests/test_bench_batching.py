@@ -15,3 +15,14 @@ def test_the_batching_benchmark_runs_and_reports_every_row() -> None:
         "one driver: p99 per token, batched / unbatched", "thread per stream: p99 per token, batched / unbatched"}
     assert result["one_stream_step"]["step_ms"] > 0 and len(result["stateless"]) == 4
     assert result["round_ms"]["round"] > 0 and result["round_ms"]["stage 0 session call"] > 0
+
+
+def test_the_cut_between_llama_layers_is_what_the_layers_after_it_read() -> None:
+    """benchmarks.batching --llama cuts an optimum export between its middle layers: the residual
+    stream, the causal mask and the rotary cos / sin, not the weights the exporter passes through Identity."""
+    import onnx
+
+    from benchmarks.batching import between_layers
+    from tests.runtime.test_exported_decoders import CUT, LLAMA
+
+    assert between_layers(onnx.load(LLAMA), 0) == sorted(CUT)

@@ -787,6 +787,8 @@ class Pipeline(InferenceSessionAPI):
                 self._fail_step(step, StageError("the pipeline was closed before this step started"))
         for request in self._engine.close():
             self._fail(request, StageError(f"the pipeline was closed before request {request.id} finished", request=request.id))
+        if self._scheduler is not None:
+            self._scheduler.wait_stopped()
         with self._lock:
             stranded = list(self._futures.items())
         for rid, future in stranded:

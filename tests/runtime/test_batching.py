@@ -337,3 +337,23 @@ def test_stats_and_trace_show_batches(mlp_bundle: Path, tmp_path: Path) -> None:
     assert stats.to_dict()["stages"][0]["batch_sizes"] == stage.batch_sizes
     slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     assert len(slices) == 12 and any("batch of" in e["name"] for e in slices)
+
+
+def test_steps_waiting_at_the_entry_fail_when_the_pipeline_closes(tmp_path: Path) -> None:
+    """A step waiting for its group (max_delay_ms=10 s, the other member silent) when the pipeline
+    closes: its future raises StageError at once, nothing hangs; a closed pipeline takes no more steps."""
+    from onnxpipe import StageError
+
+    plan = batched(split(gpt_decoder(), DECODER_CUTS[2], states="auto"), delay_ms=10_000)
+    pipe = load(bundle_of(plan, tmp_path), micro_batches=1)
+    a, b = pipe.stream(), pipe.stream()
+    waiting = a.submit({"input_ids": np.array([[1]]), "attention_mask": np.ones((1, 1), np.int64), "position_ids": np.array([[0]])})
+    time.sleep(0.05)
+    assert not waiting.done()  # b has no step yet: a's waits for it
+    started = time.perf_counter()
+    pipe.close()
+    with pytest.raises(StageError, match="closed"):
+        waiting.result(timeout=5)
+    assert time.perf_counter() - started < 3.0
+    with pytest.raises(StreamError, match="closed"):
+        b.submit({"input_ids": np.array([[1]]), "attention_mask": np.ones((1, 1), np.int64), "position_ids": np.array([[0]])})

@@ -206,12 +206,17 @@ class StepScheduler:
                         del busy[stream]
 
     def close(self) -> None:
-        """Stop the deadline timer; steps still waiting stay unsent (the pipeline fails them)."""
+        """Stop the deadline timer (it ends once any submission it is in returns: :meth:`wait_stopped`);
+        steps still waiting stay unsent (the pipeline fails them)."""
         with self._lock:
             self._closed = True
             self._wake.notify_all()
+
+    def wait_stopped(self, timeout: float = 5.0) -> None:
+        """Wait for the deadline timer to end, after :meth:`close` (and after the engine closed, so
+        that a submission it waits in returns)."""
         if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.join(5.0)
+            self._timer.join(timeout)
 
     def waiting(self) -> list[Step]:
         """Every step still waiting at the entry, and none of them any more (a closing pipeline fails them)."""

@@ -1,0 +1,172 @@
+"""The scheduler's policy alone (onnxpipe.runtime.scheduling.StepScheduler), with a recording
+``send`` instead of a pipeline: no onnxruntime, every decision checked exactly (which streams share
+a group, when a group's batch leaves, what a batch holds and in which order)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, pad_stack, stack_steps, take_rows
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[list[tuple[int, int]]] = []
+
+    def __call__(self, steps: list[Step]) -> None:
+        self.sent.append([(s.stream, s.number) for s in steps])
+
+
+def step(stream: int, number: int, key: object = "decode") -> Step:
+    return Step(stream, number, {}, {}, {}, key, Future())
+
+
+def scheduler(limit: int = 8, micro: int = 2, delay: float = 10.0, pin=lambda s: ()) -> tuple[StepScheduler, Recorder]:  # type: ignore[no-untyped-def]
+    sent = Recorder()
+    return StepScheduler(sent, limit, micro, delay, pin), sent
+
+
+def test_streams_spread_over_the_micro_batches_and_a_full_group_makes_another() -> None:
+    s, _ = scheduler(limit=2, micro=2)
+    for stream in range(5):
+        s.join(stream)
+    assert [s.group_of(k) for k in (0, 1, 4)] == [[0, 2], [1, 3], [4]]
+
+
+def test_streams_pinned_to_different_replicas_never_share_a_group() -> None:
+    s, _ = scheduler(micro=1, pin=lambda stream: (stream % 2,))
+    for stream in range(4):
+        s.join(stream)
+    assert s.group_of(0) == [0, 2] and s.group_of(1) == [1, 3]
+
+
+def test_a_group_batch_leaves_once_every_member_has_a_step_waiting_in_member_order() -> None:
+    s, sent = scheduler(micro=1)
+    for stream in range(3):
+        s.join(stream)
+    s.offer(step(2, 0))
+    s.offer(step(0, 0))
+    assert sent.sent == []  # stream 1 has no step yet: the batch waits for it
+    s.offer(step(1, 0))
+    assert sent.sent == [[(0, 0), (1, 0), (2, 0)]]  # in the order the streams joined, not the order the steps came
+    for stream in range(3):
+        s.done(stream)
+
+
+def test_a_member_running_a_step_of_another_shape_is_not_waited_for() -> None:
+    s, sent = scheduler(micro=1)
+    for stream in range(3):
+        s.join(stream)
+    s.offer_many([step(2, 0, key="prompt of 5")])  # sent at once (flush): stream 2's prompt is in flight
+    s.offer(step(0, 3))
+    s.offer(step(1, 3))
+    assert sent.sent == [[(2, 0)], [(0, 3), (1, 3)]]
+
+
+def test_a_batch_holds_one_step_per_stream_and_one_shape_the_rest_follows_in_order() -> None:
+    s, sent = scheduler(micro=1)
+    for stream in range(3):
+        s.join(stream)
+    s.offer_many([step(0, 4), step(0, 5), step(1, 0, key="prompt"), step(2, 7)])
+    assert sent.sent == [[(0, 4), (2, 7)], [(0, 5)], [(1, 0)]]
+
+
+def test_no_batch_holds_more_than_the_limit() -> None:
+    s, sent = scheduler(limit=2, micro=1)
+    for stream in range(2):
+        s.join(stream)
+    s.offer_many([step(0, 0), step(1, 0)])
+    assert sent.sent == [[(0, 0), (1, 0)]]
+
+
+def test_with_no_delay_a_step_leaves_as_it_comes() -> None:
+    s, sent = scheduler(micro=1, delay=0.0)
+    for stream in range(2):
+        s.join(stream)
+    s.offer(step(0, 0))
+    assert sent.sent == [[(0, 0)]]
+
+
+def test_after_the_delay_the_waiting_steps_leave_without_the_silent_member() -> None:
+    s, sent = scheduler(micro=1, delay=0.02)
+    for stream in range(3):
+        s.join(stream)
+    s.offer(step(0, 0))
+    s.offer(step(1, 0))
+    assert sent.sent == []
+    deadline = time.monotonic() + 5
+    while not sent.sent and time.monotonic() < deadline:
+        time.sleep(0.005)
+    s.close()
+    s.wait_stopped()
+    assert sent.sent == [[(0, 0), (1, 0)]]
+
+
+def test_a_closing_member_sends_its_waiting_steps_and_no_longer_holds_its_group() -> None:
+    s, sent = scheduler(micro=1)
+    for stream in range(3):
+        s.join(stream)
+    s.offer(step(0, 0))
+    s.leave(0)  # its step goes before its close
+    assert sent.sent == [[(0, 0)]]
+    s.done(0)
+    s.offer(step(1, 1))
+    s.leave(2)  # stream 2 will send no more: stream 1's step need not wait for it
+    assert sent.sent == [[(0, 0)], [(1, 1)]]
+
+
+def test_a_retired_member_is_not_waited_for() -> None:
+    s, sent = scheduler(micro=1)
+    for stream in range(2):
+        s.join(stream)
+    s.retire(1)  # its state is no longer valid: it takes no more steps
+    s.offer(step(0, 2))
+    assert sent.sent == [[(0, 2)]]
+
+
+def test_waiting_steps_are_handed_back_when_the_pipeline_closes() -> None:
+    s, sent = scheduler(micro=1)
+    for stream in range(2):
+        s.join(stream)
+    s.offer(step(0, 0))
+    s.close()
+    assert [(w.stream, w.number) for w in s.waiting()] == [(0, 0)] and sent.sent == []
+
+
+# -- the batch's layout ----------------------------------------------------------------------------
+
+
+def test_stack_steps_pads_growing_inputs_on_the_left_and_says_the_layout() -> None:
+    masks = [np.ones((1, n), np.int64) for n in (3, 5, 4)]
+    steps = [{"ids": np.array([[k]]), "mask": m} for k, m in enumerate(masks)]
+    stacked = stack_steps(steps, {"mask": (1, 0.0)})
+    assert stacked is not None
+    values, rows, shifts = stacked
+    assert rows == (0, 1, 2, 3) and shifts == (2, 0, 1)
+    np.testing.assert_array_equal(values["mask"], [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(values["ids"], [[0], [1], [2]])
+
+
+def test_stack_steps_refuses_growing_inputs_that_do_not_line_up() -> None:
+    steps = [{"a": np.ones((1, 3)), "b": np.ones((1, 3))}, {"a": np.ones((1, 5)), "b": np.ones((1, 4))}]
+    assert stack_steps(steps, {"a": (1, 0.0), "b": (1, 0.0)}) is None
+
+
+def test_a_batch_without_its_failed_members_keeps_the_others_rows() -> None:
+    batch = StepBatch((10, 11, 12), (0, 1, 2), (4, 4, 4), ({}, {}, {}), (0.0, 0.0, 0.0), (0, 1, 3, 4), (0, 2, 1))
+    error = RuntimeError("bad")
+    smaller = batch.without({1: error})
+    assert smaller.streams == (0, 2) and smaller.rows == (0, 1, 2) and smaller.shifts == (0, 1)
+    assert [(f.id, f.stream, f.error) for f in smaller.failed] == [(11, 1, error)]
+    value = np.arange(4)[:, None]
+    np.testing.assert_array_equal(take_rows(value, batch.rows, [0, 2]), [[0], [3]])
+
+
+@pytest.mark.parametrize("fill", [0.0, -1e4])
+def test_pad_stack_fills_the_padding(fill: float) -> None:
+    out = pad_stack([np.ones((1, 2), np.float32), np.ones((1, 3), np.float32)], 1, fill, [1, 0])
+    np.testing.assert_array_equal(out, [[fill, 1, 1], [1, 1, 1]])
