@@ -126,7 +126,10 @@ class StageSettings:
             batch and records how (``StageSpec.batching``; docs/batching.md). Written to
             ``pipeline.json`` only when above 1.
         max_delay_ms: How long a request the stage has taken may wait for others to join its
-            batch; 0 (the default, Triton's advice): take what is queued, never wait.
+            batch; 0 (the default, Triton's advice): take what is queued, never wait. For streams,
+            whose steps are batched at the pipeline's entry, the largest over the stages is how
+            long a step may wait there for the other members of its group
+            (``onnxpipe.runtime.scheduling``).
         batch_pad: Input name -> the value a batch pads it with, instead of the value the
             build's probe would choose (0 for states and int masks, a float mask's lowest value):
             for a mask the model applies other than as an additive bias. The probe still checks

@@ -293,13 +293,16 @@ class ServedModel:
 
     def batching(self) -> tuple[int, float]:
         """``(max_batch_size, delay in microseconds)`` as Triton's config reports them: the largest
-        batch a stage forms (``max_batch``) when some stage batches and every input and output has
+        batch a stage forms (``max_batch``; for streams, whose batches go through every stage, the
+        smallest stage's) when some stage batches and every input and output has
         a batch dim (a dim 0 of any size); ``(0, 0)`` otherwise (every dim is the request's own)."""
         stages = [s.settings for s in self.pipe.spec.stages if s.settings.max_batch > 1]
         ports = [*self.inputs.values(), *self.outputs.values()]
         if not stages or any(p.shape is None or not p.shape or isinstance(p.shape[0], int) for p in ports):
             return 0, 0.0
-        return max(s.max_batch for s in stages), 1e3 * max(s.max_delay_ms for s in stages)
+        # Streams' steps travel every stage as one batch (runtime.scheduling): the smallest max_batch bounds it.
+        largest = min if self.stateful else max
+        return largest(s.max_batch for s in stages), 1e3 * max(s.max_delay_ms for s in stages)
 
     def config(self, stream_timeout: float | None) -> dict[str, Any]:
         """Triton's model configuration (``GET .../config``). ``max_batch_size`` is 0 (every dim
