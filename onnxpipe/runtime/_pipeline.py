@@ -392,10 +392,14 @@ class Pipeline(InferenceSessionAPI):
             if self._closed:
                 stream._finished(step, None, ())
                 raise StageError("the pipeline is closed")
-        future: Future[Outputs] = Future()
+        waiting = self._step(stream, step, arrays)
+        self._scheduler.offer(waiting)
+        return waiting.future
+
+    def _step(self, stream: Stream, number: int, arrays: Mapping[str, np.ndarray]) -> Step:
+        """A stream's checked step, for the scheduler (with the parameters as they are now)."""
         params = self._params
-        self._scheduler.offer(Step(stream.id, step, dict(arrays), stream.dims, params, step_key(arrays, self._entry_pads, params), future))
-        return future
+        return Step(stream.id, number, dict(arrays), stream.dims, params, step_key(arrays, self._entry_pads, params), Future())
 
     def submit_steps(self, steps: Mapping[Stream, Mapping[str, Any]]) -> dict[Stream, Future[Outputs]]:
         """Submit the next step of many streams at once; a future of each stream's outputs.
@@ -409,6 +413,7 @@ class Pipeline(InferenceSessionAPI):
         Raises:
             StreamError: a stream is closed, belongs to another pipeline, or its state is no longer valid.
             InputError: a step's inputs do not fit (as ``Stream.submit``); the message names the stream.
+            StageError: the pipeline is closed.
         """
         streams = sorted(steps, key=lambda s: s.id)
         for stream in streams:
@@ -429,20 +434,14 @@ class Pipeline(InferenceSessionAPI):
             numbered = [(stream, arrays, stream._advance()) for stream, arrays in zip(streams, checked, strict=True)]
             if self._scheduler is None:
                 return {stream: self._enqueue(arrays, stream, step)[1] for stream, arrays, step in numbered}
-            futures: dict[Stream, Future[Outputs]] = {}
-            params = self._params
-            pending = []
-            for stream, arrays, step in numbered:
-                future: Future[Outputs] = Future()
-                futures[stream] = future
-                pending.append(Step(stream.id, step, arrays, stream.dims, params, step_key(arrays, self._entry_pads, params), future))
+            pending = [self._step(stream, step, arrays) for stream, arrays, step in numbered]
             with self._lock:
                 if self._closed:
                     for stream, _, step in numbered:
                         stream._finished(step, None, ())
                     raise StageError("the pipeline is closed")
             self._scheduler.offer_many(pending, flush=True)
-            return futures
+            return {stream: waiting.future for (stream, _, _), waiting in zip(numbered, pending, strict=True)}
         finally:
             for lock in held:
                 lock.release()
@@ -454,13 +453,12 @@ class Pipeline(InferenceSessionAPI):
             for s in steps:
                 with self._lock:
                     stream = self._streams.get(s.stream) or self._closing_streams.get(s.stream)
-                if stream is None:
-                    self._scheduler.done(s.stream)  # type: ignore[union-attr]
-                    s.future.set_exception(StageError("the pipeline is closed"))
+                if stream is None:  # the pipeline closed, and its streams with it
+                    self._fail_step(s, StageError("the pipeline is closed"))
                     continue
                 try:
                     self._enqueue(s.arrays, stream, s.number, future=s.future, params=s.params, submitted=s.submitted)
-                except StageError as e:  # the pipeline is closed
+                except StageError as e:  # the pipeline closed meanwhile (_enqueue told the stream)
                     self._scheduler.done(s.stream)  # type: ignore[union-attr]
                     s.future.set_exception(e)
             return

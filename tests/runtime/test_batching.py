@@ -357,3 +357,25 @@ def test_steps_waiting_at_the_entry_fail_when_the_pipeline_closes(tmp_path: Path
     assert time.perf_counter() - started < 3.0
     with pytest.raises(StreamError, match="closed"):
         b.submit({"input_ids": np.array([[1]]), "attention_mask": np.ones((1, 1), np.int64), "position_ids": np.array([[0]])})
+
+
+def test_submit_steps_checks_every_step_first_and_submits_nothing_when_one_is_refused(decoder_bundles: dict[int, Path], tmp_path: Path) -> None:
+    """A wrong dtype in one stream's step: an InputError naming that stream, and no stream's step
+    was taken (each goes on from step 0); a closed stream is a StreamError; a stream of another
+    pipeline is refused by name. Then the same steps, right, run."""
+    from onnxpipe import InputError
+
+    good = {"input_ids": np.array([[1]]), "attention_mask": np.ones((1, 1), np.int64), "position_ids": np.array([[0]])}
+    with load(decoder_bundles[2]) as pipe, load(decoder_bundles[2]) as other:
+        a, b, c = pipe.stream(), pipe.stream(), pipe.stream()
+        with pytest.raises(InputError, match=r"stream 1: input 'input_ids' has dtype int32; expected int64"):
+            pipe.submit_steps({a: good, b: {**good, "input_ids": np.array([[1]], np.int32)}})
+        assert (a.steps, b.steps) == (0, 0)
+        c.close()
+        with pytest.raises(StreamError, match="stream 2 is closed"):
+            pipe.submit_steps({a: good, c: good})
+        with pytest.raises(StreamError, match="stream 0 belongs to another pipeline"):
+            other.submit_steps({a: good})
+        futures = pipe.submit_steps({a: good, b: good})
+        np.testing.assert_array_equal(futures[a].result(timeout=30)["logits"], futures[b].result(timeout=30)["logits"])
+        assert (a.steps, b.steps) == (1, 1)
