@@ -113,17 +113,48 @@ def test_idle_sequences_are_freed_and_max_streams_refusals_are_503(bundles: dict
         assert proc.stop() == 0
 
 
+class _Sequences:
+    """What ``decode_in_threads`` steps, over HTTP: each ``stream()`` a Triton sequence of its own
+    (its first step starts it, its ``count``-th ends it), each step one request."""
+
+    def __init__(self, url: str, count: int) -> None:
+        self.url, self.count = url, count
+        self.ids = iter(range(100, 10_000))
+
+    def stream(self) -> _Sequence:
+        return _Sequence(httpclient.InferenceServerClient(self.url), next(self.ids), self.count)
+
+
+class _Sequence:
+    def __init__(self, client: httpclient.InferenceServerClient, sid: int, count: int) -> None:
+        self.client, self.sid, self.count, self.steps = client, sid, count, 0
+
+    def step(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        inputs = []
+        for name, value in feeds.items():
+            tensor = httpclient.InferInput(name, list(value.shape), "INT64")
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        self.steps += 1
+        result = self.client.infer("decoder", inputs, sequence_id=self.sid, sequence_start=self.steps == 1, sequence_end=self.steps == self.count)
+        return {"logits": result.as_numpy("logits")}
+
+    def __enter__(self) -> _Sequence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def test_decoder_sequences_batch_at_the_entry_and_decode_the_tokens_each_makes_alone(tmp_path: Path) -> None:
     """A KV-cache decoder whose stages batch (max_batch=8, max_delay_ms=20), served: 6 sequences,
     each greedy-decoded by a client thread of its own over HTTP (sequence_id, start, end), with
     prompts of different lengths started apart: their steps meet at the pipeline's entry and travel
     as batches (Triton's statistics: fewer executions than inferences), and every sequence's
     tokens equal the whole model alone."""
-    import threading
-
     from onnxpipe.splitter import split
     from tests.models import bundle_of
-    from tests.stateful_models import decoder_feeds, gpt_decoder, whole_generate
+    from tests.stateful_models import decode_in_threads, gpt_decoder, whole_generate
 
     decoder = gpt_decoder()
     plan = split(decoder, ["layer1.out"], states="auto")
@@ -132,38 +163,11 @@ def test_decoder_sequences_batch_at_the_entry_and_decode_the_tokens_each_makes_a
     bundle = bundle_of(plan, tmp_path / "decoder")
     prompts = [[1 + k, 2, 3][: 1 + k % 3] for k in range(6)]
     count = 12
-    got: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
     with ServerProcess(f"decoder={bundle}") as proc:
         proc.start(tmp_path / "serve.log")
-
-        def run(k: int) -> None:
-            time.sleep(0.003 * k)
-            try:
-                client = httpclient.InferenceServerClient(proc.http)
-                tokens, done = list(prompts[k]), 0
-                for step in range(count):
-                    inputs = []
-                    for name, value in decoder_feeds(tokens, done).items():
-                        tensor = httpclient.InferInput(name, list(value.shape), "INT64")
-                        tensor.set_data_from_numpy(value)
-                        inputs.append(tensor)
-                    logits = client.infer("decoder", inputs, sequence_id=100 + k, sequence_start=step == 0,
-                                          sequence_end=step == count - 1).as_numpy("logits")
-                    done = len(tokens)
-                    tokens.append(int(np.argmax(logits[0, -1])))
-                got[k] = tokens[len(prompts[k]):]
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        got = decode_in_threads(_Sequences(proc.http, count), prompts, [count] * len(prompts), apart=0.003)
         stats = httpclient.InferenceServerClient(proc.http).get_inference_statistics("decoder")["model_stats"][0]
-    assert not errors, errors
     for k, prompt in enumerate(prompts):
-        assert got[k] == whole_generate(decoder, prompt, count)[0], f"sequence {k}"
+        assert got[k][0] == whole_generate(decoder, prompt, count)[0], f"sequence {k}"
     assert stats["inference_count"] == len(prompts) * count
     assert stats["execution_count"] < stats["inference_count"], stats
