@@ -318,6 +318,49 @@ def test_batched_stream_steps_run_as_one_call_on_each_actor(tmp_path: Path, ray_
         assert max(stage.batch_sizes) >= 2, f"{stage.stage}: {stage.batch_sizes}"
 
 
+def test_a_failing_step_inside_a_batch_fails_alone_on_the_actors(tmp_path: Path, ray_pids: set[int]) -> None:
+    """4 streams stepped as one batch (submit_steps, one micro-batch) over nodes a and b, one of
+    them with a token outside the vocabulary: stage 0's actor replays the batch member by member,
+    the bad member leaves it there (after the driver has already sent stage 1's call) and fails
+    alone with its state still valid; stage 1 runs the other three, their tokens equal the whole
+    model alone, and the failed stream goes on."""
+    from onnxpipe import StreamError
+    from tests.stateful_models import decoder_feeds, gpt_decoder, whole_generate
+
+    model = gpt_decoder()
+    plan = split(model, ["layer1.out"], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(max_batch=8)
+    bundle = _bundle(plan, tmp_path, ["a", "b"])
+    prompts = [[1, 2], [3], [4, 5, 6], [7]]
+    tokens = [list(p) for p in prompts]
+    done = [0] * 4
+    with load(bundle, engine="ray", micro_batches=1) as pipe:
+        ray_pids.update(_actor_pids(pipe))
+        streams = [pipe.stream() for _ in prompts]
+        for step in range(4):
+            feeds = {s: decoder_feeds(tokens[k], done[k]) for k, s in enumerate(streams)}
+            if step == 2:
+                feeds[streams[1]] = {**feeds[streams[1]], "input_ids": np.array([[10_000]])}  # no such token: stage 0's Gather fails
+            futures = pipe.submit_steps(feeds)
+            for k, s in enumerate(streams):
+                if step == 2 and k == 1:
+                    with pytest.raises(StreamError) as info:
+                        futures[s].result(timeout=60)
+                    assert info.value.state_valid is True and info.value.stage == "stage0"
+                    continue
+                logits = futures[s].result(timeout=60)["logits"]
+                done[k] = len(tokens[k])
+                tokens[k].append(int(np.argmax(logits[0, -1])))
+        stats = pipe.stats()
+        for s in streams:
+            s.close()
+    assert [st.failed for st in stats.stages] == [1, 0]
+    assert max(stats.stages[1].batch_sizes) == 4 and 3 in stats.stages[1].batch_sizes  # the batch went on without the bad member
+    for k, p in enumerate(prompts):
+        assert tokens[k][len(p):] == whole_generate(model, p, 3 if k == 1 else 4)[0], f"stream {k}"
+
+
 def test_a_killed_actor_holding_a_streams_state_fails_its_next_step_by_name(tmp_path: Path, ray_pids: set[int]) -> None:
     """The state died with the actor: the stream's next step says so (state_valid False) and the
     stream refuses further steps; a new stream runs on the restarted actor."""
