@@ -30,7 +30,8 @@ onnxruntime's default threads (both cores).
 
 Every stream gets a prompt of ``--past`` tokens (different tokens) and generates ``--tokens``
 more. Each configuration runs ``--rounds`` times, interleaved; medians are reported with their
-spread (min-max), with per-token latency (p50 / p99 of each stream's step times). Also reported:
+spread (min-max), with the time to a stream's first token (its prompt's step) and the time per
+token after it (p50 / p99 of each stream's decode steps), apart, as serving benchmarks report them. Also reported:
 one stream's per-step overhead, the time a step takes end to end beside the time the stages
 spend computing it (``stats()``).
 
@@ -116,26 +117,31 @@ class _Feeds:
         return {"input_ids": np.array([[tokens[-1]]], np.int64), "attention_mask": self.ones[:, :n], "position_ids": np.array([[n - 1]], np.int64)}
 
 
-def _decode(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], prompt: list[int], count: int, times: list[float],
-            feeds: _Feeds) -> None:
-    """Greedy decoding through ``step``, appending each decode step's seconds to ``times``."""
+def _decode(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], prompt: list[int], count: int, first: list[float],
+            times: list[float], feeds: _Feeds) -> None:
+    """Greedy decoding through ``step``: the prompt's step's seconds (the time to the first token)
+    appended to ``first``, each later step's to ``times``."""
     tokens, done = list(prompt), 0
-    for _ in range(count):
+    for n in range(count):
         start = time.perf_counter()
         out = step(feeds(tokens, done))
-        times.append(time.perf_counter() - start)
+        (times if n else first).append(time.perf_counter() - start)
         done = len(tokens)
         tokens.append(int(np.argmax(out["logits"][0, -1])))
 
 
-def _latency(times: list[float]) -> dict[str, float]:
+def _latency(first: list[float], times: list[float]) -> dict[str, float]:
+    """The median time to a stream's first token (its prompt's step), and p50 / p99 of the time
+    per later token (each decode step's), in ms: the prompt, many tokens at once, is left out of
+    the per-token figures, as serving benchmarks report TTFT and time per output token apart."""
     times = sorted(times)
-    return {"p50_ms": 1e3 * times[len(times) // 2], "p99_ms": 1e3 * times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]}
+    return {"ttft_ms": 1e3 * statistics.median(first), "p50_ms": 1e3 * times[len(times) // 2],
+            "p99_ms": 1e3 * times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]}
 
 
 def _warm(pipe: Any, past: int, vocab: int, feeds: _Feeds) -> None:
     with pipe.stream() as warm:
-        _decode(warm.step, _prompt(99, past, vocab), 4, [], feeds)
+        _decode(warm.step, _prompt(99, past, vocab), 4, [], [], feeds)
     pipe.reset_stats()
 
 
@@ -144,16 +150,17 @@ def _threads(bundle: Path, streams: int, past: int, tokens: int, vocab: int, mic
     with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH, micro_batches=micro) as pipe:
         _warm(pipe, past, vocab, feeds)
         times: list[list[float]] = [[] for _ in range(streams)]
+        first: list[float] = []
 
         def run(k: int, start_line: threading.Barrier) -> None:
             start_line.wait()
             time.sleep(0.0005 * k)  # streams join while others decode
             with pipe.stream() as s:
-                _decode(s.step, _prompt(k, past, vocab), tokens, times[k], feeds)
+                _decode(s.step, _prompt(k, past, vocab), tokens, first, times[k], feeds)
 
         elapsed = timed_threads(run, streams)
         stats = pipe.stats()
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency([x for ts in times for x in ts]),
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, [x for ts in times for x in ts]),
             "batch_mean": [round(s.batch_mean, 2) for s in stats.stages], "compute_ms": sum(s.mean_ms for s in stats.stages)}
 
 
@@ -167,6 +174,7 @@ def _driver(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micr
         texts = [_prompt(k, past, vocab) for k in range(streams)]
         left = [tokens] * streams
         times: list[float] = []
+        first: list[float] = []
         start = time.perf_counter()
         pending: dict[Future[Any], tuple[int, float]] = {opened[k].submit(feeds(texts[k], 0)): (k, start) for k in range(streams)}
         while pending:
@@ -174,7 +182,7 @@ def _driver(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micr
             now = time.perf_counter()
             for future in ready:
                 k, began = pending.pop(future)
-                times.append(now - began)
+                (times if left[k] < tokens else first).append(now - began)
                 done = len(texts[k])
                 texts[k].append(int(np.argmax(future.result()["logits"][0, -1])))
                 left[k] -= 1
@@ -184,7 +192,7 @@ def _driver(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micr
         stats = pipe.stats()
         for s in opened:
             s.close()
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency(times), "batch_mean": [round(s.batch_mean, 2) for s in stats.stages]}
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, times), "batch_mean": [round(s.batch_mean, 2) for s in stats.stages]}
 
 
 def _rounds(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micro: int | None) -> dict[str, Any]:
@@ -196,20 +204,21 @@ def _rounds(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micr
         texts = [_prompt(k, past, vocab) for k in range(streams)]
         done = [0] * streams
         times: list[float] = []
+        first: list[float] = []
         start = time.perf_counter()
-        for _ in range(tokens):
+        for n in range(tokens):
             begin = time.perf_counter()
             futures = pipe.submit_steps({s: feeds(texts[k], done[k]) for k, s in enumerate(opened)})
             for k, s in enumerate(opened):
                 logits = futures[s].result()["logits"]
                 done[k] = len(texts[k])
                 texts[k].append(int(np.argmax(logits[0, -1])))
-            times.append(time.perf_counter() - begin)
+            (times if n else first).append(time.perf_counter() - begin)
         elapsed = time.perf_counter() - start
         stats = pipe.stats()
         for s in opened:
             s.close()
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency(times), "batch_mean": [round(s.batch_mean, 2) for s in stats.stages]}
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, times), "batch_mean": [round(s.batch_mean, 2) for s in stats.stages]}
 
 
 def _breakdown(bundle: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, float]:
@@ -287,12 +296,13 @@ def _generator(folder: Path, streams: int, past: int, tokens: int, vocab: int) -
     times: list[float] = []
     start = time.perf_counter()
     generator.append_tokens(ids)
+    first = [time.perf_counter() - start]
     while not generator.is_done():
         began = time.perf_counter()
         generator.generate_next_token()
         times.append(time.perf_counter() - began)
     elapsed = time.perf_counter() - start
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency(times)}
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, times)}
 
 
 _OG_MODELS: dict[Path, Any] = {}
@@ -313,7 +323,7 @@ def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, thre
     names = [o.name for o in session.get_outputs()]
     pasts = [n for n in shapes if n.startswith("past_key_values.")]
 
-    def generate(count: int, times: list[float]) -> None:
+    def generate(count: int, first: list[float], times: list[float]) -> None:
         cache = {n: np.zeros((streams, shapes[n][1], 0, shapes[n][3]), np.float32) for n in pasts}
         ids = np.array([_prompt(k, past, vocab) for k in range(streams)], np.int64)
         total = 0
@@ -326,14 +336,15 @@ def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, thre
             total += seq
             cache = {n: out[n.replace("past_key_values.", "present.")] for n in pasts}
             ids = np.argmax(out["logits"][:, -1], axis=-1)[:, None].astype(np.int64)
-            times.append(time.perf_counter() - start)
+            (times if total > seq else first).append(time.perf_counter() - start)
 
-    generate(2, [])  # warm-up
+    generate(2, [], [])  # warm-up
     times: list[float] = []
+    first: list[float] = []
     start = time.perf_counter()
-    generate(tokens, times)
+    generate(tokens, first, times)
     elapsed = time.perf_counter() - start
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency(times)}
+    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, times)}
 
 
 def _overhead(bundle: Path, past: int, tokens: int, vocab: int) -> dict[str, float]:
@@ -343,7 +354,7 @@ def _overhead(bundle: Path, past: int, tokens: int, vocab: int) -> dict[str, flo
         _warm(pipe, past, vocab, feeds)
         times: list[float] = []
         with pipe.stream() as s:
-            _decode(s.step, _prompt(97, past, vocab), tokens, times, feeds)
+            _decode(s.step, _prompt(97, past, vocab), tokens, [], times, feeds)
         stats = pipe.stats()
     step = 1e3 * statistics.median(times)
     compute = sum(st.p50_ms for st in stats.stages)
@@ -417,6 +428,7 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
     for (how, s), runs in measured.items():
         rates = [r["tokens_per_s"] for r in runs]
         row = {"how": how, "streams": s, "tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+               "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
                "p50_ms": statistics.median(r["p50_ms"] for r in runs), "p99_ms": statistics.median(r["p99_ms"] for r in runs)}
         if "batch_mean" in runs[0]:
             row["batch_mean"] = runs[len(runs) // 2]["batch_mean"]
@@ -429,6 +441,8 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
             for how in ("batched, one driver", "batched, rounds"):
                 ratios[s][f"{how} / og.Generator"] = by[(how, s)]["tokens_per_s"] / by[(GENERATOR[0], s)]["tokens_per_s"]
         ratios[s]["one driver: p99 per token, batched / unbatched"] = by[("batched, one driver", s)]["p99_ms"] / by[("unbatched, one driver", s)]["p99_ms"]
+        ratios[s]["one driver: time to first token, batched / unbatched"] = (by[("batched, one driver", s)]["ttft_ms"]
+                                                                             / by[("unbatched, one driver", s)]["ttft_ms"])
         ratios[s]["thread per stream: p99 per token, batched / unbatched"] = (by[("batched, thread per stream", s)]["p99_ms"]
                                                                               / by[("unbatched, thread per stream", s)]["p99_ms"])
     overhead = {k: statistics.median(o[k] for o in overheads) for k in overheads[0]}
@@ -468,10 +482,12 @@ def main() -> None:
     print(f"decoder: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads{size}; prompt {m['past']} + {m['tokens']} tokens per stream; "
           f"{result['cores']} cores; 2 stages x 1 thread, max_batch {MAX_BATCH}, max_delay_ms {DELAY_MS:g}; "
           f"median (min-max) of {result['rounds']} interleaved rounds")
-    print(f"{'how':<36} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage")
+    print(f"{'how':<36} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'TTFT ms':>8} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage"
+          "  (p50 / p99: per token after the first)")
     for r in sorted(result["rows"], key=lambda r: (r["streams"], r["how"])):
         spread = f"({r['min']:.0f}-{r['max']:.0f})"
-        print(f"{r['how']:<36} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  {r.get('batch_mean', '')}")
+        print(f"{r['how']:<36} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['ttft_ms']:>8.2f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  "
+              f"{r.get('batch_mean', '')}")
     for name in next(iter(result["ratios"].values())):
         print(f"{name:<56} " + "  ".join(f"{s} streams {q[name]:.2f}x" for s, q in result["ratios"].items()))
     o = result["one_stream_step"]

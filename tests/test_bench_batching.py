@@ -10,9 +10,10 @@ def test_the_batching_benchmark_runs_and_reports_every_row() -> None:
 
     result = run(layers=2, hidden=32, heads=2, past=4, tokens=4, rounds=1, streams=(2,))
     assert {(r["how"], r["streams"]) for r in result["rows"]} == {(name, 2) for name, *_ in ROWS}
-    assert all(r["tokens_per_s"] > 0 and r["p99_ms"] > 0 for r in result["rows"])
+    assert all(r["tokens_per_s"] > 0 and r["p99_ms"] > 0 and r["ttft_ms"] > 0 for r in result["rows"])
     assert set(result["ratios"][2]) == {name for name, _, _ in RATIOS} | {
-        "one driver: p99 per token, batched / unbatched", "thread per stream: p99 per token, batched / unbatched"}
+        "one driver: p99 per token, batched / unbatched", "thread per stream: p99 per token, batched / unbatched",
+        "one driver: time to first token, batched / unbatched"}
     assert result["one_stream_step"]["step_ms"] > 0 and len(result["stateless"]) == 4
     assert result["round_ms"]["round"] > 0 and result["round_ms"]["stage 0 session call"] > 0
 
