@@ -139,7 +139,7 @@ class ThreadEngine:
                 return
             if request.error is None:
                 batch = request.batch
-                size, failed = (len(batch), len(batch.failed)) if batch is not None else (1, 0)
+                size, failed = request.size, len(batch.failed) if batch is not None else 0
                 start = clock()
                 try:
                     runner(request)

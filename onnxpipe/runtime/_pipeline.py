@@ -42,7 +42,7 @@ from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, resident_bytes, summarize, write_trace
 from onnxpipe.runtime._stream import Stream, state_dims
-from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, bag_pads, member_outputs, stack_steps, step_key
+from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, member_outputs, stack_steps, step_key
 
 __all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
 
@@ -143,7 +143,7 @@ class Pipeline(InferenceSessionAPI):
         self._requests = RequestRecorder()
         self._origin = time.perf_counter()
         self._closed = False
-        pads = bag_pads(bundle.spec)
+        pads = plans[0].pads if plans else {}  # scheduling.bag_pads, worked out once by plan_stages
         self._entry_pads = {key.tensor: pad for key, pad in pads.items() if key.stage is None}
         self._exit_pads = {name: pads[key] for name, key in self._finals.items() if key in pads}
         self.micro_batches = micro_batches or len(plans)
@@ -519,15 +519,8 @@ class Pipeline(InferenceSessionAPI):
         with self._lock:
             future = self._futures.pop(request.id, None)
             self._in_flight -= 1
-        if future is None:
-            return
-        try:
-            if error is None:
-                future.set_result(outputs)
-            else:
-                future.set_exception(error)
-        except InvalidStateError:
-            pass  # cancelled by its owner meanwhile
+        if future is not None:
+            _settle(future, outputs if error is None else None, error)
 
     def _finish_steps(self, request: Request) -> None:
         """A batch of steps left the pipeline: split it, once, into each member's outputs (or error)."""
@@ -553,15 +546,8 @@ class Pipeline(InferenceSessionAPI):
             futures = [self._futures.pop(rid, None) for rid, _, _ in results]
             self._in_flight -= len(results)
         for future, (_, outs, error) in zip(futures, results, strict=True):
-            if future is None:
-                continue
-            try:
-                if error is None:
-                    future.set_result(outs)  # type: ignore[arg-type]
-                else:
-                    future.set_exception(error)
-            except InvalidStateError:
-                pass  # cancelled by its owner meanwhile
+            if future is not None:
+                _settle(future, outs, error)
 
     def _stream_finished(self, stream_id: int, step: int, error: BaseException | None) -> BaseException | None:
         """Tell the step's stream how it ended; the error its future raises (see Note: a failed step, _stream.py)."""
@@ -802,6 +788,17 @@ class Pipeline(InferenceSessionAPI):
 
     def __repr__(self) -> str:
         return f"Pipeline(stages={[s.name for s in self.spec.stages]}, inputs={[t.name for t in self.spec.inputs]})"
+
+
+def _settle(future: Future[Outputs], outputs: Outputs | None, error: BaseException | None) -> None:
+    """A request's future, given its outputs or its error (a future its owner cancelled meanwhile stays so)."""
+    try:
+        if error is None:
+            future.set_result(outputs)  # type: ignore[arg-type]
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 def load(

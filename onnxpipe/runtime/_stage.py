@@ -271,13 +271,16 @@ class StageRunner:
     def _feeds(self, request: Request) -> dict[str, np.ndarray]:
         """What the session is fed for one request alone: its inputs from the bag, its parameters,
         its stream's state."""
-        values = request.values
-        feeds = {name: values[key] for name, key in self.plan.sources}
+        feeds = self._inputs(request, {name: request.values[key] for name, key in self.plan.sources})
+        if self._state_at:
+            feeds.update(self._own(self._held(request.stream, request.step, request.dims)))
+        return feeds
+
+    def _inputs(self, request: Request, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``feeds`` (the stage's inputs from the bag) with the request's parameter overrides for this stage."""
         own = request.params.get(self.name)
         if own:
             feeds.update(own)
-        if self._state_at:
-            feeds.update(self._own(self._held(request.stream, request.step, request.dims)))
         return feeds
 
     # -- state ----------------------------------------------------------------------------------
@@ -355,10 +358,7 @@ class StageRunner:
         if not len(batch):
             return  # every member failed in an earlier stage
         values = request.values
-        feeds = {name: values[key] for name, key in self.plan.sources}
-        own = request.params.get(self.name)
-        if own:
-            feeds.update(own)
+        feeds = self._inputs(request, {name: values[key] for name, key in self.plan.sources})
         try:
             if self._state_at:
                 block = self._block_for(batch)
@@ -398,10 +398,7 @@ class StageRunner:
         done: list[tuple[int, list[Any]]] = []
         for j, (stream, step, dims) in enumerate(zip(batch.streams, batch.steps, batch.dims, strict=True)):
             lo, hi, shift = batch.rows[j], batch.rows[j + 1], batch.shifts[j]
-            feeds = {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self.plan.sources}
-            own = request.params.get(self.name)
-            if own:
-                feeds.update(own)
+            feeds = self._inputs(request, {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self.plan.sources})
             try:
                 if self._state_at:
                     feeds.update(self._own(self._held(stream, step, dims)))
