@@ -130,7 +130,7 @@ LLAMAS := bench-out/llama
 $(DECODERS)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(DECODERS)
 	$(DECODERS)/bin/python -m pip install --quiet --upgrade pip
-	$(DECODERS)/bin/python -m pip install --quiet torch==2.13.0 'transformers<5' optimum-onnx==0.1.0 onnxruntime-genai==0.18.0 -e .
+	$(DECODERS)/bin/python -m pip install --quiet torch==2.13.0 'transformers<5' optimum-onnx==0.1.0 onnxruntime-genai==0.18.0 onnxscript -e .
 	touch $@
 
 $(GENAI_BUILDER)/.installed:

@@ -23,9 +23,9 @@ in, at most 2 ms after the first: ``onnxpipe.runtime.scheduling``); unbatched on
   streams cannot join or leave; its prompts have equal lengths, the best case for it).
 
 With ``--llama FOLDER`` (one of ``benchmarks.llama_exports``'s: a Llama with random weights exported
-by optimum-onnx and by onnxruntime-genai's builder), the decoder is that optimum export, split
-between its middle layers, and one more row runs the peer: onnxruntime-genai's ``og.Generator`` on
-its own export of the same weights, greedy, the S streams as one batch of S (``batch_size``), with
+by optimum-onnx and by onnxruntime-genai's builder), the decoder is that optimum export (with
+``--export genai``: the genai export itself, the very file the peer runs), split between its middle
+layers, and one more row runs the peer: onnxruntime-genai's ``og.Generator`` on its genai export, greedy, the S streams as one batch of S (``batch_size``), with
 onnxruntime's default threads (both cores).
 
 Every stream gets a prompt of ``--past`` tokens (different tokens) and generates ``--tokens``
@@ -41,7 +41,7 @@ and 1024 (compute dominates), one stage x 1 thread, 2,000 requests through ``pip
 ``max_batch=8`` against 1.
 
     python -m benchmarks.batching [--layers 4] [--hidden 128] [--past 32] [--tokens 32] [--rounds 3] [--streams 8,16] [--json]
-    python -m benchmarks.batching --llama bench-out/llama/tiny --streams 8,16   # in make bench-decoders' venv
+    python -m benchmarks.batching --llama bench-out/llama/tiny --streams 8,16 [--export genai]   # in make bench-decoders' venv
 """
 
 from __future__ import annotations
@@ -103,18 +103,26 @@ def _prompt(k: int, length: int, vocab: int) -> list[int]:
     return [(7 * k + 3 * t + 1) % vocab for t in range(length)]
 
 
+#: The decoder's inputs beside its caches: without ``position_ids`` for onnxruntime-genai's export.
+INPUTS = {"input_ids", "attention_mask", "position_ids"}
+
+
 class _Feeds:
     """A decode step's inputs as a generation loop that cares builds them: the mask a view of one
     array of ones, the token and position each one small array (``decoder_feeds`` for a prompt)."""
 
     def __init__(self, longest: int) -> None:
         self.ones = np.ones((1, longest), np.int64)
+        self.positions = "position_ids" in INPUTS
 
     def __call__(self, tokens: list[int], done: int) -> dict[str, np.ndarray]:
         n = len(tokens)
         if n - done != 1:
-            return decoder_feeds(tokens, done)
-        return {"input_ids": np.array([[tokens[-1]]], np.int64), "attention_mask": self.ones[:, :n], "position_ids": np.array([[n - 1]], np.int64)}
+            return {k: v for k, v in decoder_feeds(tokens, done).items() if k in INPUTS}
+        feeds = {"input_ids": np.array([[tokens[-1]]], np.int64), "attention_mask": self.ones[:, :n]}
+        if self.positions:
+            feeds["position_ids"] = np.array([[n - 1]], np.int64)
+        return feeds
 
 
 def _decode(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], prompt: list[int], count: int, first: list[float],
@@ -280,7 +288,7 @@ def between_layers(model: Any, k: int) -> list[str]:
     for n in graph.node:  # in graph order: what is computed from constants alone (weights the exporter passes through Identity)
         if all(i in constant for i in n.input if i):
             constant.update(n.output)
-    made = {o for n in graph.node if not later(n.name) for o in n.output if o not in constant}
+    made = {o for n in graph.node if not later(n.name) for o in n.output if o and o not in constant}
     return sorted({i for n in graph.node if later(n.name) for i in n.input if i in made})
 
 
@@ -324,7 +332,7 @@ def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, thre
     pasts = [n for n in shapes if n.startswith("past_key_values.")]
 
     def generate(count: int, first: list[float], times: list[float]) -> None:
-        cache = {n: np.zeros((streams, shapes[n][1], 0, shapes[n][3]), np.float32) for n in pasts}
+        cache = {n: np.zeros((streams, shapes[n][1], 0, shapes[n][3] if isinstance(shapes[n][3], int) else HEAD_SIZE[0]), np.float32) for n in pasts}
         ids = np.array([_prompt(k, past, vocab) for k in range(streams)], np.int64)
         total = 0
         for _ in range(count):
@@ -332,6 +340,7 @@ def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, thre
             start = time.perf_counter()
             feeds = {"input_ids": ids, "attention_mask": np.ones((streams, total + seq), np.int64),
                      "position_ids": np.broadcast_to(np.arange(total, total + seq), (streams, seq)).astype(np.int64), **cache}
+            feeds = {k: v for k, v in feeds.items() if k in shapes}
             out = dict(zip(names, session.run(names, feeds), strict=True))
             total += seq
             cache = {n: out[n.replace("past_key_values.", "present.")] for n in pasts}
@@ -377,8 +386,12 @@ def _stateless(width: int, max_batch: int, requests: int = 2000) -> float:
             return map_rate(pipe, ids, requests)
 
 
+#: The head size of a genai export's caches (its ``kv_cache_dim``), from its genai_config.json.
+HEAD_SIZE = [0]
+
+
 def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: int, streams: tuple[int, ...] = STREAMS,
-        llama: Path | None = None) -> dict[str, Any]:
+        llama: Path | None = None, exporter: str = "optimum") -> dict[str, Any]:
     rows_measured = list(ROWS)
     if llama is None:
         vocab = 64
@@ -389,8 +402,12 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         import onnx
 
         described = json.loads((llama / "about.json").read_text())
+        described["export"] = exporter
         vocab, layers = described["vocab"], described["layers"]
-        model = onnx.load(llama / "optimum" / "model.onnx")
+        model = onnx.load(llama / exporter / "model.onnx")  # the genai export's external data loaded too: split and the lockstep rows read it
+        if exporter == "genai":
+            INPUTS.discard("position_ids")
+            HEAD_SIZE[0] = json.loads((llama / "genai" / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
         cut = between_layers(model, layers // 2 - 1)
         rows_measured.append(GENERATOR)
     cores = sorted(os.sched_getaffinity(0))
@@ -398,7 +415,7 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
     with tempfile.TemporaryDirectory() as tmp:
         bundles = {}
         for how, batch in (("unbatched", 1), ("batched", MAX_BATCH)):
-            plan = split(model, [cut], states="auto")
+            plan = split(model, [cut], states="auto", dims={"kv_cache_dim": HEAD_SIZE[0]} if HEAD_SIZE[0] else None)
             for c, stage in enumerate(plan.config.stages):
                 stage.configure(intra_op_threads=1, affinity=[cores[c]] if len(cores) >= 2 else None, max_batch=batch,
                                 max_delay_ms=DELAY_MS if batch > 1 else 0.0)
@@ -471,14 +488,17 @@ def main() -> None:
     parser.add_argument("--streams", default=",".join(map(str, STREAMS)), help="stream counts, comma-separated")
     parser.add_argument("--json", action="store_true", help="print the results as JSON only")
     parser.add_argument("--llama", type=Path, help="a folder of benchmarks.llama_exports: its optimum export, and og.Generator on its genai export")
+    parser.add_argument("--export", choices=("optimum", "genai"), default="optimum",
+                        help="with --llama: which export onnxpipe splits (genai: the very file og.Generator runs)")
     args = parser.parse_args()
     result = run(args.layers, args.hidden, args.heads, args.past, args.tokens, args.rounds, tuple(int(s) for s in args.streams.split(",")),
-                 args.llama)
+                 args.llama, args.export)
     if args.json:
         print(json.dumps(result, indent=2))
         return
     m = result["model"]
-    size = f", {m['parameters'] / 1e6:.1f} M parameters (optimum-onnx export, random weights)" if "parameters" in m else ""
+    exporter = "onnxruntime-genai builder" if m.get("export") == "genai" else "optimum-onnx"
+    size = f", {m['parameters'] / 1e6:.1f} M parameters ({exporter} export, random weights)" if "parameters" in m else ""
     print(f"decoder: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads{size}; prompt {m['past']} + {m['tokens']} tokens per stream; "
           f"{result['cores']} cores; 2 stages x 1 thread, max_batch {MAX_BATCH}, max_delay_ms {DELAY_MS:g}; "
           f"median (min-max) of {result['rounds']} interleaved rounds")

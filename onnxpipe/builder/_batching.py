@@ -15,7 +15,11 @@ Note: the batching probe.
        decode step alone, and every port of the stage whose length along an axis differs by
        exactly 2 grows along it. Its inputs are *padded* (state inputs and int / bool masks with
        0, a float mask made from the attention mask with the dtype's lowest value, as an
-       additive mask's blocked positions are), its outputs *stripped*.
+       additive mask's blocked positions are), its outputs *stripped*. A stage whose state feeds
+       onnxruntime's ``GroupQueryAttention`` as its past keeps that state padded on the right
+       (``Batching.state_padding``): the op reads each row's past from position 0 up to the
+       row's ``seqlens_k`` (the attention mask's sum), so a left-padded past would put the padding
+       where it reads; step 4 checks the choice like any other.
     4. The same streams then run three decode steps batched, as the runtime runs them: their
        inputs stacked once at the entry (``scheduling.stack_steps``), one request through the
        runners the engines use, split at the exit; in the second and third, every other stage
@@ -37,11 +41,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from onnxpipe._errors import BuildError, InputError, OnnxpipeError
 from onnxpipe.runtime._dtypes import numpy_dtype
-from onnxpipe.runtime._inputs import random_array
+from onnxpipe.runtime._inputs import MASK_NAMES, POSITION_NAMES, random_array
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, TensorSpec
 from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
@@ -50,9 +55,6 @@ from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_outputs, sta
 
 __all__ = ["MASK_NAMES", "check_batching"]
 
-#: Pipeline inputs taken as the attention mask that marks padded positions, in order of preference.
-MASK_NAMES = ("attention_mask", "attn_mask", "mask")
-_POSITION_NAMES = ("position_ids", "positions", "pos_ids")
 _PASTS = (3, 5)  # the probe streams' pasts at their first decode step
 _PROMPTS = (3, 5)
 
@@ -151,6 +153,7 @@ class _Probe:
 
     def __init__(self, spec: PipelineSpec, folder: Path, mask: TensorSpec | None) -> None:
         self.spec = spec
+        self.folder = folder
         self.mask = mask
         self.plans, self.finals = plan_stages(spec)
         self.sessions: dict[str, ort.InferenceSession] = {}
@@ -188,7 +191,7 @@ class _Probe:
             if self.mask is not None and t.name == self.mask.name:
                 feeds[t.name] = np.ones((1, past + new), dtype)
                 continue
-            if t.name in _POSITION_NAMES and t.shape is not None and len(t.shape) == 2:
+            if t.name in POSITION_NAMES and t.shape is not None and len(t.shape) == 2:
                 feeds[t.name] = np.arange(past, past + new, dtype=dtype)[None, :]
                 continue
             if t.shape is None:
@@ -359,7 +362,18 @@ class _Probe:
             if link.empty_axis is not None and padded.get(link.input, (None,))[0] != link.empty_axis:
                 raise BuildError(f"stage '{stage.name}' cannot batch streams: its state '{link.input}' did not grow along its empty axis "
                                  f"{link.empty_axis} from a past of {_PASTS[0]} to {_PASTS[1]}; set max_batch=1 for it")
-        return Batching(padded, stripped)
+        return Batching(padded, stripped, state_padding=self._state_padding(stage))
+
+    def _state_padding(self, stage: StageSpec) -> str:
+        """``"right"`` for a stage whose state feeds onnxruntime's ``GroupQueryAttention`` as its
+        past (Note: the batching probe, 3), else ``"left"``."""
+        assert stage.module is not None
+        pasts = {link.input for link in self.spec.states_of(stage.name) if link.empty_axis is not None}
+        model = onnx.load(str(self.folder / stage.module), load_external_data=False)
+        for node in model.graph.node:
+            if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and pasts & set(node.input[3:5]):
+                return "right"
+        return "left"
 
     def _compare(self, want: Sequence[Mapping[str, np.ndarray]], got: Sequence[Mapping[str, np.ndarray]], batching: Sequence[StageSpec]) -> str:
         worst, where, tol = 0.0, "", 1e-4

@@ -21,12 +21,13 @@ import onnx
 import onnxruntime as ort
 
 import onnxpipe
-from onnxpipe._errors import BuildError, BundleError, ConfigError
+from onnxpipe._errors import BuildError, BundleError, ConfigError, InputError
 from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.builder._modules import move_into_place
 from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
 from onnxpipe.runtime._bundle import MANIFEST_NAME, PAGE, save_npz, write_manifest
 from onnxpipe.runtime._code import check_allowed
+from onnxpipe.runtime._inputs import feed_shapes
 from onnxpipe.runtime._protoscan import external_locations
 
 __all__ = ["export", "read_build"]
@@ -65,6 +66,9 @@ def export(
         BuildError: ``build_dir`` is not a build folder, ``out`` exists, computing the reference
             outputs needs code ``allow_code`` does not allow, or reference samples are given for a
             pipeline with state links.
+        InputError: ``reference_model`` fails on a reference input set (the sizes of its symbolic
+            dims, most often); computing the outputs with the pipeline, a stage fails on one
+            (:class:`StageError`).
     """
     src = Path(build_dir)
     out = Path(out)
@@ -115,15 +119,24 @@ def _model_outputs(
 ) -> list[dict[str, np.ndarray]]:
     """The whole model's outputs for each input set, named as the pipeline's outputs."""
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # its failure on the inputs is the InputError below, not a log line on the user's terminal
     try:
-        session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own types
         raise BuildError(f"cannot load the reference model: {e}") from e
     names = [t.name for t in spec.outputs]
     missing = [n for n in names if n not in {o.name for o in session.get_outputs()}]
     if missing:
         raise BuildError(f"the reference model has no output {', '.join(repr(n) for n in missing)}; is it the model this pipeline was split from?")
-    return [dict(zip(names, session.run(names, dict(feeds)), strict=True)) for feeds in inputs]
+    outputs = []
+    for k, feeds in enumerate(inputs):
+        try:
+            outputs.append(dict(zip(names, session.run(names, dict(feeds)), strict=True)))
+        except Exception as e:  # onnxruntime's own types: the model cannot run these inputs
+            message = " ".join(str(e).split())
+            raise InputError(f"the reference model fails on reference input set {k} ({feed_shapes(feeds)}): {message}") from e
+    return outputs
 
 
 def _umask() -> int:

@@ -197,19 +197,28 @@ def export(
     loose = given(ctx, "model", "dims", "seed")
     if loose and not random_sets and not input_files:
         raise click.UsageError(f"{', '.join(loose)}: only used for reference samples; give --reference N or --reference-inputs FILE.npz too")
+    from onnxpipe._errors import InputError, StageError
     from onnxpipe.builder import export as export_bundle
     from onnxpipe.builder import read_build
     from onnxpipe.cli import _render
+    from onnxpipe.runtime._inputs import defaulted_dims, dims_hint
 
     quiet_onnxruntime()
     inputs: list[Mapping[str, np.ndarray]] = []
     notes: list[str] = []
+    hint = ""  # which dims the random sets took as 1, for a model or stage that fails on them
     if random_sets or input_files:
         spec = read_build(builddir)
         inputs, notes = _reference_inputs(spec, input_files, random_sets, dict(dims), seed)
+        hint = dims_hint(defaulted_dims(spec.inputs, dict(dims))) if random_sets else ""
         if model is not None and not model.is_file():
             raise UserError(f"model file '{model}' does not exist")
-    path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite, allow_code=allow_code)
+    try:
+        path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite, allow_code=allow_code)
+    except (InputError, StageError) as e:  # computing the reference outputs failed
+        if not hint:
+            raise
+        raise UserError(f"{e}; {hint}") from e
     kind, nbytes, files = bundle_size(path)
     _render.exported(path, kind, nbytes, files, len(inputs), str(model) if model else None, notes)
 

@@ -401,8 +401,9 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
 
     For a MODEL (.onnx): its inputs, outputs, ops and weights, and the cheapest places to cut it.
     A cut candidate is a position in the topological order of compute nodes where few bytes cross
-    (per request, symbolic dims sized by --dim, else 1). Candidates are spread over the model; each
-    comes with the --at value that makes exactly that cut.
+    (per request, symbolic dims sized by --dim, else 1; a dim that is a formula of input dims, such
+    as floor(H/2 - 1/2) + 1, is computed from theirs). Candidates are spread over the model; each
+    comes with the --at value that makes exactly that cut. The notes name the input dims to give.
 
     With --profile, the model also runs under onnxruntime's profiler with --threads intra-op
     threads (the profile is cached next to the model, or in $ONNXPIPE_CACHE_DIR): the costliest nodes with their share of one
@@ -412,9 +413,10 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
 
     For a BUNDLE (a folder with manifest.json, or a .onnxpipe archive): every file is checked
     against its sha256 first; then the stages in order with their module, settings and build
-    record, the wiring, the parameter groups, the versions, opsets and providers it needs, and
-    the code it would run (code stages' entry points, custom-op packages: what --allow-code must
-    match; nothing is imported). With --host, each ONNX stage's session is also made here, as
+    record, the wiring (a stream's state too: which output feeds which input on the next step),
+    the parameter groups, the versions, opsets and providers it needs, and the code it would run
+    (code stages' entry points, custom-op packages: what --allow-code must match; nothing is
+    imported). With --host, each ONNX stage's session is also made here, as
     loading the bundle would make it (--target, --allow-code for custom-op packages), and the
     providers that took its nodes are listed with their counts, naming the nodes that fell back
     to the CPU: a stage on an accelerator that ran nothing on the CPU shows one provider.
@@ -541,7 +543,10 @@ def verify(
     With --model, the stages of SPLIT_OR_BUNDLE (a split folder, or a bundle: a folder with
     manifest.json or a .onnxpipe archive) run chained, and the whole model runs, on random inputs;
     every pipeline output and, unless --no-boundaries, every tensor crossing a stage boundary is
-    compared (|split - whole| <= atol + rtol * |whole|).
+    compared (|split - whole| <= atol + rtol * |whole|). A split with state links (split --state)
+    runs --samples streams of 4 steps instead (a prompt, then the greedy token of each step),
+    through the pipeline's streams and through the whole model with its state fed back by hand,
+    and compares every step's outputs.
 
     Without --model, a bundle runs the reference inputs stored in it ('onnxpipe export
     --reference') and compares with the stored outputs: one row per output per sample.

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from onnxpipe.builder import BuildResult
 from onnxpipe.cli._stageopts import format_cores
-from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, TensorSpec, code_entries
+from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, StateLink, TensorSpec, code_entries
 from onnxpipe.splitter import ModelSummary, PlanResult, SplitPlan, VerifyReport
 
 if TYPE_CHECKING:
@@ -278,7 +278,8 @@ def model_summary(summary: ModelSummary, model: Path) -> None:
 def verify_report(report: VerifyReport) -> None:
     """One row per compared tensor, the notes, and the verdict."""
     console = _console()
-    table = Table(title=f"split vs whole model ({report.samples} sample(s), rtol={report.rtol:g}, atol={report.atol:g})")
+    ran = f"{report.samples} stream(s) of {report.steps} step(s)" if report.steps else f"{report.samples} sample(s)"
+    table = Table(title=f"split vs whole model ({ran}, rtol={report.rtol:g}, atol={report.atol:g})")
     for column in ("tensor", "kind", "shape", "max abs err", "max rel err", "ok"):
         table.add_column(column, justify="right" if column.startswith("max") else "left")
     for r in report.rows:
@@ -486,6 +487,11 @@ def stage_module_bytes(bundle: Bundle, stage: StageSpec) -> int:
     return sum(e.size for p, e in bundle.manifest.files.items() if p == module or p.startswith(module + "."))
 
 
+def _state_source(link: StateLink) -> str:
+    start = "" if link.empty_axis is None else f"; starts empty along axis {link.empty_axis}"
+    return f"state {link.output} (previous step{start})"
+
+
 def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int) -> None:
     """The manifest, the stages and their settings, the wiring, param groups and reference."""
     console = _console()
@@ -511,13 +517,15 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
             _line(console, f"  build:    {_build_detail(s)}")
             if s.batching is not None and s.settings.max_batch > 1:
                 _line(console, f"  batching: {s.batching.describe()}")
-        states = {st.input: st for st in spec.states_of(s.name)}
+        states = spec.states_of(s.name)
+        state_in, state_out = {st.input: st for st in states}, {st.output: st for st in states}
         for t in s.inputs:
-            source = f"state {states[t.name].output} (previous step)" if t.name in states else spec.source_of(Endpoint(s.name, t.name))
-            _line(console, f"  in  {t}  <- {source}")
+            _line(console, f"  in  {t}  <- {_state_source(state_in[t.name]) if t.name in state_in else spec.source_of(Endpoint(s.name, t.name))}")
         for t in s.outputs:
-            targets = by_src.get(Endpoint(s.name, t.name), [])
-            _line(console, f"  out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")
+            targets = [str(d) for d in by_src.get(Endpoint(s.name, t.name), [])]
+            if t.name in state_out:  # kept in the stage for the stream's next step, which no link shows
+                targets.append(f"state of {state_out[t.name].input} (next step)")
+            _line(console, f"  out {t}  -> {', '.join(targets) or 'unused'}")
     for link in spec.links:
         if link.src.stage is None and link.dst.stage is None:
             _line(console, f"direct: {link}")

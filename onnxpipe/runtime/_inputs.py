@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -11,12 +12,37 @@ from onnxpipe._errors import InputError, closest
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._spec import TensorSpec
 
-__all__ = ["UNKNOWN_DIM_NAMES", "InputCheck", "check_dims", "check_inputs", "random_array", "random_inputs", "sample_shapes"]
+__all__ = [
+    "MASK_NAMES",
+    "POSITION_NAMES",
+    "TOKEN_NAMES",
+    "UNKNOWN_DIM_NAMES",
+    "DecoderInputs",
+    "InputCheck",
+    "check_dims",
+    "check_inputs",
+    "defaulted_dims",
+    "dim_key",
+    "dims_hint",
+    "feed_shapes",
+    "random_array",
+    "random_inputs",
+    "sample_shapes",
+]
 
 
 #: Dim names that mean "unknown", not a symbol shared between dims: PaddlePaddle's exports name
 #: every unknown dim ``?`` (PP-OCR's classifier: ``x: [-1, 3, '?', '?']``).
 UNKNOWN_DIM_NAMES = frozenset({"?"})
+
+#: Inputs taken as a decoder's attention mask when of rank 2 and integer or boolean, in order of
+#: preference: all ones in sample inputs (Note: a decoder's sample inputs), the padding mask of
+#: batched streams (``builder/_batching.py``).
+MASK_NAMES = ("attention_mask", "attn_mask", "mask")
+#: Inputs taken as a decoder's token positions when of rank 2 and integer.
+POSITION_NAMES = ("position_ids", "positions", "pos_ids")
+#: Inputs taken as a decoder's token ids when of rank 2 and integer: their dim 1 is a step's new tokens.
+TOKEN_NAMES = ("input_ids",)
 
 
 def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: str = "input", same_dims: bool = False) -> dict[str, np.ndarray]:
@@ -133,11 +159,103 @@ def _fmt(shape: Sequence[object]) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+@dataclass(frozen=True)
+class DecoderInputs:
+    """The inputs of a decoder (an LLM's export) that sample inputs make valid values for.
+
+    Note: a decoder's sample inputs.
+        Random integers break a decoder: its attention mask is summed into sequence lengths
+        (onnxruntime's ``GroupQueryAttention`` refuses ``seqlens_k`` past the mask's width), and a
+        mask that is not as wide as the past and the new tokens together fails in the ``Gather`` that
+        reads the causal mask (``indices element out of data bounds``). So :func:`sample_shapes` and
+        :func:`random_inputs` give the inputs that play a decoder's roles the values of a decode
+        step (by default one token after a past of 1), found by name, rank and dtype:
+
+        - the attention mask (:data:`MASK_NAMES`, rank 2, integer or boolean) is all ones, and as wide
+          as the past and the new tokens together when its dim 1 is symbolic and not given in
+          ``dims`` (a width given there, even one that does not add up, is kept);
+        - the past is dim 2 of the first rank-4 input named ``past_*`` or ``*cache*``
+          (``past_key_values.0.key [batch, kv_heads, past_sequence_length, head_dim]``), 0 without one;
+          the new tokens are dim 1 of the token ids (:data:`TOKEN_NAMES`);
+        - the positions (:data:`POSITION_NAMES`, rank 2, integer) count on from the past in every row;
+        - the token ids stay random in 0..3, valid in any vocabulary.
+
+        Every other input is random as usual.
+
+    Attributes:
+        tokens: The token ids, if any.
+        mask: The attention mask, if any.
+        positions: The token positions, if any.
+        pasts: The past states (KV caches), in input order.
+    """
+
+    tokens: TensorSpec | None = None
+    mask: TensorSpec | None = None
+    positions: TensorSpec | None = None
+    pasts: tuple[TensorSpec, ...] = ()
+
+    @classmethod
+    def of(cls, specs: Sequence[TensorSpec]) -> DecoderInputs:
+        """The inputs of ``specs`` that play each role (none play any in a model that is no decoder)."""
+        return cls(
+            tokens=_first(specs, TOKEN_NAMES, "iu"),
+            mask=_first(specs, MASK_NAMES, "iub"),
+            positions=_first(specs, POSITION_NAMES, "iu"),
+            pasts=tuple(s for s in specs if _is_past(s)),
+        )
+
+    def mask_width_key(self, dims: Mapping[str, int]) -> str | None:
+        """The ``dims`` key of the mask's width when sample inputs size it as past plus new (see the
+        note), else ``None``: no mask, no token ids, a fixed width, or a width ``dims`` gives."""
+        if self.mask is None or self.tokens is None:
+            return None
+        key = dim_key(self.mask, 1)
+        return key if key is not None and key not in dims else None
+
+    def past_length(self, shapes: Mapping[str, Sequence[int]]) -> int:
+        """The past's length in these shapes (0 without a past input)."""
+        return shapes[self.pasts[0].name][2] if self.pasts else 0
+
+
+def _first(specs: Sequence[TensorSpec], names: Sequence[str], kinds: str) -> TensorSpec | None:
+    for name in names:
+        for spec in specs:
+            if spec.name == name and spec.shape is not None and len(spec.shape) == 2 and _kind(spec) in kinds:
+                return spec
+    return None
+
+
+def _is_past(spec: TensorSpec) -> bool:
+    name = spec.name.lower()
+    return (name.startswith("past_") or "cache" in name) and spec.shape is not None and len(spec.shape) == 4
+
+
+def _kind(spec: TensorSpec) -> str:
+    try:
+        return numpy_dtype(spec.dtype).kind
+    except ValueError:
+        return ""
+
+
+def dim_key(spec: TensorSpec, axis: int) -> str | None:
+    """How ``dims`` names dim ``axis`` of ``spec``: its name, ``<input>.<axis>`` for a dynamic dim
+    without one, ``None`` for a fixed dim."""
+    assert spec.shape is not None
+    d = spec.shape[axis]
+    return None if isinstance(d, int) else _key(spec, axis, d)
+
+
+def _key(spec: TensorSpec, axis: int, d: str | None) -> str:
+    return d if d is not None else f"{spec.name}.{axis}"
+
+
 def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0) -> tuple[dict[str, np.ndarray], list[str]]:
     """Random arrays matching declared inputs, shaped by :func:`sample_shapes`.
 
     Floats are standard normal, integers are drawn from 0..3 (valid as small indices), booleans
-    are fair coins.
+    are fair coins. A decoder's attention mask is all ones and its positions count on from its
+    past (Note: a decoder's sample inputs, :class:`DecoderInputs`), so that a decoder exported by
+    optimum-onnx, onnxruntime-genai or torch runs on them.
 
     Raises:
         InputError: ``dims`` names no dynamic dim of an input, or an input's rank or dtype is unknown.
@@ -147,9 +265,17 @@ def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
     """
     rng = np.random.default_rng(seed)
     shapes, notes = sample_shapes(specs, dims)
+    roles = DecoderInputs.of(specs)
+    past = roles.past_length(shapes)
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:
-        feeds[spec.name] = random_array(spec, shapes[spec.name], rng)
+        shape = shapes[spec.name]
+        if spec is roles.mask:
+            feeds[spec.name] = np.ones(shape, _numpy(spec, "input"))
+        elif spec is roles.positions:
+            feeds[spec.name] = np.tile(np.arange(past, past + shape[1]), (shape[0], 1)).astype(_numpy(spec, "input"))
+        else:
+            feeds[spec.name] = random_array(spec, shape, rng)
     return feeds, notes
 
 
@@ -174,7 +300,8 @@ def sample_shapes(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
 
     A named dim takes ``dims[name]``; a dynamic dim without a name (``None``, or ``-1`` as
     PaddlePaddle declares it) takes ``dims["<input>.<axis>"]``, e.g. ``dims={"x.0": 8}``; a dim
-    not given is 1, and a note says so.
+    not given is 1, and a note says so. A decoder's attention mask not given a width is as wide
+    as its past and its new tokens together (Note: a decoder's sample inputs).
 
     Raises:
         InputError: a key of ``dims`` is no dynamic dim of these inputs (unknown, fixed, or named
@@ -183,29 +310,71 @@ def sample_shapes(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
     Returns:
         The shapes by input name, and notes on the dims that were defaulted to 1.
     """
+    shapes, defaulted = _sample(specs, dims)
+    notes: list[str] = []
+    for spec in specs:
+        keys = defaulted[spec.name]
+        if keys:
+            assert spec.shape is not None
+            unnamed = [f"{spec.name}.{axis}" for axis, d in enumerate(spec.shape) if d is None]
+            hint = f" (a dim without a name goes by input and axis: --dim {unnamed[0]}=N)" if unnamed else ""
+            notes.append(f"input '{spec.name}': dim{'s' if len(keys) > 1 else ''} {', '.join(keys)} not given, using 1{hint}")
+    return shapes, notes
+
+
+def defaulted_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None) -> list[str]:
+    """The keys of the dims that :func:`sample_shapes` sizes 1 because ``dims`` does not give them,
+    in input order, each once.
+
+    Raises:
+        InputError: as :func:`sample_shapes`.
+    """
+    _, defaulted = _sample(specs, dims)
+    return list(dict.fromkeys(key for spec in specs for key in defaulted[spec.name]))
+
+
+def dims_hint(keys: Sequence[str]) -> str:
+    """What to tell a user whose model fails on sample inputs with ``keys`` (:func:`defaulted_dims`)
+    sized 1: which they are, and how to size them. Empty without any."""
+    if not keys:
+        return ""
+    several = len(keys) > 1
+    them = "their sizes" if several else "its size"
+    return f"dim{'s' if several else ''} {', '.join(keys)} not given, so 1: give {them} with --dim NAME=N (--dim {keys[-1]}=N)"
+
+
+def feed_shapes(feeds: Mapping[str, Any]) -> str:
+    """``input_ids[1, 3], attention_mask[1, 3]``: the shapes of some inputs, for a message."""
+    return ", ".join(f"{name}{list(np.shape(value))}" for name, value in feeds.items())
+
+
+def _sample(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None) -> tuple[dict[str, tuple[int, ...]], dict[str, list[str]]]:
+    """The shapes of :func:`sample_shapes`, and per input the keys of its dims defaulted to 1."""
     dims = dict(dims or {})
     check_dims(specs, dims)
-    notes: list[str] = []
     shapes: dict[str, tuple[int, ...]] = {}
+    defaulted: dict[str, list[str]] = {}
     for spec in specs:
         if spec.shape is None:
             raise InputError(f"input '{spec.name}' has no known rank; pass its value explicitly")
         shape: list[int] = []
-        defaulted: list[str] = []
+        defaulted[spec.name] = []
         for axis, d in enumerate(spec.shape):
             if isinstance(d, int):
                 shape.append(d)
                 continue
-            key = d if isinstance(d, str) else f"{spec.name}.{axis}"
+            key = _key(spec, axis, d)
             if key not in dims:
-                defaulted.append(key)
+                defaulted[spec.name].append(key)
             shape.append(dims.get(key, 1))
-        if defaulted:
-            unnamed = [f"{spec.name}.{axis}" for axis, d in enumerate(spec.shape) if d is None]
-            hint = f" (a dim without a name goes by input and axis: --dim {unnamed[0]}=N)" if unnamed else ""
-            notes.append(f"input '{spec.name}': dim{'s' if len(defaulted) > 1 else ''} {', '.join(defaulted)} not given, using 1{hint}")
         shapes[spec.name] = tuple(shape)
-    return shapes, notes
+    roles = DecoderInputs.of(specs)
+    width = roles.mask_width_key(dims)
+    if width is not None:
+        assert roles.mask is not None and roles.tokens is not None
+        shapes[roles.mask.name] = (shapes[roles.mask.name][0], roles.past_length(shapes) + shapes[roles.tokens.name][1])
+        defaulted[roles.mask.name] = [key for key in defaulted[roles.mask.name] if key != width]
+    return shapes, defaulted
 
 
 def check_dims(specs: Sequence[TensorSpec], dims: Iterable[str]) -> None:

@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from onnxpipe._errors import ConfigError, OnnxpipeError, closest
+from onnxpipe.runtime._dims import dim_size
 from onnxpipe.runtime._dtypes import DTYPES, itemsize
 from onnxpipe.runtime._settings import StageSettings
 
@@ -102,6 +103,9 @@ class TensorSpec:
     def nbytes(self, dims: Mapping[str, int] | None = None, default: int | None = None) -> int | None:
         """Size in bytes, with symbolic dims taken from ``dims`` (else ``default``).
 
+        A dim that is a formula of other dims (``floor(H/2 - 1/2) + 1``) is computed from their
+        sizes (see ``onnxpipe.runtime._dims``' Note: expression dims).
+
         Returns:
             The size, or ``None`` when the rank or a dimension stays unknown.
         """
@@ -109,7 +113,7 @@ class TensorSpec:
             return None
         count = itemsize(self.dtype)
         for d in self.shape:
-            size = d if isinstance(d, int) else (dims or {}).get(d, default) if isinstance(d, str) else default
+            size = d if isinstance(d, int) else dim_size(d, dims or {}, default) if isinstance(d, str) else default
             if size is None:
                 return None
             count *= size
@@ -223,11 +227,19 @@ class Batching:
         stripped: Output name -> axis: outputs whose length along ``axis`` grows with the past.
         probe: How the build checked it: the largest difference between batched and alone
             (``"max abs diff 3.1e-07 <= 1e-04"``), or why it could not.
+        state_padding: Where a shorter stream's padding goes in the stage's state (its KV cache)
+            when steps are batched: ``"left"``, before its past, so that every member's past ends
+            in the same column (a model that hides padded positions with the attention mask), or
+            ``"right"``, after it, so that every member's past starts at position 0 (a model whose
+            attention reads each row's past from its start up to its own length, as
+            onnxruntime's ``GroupQueryAttention`` does from ``seqlens_k``). Inputs in the bag are
+            left-padded either way.
     """
 
     padded: Mapping[str, tuple[int, float]] = field(default_factory=dict)
     stripped: Mapping[str, int] = field(default_factory=dict)
     probe: str = ""
+    state_padding: str = "left"
 
     def describe(self) -> str:
         """One line: what is padded and stripped, and how it was checked."""
@@ -237,6 +249,8 @@ class Batching:
             pads = ", ".join(f"{name} (axis {axis}, {value:g})" for name, (axis, value) in self.padded.items())
             strips = ", ".join(f"{name} (axis {axis})" for name, axis in self.stripped.items())
             what = f"pads {pads or 'nothing'}; strips {strips or 'nothing'}"
+            if self.state_padding == "right":
+                what += "; state padded on the right"
         return f"{what}; {self.probe}" if self.probe else what
 
     def to_dict(self) -> dict[str, Any]:
@@ -245,6 +259,7 @@ class Batching:
             "padded": {k: {"axis": a, "value": v} for k, (a, v) in self.padded.items()},
             "stripped": dict(self.stripped),
             "probe": self.probe,
+            **({"state_padding": self.state_padding} if self.state_padding != "left" else {}),
         }
 
     @classmethod
@@ -252,9 +267,12 @@ class Batching:
         """Read the JSON form; anything malformed is a :class:`ConfigError` naming the key."""
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: batching must be an object, got {describe_json(data)}")
-        unknown = sorted(set(data) - {"padded", "stripped", "probe"})
+        unknown = sorted(set(data) - {"padded", "stripped", "probe", "state_padding"})
         if unknown:
-            raise ConfigError(f"{where}: batching: unknown key '{unknown[0]}'; valid: 'padded', 'stripped', 'probe'")
+            raise ConfigError(f"{where}: batching: unknown key '{unknown[0]}'; valid: 'padded', 'stripped', 'probe', 'state_padding'")
+        side = data.get("state_padding", "left")
+        if side not in ("left", "right"):
+            raise ConfigError(f"{where}: batching: state_padding must be \"left\" or \"right\", got {_brief_json(side)}")
         padded: dict[str, tuple[int, float]] = {}
         for name, pad in _need(data, "padded", dict, f"{where}: batching", {}).items():
             if not isinstance(pad, dict) or set(pad) != {"axis", "value"} or not _is_index(pad["axis"]) or not _is_number(pad["value"]):
@@ -265,7 +283,7 @@ class Batching:
             if not _is_index(axis):
                 raise ConfigError(f"{where}: batching: stripped '{name}' must be an axis (an int >= 1), got {_brief_json(axis)}")
             stripped[name] = axis
-        return cls(padded, stripped, _need(data, "probe", str, f"{where}: batching", ""))
+        return cls(padded, stripped, _need(data, "probe", str, f"{where}: batching", ""), side)
 
 
 def _brief_json(value: Any) -> str:

@@ -239,6 +239,8 @@ class StageRunner:
         self._dropped = tuple(key for key in plan.drop if key not in self._keys)
         self._made = frozenset(self._keys)
         self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None}
+        # Where a member's padding of the state block goes (Batching.state_padding): before its past, or after it.
+        self._right = plan.stage.batching is not None and plan.stage.batching.state_padding == "right"
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
         self.unbatched: str | None = None
         #: Batched steps fed the block of state the step before left, as it was (no copy), and those
@@ -313,7 +315,7 @@ class StageRunner:
             return held
         block, j = held.block, held.index
         lo, hi, shift = block.rows[j], block.rows[j + 1], block.shifts[j]
-        return {name: member_rows(value, lo, hi, None if name not in self._empty else (self._empty[name], 0.0), shift)
+        return {name: member_rows(value, lo, hi, None if name not in self._empty else (self._empty[name], 0.0), shift, self._right)
                 for name, value in block.arrays.items()}
 
     def _block_for(self, batch: StepBatch) -> dict[str, np.ndarray] | None:
@@ -345,7 +347,7 @@ class StageRunner:
             axis = self._empty.get(name)
             if axis is not None and len({p.shape[axis] + s for p, s in zip(parts, batch.shifts, strict=True)}) != 1:
                 return None
-            out[name] = pad_stack(parts, axis, 0.0, batch.shifts) if axis is not None and any(batch.shifts) else np.concatenate(parts)
+            out[name] = pad_stack(parts, axis, 0.0, batch.shifts, self._right) if axis is not None and any(batch.shifts) else np.concatenate(parts)
         return out
 
     # -- a batch of streams' steps ----------------------------------------------------------

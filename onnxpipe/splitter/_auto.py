@@ -159,7 +159,7 @@ def _run(
 ) -> AutoSplit:
     options.check(name)
     stored = {t.name: t for t in index.model.graph.initializer}
-    sizer = Sizer(types, dict(options.dims))
+    sizer = Sizer(types, dict(options.dims), [tensor_spec(types[n]) for n in index.inputs if n in types])
     best: tuple[tuple[float, int], Partition, list[int]] | None = None
     for order in _orders(index):
         if len(order) == 0:

@@ -7,7 +7,7 @@ IR version, and typed inputs and outputs that keep their original tensor names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from onnxpipe.builder import without_initializers
 from onnxpipe.builder._modules import UNKNOWN
 from onnxpipe.splitter._graph import GraphIndex, subgraphs
 
-__all__ = ["Boundary", "build_stage_models", "compute_boundary", "infer_types", "observe_ranks", "unranked"]
+__all__ = ["SHAPE_OPS", "Boundary", "build_stage_models", "compute_boundary", "infer_types", "observe_ranks", "unranked"]
 
 _INLINE_FOR_INFERENCE = 4096  # initializers up to this size keep their values for data propagation
 
@@ -181,6 +181,11 @@ class Boundary:
         sources: For each stage input tensor: the stage that produces it, or ``None`` for a pipeline input.
         global_sources: For each pipeline output: the stage producing it, or ``None`` when it is a
             pipeline input passed straight through.
+        copies: Nodes of earlier stages each stage computes again (see Note: shape values are
+            recomputed), in topological order.
+        recomputed: For each stage, the tensors it computes again instead of reading them.
+        variants: ``(stage, node) ->`` the copy of a node that stage holds instead (a ``Shape``
+            node reading a state of its own: ``_states.StateShapes``).
     """
 
     members: list[list[int]]
@@ -189,17 +194,53 @@ class Boundary:
     weights: list[set[str]]
     sources: dict[str, int | None] = field(default_factory=dict)
     global_sources: dict[str, int | None] = field(default_factory=dict)
+    copies: list[list[int]] = field(default_factory=list)
+    recomputed: list[list[str]] = field(default_factory=list)
+    variants: dict[tuple[int, int], NodeProto] = field(default_factory=dict)
 
 
-def compute_boundary(index: GraphIndex, stage_of: dict[int, int]) -> Boundary:
+#: Ops a shape value is computed with: a few integers in, a few out (see Note: shape values are recomputed).
+SHAPE_OPS = frozenset({
+    "Shape", "Size", "Gather", "Cast", "Unsqueeze", "Squeeze", "Concat", "Slice", "Reshape", "Identity", "Add", "Sub", "Mul",
+    "Div", "Mod", "Neg", "Abs", "Floor", "Ceil", "Max", "Min", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
+    "Not", "And", "Or", "Where", "Range", "ReduceProd", "ReduceMax", "ReduceMin",
+})
+_MOST_COPIED = 64  # nodes in one recomputed cone: beyond it the value is not a mere shape computation
+
+
+#: ``(Shape node, the tensor it reads, stage, what the stage reads anyway) ->`` what that stage may
+#: read for it (the same tensor, or another of the same dims), or ``None`` when it has none.
+ShapeSource = Callable[[int, str, int, Mapping[str, "int | None"]], "str | None"]
+
+
+def compute_boundary(index: GraphIndex, stage_of: dict[int, int], shape_source: ShapeSource | None = None) -> Boundary:
     """The tensors crossing between stages; one pass over the stage's nodes.
+
+    Note: shape values are recomputed.
+        A value computed from tensors' shapes alone (``Shape -> Gather -> Cast``: a decoder's
+        ``total_sequence_length``, a ``Reshape``'s target shape, a sequence's positions made by
+        ``Range``) has no batch axis, so a stage boundary carrying it could not batch, and it
+        costs a few integers to compute. A later stage that reads one computes it again instead,
+        from the same shapes: the nodes that make it (:data:`SHAPE_OPS`, at most
+        :data:`_MOST_COPIED`, reading nothing but weights, each other and the shapes of their
+        roots) are copied into the stage, and the stage reads their roots instead: a pipeline
+        input (an attention mask, the input ids) or a tensor it reads anyway. A cone whose root is
+        an activation the stage does not otherwise read, or another stage's state input with no
+        state of this stage declared alike (``shape_source``: ``_states.StateShapes``), is not
+        copied: the value crosses as before.
+
+    Args:
+        index: The analysed model.
+        stage_of: Compute node -> stage.
+        shape_source: What a copied ``Shape`` node may read in a stage (default: what it read).
 
     Raises:
         SplitError: a node reads a tensor that only a later stage computes.
     """
     n = max(stage_of.values()) + 1
-    b = Boundary([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [set() for _ in range(n)])
-    ins: list[dict[str, None]] = [{} for _ in range(n)]
+    b = Boundary([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [set() for _ in range(n)],
+                 copies=[[] for _ in range(n)], recomputed=[[] for _ in range(n)])
+    ins: list[dict[str, int | None]] = [{} for _ in range(n)]
     outs: list[dict[str, None]] = [{} for _ in range(n)]
     for i in index.order:
         s = stage_of.get(i)
@@ -218,10 +259,13 @@ def compute_boundary(index: GraphIndex, stage_of: dict[int, int]) -> Boundary:
                     "a stage can only read tensors of earlier stages"
                 )
             if src != s:
-                ins[s][name] = None
-                b.sources[name] = src
-                if src is not None:
-                    outs[src][name] = None
+                ins[s][name] = src
+    for s in range(n):
+        _recompute_shapes(index, stage_of, s, ins[s], b, shape_source or _same)
+        for name, src in ins[s].items():
+            b.sources[name] = src
+            if src is not None:
+                outs[src][name] = None
     last = n - 1
     for name in index.outputs:
         p = index.producer.get(name)
@@ -241,6 +285,81 @@ def compute_boundary(index: GraphIndex, stage_of: dict[int, int]) -> Boundary:
         b.inputs[s] = sorted(ins[s], key=lambda t: _tensor_key(index, t))
         b.outputs[s] = sorted(outs[s], key=lambda t: _tensor_key(index, t))
     return b
+
+
+def _same(node: int, root: str, stage: int, reads: Mapping[str, int | None]) -> str:
+    return root
+
+
+def _recompute_shapes(index: GraphIndex, stage_of: dict[int, int], s: int, reads: dict[str, int | None], b: Boundary,
+                      shape_source: ShapeSource) -> None:
+    """Stage ``s`` computes again the shape values it reads from earlier stages (Note: shape values
+    are recomputed): ``reads``, ``b.copies[s]``, ``b.recomputed[s]`` and ``b.weights[s]`` updated in place."""
+    copied: dict[int, None] = {}
+    for name in list(reads):
+        if reads[name] is None:
+            continue
+        cone = _shape_cone(index, stage_of, s, name, reads, shape_source)
+        if cone is None:
+            continue
+        nodes, roots, variants = cone
+        b.variants.update({(s, i): node for i, node in variants.items()})
+        copied.update(dict.fromkeys(nodes))
+        del reads[name]
+        b.recomputed[s].append(name)
+        for root in roots:
+            if root not in reads:
+                p = index.producer.get(root)
+                reads[root] = None if p is None else stage_of[p]
+    if not copied:
+        return
+    made = {o for i in copied for o in index.nodes[i].output}
+    for i in copied:
+        for name in index.node_inputs[i]:
+            if index.is_weight_tensor(name):
+                b.weights[s].add(name)
+    for name in [t for t in reads if t in made]:
+        del reads[name]  # another recomputed value's intermediate: made here now
+    b.copies[s] = sorted(copied, key=index.position.__getitem__)
+
+
+def _shape_cone(index: GraphIndex, stage_of: dict[int, int], s: int, name: str, reads: Mapping[str, int | None],
+                shape_source: ShapeSource) -> tuple[list[int], set[str], dict[int, NodeProto]] | None:
+    """The nodes computing ``name`` from shapes alone, the tensors whose shapes they read and the
+    ``Shape`` nodes that read another tensor in ``s`` (copies), if stage ``s`` can compute it again
+    (every root a pipeline input or a tensor ``s`` reads or makes anyway); else ``None``."""
+    nodes: list[int] = []
+    roots: set[str] = set()
+    variants: dict[int, NodeProto] = {}
+    seen: set[str] = set()
+    stack = [name]
+    while stack:
+        t = stack.pop()
+        if t in seen or index.is_weight_tensor(t):
+            continue
+        seen.add(t)
+        p = index.producer.get(t)
+        if p is None or index.nodes[p].op_type not in SHAPE_OPS or index.nodes[p].domain not in ("", "ai.onnx") or len(nodes) >= _MOST_COPIED:
+            return None
+        nodes.append(p)
+        node = index.nodes[p]
+        if node.op_type in ("Shape", "Size"):
+            root = node.input[0]
+            rp = index.producer.get(root)
+            if index.is_weight_tensor(root) or (rp is not None and stage_of.get(rp) == s):
+                continue
+            read = shape_source(p, root, s, reads)
+            if read is None or not (read in reads or (index.producer.get(read) is None and read in index.inputs)):
+                return None
+            if read != root:
+                variant = NodeProto()
+                variant.CopyFrom(node)
+                variant.input[0] = read
+                variants[p] = variant
+            roots.add(read)
+            continue
+        stack.extend(index.node_inputs[p])
+    return nodes, roots, variants
 
 
 def _tensor_key(index: GraphIndex, name: str) -> tuple[int, int, int]:
@@ -292,7 +411,8 @@ def build_stage_models(
     stages = []
     for s in range(n):
         weight_nodes, inits = index.weight_closure(boundary.weights[s])
-        node_ids = sorted(boundary.members[s] + weight_nodes, key=index.position.__getitem__)
+        copies = boundary.copies[s] if boundary.copies else []
+        node_ids = sorted(boundary.members[s] + copies + weight_nodes, key=index.position.__getitem__)
         stage = ModelProto(
             ir_version=ir_version or model.ir_version,
             producer_name=model.producer_name,
@@ -304,7 +424,7 @@ def build_stage_models(
         stage.opset_import.extend(model.opset_import)
         sg = stage.graph
         sg.name = f"{g.name or 'model'}_stage{s}"
-        sg.node.extend(index.nodes[i] for i in node_ids)
+        sg.node.extend(boundary.variants.get((s, i), index.nodes[i]) for i in node_ids)
         sg.initializer.extend(initializers[name] for name in initializers if name in inits)
         sg.sparse_initializer.extend(sparse[name] for name in sparse if name in inits)
         sg.input.extend(_typed(types, name, f"stage {s} input") for name in boundary.inputs[s])

@@ -260,3 +260,17 @@ class GraphIndex:
             nodes.add(p)
             stack.extend(self.node_inputs[p])
         return list(nodes), inits
+
+
+def reroute(index: GraphIndex, i: int, old: str, new: str) -> None:
+    """Make node ``i`` read ``new`` where it read ``old``, in ``index`` only (the node is copied:
+    the model it came from is left as it was). ``new`` must be defined before node ``i``."""
+    node = NodeProto()
+    node.CopyFrom(index.nodes[i])
+    for k, name in enumerate(node.input):
+        if name == old:
+            node.input[k] = new
+    index.nodes[i] = node
+    index.node_inputs[i] = tuple(new if name == old else name for name in index.node_inputs[i])
+    index.consumers[old] = [j for j in index.consumers.get(old, []) if j != i]
+    index.consumers.setdefault(new, []).append(i)

@@ -28,6 +28,7 @@ from onnx import ModelProto, ValueInfoProto
 from onnxpipe._errors import ConfigError, InputError, closest
 from onnxpipe.builder import tensor_nbytes, tensor_spec
 from onnxpipe.runtime import TensorSpec, check_dims
+from onnxpipe.runtime._dims import input_dims
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._live import Sizer, live_sweep
@@ -120,7 +121,8 @@ def inspect_model(
 
     Args:
         model_or_path: A ModelProto or the path of an .onnx file (external data is not loaded).
-        dims: Sizes of symbolic dims, for byte counts; others count as 1.
+        dims: Sizes of symbolic dims, for byte counts; dims that are formulas of others are computed
+            from theirs, the rest count as 1 (see ``onnxpipe.runtime._dims``' Note: dims counted as 1).
         top: How many cut candidates to propose at most (spread over the model).
 
     Returns:
@@ -137,7 +139,7 @@ def inspect_model(
     dims = dict(dims or {})
     inputs = tuple(_spec(types, v) for v in proto.graph.input if v.name in index.inputs)
     _check_dims(dims, types, inputs)
-    sizer = Sizer(types, dims)
+    sizer = Sizer(types, dims, inputs)
     compute = index.compute_nodes()
     read = {x for i in compute for x in index.node_inputs[i] if index.is_weight_tensor(x)}
     read.update(o for o in index.outputs if index.is_weight_tensor(o))
@@ -180,7 +182,9 @@ def _check_dims(dims: Mapping[str, int], types: dict[str, ValueInfoProto], input
         if name not in known:
             addressable = {f"{t.name}.{axis}" for t in inputs for axis, d in enumerate(t.shape or ()) if d is None}
             if name.rpartition(".")[0] not in {t.name for t in inputs}:
-                raise InputError(f"the model has no symbolic dim '{name}'; {closest(name, known | addressable)}")
+                # Suggest what a user can size (not the unk__N of shape inference), unless there is none.
+                suggested = (input_dims(inputs) | addressable) or known
+                raise InputError(f"the model has no symbolic dim '{name}'; {closest(name, suggested)}")
             check_dims(inputs, [name])  # INPUT.AXIS: says what that dim is when it takes no size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise InputError(f"dim '{name}' must be an integer >= 1, got {size!r}")

@@ -15,6 +15,7 @@ from onnx import ValueInfoProto
 from onnxpipe._errors import ConfigError
 from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import TensorSpec
+from onnxpipe.runtime._dims import dim_notes
 from onnxpipe.splitter._graph import GraphIndex
 
 __all__ = ["LiveSweep", "Sizer", "live_sweep"]
@@ -23,8 +24,8 @@ __all__ = ["LiveSweep", "Sizer", "live_sweep"]
 class Sizer:
     """Bytes of tensors by name; remembers which dims it had to guess."""
 
-    def __init__(self, types: dict[str, ValueInfoProto], dims: dict[str, int]) -> None:
-        self.types, self.dims = types, dims
+    def __init__(self, types: dict[str, ValueInfoProto], dims: dict[str, int], inputs: Sequence[TensorSpec] = ()) -> None:
+        self.types, self.dims, self.inputs = types, dims, inputs
         self.defaulted: set[str] = set()
         self.unknown_dims = False
         self.unsized: list[str] = []
@@ -54,9 +55,7 @@ class Sizer:
         return spec.nbytes(self.dims, default=1)
 
     def notes(self) -> list[str]:
-        out = []
-        if self.defaulted:
-            out.append(f"symbolic dim(s) {', '.join(sorted(self.defaulted))} counted as 1; give sizes with dims / --dim NAME=VALUE")
+        out = dim_notes(self.defaulted, self.dims, self.inputs)
         if self.unknown_dims:
             out.append("some tensors have dims shape inference could not tell; counted as 1")
         if self.unsized:

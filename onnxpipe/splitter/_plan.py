@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import tempfile
@@ -22,7 +23,7 @@ from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._remeasure import REMEASURE_BELOW, remeasure
-from onnxpipe.splitter._states import StatePair, check_together, pair_states
+from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, pair_states
 
 if TYPE_CHECKING:
     from onnxpipe.splitter._auto import AutoSplit, SplitPolicy
@@ -199,7 +200,8 @@ def split(
         policy: Instead of cuts: an automatic policy (:class:`MeasuredPolicy`, :class:`UniformPolicy`,
             :class:`ParamsPolicy`, or any object with ``name`` and ``assign``).
         source_dir: For an in-memory model with external data: the folder its data files are in.
-        check: Run ``onnx.checker`` on every stage model.
+        check: Run ``onnx.checker`` on every stage model (ops it has no schema for are onnxruntime's
+            to judge, at build: see Note: who says an op is valid).
         states: State pairs (a model output that feeds a model input on a stream's next step):
             ``"auto"`` pairs them by name (``present.N.key`` -> ``past_key_values.N.key``,
             ``stateN`` -> ``state``...), or give them as output -> input. Each pair must end up in
@@ -223,6 +225,17 @@ def split(
     folder = Path(source_dir) if source_dir is not None else folder
     index = GraphIndex(proto)
     types, problem = infer_types(proto)
+    pairs: list[StatePair] = []
+    constants: dict[str, int] = {}
+    fixed_notes: list[str] = []
+    if states is not None:
+        pairs = pair_states([tensor_spec(types[n]) for n in index.inputs], [tensor_spec(types[n]) for n in index.outputs], states)
+        state_inputs = {p.input for p in pairs}
+        named = {d for n in index.inputs if n not in state_inputs for d in (tensor_spec(types[n]).shape or ()) if isinstance(d, str)}
+        constants, fixed_notes = fixed_state_dims(pairs, [tensor_spec(types[n]) for n in index.inputs], named, dims, folder)
+        types = _with_dims_fixed(types, constants)  # see Note: a state's constant dims (_states)
+        if policy is not None and constants and isinstance(getattr(policy, "dims", None), Mapping):
+            policy = dataclasses.replace(policy, dims={**constants, **policy.dims})  # type: ignore[type-var, attr-defined]  # profiled with them
     auto = None
     if policy is not None:
         auto = policy.assign(index, types, None if isinstance(model, ModelProto) else str(model))
@@ -237,15 +250,21 @@ def split(
         stage_of = assign_by_cuts(index, [cuts] if isinstance(cuts, (str, bytes)) else list(cuts))
     else:
         stage_of = assign_explicit(index, assignment or {})
-    boundary = compute_boundary(index, stage_of)
-    pairs: list[StatePair] = []
-    if states is not None:
-        pairs = pair_states([tensor_spec(types[n]) for n in index.inputs], [tensor_spec(types[n]) for n in index.outputs], states)
+    shapes = StateShapes(index, stage_of, pairs, types)
+    rehomed = shapes.rehome(stage_of)
+    boundary = compute_boundary(index, stage_of, shapes.source)
+    if pairs:
         readers = {p.input: [s for s, names in enumerate(boundary.inputs) if p.input in names] for p in pairs}
         check_together(pairs, readers, {p.output: boundary.global_sources.get(p.output) for p in pairs})
     state_inputs = {p.input for p in pairs}
     state_outputs = {p.output for p in pairs}
     notes = [problem] if problem else []
+    notes.extend(rehomed)
+    notes.extend(fixed_notes)
+    foreign = unregistered_ops(proto)
+    if foreign:
+        notes.append(f"op(s) {', '.join(foreign)} in the default domain are registered neither by ONNX nor by this onnxruntime: "
+                     "a stage holding them builds only where a custom-op library registers them")
     crossing = dict.fromkeys(name for names in (*boundary.inputs, *boundary.outputs) for name in names)
     blind = unranked(types, crossing)
     if blind:
@@ -301,7 +320,7 @@ def split(
                 name=stage.name,
                 model=m,
                 nodes=len(boundary.members[i]),
-                weight_nodes=len(m.graph.node) - len(boundary.members[i]),
+                weight_nodes=len(m.graph.node) - len(boundary.members[i]) - len(boundary.copies[i]),
                 weights_bytes=_weights_read(boundary.weights[i], proto, types),
                 inputs=stage.inputs,
                 outputs=stage.outputs,
@@ -310,10 +329,32 @@ def split(
                 predicted_seconds=auto.predicted_seconds[i] if auto is not None and auto.predicted_seconds else None,
             )
         )
+    for i, names in enumerate(boundary.recomputed):
+        if names:
+            shown = ", ".join(f"'{t}'" for t in names[:3]) + (f" +{len(names) - 3} more" if len(names) > 3 else "")
+            notes.append(f"stage{i} computes {shown} again from shapes it has ({len(boundary.copies[i])} node(s) copied) instead of reading "
+                         "them from an earlier stage: a shape value has no batch axis to batch along")
     dropped = [index.label(i) for i in index.order if not index.live[i] and not index.is_weight[i]]
     if dropped:
         notes.append(f"{len(dropped)} dead node(s) left out (they contribute to no output): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}")
     return SplitPlan(stages=stages, config=config, dropped=dropped, notes=notes, source_dir=folder, auto=auto, states=pairs)
+
+
+def _with_dims_fixed(types: dict[str, onnx.ValueInfoProto], sizes: Mapping[str, int]) -> dict[str, onnx.ValueInfoProto]:
+    """``types`` with every dim named in ``sizes`` fixed at its size (copies of the value infos that have one)."""
+    if not sizes:
+        return types
+    out = dict(types)
+    for name, info in types.items():
+        if not info.type.HasField("tensor_type") or not any(d.dim_param in sizes for d in info.type.tensor_type.shape.dim):
+            continue
+        fixed = onnx.ValueInfoProto()
+        fixed.CopyFrom(info)
+        for d in fixed.type.tensor_type.shape.dim:
+            if d.dim_param in sizes:
+                d.dim_value = sizes[d.dim_param]  # clears dim_param: the two are a oneof
+        out[name] = fixed
+    return out
 
 
 def _sum_bytes(specs: Iterable[TensorSpec]) -> int | None:
@@ -338,11 +379,71 @@ def _weights_read(names: set[str], proto: ModelProto, types: dict[str, onnx.Valu
 
 
 def _check(model: ModelProto, i: int) -> None:
+    """Check stage ``i``'s model with ``onnx.checker``, ops it has no schema for left to onnxruntime.
+
+    Note: who says an op is valid.
+        Exporters for onnxruntime put onnxruntime's own ops in the default domain (the genai model
+        builder's ``SimplifiedLayerNormalization``), and onnxruntime runs them; ``onnx.checker``
+        knows only ONNX's schemas and refuses them (``No Op registered for ... with
+        domain_version of 22``). The splitter copies nodes, it never makes ops up, so an op is for
+        the model's runtime to judge, at build: here the checker sees such nodes under a private
+        domain (:data:`_DEFERRED`), which it leaves alone, and checks everything else as before
+        (graph order, names, types, attributes of ONNX's ops). What it still refuses is then the
+        splitter's doing, not the exporter's.
+    """
     try:
-        onnx.checker.check_model(_without_external(model))
+        onnx.checker.check_model(_ops_deferred(_without_external(model)))
     except onnx.checker.ValidationError as e:
         # A bug of the splitter rather than of the user's input, but name the stage.
         raise AssertionError(f"stage {i} is not a valid ONNX model: {e}") from e
+
+
+#: The domain :func:`_check` moves ops without an ONNX schema into (see Note: who says an op is valid).
+_DEFERRED = "onnxpipe.deferred"
+
+
+def _ops_deferred(model: ModelProto) -> ModelProto:
+    """``model``, or a copy whose default-domain nodes that ONNX has no schema for are in :data:`_DEFERRED`."""
+    unknown = {n.op_type for n in _all_nodes(model.graph) if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)}
+    if not unknown:
+        return model
+    copy = ModelProto()
+    copy.CopyFrom(model)
+    for node in _all_nodes(copy.graph):
+        if node.domain in ("", "ai.onnx") and node.op_type in unknown:
+            node.domain = _DEFERRED
+    copy.opset_import.append(onnx.helper.make_opsetid(_DEFERRED, 1))
+    return copy
+
+
+def unregistered_ops(model: ModelProto) -> list[str]:
+    """Default-domain op types of ``model`` that neither ONNX nor this onnxruntime registers (a
+    custom-op library must, or no stage holding them builds)."""
+    unknown = sorted({n.op_type for n in _all_nodes(model.graph) if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)})
+    if not unknown:
+        return []
+    known = _onnxruntime_ops()
+    return [op for op in unknown if op not in known]
+
+
+@functools.cache
+def _onnxruntime_ops() -> frozenset[str]:
+    """The default-domain op types this onnxruntime has schemas for (its contrib ops included)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as binding
+
+    schemas = getattr(binding, "get_all_operator_schema", None)
+    return frozenset(s.name for s in schemas() if s.domain in ("", "ai.onnx")) if schemas is not None else frozenset()
+
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _all_nodes(g)
 
 
 def _without_external(model: ModelProto) -> ModelProto:

@@ -13,14 +13,20 @@ Note: state pairs.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from onnx import ValueInfoProto
 
 from onnxpipe._errors import SplitError, closest
+from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import TensorSpec
+from onnxpipe.splitter._graph import GraphIndex, reroute
 
-__all__ = ["AUTO", "StatePair", "check_together", "pair_states"]
+__all__ = ["AUTO", "StatePair", "StateShapes", "check_together", "fixed_state_dims", "pair_states"]
 
 #: Ask :func:`pair_states` to pair names by convention.
 AUTO = "auto"
@@ -154,3 +160,148 @@ def check_together(pairs: Sequence[StatePair], readers: Mapping[str, Sequence[in
                 f"the cuts separate state '{pair.input}' (read by {where}) from '{pair.output}' (made by stage{maker}): "
                 f"a state stays in one stage; move the cut so that the nodes reading '{pair.input}' and the node making '{pair.output}' are in one stage"
             )
+
+
+def fixed_state_dims(pairs: Sequence[StatePair], inputs: Sequence[TensorSpec], named: set[str], dims: Mapping[str, int] | None,
+                     folder: Path | None) -> tuple[dict[str, int], list[str]]:
+    """Sizes for the symbolic dims of state inputs that no other pipeline input names (onnxruntime-genai's
+    ``kv_cache_dim``): from ``dims`` (``--dim kv_cache_dim=64``) or, for a last axis, from the
+    ``head_size`` of a ``genai_config.json`` beside the model. The split fixes them in every stage
+    (they are a layer's constant, not a stream's), so a stream's first state has a size.
+
+    Note: a state's constant dims.
+        A state input's initial value is zeros of its shape with the empty axis 0 long (see
+        ``StateLink``, Note: initial values); each other symbolic dim must be sized by a pipeline
+        input that names it on the stream's first step. onnxruntime-genai's model builder names the
+        KV cache's head dim ``kv_cache_dim``, which no other input carries: it is a constant of the
+        model (its config's ``head_size``), so the split writes it into the stage models' ports.
+
+    Returns:
+        The sizes by dim name, and a note on where each came from.
+
+    Raises:
+        SplitError: such a dim has no size from either, saying to give it with ``--dim``.
+    """
+    by_name = {t.name: t for t in inputs}
+    head_size = _genai_head_size(folder)
+    given = dict(dims or {})
+    sizes: dict[str, int] = {}
+    notes: list[str] = []
+    for pair in pairs:
+        shape = by_name[pair.input].shape or ()
+        for axis, d in enumerate(shape):
+            if axis == pair.empty_axis or not isinstance(d, str) or d in named or d in sizes:
+                continue
+            if d in given:
+                sizes[d] = int(given[d])
+                notes.append(f"state dim '{d}' fixed at {sizes[d]} in every stage (given)")
+            elif head_size is not None and axis == len(shape) - 1:
+                sizes[d] = head_size
+                notes.append(f"state dim '{d}' fixed at {head_size} in every stage (head_size of genai_config.json)")
+            else:
+                raise SplitError(
+                    f"state input '{pair.input}' {_fmt(shape)}: dim {axis} ('{d}') is named by no other input, so a stream's first state has no "
+                    f"size for it; give it with --dim {d}=N (dims=) -- it is a constant of the model, such as a head size"
+                )
+    return sizes, notes
+
+
+def _genai_head_size(folder: Path | None) -> int | None:
+    """``model.decoder.head_size`` of the ``genai_config.json`` in ``folder``, if there is one."""
+    if folder is None:
+        return None
+    path = Path(folder) / "genai_config.json"
+    if not path.is_file():
+        return None
+    try:
+        size = json.loads(path.read_text())["model"]["decoder"]["head_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _fmt(shape: Sequence[object]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+class StateShapes:
+    """Where a ``Shape`` node may read its shape from in a stage (see Note: a shape read elsewhere).
+
+    Note: a shape read elsewhere.
+        Two cases, one rule: a ``Shape`` node may read any tensor its stage holds whose declared
+        (or inferred) dims, in the range the node reads, are the very dims of the tensor it read.
+
+        - torch's dynamo exporter computes a decoder's past length once, from the shape of one
+          layer's cache (``Shape(past_key_values.1.key)``), and every layer's mask and positions
+          from it; cut between layers, that read lands in a stage that does not hold that cache,
+          and a state stays in one stage. Every layer's cache is declared with the same dims
+          (``[batch, 2, past_sequence_length, 16]``) and the pipeline grows them together, so the
+          node reads the shape of a cache its own stage holds (:meth:`rehome`).
+        - A shape value a later stage computes again (``_extract``, Note: shape values are
+          recomputed) may start from the shape of an activation that stays behind
+          (``Shape(input_layernorm output)`` of ``[batch_size, sequence_length, 64]``); the copy
+          reads a tensor of the same dims that the stage has anyway (the residual stream crossing
+          the cut, the input ids) (:meth:`source`).
+
+        A dim that is unknown (no name, no value) matches nothing. Where no tensor matches, the
+        value crosses as before (and a state read elsewhere is refused by ``check_together``).
+    """
+
+    def __init__(self, index: GraphIndex, stage_of: Mapping[int, int], pairs: Sequence[StatePair], types: Mapping[str, ValueInfoProto]) -> None:
+        self.index = index
+        self.types = types
+        self.pairs = list(pairs)
+        self.owner = {p.input: stage_of.get(index.producer[p.output]) if p.output in index.producer else None for p in pairs}
+        self._specs: dict[str, TensorSpec | None] = {}
+
+    def _shape(self, name: str) -> tuple[int | str | None, ...] | None:
+        if name not in self._specs:
+            info = self.types.get(name)
+            self._specs[name] = tensor_spec(info) if info is not None and info.type.HasField("tensor_type") else None
+        spec = self._specs[name]
+        return None if spec is None else spec.shape
+
+    def readable(self, name: str, stage: int, reads: Mapping[str, object]) -> bool:
+        """Whether ``stage`` may read ``name``: its own state, or what it reads anyway, or a pipeline input."""
+        if name in self.owner:
+            return self.owner[name] == stage
+        return name in reads or (name not in self.index.producer and name in self.index.inputs)
+
+    def source(self, node: int, root: str, stage: int, reads: Mapping[str, object] = {}) -> str | None:
+        """What the ``Shape`` node ``node`` reads in ``stage`` instead of ``root``: ``root`` itself
+        when the stage may read it, else a tensor it may read with the same dims in the range the
+        node reads (its own states first), or ``None``."""
+        if self.readable(root, stage, reads):
+            return root
+        n = self.index.nodes[node]
+        shape = self._shape(root)
+        if n.op_type != "Shape" or n.domain not in ("", "ai.onnx") or not shape:
+            return None
+        attrs = {a.name: a.i for a in n.attribute}
+        read = slice(attrs.get("start", 0), attrs.get("end", len(shape)))
+        want = shape[read]
+        if not want or any(d is None or (isinstance(d, str) and not d) for d in want):
+            return None
+        owned = [p.input for p in self.pairs if self.owner[p.input] == stage]
+        inputs = [t for t in self.index.inputs if t not in self.owner]
+        for other in (*owned, *reads, *inputs):
+            theirs = self._shape(other)
+            if other != root and theirs is not None and len(theirs) == len(shape) and theirs[read] == want and self.readable(other, stage, reads):
+                return other
+        return None
+
+    def rehome(self, stage_of: Mapping[int, int]) -> list[str]:
+        """Reroute (in the index) every ``Shape`` node that reads another stage's state to one of
+        its own stage's (:meth:`source`); a note per node rerouted."""
+        notes = []
+        for root in self.owner:
+            for i in list(self.index.consumers.get(root, [])):
+                stage = stage_of.get(i)
+                if stage is None or stage == self.owner[root]:
+                    continue
+                other = self.source(i, root, stage)
+                if other is not None and other != root:
+                    reroute(self.index, i, root, other)
+                    notes.append(f"node {self.index.label(i)} in stage{stage} reads the shape of '{other}' for that of '{root}' "
+                                 "(declared alike: see docs/streams.md)")
+        return notes

@@ -6,6 +6,20 @@ default every tensor that crosses a stage boundary too, against the same tensor 
 every element (numpy's ``allclose``, NaN equal to NaN); integer and boolean tensors must be equal.
 The defaults, ``rtol=1e-4`` and ``atol=1e-5``, allow for the different kernel fusions onnxruntime
 applies on either side of a cut, which reorder float sums.
+
+Note: verifying a split with state.
+    A split with state links (``split(..., states="auto")``, docs/streams.md) has no stateless
+    request to run: its stages feed themselves their past. So it runs ``samples`` streams of
+    ``steps`` steps each, through the pipeline's own streams (``Pipeline.stream``: the stages keep
+    the state, as on a deployment host) and through the whole model with the state fed back by
+    hand (zeros first, 0 long along each state link's ``empty_axis``: an empty past). The steps are
+    a decoder's (Note: a decoder's sample inputs, in ``onnxpipe.runtime``): a prompt of 3 tokens
+    (or as many as ``dims`` gives the token ids' dim 1), then steps of one token each, the greedy
+    token of the whole model's ``logits`` at the step before; the attention mask is as wide as the
+    past and the new tokens, the positions count on from the past. A model that is no decoder
+    takes random inputs at every step. Every step's pipeline outputs are compared; the tensors
+    crossing a boundary are not (a stream returns the pipeline's outputs only), though every one
+    of them feeds the outputs of that step or a later one.
 """
 
 from __future__ import annotations
@@ -14,18 +28,35 @@ import contextlib
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import ModelProto
 
-from onnxpipe._errors import SplitError
+from onnxpipe._errors import InputError, OnnxpipeError, SplitError
 from onnxpipe.builder import CONFIG_FILE, save_model
-from onnxpipe.runtime import Bundle, Endpoint, PipelineSpec, SequentialPipeline, is_bundle, random_inputs, read_bundle
+from onnxpipe.runtime import (
+    Bundle,
+    Endpoint,
+    Manifest,
+    Pipeline,
+    PipelineSpec,
+    SequentialPipeline,
+    TensorSpec,
+    check_dims,
+    check_inputs,
+    is_bundle,
+    random_inputs,
+    read_bundle,
+)
+from onnxpipe.runtime._dtypes import numpy_dtype
+from onnxpipe.runtime._inputs import DecoderInputs, defaulted_dims, dim_key, dims_hint, feed_shapes
+from onnxpipe.runtime._stream import bind_dims
 from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._plan import SplitPlan
 
@@ -33,6 +64,9 @@ __all__ = ["Comparison", "VerifyReport", "verify"]
 
 DEFAULT_RTOL = 1e-4
 DEFAULT_ATOL = 1e-5
+DEFAULT_STEPS = 4
+_T = TypeVar("_T")
+_PROMPT = 3  # the first step's tokens in a stream (Note: verifying a split with state)
 
 
 @dataclass
@@ -56,8 +90,10 @@ class VerifyReport:
         rows: One row per tensor, the worst error over all samples.
         rtol: Relative tolerance used.
         atol: Absolute tolerance used.
-        samples: How many input sets were run.
+        samples: How many input sets (or streams) were run.
         notes: What the user should know (symbolic dims defaulted, boundaries not compared, ...).
+        steps: The steps of each stream, for a split with state (Note: verifying a split with
+            state); 0 when each sample was one stateless request.
     """
 
     rows: list[Comparison]
@@ -65,6 +101,7 @@ class VerifyReport:
     atol: float
     samples: int
     notes: list[str] = field(default_factory=list)
+    steps: int = 0
 
     @property
     def ok(self) -> bool:
@@ -78,6 +115,7 @@ class VerifyReport:
             "rtol": self.rtol,
             "atol": self.atol,
             "samples": self.samples,
+            "steps": self.steps,
             "notes": self.notes,
             "tensors": [
                 r.__dict__ | {"shape": list(r.shape), "max_abs": _finite(r.max_abs), "max_rel": _finite(r.max_rel)} for r in self.rows
@@ -102,25 +140,35 @@ def verify(
     atol: float = DEFAULT_ATOL,
     boundaries: bool = True,
     target: str | None = None,
+    steps: int = DEFAULT_STEPS,
 ) -> VerifyReport:
     """Run the chained stages and the whole model on the same inputs and compare.
+
+    A split with state links runs streams of steps instead (Note: verifying a split with state).
 
     Args:
         split: A :class:`SplitPlan`, a folder written by ``SplitPlan.save`` / ``onnxpipe split``, or a
             bundle (folder or archive, checked as the runtime checks it).
         model: The whole model (ModelProto or path).
-        inputs: Input sets to use; default ``samples`` random sets (see :func:`random_inputs`).
+        inputs: Input sets to use; default ``samples`` random sets (see :func:`random_inputs`). For
+            a split with state: the pipeline inputs of one stream's steps, in order.
         dims: Sizes of symbolic dims for random inputs.
-        samples: How many random input sets.
+        samples: How many random input sets (for a split with state: streams).
         seed: Seed of the first random set.
         rtol: Relative tolerance.
         atol: Absolute tolerance.
-        boundaries: Also compare every tensor crossing a stage boundary.
+        boundaries: Also compare every tensor crossing a stage boundary (not in a stream).
         target: Run every stage on this target instead of its own (e.g. ``"cpu"`` for a bundle
             built for a provider this host lacks).
+        steps: The steps of each random stream, for a split with state.
 
     Returns:
         The :class:`VerifyReport`; ``report.ok`` says whether everything matched.
+
+    Raises:
+        InputError: ``dims`` names no dim of the inputs, or the whole model (or a stage) fails on
+            the random inputs, naming the dims that were not given (they were 1).
+        StageError: a stage fails on inputs that the whole model runs.
     """
     with tempfile.TemporaryDirectory(prefix="onnxpipe-verify-") as tmp, contextlib.ExitStack() as stack:
         source: Path | Bundle
@@ -133,11 +181,14 @@ def verify(
         else:
             source = Path(split)
             spec = _read_spec(source)
+        if spec.states:
+            return _verify_streams(spec, source, model, Path(tmp), inputs, dict(dims or {}), samples, seed, rtol, atol, boundaries, target, steps)
         pipeline = SequentialPipeline(spec, source, target=target)
         proto, model_dir = load_model(model)
         crossing = _crossing(spec) if boundaries else []
         notes: list[str] = []
-        whole = _whole_session(proto, model_dir, crossing, Path(tmp))
+        whole = _whole_session(proto, model_dir, [ep.tensor for ep in crossing], Path(tmp))
+        hint = ""
         if inputs is None:
             generated: list[Mapping[str, np.ndarray]] = []
             for k in range(samples):
@@ -145,15 +196,154 @@ def verify(
                 generated.append(sample)
                 notes.extend(n for n in dim_notes if n not in notes)
             inputs = generated
+            hint = dims_hint(defaulted_dims(spec.inputs, dims))
         rows: dict[str, Comparison] = {}
-        for feeds in inputs:
-            values = pipeline.run_all(feeds)
-            expected = dict(zip([o.name for o in whole.get_outputs()], whole.run(None, dict(feeds)), strict=True))
+        names = [o.name for o in whole.get_outputs()]
+        for k, feeds in enumerate(inputs):
+            expected = dict(zip(names, _run_whole(whole, names, feeds, f"input set {k}", hint), strict=True))
+            values = _run_split(pipeline.run_all, feeds, hint)
             for t in spec.outputs:
                 _merge(rows, _compare(t.name, "output", values[spec.source_of(Endpoint(None, t.name))], expected[t.name], rtol, atol))
             for ep in crossing:
                 _merge(rows, _compare(ep.tensor, "boundary", values[ep], expected[ep.tensor], rtol, atol))
     return VerifyReport(list(rows.values()), rtol, atol, len(inputs), notes)
+
+
+def _run_whole(whole: ort.InferenceSession, names: Sequence[str], feeds: Mapping[str, np.ndarray], what: str, hint: str) -> list[np.ndarray]:
+    """The whole model's outputs ``names`` on ``feeds``; a model that cannot run them is the inputs'
+    fault (``hint``: which dims were defaulted), not the split's."""
+    try:
+        return list(whole.run(list(names), dict(feeds)))
+    except Exception as e:  # onnxruntime's own types (Fail, InvalidArgument, ...)
+        raise InputError(f"the whole model fails on {what} ({feed_shapes(feeds)}): {_one_line(e)}" + (f"; {hint}" if hint else "")) from e
+
+
+def _run_split(run: Callable[[Mapping[str, np.ndarray]], _T], feeds: Mapping[str, np.ndarray], hint: str) -> _T:
+    """``run(feeds)`` through the stages; a stage's failure says which dims were defaulted (``hint``)."""
+    try:
+        return run(feeds)
+    except OnnxpipeError as e:
+        if not hint:
+            raise
+        raise InputError(f"{_one_line(e)}; {hint}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _verify_streams(
+    spec: PipelineSpec,
+    source: Path | Bundle,
+    model: ModelProto | str | os.PathLike[str],
+    tmp: Path,
+    inputs: Sequence[Mapping[str, np.ndarray]] | None,
+    dims: dict[str, int],
+    samples: int,
+    seed: int,
+    rtol: float,
+    atol: float,
+    boundaries: bool,
+    target: str | None,
+    steps: int,
+) -> VerifyReport:
+    """:func:`verify` of a split with state (Note: verifying a split with state)."""
+    if steps < 1:
+        raise InputError(f"steps must be at least 1, got {steps}")
+    feeder = _StreamFeeds(spec, dims)
+    proto, model_dir = load_model(model)
+    whole = _whole_session(proto, model_dir, [link.output for link in spec.states], tmp)
+    names = [o.name for o in whole.get_outputs()]
+    bundle = source if isinstance(source, Bundle) else Bundle(source, spec, Manifest(files={}))
+    given = list(inputs) if inputs is not None else None
+    count = len(given) if given is not None else steps
+    streams = 1 if given is not None else samples
+    rows: dict[str, Comparison] = {}
+    with Pipeline(bundle, target, max_streams=1) as pipe:
+        for k in range(streams):
+            expected: dict[str, np.ndarray] = {}
+            with pipe.stream() as stream:
+                for step in range(count):
+                    if given is not None:
+                        feeds, hint = check_inputs(spec.inputs, given[step]), ""
+                    else:
+                        feeds, hint = feeder.step(step, expected, seed + k * count + step)
+                    state = feeder.state(feeds, expected)
+                    what = f"step {step} of stream {k}"
+                    expected = dict(zip(names, _run_whole(whole, names, {**_pipeline_inputs(spec, feeds), **state}, what, hint), strict=True))
+                    got = _run_split(stream.step, _pipeline_inputs(spec, feeds), hint)
+                    for t in spec.outputs:
+                        _merge(rows, _compare(t.name, "output", got[t.name], expected[t.name], rtol, atol))
+    if given is not None:
+        what = "the given inputs"
+    elif feeder.logits is not None:
+        what = f"a prompt of {feeder.prompt} token(s), then one token a step: the greedy token of '{feeder.logits}' at the step before"
+    else:
+        what = "random inputs"
+    notes = [f"ran {streams} stream(s) of {count} step(s) ({what}), the state kept in the stages and fed back by hand to the whole model",
+             *(feeder.notes if given is None else [])]
+    if boundaries and _crossing(spec):
+        notes.append("tensors crossing stage boundaries are not compared in a stream (a stream returns the pipeline's outputs only)")
+    return VerifyReport(list(rows.values()), rtol, atol, streams, notes, steps=count)
+
+
+def _pipeline_inputs(spec: PipelineSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {t.name: feeds[t.name] for t in spec.inputs}
+
+
+class _StreamFeeds:
+    """The random steps of a verify stream, made by :func:`random_inputs` over the pipeline's inputs
+    and its state inputs (what the whole model takes), each step sized by the one before."""
+
+    def __init__(self, spec: PipelineSpec, dims: dict[str, int]) -> None:
+        self.links = spec.states
+        self.inputs = spec.inputs
+        state_specs = tuple(spec.stage(link.stage).input(link.input) for link in spec.states)
+        self.specs: tuple[TensorSpec, ...] = spec.inputs + state_specs
+        roles = DecoderInputs.of(self.specs)
+        self.tokens = roles.tokens
+        #: Per growing state's output: the dims key of its past and the axis it grows along; the
+        #: stream sizes them (a size ``dims`` gives is no past a stream has), as it does the mask's width.
+        self.pasts = {link.output: (key, link.empty_axis) for link, s in zip(spec.states, state_specs, strict=True)
+                      if link.empty_axis is not None and (key := dim_key(s, link.empty_axis)) is not None}
+        width = roles.mask_width_key({})
+        stream_sized = {*(key for key, _ in self.pasts.values()), *([width] if width is not None else [])}
+        self.dims = {k: v for k, v in dims.items() if k not in stream_sized}
+        self.new = dim_key(self.tokens, 1) if self.tokens is not None else None
+        self.prompt = dims.get(self.new, _PROMPT) if self.new is not None else 0
+        logits = next((t for t in spec.outputs if t.name == "logits" and t.shape is not None and len(t.shape) == 3), None)
+        self.logits = logits.name if logits is not None and self.new is not None else None
+        self.notes: list[str] = []
+        check_dims(self.specs, dims)  # a dims key no input has is refused before any step runs
+
+    def step(self, step: int, before: Mapping[str, np.ndarray], seed: int) -> tuple[dict[str, np.ndarray], str]:
+        """The inputs of step ``step`` (pipeline and state inputs: the state is replaced by
+        :meth:`state`), given the whole model's outputs at the step before, and the hint for a failure."""
+        dims = dict(self.dims)
+        for output, (key, axis) in self.pasts.items():
+            dims[key] = 0 if step == 0 else before[output].shape[axis]
+        if self.new is not None:
+            dims[self.new] = self.prompt if step == 0 else 1
+        feeds, notes = random_inputs(self.specs, dims, seed)
+        self.notes.extend(n for n in notes if n not in self.notes)
+        if step > 0 and self.logits is not None and self.tokens is not None:
+            feeds[self.tokens.name] = np.argmax(before[self.logits][:, -1:, :], axis=-1).astype(feeds[self.tokens.name].dtype)
+        return feeds, dims_hint(defaulted_dims(self.specs, dims))
+
+    def state(self, feeds: Mapping[str, np.ndarray], before: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The whole model's state inputs: the state outputs of the step before, or on the first
+        step (``before`` empty) zeros sized as the pipeline sizes them (Note: initial values, in
+        ``runtime/_spec.py``): a symbolic dim from the pipeline input naming it, the empty axis 0."""
+        if before:
+            return {link.input: before[link.output] for link in self.links}
+        names = frozenset(d for t in self.inputs for d in t.shape or () if isinstance(d, str))
+        sizes = {d: size for d, (size, _) in bind_dims(self.inputs, feeds, names).items()}
+        state = {}
+        for link, spec in zip(self.links, self.specs[len(self.inputs):], strict=True):
+            assert spec.shape is not None
+            shape = [0 if axis == link.empty_axis else d if isinstance(d, int) else sizes.get(str(d), 1) for axis, d in enumerate(spec.shape)]
+            state[link.input] = np.zeros(shape, numpy_dtype(spec.dtype))
+        return state
 
 
 def _read_spec(folder: Path) -> PipelineSpec:
@@ -173,8 +363,8 @@ def _crossing(spec: PipelineSpec) -> list[Endpoint]:
     return list(seen)
 
 
-def _whole_session(proto: ModelProto, model_dir: Path | None, crossing: list[Endpoint], tmp: Path) -> ort.InferenceSession:
-    """The whole model with every boundary tensor as an extra output.
+def _whole_session(proto: ModelProto, model_dir: Path | None, extra: Sequence[str], tmp: Path) -> ort.InferenceSession:
+    """The whole model with the tensors ``extra`` (boundary tensors, states) as outputs too.
 
     A model with external data is written to ``tmp`` with its own copy of the weights (streamed,
     see :func:`~onnxpipe.builder.save_model`), since onnxruntime finds external data only next to
@@ -183,18 +373,24 @@ def _whole_session(proto: ModelProto, model_dir: Path | None, crossing: list[End
     augmented = ModelProto()
     augmented.CopyFrom(proto)
     declared = {v.name for v in augmented.graph.output}
-    for ep in crossing:
-        if ep.tensor not in declared:
-            augmented.graph.output.add(name=ep.tensor)  # untyped: onnxruntime infers it
+    for name in extra:
+        if name not in declared:
+            augmented.graph.output.add(name=name)  # untyped: onnxruntime infers it
     if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
-        return ort.InferenceSession(augmented.SerializeToString(), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(augmented.SerializeToString(), _quiet(), providers=["CPUExecutionProvider"])
     if model_dir is None:
         raise SplitError("the model keeps its weights in external data: pass its path rather than a loaded ModelProto")
     path = tmp / "whole.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # an IR bump of this private copy is no news to the user
         save_model(augmented, path, model_dir)
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), _quiet(), providers=["CPUExecutionProvider"])
+
+
+def _quiet() -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # its failure on the inputs is an InputError (see _run_whole), not a log line on the user's terminal
+    return options
 
 
 def _compare(name: str, kind: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> Comparison:

@@ -120,10 +120,12 @@ def bag_pads(spec: PipelineSpec) -> dict[Endpoint, tuple[int, float]]:
     return pads
 
 
-def pad_stack(parts: Sequence[np.ndarray], axis: int, fill: float, shifts: Sequence[int]) -> np.ndarray:
+def pad_stack(parts: Sequence[np.ndarray], axis: int, fill: float, shifts: Sequence[int], right: bool = False) -> np.ndarray:
     """``parts`` joined along dim 0, part ``j`` placed ``shifts[j]`` positions from the left of
     ``axis`` and the positions before it filled with ``fill``. The caller makes every
-    ``len + shift`` along ``axis`` equal."""
+    ``len + shift`` along ``axis`` equal. ``right``: part ``j`` starts at position 0 instead and
+    its ``shifts[j]`` padded positions come after it (a state kept right-padded: see
+    ``Batching.state_padding``)."""
     first = parts[0]
     shape = list(first.shape)
     shape[0] = sum(len(p) for p in parts)
@@ -132,7 +134,7 @@ def pad_stack(parts: Sequence[np.ndarray], axis: int, fill: float, shifts: Seque
     lead = (slice(None),) * (axis - 1)
     row = 0
     for part, shift in zip(parts, shifts, strict=True):
-        at = (slice(row, row + len(part)), *lead, slice(shift, None))
+        at = (slice(row, row + len(part)), *lead, slice(0, part.shape[axis]) if right else slice(shift, None))
         out[at] = part
         row += len(part)
     return out
@@ -179,13 +181,15 @@ def stack_steps(steps: Sequence[Mapping[str, np.ndarray]], padded: Mapping[str, 
     return values, tuple(rows), tuple(shifts)
 
 
-def member_rows(value: np.ndarray, lo: int, hi: int, pad: tuple[int, float] | None, shift: int) -> np.ndarray:
+def member_rows(value: np.ndarray, lo: int, hi: int, pad: tuple[int, float] | None, shift: int, right: bool = False) -> np.ndarray:
     """One member's part of a batched value: its rows, without its padding (contiguous when
-    padding was cut off; a view of the batch's rows otherwise)."""
+    padding was cut off; a view of the batch's rows otherwise). ``right``: the padding is after
+    the member's positions, not before (see :func:`pad_stack`)."""
     part = value[lo:hi]
     if pad is None or not shift:
         return part
-    return np.ascontiguousarray(part[(slice(None),) * pad[0] + (slice(shift, None),)])
+    axis = pad[0]
+    return np.ascontiguousarray(part[(slice(None),) * axis + (slice(0, part.shape[axis] - shift) if right else slice(shift, None),)])
 
 
 def take_rows(value: np.ndarray, rows: Sequence[int], keep: Sequence[int]) -> np.ndarray:

@@ -1,0 +1,76 @@
+"""Decoders as users export them, served (issue 27): every export of tests/data/decoders split by
+hand between its layers, its stages batching, behind one ``onnxpipe serve`` process as Triton
+sequences over HTTP: 4 sequences per model, each greedy-decoded by a client thread of its own,
+prompts of different lengths started apart; every sequence's tokens equal the whole export alone
+(:class:`tests.decoder_exports.WholeModel`), and the sequences of each model met in batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tritonclient.http as httpclient
+
+from onnxpipe.splitter import split
+from tests.decoder_exports import EXPORTS, HAND_CUTS, WholeModel, model_path, prompts
+from tests.models import bundle_of
+from tests.serve.process import ServerProcess
+from tests.stateful_models import decode_in_threads
+
+
+class _Sequences:
+    """What ``decode_in_threads`` steps: each ``stream()`` a Triton sequence of model ``model`` over
+    HTTP (its first step starts it, its ``count``-th ends it), fed only the inputs the model has."""
+
+    def __init__(self, url: str, model: str, inputs: set[str], count: int, first_id: int) -> None:
+        self.url, self.model, self.inputs, self.count = url, model, inputs, count
+        self.ids = iter(range(first_id, first_id + 1000))
+
+    def stream(self) -> _Sequence:
+        return _Sequence(self, next(self.ids))
+
+
+class _Sequence:
+    def __init__(self, owner: _Sequences, sid: int) -> None:
+        self.owner, self.sid, self.steps = owner, sid, 0
+        self.client = httpclient.InferenceServerClient(owner.url)
+
+    def step(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        inputs = []
+        for name, value in feeds.items():
+            if name in self.owner.inputs:
+                tensor = httpclient.InferInput(name, list(value.shape), "INT64")
+                tensor.set_data_from_numpy(value)
+                inputs.append(tensor)
+        self.steps += 1
+        result = self.client.infer(self.owner.model, inputs, sequence_id=self.sid, sequence_start=self.steps == 1,
+                                   sequence_end=self.steps == self.owner.count)
+        return {"logits": result.as_numpy("logits")}
+
+    def __enter__(self) -> _Sequence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_every_export_served_as_triton_sequences_decodes_the_tokens_of_the_whole_export(tmp_path: Path) -> None:
+    bundles = []
+    for name in EXPORTS:
+        plan = split(str(model_path(name)), [HAND_CUTS[name]], states="auto")
+        for stage in plan.config.stages:
+            stage.configure(max_batch=4, max_delay_ms=20)
+        bundles.append(f"{name}={bundle_of(plan, tmp_path / name)}")
+    starts = prompts(4)
+    count = 10
+    with ServerProcess(*bundles) as proc:
+        proc.start(tmp_path / "serve.log")
+        for k, name in enumerate(EXPORTS):
+            model = WholeModel(name)
+            got = decode_in_threads(_Sequences(proc.http, name, model.inputs, count, 100 * (k + 1)), starts, [count] * len(starts), apart=0.003)
+            for j, prompt in enumerate(starts):
+                assert got[j][0] == model.generate(prompt, count)[0], f"{name}: sequence {j}"
+            stats = httpclient.InferenceServerClient(proc.http).get_inference_statistics(name)["model_stats"][0]
+            assert stats["inference_count"] == len(starts) * count, (name, stats)
+            assert stats["execution_count"] < stats["inference_count"], (name, stats)
+        assert proc.stop() == 0
