@@ -19,7 +19,9 @@ Note: the batching probe.
        onnxruntime's ``GroupQueryAttention`` as its past keeps that state padded on the right
        (``Batching.state_padding``): the op reads each row's past from position 0 up to the
        row's ``seqlens_k`` (the attention mask's sum), so a left-padded past would put the padding
-       where it reads; step 4 checks the choice like any other.
+       where it reads; step 4 checks the choice like any other. (A module saved in onnxruntime's
+       ORT format cannot be read for its ops: its state is measured padded on the left, then, if
+       that differs from alone, on the right.)
     4. The same streams then run three decode steps batched, as the runtime runs them: their
        inputs stacked once at the entry (``scheduling.stack_steps``), one request through the
        runners the engines use, split at the exit; in the second and third, every other stage
@@ -308,7 +310,32 @@ class _Probe:
                 outs.append(self._outputs(request))
             want.append(outs)
         records = {s.name: self._grown(s, seen[s.name]) if s in growing else Batching() for s in batching}
-        # Batched: the prompts (of different lengths: alone), then the decode steps together.
+        hints = {s.name: self._state_padding(s) for s in growing}
+        first = {name: dataclasses.replace(r, state_padding=hints.get(name) or "left") for name, r in records.items()}
+        try:
+            worst = self._batched_streams(first, want, steps, batching)
+            records = first
+        except BuildError:
+            if not any(hint is None for hint in hints.values()):
+                raise
+            # A module the probe cannot read (ORT format): its state measured padded on the right too.
+            records = {name: dataclasses.replace(r, state_padding="right") if name in hints and hints[name] is None else r for name, r in first.items()}
+            try:
+                worst = self._batched_streams(records, want, steps, batching)
+            except BuildError:
+                self._batched_streams(first, want, steps, batching)  # the first failure is the one to report
+                raise
+        pasts = f"2 streams (prompts of {_PROMPTS[0]} and {_PROMPTS[1]}, {steps} steps) batched and alone agree: {worst}"
+        return {name: dataclasses.replace(r, probe=pasts) for name, r in records.items()}
+
+    def _batched_streams(self, records: Mapping[str, Batching], want: list[list[dict[str, np.ndarray]]], steps: int,
+                         batching: Sequence[StageSpec]) -> str:
+        """The probe's streams batched with these records (the prompts of different lengths alone,
+        then the decode steps together), compared with ``want``: how well they agree.
+
+        Raises:
+            BuildError: they do not.
+        """
         runners = self._runners(records)
         got: list[list[dict[str, np.ndarray]]] = [[], []]
         try:
@@ -328,9 +355,7 @@ class _Probe:
                     got[sid].append(outputs)
         except _Differs as e:
             raise BuildError(f"stage '{e.stage}' cannot batch streams: {e.why}; set max_batch=1 for it") from None
-        worst = self._compare([o for outs in want for o in outs], [o for outs in got for o in outs], batching)
-        pasts = f"2 streams (prompts of {_PROMPTS[0]} and {_PROMPTS[1]}, {steps} steps) batched and alone agree: {worst}"
-        return {name: dataclasses.replace(r, probe=pasts) for name, r in records.items()}
+        return self._compare([o for outs in want for o in outs], [o for outs in got for o in outs], batching)
 
     def _grown(self, stage: StageSpec, shapes: list[dict[str, tuple[int, ...]]]) -> Batching:
         """Which of the stage's ports grow with the past: their lengths differ by the pasts' difference."""
@@ -362,14 +387,18 @@ class _Probe:
             if link.empty_axis is not None and padded.get(link.input, (None,))[0] != link.empty_axis:
                 raise BuildError(f"stage '{stage.name}' cannot batch streams: its state '{link.input}' did not grow along its empty axis "
                                  f"{link.empty_axis} from a past of {_PASTS[0]} to {_PASTS[1]}; set max_batch=1 for it")
-        return Batching(padded, stripped, state_padding=self._state_padding(stage))
+        return Batching(padded, stripped)
 
-    def _state_padding(self, stage: StageSpec) -> str:
+    def _state_padding(self, stage: StageSpec) -> str | None:
         """``"right"`` for a stage whose state feeds onnxruntime's ``GroupQueryAttention`` as its
-        past (Note: the batching probe, 3), else ``"left"``."""
+        past (Note: the batching probe, 3), ``"left"`` for another, ``None`` when its module is no
+        ONNX file the probe can read (onnxruntime's ORT format)."""
         assert stage.module is not None
         pasts = {link.input for link in self.spec.states_of(stage.name) if link.empty_axis is not None}
-        model = onnx.load(str(self.folder / stage.module), load_external_data=False)
+        try:
+            model = onnx.load(str(self.folder / stage.module), load_external_data=False)
+        except Exception:  # an ORT-format module (protobuf's DecodeError, or onnx's own error)
+            return None
         for node in model.graph.node:
             if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and pasts & set(node.input[3:5]):
                 return "right"

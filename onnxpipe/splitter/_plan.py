@@ -23,7 +23,7 @@ from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._remeasure import REMEASURE_BELOW, remeasure
-from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, pair_states
+from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, genai_head_dims, pair_states
 
 if TYPE_CHECKING:
     from onnxpipe.splitter._auto import AutoSplit, SplitPolicy
@@ -209,7 +209,10 @@ def split(
         dims: Sizes of symbolic input dims (by name, or ``"input.axis"``) for the sample run that
             finds the rank of a boundary tensor shape inference cannot tell (see Note: boundaries
             of unknown rank in ``_extract``); others are sized 1. A policy that profiles takes its
-            own ``dims``.
+            own ``dims``. With ``states``, also the size of a state's dim that no other input names
+            (onnxruntime-genai's ``kv_cache_dim``), fixed in every stage (``_states``, Note: a
+            state's constant dims); without it, the ``head_size`` of a ``genai_config.json``
+            beside the model.
 
     Returns:
         The :class:`SplitPlan`.
@@ -232,10 +235,12 @@ def split(
         pairs = pair_states([tensor_spec(types[n]) for n in index.inputs], [tensor_spec(types[n]) for n in index.outputs], states)
         state_inputs = {p.input for p in pairs}
         named = {d for n in index.inputs if n not in state_inputs for d in (tensor_spec(types[n]).shape or ()) if isinstance(d, str)}
-        constants, fixed_notes = fixed_state_dims(pairs, [tensor_spec(types[n]) for n in index.inputs], named, dims, folder)
+        sized = {**(getattr(policy, "dims", None) or {}), **(dims or {})}  # a profiling policy's dims size them too (split --auto --dim)
+        constants, fixed_notes = fixed_state_dims(pairs, [tensor_spec(types[n]) for n in index.inputs], named, sized, folder)
         types = _with_dims_fixed(types, constants)  # see Note: a state's constant dims (_states)
-        if policy is not None and constants and isinstance(getattr(policy, "dims", None), Mapping):
-            policy = dataclasses.replace(policy, dims={**constants, **policy.dims})  # type: ignore[type-var, attr-defined]  # profiled with them
+    profiled = {**genai_head_dims([tensor_spec(types[n]) for n in index.inputs], folder), **constants}
+    if policy is not None and profiled and isinstance(getattr(policy, "dims", None), Mapping):
+        policy = dataclasses.replace(policy, dims={**profiled, **policy.dims})  # type: ignore[type-var, attr-defined]  # profiled with them
     auto = None
     if policy is not None:
         auto = policy.assign(index, types, None if isinstance(model, ModelProto) else str(model))

@@ -26,7 +26,7 @@ from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import TensorSpec
 from onnxpipe.splitter._graph import GraphIndex, reroute
 
-__all__ = ["AUTO", "StatePair", "StateShapes", "check_together", "fixed_state_dims", "pair_states"]
+__all__ = ["AUTO", "StatePair", "StateShapes", "check_together", "fixed_state_dims", "genai_head_dims", "pair_states"]
 
 #: Ask :func:`pair_states` to pair names by convention.
 AUTO = "auto"
@@ -204,6 +204,17 @@ def fixed_state_dims(pairs: Sequence[StatePair], inputs: Sequence[TensorSpec], n
                     f"size for it; give it with --dim {d}=N (dims=) -- it is a constant of the model, such as a head size"
                 )
     return sizes, notes
+
+
+def genai_head_dims(inputs: Sequence[TensorSpec], folder: Path | None) -> dict[str, int]:
+    """The symbolic head dims of a genai export's caches (the last axis of its rank-4 ``past*``
+    inputs: ``kv_cache_dim``) sized by the ``head_size`` of the ``genai_config.json`` in ``folder``;
+    empty without one. A stateless split's profiling sizes them so (its stages keep them symbolic)."""
+    head_size = _genai_head_size(folder)
+    if head_size is None:
+        return {}
+    return {t.shape[-1]: head_size for t in inputs if t.name.startswith("past") and t.shape is not None and len(t.shape) == 4
+            and isinstance(t.shape[-1], str)}
 
 
 def _genai_head_size(folder: Path | None) -> int | None:

@@ -1,7 +1,7 @@
 """``onnxpipe verify`` and ``onnxpipe export --reference --model`` of decoder splits (issue 27): a split
 with state links is verified by a stream; a stateless one runs on sample inputs a decoder accepts,
 without --dim; a model that still fails on them is one line naming the dims left at 1 and --dim,
-never a traceback. On tests/data/llama-tiny.onnx (optimum), and on genai's export in
+never a traceback. On tests/data/decoders/optimum-llama (optimum), and on genai's export in
 tests/data/decoders/ when that folder is there."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from tests.cli.helpers import assert_user_error, ok, run
 
 DATA = Path(__file__).parents[1] / "data"
-LLAMA = DATA / "llama-tiny.onnx"
+LLAMA = DATA / "decoders" / "optimum-llama" / "model.onnx"
 GENAI = DATA / "decoders" / "genai-llama" / "model.onnx"
 CUT = ",".join(["/model/layers.0/Add_1_output_0", "/model/Expand_output_0", "/model/layers.0/self_attn/Unsqueeze_6_output_0",
                 "/model/layers.0/self_attn/Unsqueeze_7_output_0"])
@@ -67,3 +67,20 @@ def test_genai_without_its_head_dim_is_one_line_naming_kv_cache_dim(tmp_path: Pa
     ok("verify", tmp_path / "split", "--model", GENAI, "--dim", "kv_cache_dim=16")
     ok("export", tmp_path / "built", "-o", tmp_path / "b", "--reference", 1, "--model", GENAI, "--dim", "kv_cache_dim=16")
     ok("verify", tmp_path / "b")
+
+
+def test_a_genai_split_sizes_kv_cache_dim_from_dim_or_its_config_and_says_so_when_neither(tmp_path: Path) -> None:
+    """The genai builder's cache head dim ``kv_cache_dim`` is named by no other input: split fixes it
+    from ``--dim`` (by hand and with --auto, whose --dim sizes profiling too) or from the
+    genai_config.json beside the model; a copy of the model without it and no --dim is one line."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "model.onnx").write_bytes(GENAI.read_bytes())  # no genai_config.json beside it
+    cut = "/model/layers.0/mlp/down_proj/MatMul/output_0"
+    assert_user_error(run("split", alone / "model.onnx", "-o", tmp_path / "a", "--at", cut, "--state", "auto"),
+                      "dim 3 ('kv_cache_dim') is named by no other input", "--dim kv_cache_dim=N")
+    assert "fixed at 16 in every stage (given)" in ok("split", alone / "model.onnx", "-o", tmp_path / "b", "--at", cut, "--state", "auto",
+                                                      "--dim", "kv_cache_dim=16").output
+    assert "fixed at 16 in every stage (given)" in ok("split", alone / "model.onnx", "-o", tmp_path / "c", "--auto", "--stages", "2", "--state",
+                                                      "auto", "--dim", "kv_cache_dim=16", "--dim", "batch_size=1").output
+    assert "(head_size of genai_config.json)" in ok("split", GENAI, "-o", tmp_path / "d", "--at", cut, "--state", "auto").output

@@ -4,7 +4,8 @@ exporter (tests/data/decoders, made by tests/data/make_decoders.py). Each is spl
 layers by hand and by ``--auto`` (profiled), built with its stages batching (max_batch 8), exported,
 and run:
 
-- stateless (its KV caches fed as inputs): every output equals the whole export within 1e-5;
+- stateless (its KV caches fed as inputs), split the same two ways: every output equals the whole
+  export within 1e-5;
 - as one stream: greedy tokens equal a plain onnxruntime loop over the whole export;
 - as 8 streams in threads of their own, prompts of 1 to 6 tokens started apart (so they join and
   leave while others decode): each stream's tokens equal the export alone, logits within 1e-4,
@@ -28,10 +29,10 @@ from tests.stateful_models import decode_in_threads, generate
 CASES = [(name, how) for name in EXPORTS for how in ("hand", "auto")]
 
 
-def _plan(name: str, how: str, tmp: Path, states: str | None) -> object:
+def _plan(name: str, how: str, profiles: Path, states: str | None) -> object:
     if how == "hand":
         return split(str(model_path(name)), [HAND_CUTS[name]], states=states)
-    policy = MeasuredPolicy(stages=2, runs=2, dims=profile_dims(name), cache_dir=str(tmp))
+    policy = MeasuredPolicy(stages=2, runs=2, dims=profile_dims(name), cache_dir=str(profiles))
     return split(str(model_path(name)), policy=policy, states=states)
 
 
@@ -40,16 +41,22 @@ def whole() -> dict[str, WholeModel]:
     return {name: WholeModel(name) for name in EXPORTS}
 
 
-@pytest.mark.parametrize("name", EXPORTS)
-def test_a_stateless_split_gives_the_whole_exports_outputs(name: str, whole: dict[str, WholeModel], tmp_path: Path) -> None:
-    """Split by hand with the caches as pipeline inputs: a prompt of 3 tokens over a past of 4
-    (the past taken from the export's own first step), every output within 1e-5 of the export's."""
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where ``--auto``'s profiles are cached: each export profiled once per worker."""
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.mark.parametrize(("name", "how"), CASES, ids=[f"{n}-{h}" for n, h in CASES])
+def test_a_stateless_split_gives_the_whole_exports_outputs(name: str, how: str, whole: dict[str, WholeModel], profiles: Path, tmp_path: Path) -> None:
+    """Split with the caches as pipeline inputs: a prompt of 3 tokens over a past of 4 (the past
+    taken from the export's own first step), every output within 1e-5 of the export's."""
     model = whole[name]
     first = model.run({**step_feeds(model.inputs, [5, 9, 13, 17], 0), **model.empty_past()})
     past = {n: first[n.replace("past_key_values.", "present.")] for n in model.pasts}
     feeds = {**step_feeds(model.inputs, [5, 9, 13, 17, 21, 25, 29], 4), **past}
     want = model.run(feeds)
-    with load(bundle_of(_plan(name, "hand", tmp_path, None), tmp_path)) as pipe:
+    with load(bundle_of(_plan(name, how, profiles, None), tmp_path)) as pipe:
         got = pipe(feeds)
     assert set(got) == set(want)
     for out, value in want.items():
@@ -58,9 +65,9 @@ def test_a_stateless_split_gives_the_whole_exports_outputs(name: str, whole: dic
 
 @pytest.mark.parametrize(("name", "how"), CASES, ids=[f"{n}-{h}" for n, h in CASES])
 def test_one_stream_then_eight_batched_streams_decode_the_tokens_of_the_whole_export(name: str, how: str, whole: dict[str, WholeModel],
-                                                                                     tmp_path: Path) -> None:
+                                                                                     profiles: Path, tmp_path: Path) -> None:
     model = whole[name]
-    plan = _plan(name, how, tmp_path, "auto")
+    plan = _plan(name, how, profiles, "auto")
     assert len(plan.stages) == 2  # type: ignore[attr-defined]
     for stage in plan.config.stages:  # type: ignore[attr-defined]
         stage.configure(max_batch=8, max_delay_ms=20)
@@ -99,3 +106,23 @@ def test_a_genai_export_keeps_its_caches_right_padded_and_its_head_dim_from_its_
         stage.configure(max_batch=4)
     with load(bundle_of(plan, tmp_path)) as pipe:
         assert [s.batching.state_padding for s in pipe.spec.stages] == ["right", "right"]  # type: ignore[union-attr]
+
+
+def test_a_genai_split_built_in_ort_format_finds_its_right_padding_by_measuring(whole: dict[str, WholeModel], tmp_path: Path) -> None:
+    """ORT-format modules cannot be read for their ops: the probe measures left padding (which
+    differs from alone), then right padding (which agrees), and keeps it; tokens stay exact."""
+    from onnxpipe.builder import build, export
+
+    name = "genai-llama"
+    plan = split(str(model_path(name)), [HAND_CUTS[name]], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(max_batch=4, max_delay_ms=20)
+    built = build(plan.config, tmp_path / "built", ort_format=True)
+    assert all(s.module.endswith(".ort") for s in built.spec.stages)  # type: ignore[union-attr]
+    bundle = export(built.path, tmp_path / "bundle")
+    model = whole[name]
+    starts = prompts(4)
+    with load(bundle, max_streams=8) as pipe:
+        assert [s.batching.state_padding for s in pipe.spec.stages] == ["right", "right"]  # type: ignore[union-attr]
+        results = decode_in_threads(Filtered(pipe, model.inputs), starts, [8] * 4, apart=0.0005)
+    assert [r[0] for r in results] == [model.generate(p, 8)[0] for p in starts]

@@ -1,5 +1,5 @@
 """A decoder as users export it: a Llama with random weights exported by optimum-onnx
-(tests/data/llama-tiny.onnx, made by tests/data/make_llama.py: hidden 64, 2 layers, grouped-query
+(tests/data/decoders/optimum-llama, made by tests/data/make_decoders.py: hidden 64, 2 layers, grouped-query
 attention of 4 heads over 2 KV heads, rotary positions, a 4-D causal mask made in the model), split
 between its layers with its KV caches kept in their stages, its streams batched.
 
@@ -20,7 +20,7 @@ from onnxpipe.splitter import split
 from tests.models import bundle_of
 from tests.stateful_models import decode_in_threads, decoder_feeds, session_generate
 
-LLAMA = Path(__file__).parents[1] / "data" / "llama-tiny.onnx"
+LLAMA = Path(__file__).parents[1] / "data" / "decoders" / "optimum-llama" / "model.onnx"
 # Between layers 0 and 1: the residual stream, the causal mask and the rotary cos / sin the model
 # makes once and every layer reads.
 CUT = ["/model/layers.0/Add_1_output_0", "/model/Expand_output_0", "/model/layers.0/self_attn/Unsqueeze_6_output_0",

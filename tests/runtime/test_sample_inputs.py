@@ -1,7 +1,7 @@
 """Sample inputs that a decoder accepts (Note: a decoder's sample inputs, runtime/_inputs.py): the
 attention mask all ones and as wide as the past and the new tokens, the positions counted on from
 the past, the token ids random but small. Checked on specs written inline, on the inline GPT decoder
-of tests/stateful_models.py, on the optimum export tests/data/llama-tiny.onnx, and on the exports of
+of tests/stateful_models.py, on the optimum export tests/data/decoders/optimum-llama, and on the exports of
 tests/data/decoders/ (genai, optimum, dynamo) when that folder is there: the whole model must run
 on random_inputs for several dims."""
 
@@ -19,7 +19,7 @@ from onnxpipe.runtime._inputs import MASK_NAMES, DecoderInputs, defaulted_dims, 
 from tests.stateful_models import gpt_decoder
 
 DATA = Path(__file__).parents[1] / "data"
-LLAMA = DATA / "llama-tiny.onnx"
+LLAMA = DATA / "decoders" / "optimum-llama" / "model.onnx"
 DECODERS = sorted((DATA / "decoders").glob("*/model.onnx"))
 
 I64, F = "int64", "float32"

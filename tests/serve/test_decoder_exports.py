@@ -8,50 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import tritonclient.http as httpclient
 
 from onnxpipe.splitter import split
 from tests.decoder_exports import EXPORTS, HAND_CUTS, WholeModel, model_path, prompts
 from tests.models import bundle_of
 from tests.serve.process import ServerProcess
+from tests.serve.sequences import Sequences
 from tests.stateful_models import decode_in_threads
-
-
-class _Sequences:
-    """What ``decode_in_threads`` steps: each ``stream()`` a Triton sequence of model ``model`` over
-    HTTP (its first step starts it, its ``count``-th ends it), fed only the inputs the model has."""
-
-    def __init__(self, url: str, model: str, inputs: set[str], count: int, first_id: int) -> None:
-        self.url, self.model, self.inputs, self.count = url, model, inputs, count
-        self.ids = iter(range(first_id, first_id + 1000))
-
-    def stream(self) -> _Sequence:
-        return _Sequence(self, next(self.ids))
-
-
-class _Sequence:
-    def __init__(self, owner: _Sequences, sid: int) -> None:
-        self.owner, self.sid, self.steps = owner, sid, 0
-        self.client = httpclient.InferenceServerClient(owner.url)
-
-    def step(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        inputs = []
-        for name, value in feeds.items():
-            if name in self.owner.inputs:
-                tensor = httpclient.InferInput(name, list(value.shape), "INT64")
-                tensor.set_data_from_numpy(value)
-                inputs.append(tensor)
-        self.steps += 1
-        result = self.client.infer(self.owner.model, inputs, sequence_id=self.sid, sequence_start=self.steps == 1,
-                                   sequence_end=self.steps == self.owner.count)
-        return {"logits": result.as_numpy("logits")}
-
-    def __enter__(self) -> _Sequence:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 def test_every_export_served_as_triton_sequences_decodes_the_tokens_of_the_whole_export(tmp_path: Path) -> None:
@@ -67,7 +31,7 @@ def test_every_export_served_as_triton_sequences_decodes_the_tokens_of_the_whole
         proc.start(tmp_path / "serve.log")
         for k, name in enumerate(EXPORTS):
             model = WholeModel(name)
-            got = decode_in_threads(_Sequences(proc.http, name, model.inputs, count, 100 * (k + 1)), starts, [count] * len(starts), apart=0.003)
+            got = decode_in_threads(Sequences(proc.http, count, name, model.inputs, 100 * (k + 1)), starts, [count] * len(starts), apart=0.003)
             for j, prompt in enumerate(starts):
                 assert got[j][0] == model.generate(prompt, count)[0], f"{name}: sequence {j}"
             stats = httpclient.InferenceServerClient(proc.http).get_inference_statistics(name)["model_stats"][0]

@@ -18,6 +18,7 @@ from tritonclient.utils import InferenceServerException
 from onnxpipe import runtime
 from tests.serve.conftest import serve_args
 from tests.serve.process import ServerProcess
+from tests.serve.sequences import Sequences
 
 
 def _steps(seed: int, count: int) -> list[np.ndarray]:
@@ -113,39 +114,6 @@ def test_idle_sequences_are_freed_and_max_streams_refusals_are_503(bundles: dict
         assert proc.stop() == 0
 
 
-class _Sequences:
-    """What ``decode_in_threads`` steps, over HTTP: each ``stream()`` a Triton sequence of its own
-    (its first step starts it, its ``count``-th ends it), each step one request."""
-
-    def __init__(self, url: str, count: int) -> None:
-        self.url, self.count = url, count
-        self.ids = iter(range(100, 10_000))
-
-    def stream(self) -> _Sequence:
-        return _Sequence(httpclient.InferenceServerClient(self.url), next(self.ids), self.count)
-
-
-class _Sequence:
-    def __init__(self, client: httpclient.InferenceServerClient, sid: int, count: int) -> None:
-        self.client, self.sid, self.count, self.steps = client, sid, count, 0
-
-    def step(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        inputs = []
-        for name, value in feeds.items():
-            tensor = httpclient.InferInput(name, list(value.shape), "INT64")
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
-        self.steps += 1
-        result = self.client.infer("decoder", inputs, sequence_id=self.sid, sequence_start=self.steps == 1, sequence_end=self.steps == self.count)
-        return {"logits": result.as_numpy("logits")}
-
-    def __enter__(self) -> _Sequence:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
 def test_decoder_sequences_batch_at_the_entry_and_decode_the_tokens_each_makes_alone(tmp_path: Path) -> None:
     """A KV-cache decoder whose stages batch (max_batch=8, max_delay_ms=20), served: 6 sequences,
     each greedy-decoded by a client thread of its own over HTTP (sequence_id, start, end), with
@@ -165,7 +133,7 @@ def test_decoder_sequences_batch_at_the_entry_and_decode_the_tokens_each_makes_a
     count = 12
     with ServerProcess(f"decoder={bundle}") as proc:
         proc.start(tmp_path / "serve.log")
-        got = decode_in_threads(_Sequences(proc.http, count), prompts, [count] * len(prompts), apart=0.003)
+        got = decode_in_threads(Sequences(proc.http, count), prompts, [count] * len(prompts), apart=0.003)
         stats = httpclient.InferenceServerClient(proc.http).get_inference_statistics("decoder")["model_stats"][0]
     for k, prompt in enumerate(prompts):
         assert got[k][0] == whole_generate(decoder, prompt, count)[0], f"sequence {k}"

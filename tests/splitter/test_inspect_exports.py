@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxpipe import InputError
 from onnxpipe.splitter import inspect_model
 
-LLAMA = Path(__file__).parents[1] / "data" / "llama-tiny.onnx"
+LLAMA = Path(__file__).parents[1] / "data" / "decoders" / "optimum-llama" / "model.onnx"
 D0, D1, D2 = "DynamicDimension.0", "DynamicDimension.1", "DynamicDimension.2"  # paddle2onnx's input dims
 HALF = [f"floor({d}/2 - 1/2) + 1" for d in (D1, D2)]  # a 3x3 stride-2 Conv, pad 1, as sympy prints it
 DOUBLE = [f"2*floor({d}/2 - 1/2) + 2" for d in (D1, D2)]  # that, resized x2

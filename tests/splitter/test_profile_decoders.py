@@ -12,7 +12,7 @@ import pytest
 from onnxpipe.splitter import MeasuredPolicy, profile_model, split, verify
 
 DATA = Path(__file__).parents[1] / "data"
-LLAMA = DATA / "llama-tiny.onnx"
+LLAMA = DATA / "decoders" / "optimum-llama" / "model.onnx"
 GENAI = DATA / "decoders" / "genai-llama" / "model.onnx"
 DIMS = {"batch_size": 2, "sequence_length": 4, "past_sequence_length": 6}
 

@@ -3,7 +3,7 @@ pipeline's own streams and through the whole model with its KV cache fed back by
 verifying a split with state); a stateless decoder split runs on sample inputs that a decoder
 accepts, and where the whole model still fails on them, the error names the dims left at 1.
 
-On tests/data/llama-tiny.onnx (optimum) split by hand between its layers, the inline recurrent
+On tests/data/decoders/optimum-llama (optimum) split by hand between its layers, the inline recurrent
 model of tests/stateful_models.py, and the exports of tests/data/decoders/ when that folder is there."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.models import bundle_of
 from tests.stateful_models import decoder_feeds, recurrent
 
 DATA = Path(__file__).parents[1] / "data"
-LLAMA = DATA / "llama-tiny.onnx"
+LLAMA = DATA / "decoders" / "optimum-llama" / "model.onnx"
 DECODERS = sorted((DATA / "decoders").glob("*/model.onnx"))
 # Between layers 0 and 1 (as tests/runtime/test_exported_decoders.py cuts it): the residual stream,
 # the causal mask and the rotary cos / sin.
