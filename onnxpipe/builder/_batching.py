@@ -48,7 +48,7 @@ import onnxruntime as ort
 
 from onnxpipe._errors import BuildError, InputError, OnnxpipeError
 from onnxpipe.runtime._dtypes import numpy_dtype
-from onnxpipe.runtime._inputs import MASK_NAMES, POSITION_NAMES, random_array
+from onnxpipe.runtime._inputs import MASK_NAMES, DecoderInputs, random_array
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, TensorSpec
 from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
@@ -89,7 +89,7 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
         if stage.settings.batch_pad and stage not in growing:
             raise BuildError(f"stage '{stage.name}': batch_pad is for a stage that batches streams whose state grows (max_batch above 1 "
                              "and a state link with an empty axis); this one has none to pad")
-    mask = _mask_input(spec) if spec.states else None
+    mask = DecoderInputs.of(spec.inputs).mask if spec.states else None
     if growing and mask is None:
         names = ", ".join(t.name for t in spec.inputs)
         raise BuildError(
@@ -130,14 +130,6 @@ def _growing_state(spec: PipelineSpec, stage: StageSpec) -> str:
     return f"'{link.input}' along axis {link.empty_axis}"
 
 
-def _mask_input(spec: PipelineSpec) -> TensorSpec | None:
-    for name in MASK_NAMES:
-        for t in spec.inputs:
-            if t.name == name and t.shape is not None and len(t.shape) == 2 and numpy_dtype(t.dtype).kind in "iub":
-                return t
-    return None
-
-
 def _fmt(shape: Sequence[object]) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
@@ -157,6 +149,7 @@ class _Probe:
         self.spec = spec
         self.folder = folder
         self.mask = mask
+        self.positions = DecoderInputs.of(spec.inputs).positions
         self.plans, self.finals = plan_stages(spec)
         self.sessions: dict[str, ort.InferenceSession] = {}
         for plan in self.plans:
@@ -193,7 +186,7 @@ class _Probe:
             if self.mask is not None and t.name == self.mask.name:
                 feeds[t.name] = np.ones((1, past + new), dtype)
                 continue
-            if t.name in POSITION_NAMES and t.shape is not None and len(t.shape) == 2:
+            if t is self.positions:
                 feeds[t.name] = np.arange(past, past + new, dtype=dtype)[None, :]
                 continue
             if t.shape is None:

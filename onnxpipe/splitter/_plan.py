@@ -329,8 +329,8 @@ def split(
                 weights_bytes=_weights_read(boundary.weights[i], proto, types),
                 inputs=stage.inputs,
                 outputs=stage.outputs,
-                bytes_in=_sum_bytes(t for t in stage.inputs if boundary.sources[t.name] is not None),
-                bytes_out=_sum_bytes(t for t in stage.outputs if boundary.sources.get(t.name) == i),
+                bytes_in=_sum_bytes((t for t in stage.inputs if boundary.sources[t.name] is not None), dims),
+                bytes_out=_sum_bytes((t for t in stage.outputs if boundary.sources.get(t.name) == i), dims),
                 predicted_seconds=auto.predicted_seconds[i] if auto is not None and auto.predicted_seconds else None,
             )
         )
@@ -362,10 +362,11 @@ def _with_dims_fixed(types: dict[str, onnx.ValueInfoProto], sizes: Mapping[str, 
     return out
 
 
-def _sum_bytes(specs: Iterable[TensorSpec]) -> int | None:
+def _sum_bytes(specs: Iterable[TensorSpec], dims: Mapping[str, int] | None) -> int | None:
+    """The bytes of ``specs`` with the symbolic dims in ``dims`` sized; ``None`` when one is unsized."""
     total = 0
     for t in specs:
-        size = t.nbytes()
+        size = t.nbytes(dims)
         if size is None:
             return None
         total += size
