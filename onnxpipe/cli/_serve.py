@@ -24,6 +24,7 @@ _BODY_TIMEOUT = 30.0
 _MAX_STREAMS = 64
 _STREAM_TIMEOUT = 60.0
 _DRAIN_TIMEOUT = 30.0
+_IDLE_TIMEOUT = 30.0
 
 
 @click.command(short_help="Serve bundles over HTTP and gRPC (KServe v2 / Triton's protocol).")
@@ -72,6 +73,10 @@ _DRAIN_TIMEOUT = 30.0
               help="Seconds a sequence may stay idle before its state is freed (0: never).")
 @click.option("--drain-timeout", default=_DRAIN_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), metavar="S",
               help="On SIGTERM or SIGINT: seconds to let admitted requests finish before the pipelines close.")
+@click.option("--idle-timeout", default=_IDLE_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="Seconds an HTTP connection may take to send a request's head, from connecting or from its last answer; then it is closed.")
+@click.option("--max-connections", type=click.IntRange(min=1), metavar="N",
+              help="HTTP connections open at once; more are answered 503 and closed [default: half the open-file limit, less 64].")
 @click.option("--allow-partial", is_flag=True, help="Serve the models that load even if some fail (each failure is printed; those models answer 503).")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Do not run the bundles' reference samples at load.")
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
@@ -93,6 +98,8 @@ def serve(
     max_streams: int,
     stream_timeout: float,
     drain_timeout: float,
+    idle_timeout: float,
+    max_connections: int | None,
     allow_partial: bool,
     no_verify: bool,
     access_log: bool,
@@ -145,6 +152,8 @@ def serve(
         max_streams=max_streams,
         stream_timeout=stream_timeout or None,
         drain_timeout=drain_timeout,
+        idle_timeout=idle_timeout,
+        max_connections=max_connections,
         allow_partial=allow_partial,
         verify=not no_verify,
         access_log=access_log,

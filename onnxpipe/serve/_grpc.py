@@ -17,9 +17,10 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf import json_format
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from onnxpipe._errors import OnnxpipeError
+from onnxpipe.serve._connections import default_max_connections
 from onnxpipe.serve._errors import RequestError, bad_request
 from onnxpipe.serve._models import VERSION, Outputs, ServedModel, sequence_of
 from onnxpipe.serve._proto import oip_pb2 as pb
@@ -42,11 +43,20 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
     Raises:
         OSError: the address cannot be bound.
     """
-    limit = state.options.max_body_bytes
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)])
+    o = state.options
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", o.max_body_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),
+        # As the HTTP listener's (see Note: connections in _connections): more connections are closed at once, idle ones after the timeout.
+        ("grpc.max_allowed_incoming_connections", o.max_connections or default_max_connections()),
+        ("grpc.max_connection_idle_ms", int(o.idle_timeout * 1000)),
+    ])
 
     def method(fn: Callable[[Any], Awaitable[Message]], request: type[Message], response: type[Message], open_to_all: bool = False) -> grpc.RpcMethodHandler:
         async def handle(message: Any, context: grpc.aio.ServicerContext) -> Message:
+            if isinstance(message, _Unparsable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the message is not a valid {request.__name__}: {message.why}")
             try:
                 if not open_to_all:
                     state.authorize(dict(context.invocation_metadata() or ()).get("authorization"))
@@ -62,7 +72,13 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
             raise AssertionError("context.abort returned")
 
-        return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=request.FromString, response_serializer=response.SerializeToString)
+        def parse(data: bytes) -> Any:
+            try:
+                return request.FromString(data)
+            except DecodeError as e:  # answered INVALID_ARGUMENT by the handler, not grpc's UNKNOWN naming protobuf's type
+                return _Unparsable(" ".join(str(e).split())[:200] or "it cannot be parsed")
+
+        return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=parse, response_serializer=response.SerializeToString)
 
     async def server_live(_: Any) -> Message:
         return pb.ServerLiveResponse(live=state.live)
@@ -108,6 +124,13 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
     return server, port
 
 
+class _Unparsable:
+    """A request message protobuf cannot parse, and why."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
 def _parameters(params: Any) -> dict[str, Any]:
     """An ``InferParameter`` map as plain values."""
     plain = {}
@@ -135,8 +158,12 @@ def _decode(model: ServedModel, r: Any) -> Decoded:
             raise bad_request(f"input '{tensor.name}' has no data: fill raw_input_contents or its contents")
     model.check_complete(arrays)
     outputs = []
+    seen: set[str] = set()
     for out in r.outputs:
         model.output_port(out.name, out.parameters)
+        if out.name in seen:
+            raise bad_request(f"output '{out.name}' is asked for twice; ask for each output once")
+        seen.add(out.name)
         outputs.append((out.name, True))
     return Decoded(arrays, sequence_of(_parameters(r.parameters)), r.id, outputs, True)
 

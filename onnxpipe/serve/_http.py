@@ -4,10 +4,15 @@ tensor data, model configuration, statistics and sequence extensions, as an aioh
 Note: the body.
     A request's body is read chunk by chunk against ``max_body_bytes`` (a ``Content-Length`` over
     it is refused before anything is read: 413) and ``body_timeout`` (408); a client that goes away
-    mid-body gets no answer and costs nothing more. With a ``Content-Length``, the body is copied
-    once, as it arrives, into a buffer placed so that the binary data after the JSON header
+    mid-body gets no answer and costs nothing more. Memory follows the bytes received, never a
+    declared size: the chunks are kept as they arrive, each counted against the server's
+    :class:`BodyBudget` (``max_inflight`` x ``max_body_bytes`` across every connection: past it,
+    503), and given back when the request is answered, so a client announcing 64 MiB and sending
+    nothing holds nothing. Once a large body (with a ``Content-Length``) is in, it is copied once
+    into a buffer placed so that the binary data after the JSON header
     (``Inference-Header-Content-Length`` bytes) starts on a 64-byte boundary: raw tensors are then
-    views that onnxruntime reads in place. A compressed body (``Content-Encoding: gzip`` or
+    views that onnxruntime reads in place (the same one copy as when the buffer was filled as the
+    bytes came; for that instant the body is held twice). A compressed body (``Content-Encoding: gzip`` or
     ``deflate``, as ``tritonclient`` sends with ``request_compression_algorithm``) is inflated
     against the same limit. The JSON header is parsed; binary tensors are then taken, in the order
     of the inputs that declare ``binary_data_size``, as views over the rest.
@@ -26,6 +31,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import re
 import sys
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -99,16 +105,35 @@ def make_app(state: ServerState) -> web.Application:
     async def infer(request: web.Request) -> web.StreamResponse:
         model = _model(state, request)
         state.serving()
-        header_length = request.headers.get(HEADER_LENGTH)
-        body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, header_length)
-        response = await state.infer(model, "http", lambda: _decode(model, body, header_length), lambda d, o: _encode(model, d, o))
+        header_length = byte_count(request.headers.get(HEADER_LENGTH), HEADER_LENGTH)
+        held = budget.hold()
+        try:
+            body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, header_length, held)
+            response = await state.infer(model, "http", lambda: _decode(model, body, header_length), lambda d, o: _encode(model, d, o))
+        finally:
+            held.release()  # the body's bytes (the response no longer needs them)
         if "Accept-Encoding" in request.headers:
             response.enable_compression()  # gzip or deflate, as the client accepts
         return response
 
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: a body the server would refuse is refused before the client
+        sends it (aiohttp calls this outside the middleware: it answers errors itself)."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return error(417, f"Expect {brief(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
+        try:
+            length = byte_count(request.headers.get("Content-Length"), "Content-Length")
+        except RequestError as e:
+            return error(e.status, str(e))
+        if length is not None and length > state.options.max_body_bytes:
+            return error(413, f"the body has {length} bytes; this server takes at most {state.options.max_body_bytes} (--max-body-size)")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
     async def metrics(request: web.Request) -> web.StreamResponse:
         return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8", headers={"X-Content-Format": "0.0.4"})
 
+    budget = BodyBudget(state.options.max_inflight * state.options.max_body_bytes)
     app = web.Application(middlewares=[guard], client_max_size=state.options.max_body_bytes)
     app.router.add_get("/v2/health/live", live)
     app.router.add_get("/v2/health/ready", ready)
@@ -120,7 +145,7 @@ def make_app(state: ServerState) -> web.Application:
         app.router.add_get(prefix + "/ready", model_ready)
         app.router.add_get(prefix + "/config", model_config)
         app.router.add_get(prefix + "/stats", model_stats)
-        app.router.add_post(prefix + "/infer", infer)
+        app.router.add_post(prefix + "/infer", infer, expect_handler=expect)
     return app
 
 
@@ -137,23 +162,81 @@ def _model(state: ServerState, request: web.Request) -> ServedModel:
     return state.model(request.match_info["model"], request.match_info.get("version", ""))
 
 
-async def _body(request: web.Request, limit: int, timeout: float, header_length: str | None) -> memoryview:
+class BodyBudget:
+    """The bytes of request bodies the server holds at once, across every connection (see Note:
+    the body): each chunk is counted as it arrives, and given back when its request is answered.
+
+    Args:
+        limit: The most bytes held at once (``--max-inflight`` x ``--max-body-size``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def hold(self) -> _Held:
+        """A new request's share: what it takes is given back by :meth:`_Held.release`."""
+        return _Held(self)
+
+
+class _Held:
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.bytes = 0
+
+    def take(self, size: int) -> None:
+        """Count ``size`` more bytes of this request's body.
+
+        Raises:
+            RequestError: 503, the server holds as many body bytes as it may.
+        """
+        budget = self.budget
+        if budget.held + size > budget.limit:
+            raise RequestError(503, f"the server holds {budget.held} bytes of request bodies, the most it buffers at once "
+                                    f"({budget.limit}: --max-inflight x --max-body-size); retry later")
+        budget.held += size
+        self.bytes += size
+
+    def release(self) -> None:
+        self.budget.held -= self.bytes
+        self.bytes = 0
+
+
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only (str.isdigit takes '²' and other scripts' digits), below 10**19
+
+
+def byte_count(value: str | None, what: str) -> int | None:
+    """A header's number of bytes, or ``None`` without the header.
+
+    Raises:
+        RequestError: 400, not ASCII digits (or too many of them).
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if not _DIGITS.fullmatch(text):
+        raise bad_request(f"{what} {brief(value)} is not a number of bytes (ASCII digits, at most 19)")
+    return int(text)
+
+
+def brief(value: str, most: int = 60) -> str:
+    """``value`` quoted, cut to ``most`` characters with its full length where it is longer."""
+    return repr(value) if len(value) <= most else f"{value[:most]!r}... ({len(value)} characters)"
+
+
+async def _body(request: web.Request, limit: int, timeout: float, header_length: int | None, held: _Held) -> memoryview:
     """The whole body, within ``limit`` bytes and ``timeout`` seconds (see Note: the body).
 
     Raises:
-        RequestError: 400 for a malformed length, 413 past the limit, 408 past the timeout.
+        RequestError: 400 for a malformed length, 413 past the limit, 408 past the timeout, 503
+            when the server holds all the body bytes it may (``held`` counts this one's).
         ConnectionError: the client went away.
     """
-    length = request.headers.get("Content-Length")
-    if length is not None:
-        if not length.isdigit():
-            raise bad_request(f"Content-Length {length!r} is not a number of bytes")
-        if int(length) > limit:
-            raise RequestError(413, f"the body has {int(length)} bytes; this server takes at most {limit} (--max-body-size)")
+    length = byte_count(request.headers.get("Content-Length"), "Content-Length")
+    if length is not None and length > limit:
+        raise RequestError(413, f"the body has {length} bytes; this server takes at most {limit} (--max-body-size)")
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    offset = int(header_length) if header_length is not None and header_length.isdigit() else 0
     plain = encoding in ("", "identity")
-    buffer = _aligned(int(length), offset) if length is not None and int(length) >= _ALIGN_FROM and plain else None
 
     async def read() -> memoryview:
         chunks: list[bytes] = []
@@ -162,12 +245,17 @@ async def _body(request: web.Request, limit: int, timeout: float, header_length:
             end = size + len(chunk)
             if end > limit:
                 raise RequestError(413, f"the body is over {limit} bytes, the most this server takes (--max-body-size)")
-            if buffer is None:
-                chunks.append(chunk)
-            else:
-                buffer[size:end] = chunk  # the parser stops at Content-Length: it never runs past
+            held.take(len(chunk))
+            chunks.append(chunk)
             size = end
-        return buffer[:size] if buffer is not None else memoryview(b"".join(chunks))
+        if plain and length is not None and size >= _ALIGN_FROM:
+            buffer = _aligned(size, header_length if header_length is not None and header_length <= size else 0)
+            at = 0
+            for chunk in chunks:
+                buffer[at : at + len(chunk)] = chunk
+                at += len(chunk)
+            return buffer  # the chunks go as this returns: the memory held stays the body's size
+        return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
     try:
         async with _deadline(timeout):
@@ -220,16 +308,18 @@ def _inflate(body: memoryview, encoding: str, limit: int) -> memoryview:
         raise RequestError(413, f"the {encoding} body inflates to over {limit} bytes, the most this server takes (--max-body-size)")
     if not inflater.eof:
         raise bad_request(f"the {encoding} body is truncated")
+    if inflater.unused_data:
+        raise bad_request(f"{len(inflater.unused_data)} byte(s) follow the end of the {encoding} stream; send one stream, nothing after it")
     return memoryview(plain)
 
 
-def _decode(model: ServedModel, body: memoryview, header_length: str | None) -> Decoded:
+def _decode(model: ServedModel, body: memoryview, header_length: int | None) -> Decoded:
     """A request's JSON header and tensors (see Note: the body)."""
     end = len(body)
     if header_length is not None:
-        if not header_length.strip().isdigit() or not 0 < int(header_length) <= len(body):
-            raise bad_request(f"Inference-Header-Content-Length {header_length!r} must be a number of bytes from 1 to the body's {len(body)}")
-        end = int(header_length)
+        if not 0 < header_length <= len(body):
+            raise bad_request(f"Inference-Header-Content-Length {header_length} must be a number of bytes from 1 to the body's {len(body)}")
+        end = header_length
     try:
         header = json.loads(bytes(body[:end]))
     except (ValueError, RecursionError) as e:
@@ -289,12 +379,16 @@ def _requested(model: ServedModel, outputs: object, binary: bool) -> list[tuple[
     if not isinstance(outputs, list):
         raise bad_request("the request's 'outputs' must be a list")
     asked: list[tuple[str, bool]] = []
+    seen: set[str] = set()
     for item in outputs:
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str):
             raise bad_request(f"each requested output needs a 'name' string, got {item!r:.60}")
-        params = _object(item.get("parameters", {}), f"output '{name}': 'parameters'")
+        params = _object(item.get("parameters", {}), f"output '{name:.100}': 'parameters'")
         model.output_port(name, params)
+        if name in seen:
+            raise bad_request(f"output '{name}' is asked for twice; ask for each output once")
+        seen.add(name)
         as_binary = params.get("binary_data", binary)
         if not isinstance(as_binary, bool):
             raise bad_request(f"output '{name}': binary_data must be a boolean, got {as_binary!r}")

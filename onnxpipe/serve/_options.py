@@ -50,6 +50,10 @@ class ServeOptions:
         allow_partial: Serve the models that load even when some do not.
         verify: Run each bundle's reference samples at load; a mismatch fails the model.
         access_log: Log every HTTP request (aiohttp's access log, to stderr).
+        idle_timeout: Seconds a connection may take to send a request's head, from connecting or
+            from its previous answer; then it is closed (``_connections``, Note: connections).
+        max_connections: HTTP connections open at once; more are answered 503 and closed.
+            ``None``: half the file descriptors the process may open, less 64.
     """
 
     host: str = "127.0.0.1"
@@ -70,6 +74,8 @@ class ServeOptions:
     allow_partial: bool = False
     verify: bool = True
     access_log: bool = False
+    idle_timeout: float = 30.0
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -82,10 +88,10 @@ class ServeOptions:
                 raise ConfigError(f"{name} must be from {1 if name == 'http_port' else 0} to 65535, got {port}")
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ConfigError(f"http_port and grpc_port are both {self.http_port}; give them different ports")
-        for name in ("max_inflight", "max_body_bytes", "max_streams", "queue_depth"):
+        for name in ("max_inflight", "max_body_bytes", "max_streams", "queue_depth", "max_connections"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("body_timeout", "drain_timeout"):
+        for name in ("body_timeout", "drain_timeout", "idle_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.auth_token is not None and not self.auth_token.strip():

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError
 from onnxpipe.runtime import load
+from onnxpipe.serve._connections import GatedSite, default_max_connections
 from onnxpipe.serve._grpc import make_server
 from onnxpipe.serve._http import make_app
 from onnxpipe.serve._models import ServedModel
@@ -97,6 +98,7 @@ class _Server:
             access_log=logging.getLogger("aiohttp.access") if options.access_log else None,
             auto_decompress=False,  # inflated by onnxpipe, within --max-body-size
             shutdown_timeout=max(1.0, options.drain_timeout),
+            keepalive_timeout=options.idle_timeout,  # also the deadline of a request's head (see Note: connections)
         )
         try:
             if options.grpc_port:
@@ -107,7 +109,7 @@ class _Server:
                     raise ConfigError(f"cannot listen on {where} (gRPC): {e}; choose another --grpc-port, or 0 for no gRPC") from None
                 await grpc_server.start()
             await runner.setup()
-            await web.SockSite(runner, http_socket, backlog=_BACKLOG).start()
+            await GatedSite(runner, http_socket, options.max_connections or default_max_connections(), _BACKLOG).start()
             await self._load_all()
             if not self._signals:
                 state.ready = True

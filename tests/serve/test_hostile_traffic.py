@@ -1,0 +1,248 @@
+"""What one client can do to everyone else (issue 28), driven against a real ``onnxpipe serve`` on
+loopback with raw sockets and Triton's clients: the answer's size is bounded before it is built,
+memory follows the bytes received (never a declared ``Content-Length``), connections are capped and
+timed out, and what aiohttp's parser refuses is one JSON 400 and one log line. Each attack ends with
+the server ready, a normal request answered, RSS and open descriptors back within a bound, and no
+traceback in the log."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.serve.conftest import serve_args
+from tests.serve.process import ServerProcess
+from tests.serve.test_hostile import _raw
+
+MIB = 1 << 20
+#: The server of this module: small limits, so the attacks are quick to mount.
+ARGS = ("--idle-timeout", "1", "--max-connections", "40", "--max-body-size", "8MiB", "--max-inflight", "4", "--body-timeout", "3")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture(scope="module")
+def proc(bundles: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with ServerProcess(*serve_args(bundles, "twoout", "squeeze"), *ARGS) as p:
+        p.start(tmp_path_factory.mktemp("hostile") / "serve.log")
+        yield p
+
+
+def _works(proc: ServerProcess) -> None:
+    """A normal client is answered, and the server is ready."""
+    client = httpclient.InferenceServerClient(proc.http)
+    tensor = httpclient.InferInput("X", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+    assert client.infer("twoout", [tensor]).as_numpy("Y").shape == (1, 4)
+    assert proc.get("/v2/health/ready")[0] == 200
+
+
+def _no_traceback(proc: ServerProcess) -> None:
+    assert "Traceback" not in proc.log(), proc.log()[-3000:]
+
+
+def test_an_output_asked_for_twice_is_a_400_and_the_answer_is_never_multiplied(proc: ServerProcess) -> None:
+    """The issue's request: squeezenet's output listed 100,000 times (6.6 MiB) made a 391 MiB answer."""
+    assert proc.proc is not None
+    before = _rss_mb(proc.proc.pid)
+    image = np.zeros((1, 3, 224, 224), np.float32)
+    header = {"inputs": [{"name": "data_0", "datatype": "FP32", "shape": [1, 3, 224, 224], "parameters": {"binary_data_size": image.nbytes}}],
+              "outputs": [{"name": "softmaxout_1", "parameters": {"binary_data": True}}] * 100_000}
+    text = json.dumps(header).encode()
+    status, body = proc.request("POST", "/v2/models/squeeze/infer", text + image.tobytes(), {"Inference-Header-Content-Length": str(len(text))})
+    assert status == 400 and json.loads(body) == {"error": "output 'softmaxout_1' is asked for twice; ask for each output once"}
+    assert _rss_mb(proc.proc.pid) - before < 100
+    client = grpcclient.InferenceServerClient(proc.grpc)
+    tensor = grpcclient.InferInput("data_0", [1, 3, 224, 224], "FP32")
+    tensor.set_data_from_numpy(image)
+    asked = [grpcclient.InferRequestedOutput("softmaxout_1")] * 20_000
+    with pytest.raises(InferenceServerException, match="output 'softmaxout_1' is asked for twice") as e:
+        client.infer("squeeze", [tensor], outputs=asked)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    _works(proc)
+
+
+def test_a_declared_content_length_allocates_nothing_before_the_bytes_arrive(proc: ServerProcess) -> None:
+    """20 connections announce 8 MiB bodies and send nothing (the issue's 20 x 64 MiB: +1.3 GB):
+    RSS stays put while they wait, and they are refused 408 at --body-timeout."""
+    assert proc.proc is not None
+    before = _rss_mb(proc.proc.pid)
+    sockets = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", proc.http_port))
+        s.sendall(b"POST /v2/models/twoout/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 8388608\r\n\r\n")
+        sockets.append(s)
+    time.sleep(0.5)
+    assert _rss_mb(proc.proc.pid) - before < 30, "memory followed the declared length, not the bytes"
+    for s in sockets:
+        s.close()
+    _works(proc)
+    _no_traceback(proc)
+
+
+def test_the_bodies_held_at_once_are_bounded_across_connections(proc: ServerProcess) -> None:
+    """--max-inflight 4 x --max-body-size 8 MiB: 32 MiB of bodies held at once across every
+    connection. Five clients each send 7 MiB of an 8 MiB body and wait: the fifth is refused 503
+    (the budget), the others time out 408; every byte is given back."""
+    assert proc.proc is not None
+    sockets = []
+    for _ in range(5):
+        s = socket.create_connection(("127.0.0.1", proc.http_port), timeout=10)
+        s.sendall(b"POST /v2/models/twoout/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 8388608\r\n\r\n" + b" " * (7 * MIB))
+        sockets.append(s)
+    statuses = []
+    for s in sockets:
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        statuses.append(int(answer.split()[1]) if answer else 0)
+        s.close()
+    assert sorted(statuses) == [408, 408, 408, 408, 503], statuses
+    _works(proc)
+
+
+def test_slow_and_idle_connections_are_closed_at_the_idle_timeout(proc: ServerProcess) -> None:
+    """--idle-timeout 1: a slowloris client (one header line every 0.3 s), one that sends nothing
+    and a kept-alive one after its answer are all closed about a second in."""
+    slow = socket.create_connection(("127.0.0.1", proc.http_port))
+    slow.sendall(b"GET /v2/health/ready HTTP/1.1\r\n")
+    silent = socket.create_connection(("127.0.0.1", proc.http_port))
+    kept = socket.create_connection(("127.0.0.1", proc.http_port))
+    kept.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+    started = time.monotonic()
+    closed_at: dict[str, float] = {}
+    for s in (slow, silent, kept):
+        s.settimeout(0.3)
+    while len(closed_at) < 3 and time.monotonic() - started < 5:
+        for name, s in (("slow", slow), ("silent", silent), ("kept", kept)):
+            if name in closed_at:
+                continue
+            try:
+                if name == "slow":
+                    slow.sendall(b"X-Slow: 1\r\n")
+                if s.recv(4096) == b"":
+                    closed_at[name] = time.monotonic() - started
+            except (TimeoutError, socket.timeout):
+                pass
+            except OSError:
+                closed_at[name] = time.monotonic() - started
+    for s in (slow, silent, kept):
+        s.close()
+    assert set(closed_at) == {"slow", "silent", "kept"}, closed_at
+    assert all(t < 3 for t in closed_at.values()), closed_at
+    _works(proc)
+
+
+def test_connections_over_the_cap_are_answered_503_and_the_server_stays_reachable(proc: ServerProcess) -> None:
+    """--max-connections 40: 60 idle connections; the 20 over the cap are answered 503 with the
+    JSON error at once and closed; once the idle ones time out a new client is served, and the
+    descriptors come back."""
+    assert proc.proc is not None
+    time.sleep(1.5)  # earlier tests' connections gone
+    fds = _fds(proc.proc.pid)
+    held = [socket.create_connection(("127.0.0.1", proc.http_port)) for _ in range(60)]
+    refused = 0
+    for s in held:
+        s.settimeout(0.2)
+        try:
+            answer = s.recv(4096)
+        except (TimeoutError, socket.timeout):
+            continue
+        if answer.startswith(b"HTTP/1.1 503"):
+            assert b'"error": "the server holds 40 connections, the most it takes (--max-connections); retry later"' in answer
+            refused += 1
+    assert refused >= 20 and 60 - refused <= 40  # earlier clients' kept-alive connections may still count
+    for s in held:
+        s.close()
+    time.sleep(0.3)
+    _works(proc)
+    assert "refused" in proc.log() and "--max-connections" in proc.log()
+    assert _fds(proc.proc.pid) <= fds + 5
+
+
+@pytest.mark.parametrize(("name", "request_bytes"), [
+    ("a header over 8 KiB", b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"),
+    ("a NUL in a header", b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Nul: a\x00b\r\n\r\n"),
+    ("a bad chunk size", b"POST /v2/models/twoout/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n"),
+    ("an HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+    ("a TLS hello", bytes.fromhex("16030100a5010000a10303") + os.urandom(32) + b"\x00" * 40),
+])
+def test_what_the_http_parser_refuses_is_one_json_400_and_one_log_line(proc: ServerProcess, name: str, request_bytes: bytes) -> None:
+    status, body = _raw(proc, request_bytes, linger=1.0)
+    assert status == 400, (name, status, body)
+    assert "error" in json.loads(body), body
+    _no_traceback(proc)
+    _works(proc)
+
+
+def test_expect_continue_over_the_limit_is_refused_before_the_body(proc: ServerProcess) -> None:
+    with socket.create_connection(("127.0.0.1", proc.http_port), timeout=5) as s:
+        s.sendall(b"POST /v2/models/twoout/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\nExpect: 100-continue\r\n\r\n")
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 413") and b"100 Continue" not in answer
+    assert b"this server takes at most 8388608 (--max-body-size)" in answer
+    body = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}).encode()
+    with socket.create_connection(("127.0.0.1", proc.http_port), timeout=5) as s:
+        s.sendall(b"POST /v2/models/twoout/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(body))
+        assert s.recv(4096).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("\u00b2", "is not a number of bytes (ASCII digits, at most 19)"),
+    ("\u0663", "is not a number of bytes"),  # an Arabic-Indic 3
+    ("\uff13", "is not a number of bytes"),  # a fullwidth 3
+    ("9" * 4301, "(4301 characters)"),
+])
+def test_header_lengths_are_ascii_digits_of_bounded_length(proc: ServerProcess, value: str, why: str) -> None:
+    body = json.dumps({"inputs": []}).encode()
+    request = b"POST /v2/models/twoout/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nInference-Header-Content-Length: %s\r\n\r\n" % (
+        len(body), value.encode())
+    status, answer = _raw(proc, request + body, linger=1.0)
+    assert status == 400 and why in json.loads(answer)["error"], answer
+    _no_traceback(proc)
+
+
+def test_bytes_after_a_gzip_stream_are_refused(proc: ServerProcess) -> None:
+    body = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}).encode()
+    status, answer = proc.request("POST", "/v2/models/twoout/infer", gzip.compress(body) + b"junk", {"Content-Encoding": "gzip"})
+    assert status == 400 and json.loads(answer) == {"error": "4 byte(s) follow the end of the gzip stream; send one stream, nothing after it"}
+    assert proc.request("POST", "/v2/models/twoout/infer", gzip.compress(body), {"Content-Encoding": "gzip"})[0] == 200
+
+
+def test_an_unparsable_grpc_message_is_invalid_argument_naming_the_message(proc: ServerProcess) -> None:
+    import grpc
+
+    with grpc.insecure_channel(proc.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"\xff\xff\xff\xff", timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the message is not a valid ModelInferRequest" in e.value.details()
+    _no_traceback(proc)
+    _works(proc)
