@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve._errors import RequestError, bad_request
@@ -46,7 +46,7 @@ from onnxpipe.serve._models import VERSION, Outputs, ServedModel, sequence_of
 from onnxpipe.serve._state import Decoded, ServerState
 from onnxpipe.serve._tensors import check_shape, from_binary, from_json, to_binary, to_json
 
-__all__ = ["make_app"]
+__all__ = ["BUDGET", "make_app"]
 
 log = logging.getLogger("onnxpipe.serve")
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -57,7 +57,7 @@ _OPEN = {"/v2/health/live", "/v2/health/ready"}  # answered without the token
 
 
 def make_app(state: ServerState) -> web.Application:
-    """The aiohttp application of ``state``'s models."""
+    """The aiohttp application of ``state``'s models (its :class:`BodyBudget` in ``app[BUDGET]``)."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -67,7 +67,10 @@ def make_app(state: ServerState) -> web.Application:
                 state.authorize(request.headers.get("Authorization"))
             return await handler(request)
         except RequestError as e:
-            return error(e.status, str(e), {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
+            response = error(e.status, str(e), {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
+            if not request.content.is_eof():
+                response.force_close()  # a body not read to its end (too large, too slow, cut by a drain) is not read on: the connection closes
+            return response
         except web.HTTPException as e:
             return error(e.status, {404: "Not Found", 405: "Method Not Allowed"}.get(e.status, e.reason))
         except OnnxpipeError as e:
@@ -135,6 +138,7 @@ def make_app(state: ServerState) -> web.Application:
 
     budget = BodyBudget(state.options.max_inflight * state.options.max_body_bytes)
     app = web.Application(middlewares=[guard], client_max_size=state.options.max_body_bytes)
+    app[BUDGET] = budget
     app.router.add_get("/v2/health/live", live)
     app.router.add_get("/v2/health/ready", ready)
     app.router.add_get("/v2", server_metadata)
@@ -165,6 +169,7 @@ def _model(state: ServerState, request: web.Request) -> ServedModel:
 class BodyBudget:
     """The bytes of request bodies the server holds at once, across every connection (see Note:
     the body): each chunk is counted as it arrives, and given back when its request is answered.
+    Also the bodies being read, so that a drain can cut them short (:meth:`drain`).
 
     Args:
         limit: The most bytes held at once (``--max-inflight`` x ``--max-body-size``).
@@ -173,10 +178,27 @@ class BodyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self.reading: set[StreamReader] = set()  # the bodies being read (a web.Request is a mapping: not hashable)
 
     def hold(self) -> _Held:
         """A new request's share: what it takes is given back by :meth:`_Held.release`."""
         return _Held(self)
+
+    def drain(self) -> None:
+        """End every body still arriving: its request is answered 503 (the server is shutting
+        down) at once, not after ``--body-timeout``."""
+        for content in list(self.reading):
+            content.set_exception(_Drained())
+
+
+class _Drained(TimeoutError):
+    """The server began to drain while this request's body was arriving. A ``TimeoutError``:
+    after the 503, aiohttp reads on what the client still sends (its lingering close) and stops
+    quietly at a timeout, as it would at its own; any other exception it logs as unhandled."""
+
+
+#: Where :func:`make_app` keeps its :class:`BodyBudget`.
+BUDGET = web.AppKey("budget", BodyBudget)
 
 
 class _Held:
@@ -257,11 +279,17 @@ async def _body(request: web.Request, limit: int, timeout: float, header_length:
             return buffer  # the chunks go as this returns: the memory held stays the body's size
         return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
+    reading = held.budget.reading
+    reading.add(request.content)
     try:
         async with _deadline(timeout):
             body = await read()
+    except _Drained:
+        raise RequestError(503, "the server is shutting down: it takes no new requests") from None
     except TimeoutError:
         raise RequestError(408, f"the body did not arrive within {timeout:g} s (--body-timeout)") from None
+    finally:
+        reading.discard(request.content)
     return body if plain else _inflate(body, encoding, limit)
 
 

@@ -5,10 +5,12 @@ Note: lifecycle.
     so ``/v2/health/live`` answers while the models load; ``/v2/health/ready`` turns true only once
     every model is loaded and, where its bundle carries reference samples, verified. A model that
     fails to load stops the server with one error naming it, unless ``allow_partial``. On SIGTERM
-    or SIGINT the server drains: ready goes false, new inference requests get 503, the requests
-    already admitted finish and are answered (for at most ``drain_timeout`` seconds), then the
-    listeners close, the pipelines close, and :func:`serve` returns. A second signal skips the
-    wait. Both front doors (aiohttp's HTTP server, grpcio's asyncio server) share one asyncio event
+    or SIGINT the server drains: ready goes false, new inference requests get 503 (and so do
+    those whose body is still arriving, at once), the requests already admitted finish and are
+    answered (for at most ``drain_timeout`` seconds, the listener's connections included), then
+    the listeners close, the pipelines close, and :func:`serve` returns. A second signal ends the
+    wait at once: what is still in flight is cut off (its connection closed). A signal after that
+    is ignored: the server is stopping already. Both front doors (aiohttp's HTTP server, grpcio's asyncio server) share one asyncio event
     loop (uvloop where installed); inference runs on the pipelines' own threads or actors, never on
     the loop.
 """
@@ -31,7 +33,7 @@ from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError
 from onnxpipe.runtime import load
 from onnxpipe.serve._connections import GatedSite, default_max_connections
 from onnxpipe.serve._grpc import make_server
-from onnxpipe.serve._http import make_app
+from onnxpipe.serve._http import BUDGET, BodyBudget, make_app
 from onnxpipe.serve._models import ServedModel
 from onnxpipe.serve._options import ModelSource, ServeOptions
 from onnxpipe.serve._state import ServerState
@@ -77,6 +79,7 @@ class _Server:
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
+        self._deadline = 0.0  # when the drain's wait ends (its time is then up for the listener too)
 
     def _signal(self) -> None:
         """SIGTERM or SIGINT (on the loop): start the drain, or end its wait."""
@@ -117,9 +120,12 @@ class _Server:
                 idle = asyncio.create_task(self._close_idle_sequences())
                 await self._stop.wait()
                 idle.cancel()
-                await self._drain()
+                await self._drain(runner.app[BUDGET])
         finally:
             state.draining = True
+            # The drain waited for the admitted requests; what is left (connections closing, reading on a refused body) gets
+            # at most a second of what remains of its time, none after a second signal.
+            runner._shutdown_timeout = 0.1 if self._signals > 1 else min(1.0, max(0.1, self._deadline - time.monotonic()))
             await runner.cleanup()  # stops listening; lets connections finish their responses
             http_socket.close()
             if grpc_server is not None:
@@ -127,6 +133,7 @@ class _Server:
             await asyncio.to_thread(self._close_models)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)  # a signal now finds the server stopping already: not a kill (exit 143)
         self.say("stopped")
 
     async def _load_all(self) -> None:
@@ -184,18 +191,20 @@ class _Server:
             raise BundleError(f"reference sample {r.sample}, output '{r.output}', differs from the bundle's stored outputs by {r.max_abs:.3g} on this host")
         return f"verified against {len({r.sample for r in rows})} reference sample(s)"
 
-    async def _drain(self) -> None:
-        """Refuse new requests, let the admitted ones finish (see Note: lifecycle)."""
+    async def _drain(self, bodies: BodyBudget) -> None:
+        """Refuse new requests and bodies still arriving, let the admitted ones finish (see Note: lifecycle)."""
         state = self.state
         state.draining = True
+        bodies.drain()  # a body still arriving is answered 503 now, not after --body-timeout
         waiting = sum(m.inflight for m in state.models.values())
         self.say(f"draining: {waiting} request(s) in flight, waiting up to {self.options.drain_timeout:g} s")
-        deadline = time.monotonic() + self.options.drain_timeout
-        while sum(m.inflight for m in state.models.values()) and time.monotonic() < deadline and self._signals < 2:
+        self._deadline = time.monotonic() + self.options.drain_timeout
+        while sum(m.inflight for m in state.models.values()) and time.monotonic() < self._deadline and self._signals < 2:
             await asyncio.sleep(0.01)
         left = sum(m.inflight for m in state.models.values())
         if left:
-            self.say(f"{left} request(s) still in flight after the drain; they fail as the pipelines close")
+            why = "a second signal" if self._signals > 1 else f"{self.options.drain_timeout:g} s"
+            self.say(f"{left} request(s) still in flight after the drain ({why}); their connections are closed and they fail as the pipelines close")
 
     async def _close_idle_sequences(self) -> None:
         """Free the state of sequences idle past the stream timeout, without waiting for traffic."""

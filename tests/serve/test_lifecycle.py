@@ -169,3 +169,75 @@ def test_a_model_repository_serves_every_bundle_in_it_by_its_name(bundles: dict[
         assert sorted(s["name"] for s in stats["model_stats"]) == ["pair", "squeezenet"]
         assert "verified against 1 reference sample(s)" in proc.log()
         assert proc.stop(signal.SIGINT) == 0
+
+
+def test_bodies_still_arriving_at_sigterm_are_refused_at_once_and_the_exit_does_not_wait_for_them(bundles: dict[str, Path], tmp_path: Path) -> None:
+    """10 clients each half way through a large body at SIGTERM (the issue: a false 408 after
+    --body-timeout, and the exit that long after): each is answered 503 at once, and the server
+    exits 0 well before the body timeout."""
+    import socket
+
+    with ServerProcess(*serve_args(bundles, "twoout"), "--body-timeout", "30") as proc:
+        proc.start(tmp_path / "serve.log")
+        sockets = []
+        for _ in range(10):
+            s = socket.create_connection(("127.0.0.1", proc.http_port), timeout=20)
+            s.sendall(b"POST /v2/models/twoout/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 27000000\r\n\r\n" + b" " * 1_000_000)
+            sockets.append(s)
+        time.sleep(0.3)
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        answers = []
+        for s in sockets:
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            answers.append(answer)
+            s.close()
+        code = proc.stop()
+        took = time.monotonic() - started
+    assert code == 0, proc.log()
+    assert all(a.startswith(b"HTTP/1.1 503") and b"the server is shutting down" in a for a in answers), answers
+    assert took < 10, f"the exit took {took:.1f} s"
+    assert "Traceback" not in proc.log()
+
+
+def test_a_second_signal_cuts_the_drain_short_and_a_third_after_it_is_ignored(bundles: dict[str, Path], tmp_path: Path) -> None:
+    """A second SIGTERM ends the drain's wait at once (the slow requests in flight are cut off, and
+    the log says so truthfully); signals while the server stops do not kill it (no exit 143)."""
+    with ServerProcess(*serve_args(bundles, "slow"), "--drain-timeout", "60") as proc:
+        proc.start(tmp_path / "serve.log")
+        results: dict[int, object] = {}
+
+        def send(k: int) -> None:
+            try:
+                results[k] = _slow_request(httpclient.InferenceServerClient(proc.http, network_timeout=120), float(k))
+            except Exception as e:
+                results[k] = e
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(32)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while _metric(proc, "onnxpipe_inflight_requests") < 16 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        time.sleep(0.02)
+        proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        while "stopped" not in proc.log() and proc.proc.poll() is None and time.monotonic() - started < 30:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        for _ in range(3):
+            if proc.proc.poll() is None:  # type: ignore[union-attr]
+                proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        code = proc.stop()
+        took = time.monotonic() - started
+        for t in threads:
+            t.join(60)
+    assert code == 0, proc.log()
+    assert took < 15, f"a second signal still waited {took:.1f} s"
+    assert "after the drain (a second signal)" in proc.log(), proc.log()
+    assert any(not isinstance(r, np.ndarray) for r in results.values()), "nothing was cut off: the test did not test the second signal"
