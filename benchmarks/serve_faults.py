@@ -200,7 +200,7 @@ def run(seconds: float) -> dict[str, Any]:
         ("one 16 MiB JSON request", lambda port, stop: _big(port, stop, binary=False)),
         ("one 64 MiB binary request", lambda port, stop: _big(port, stop, binary=True)),
     ]
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         bundles = _bundles(Path(tmp))
         args = [f"{name}={path}" for name, path in bundles.items()]

@@ -41,7 +41,7 @@ from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is importe
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, resident_bytes, summarize, write_trace
-from onnxpipe.runtime._stream import Stream, state_dims
+from onnxpipe.runtime._stream import IdleStreams, Stream, state_dims
 from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, member_outputs, stack_steps, step_key
 
 __all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
@@ -123,6 +123,7 @@ class Pipeline(InferenceSessionAPI):
         self.stream_timeout = stream_timeout
         self._streams: dict[int, Stream] = {}
         self._closing_streams: dict[int, Stream] = {}
+        self._idle = IdleStreams()  # the open streams with no step in flight, longest idle first
         self._next_stream = 0
         self._state_dims = state_dims(bundle.spec)
         self._checker = InputCheck(bundle.spec.inputs)
@@ -419,7 +420,7 @@ class Pipeline(InferenceSessionAPI):
         for stream in streams:
             if stream._pipeline is not self:
                 raise StreamError(f"stream {stream.id} belongs to another pipeline")
-        self._expire_idle(None)
+        self._expire_idle()
         held = []
         try:
             for stream in streams:
@@ -608,7 +609,7 @@ class Pipeline(InferenceSessionAPI):
             StreamError: ``max_streams`` streams are open already (none is ever evicted to make
                 room), or the pipeline is closed.
         """
-        self._expire_idle(None)
+        self._expire_idle()
         with self._lock:
             if self._closed:
                 raise StreamError("the pipeline is closed")
@@ -621,6 +622,7 @@ class Pipeline(InferenceSessionAPI):
             stream = Stream(self, self._next_stream)
             self._next_stream += 1
             self._streams[stream.id] = stream
+            self._idle.add(stream)
         if self._scheduler is not None:
             self._scheduler.join(stream.id)
         return stream
@@ -635,6 +637,7 @@ class Pipeline(InferenceSessionAPI):
         """Free a stream's state in every stage: a close request follows its steps through the
         pipeline; ``wait`` for it to leave the last stage, or let it go."""
         with self._lock:
+            self._idle.discard(stream)
             if self._streams.pop(stream.id, None) is None:
                 return
             self._closing_streams[stream.id] = stream  # its steps in flight still report to it
@@ -665,19 +668,15 @@ class Pipeline(InferenceSessionAPI):
         Returns:
             The ids of the streams closed (none when ``stream_timeout`` is ``None``).
         """
-        return self._expire_idle(None)
+        return self._expire_idle()
 
-    def _expire_idle(self, caller: Stream | None) -> list[int]:
-        """Close the streams idle for longer than ``stream_timeout`` (their next step says so)."""
+    def _expire_idle(self) -> list[int]:
+        """Close the streams idle for longer than ``stream_timeout``, longest idle first (their next
+        step says so); looks only at those and the next one (see Note: expiring idle streams, _stream.py)."""
         if self.stream_timeout is None:
             return []
-        now = time.monotonic()
-        with self._lock:
-            idle = [s for s in self._streams.values() if s is not caller and s.idle_for(now) > self.stream_timeout]
-        if caller is not None and caller.idle_for(now) > self.stream_timeout:
-            idle.append(caller)
         closed = []
-        for stream in idle:
+        for stream in self._idle.expired(self.stream_timeout):
             if stream._expire(f"it was idle for more than stream_timeout={self.stream_timeout:g} s, and its state was freed"):
                 self._close_stream(stream)
                 closed.append(stream.id)
@@ -765,6 +764,7 @@ class Pipeline(InferenceSessionAPI):
         for stream in list(self._streams.values()):
             stream._expire("its pipeline was closed")
         self._streams.clear()
+        self._idle.clear()
         if self._scheduler is not None:
             self._scheduler.close()
             for step in self._scheduler.waiting():

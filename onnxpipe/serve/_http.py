@@ -17,6 +17,16 @@ Note: the body.
     against the same limit. The JSON header is parsed; binary tensors are then taken, in the order
     of the inputs that declare ``binary_data_size``, as views over the rest.
 
+Note: JSON.
+    JSON answers are written by orjson: 4 M floats in 0.026 s against the standard library's
+    0.35 s (measured on the 2-core VM). Requests are parsed by the standard library, 0.27 s for a
+    16 MiB JSON tensor against orjson's 0.14 s, because orjson turns an integer past 64 bits into
+    a float, silently (``18446744073709551616`` comes back ``1.8446744073709552e+19``), where
+    integers must stay exact to be refused or taken as they are. Either parser holds the
+    interpreter while it runs, so the event loop both front doors share waits for it; a large
+    request's decoding and its answer's encoding run on a thread (``ServerState.infer``), so that
+    what still stalls the loop is that one call, not the rest of the work.
+
 Note: why aiohttp.
     Measured on the 2-core VM, server CPU per request of a bare handler that reads the body
     (benchmarks in docs/serving.md): with 600 KB bodies (a 1x3x224x224 FP32 image) aiohttp's server
@@ -38,6 +48,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
+import orjson
 from aiohttp import StreamReader, web
 
 from onnxpipe._errors import OnnxpipeError
@@ -159,7 +170,7 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> w
 
 
 def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=json.dumps(value, separators=(",", ":")).encode(), status=status, content_type="application/json", headers=headers)
+    return web.Response(body=orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY), status=status, content_type="application/json", headers=headers)
 
 
 def _model(state: ServerState, request: web.Request) -> ServedModel:
@@ -349,7 +360,7 @@ def _decode(model: ServedModel, body: memoryview, header_length: int | None) -> 
             raise bad_request(f"Inference-Header-Content-Length {header_length} must be a number of bytes from 1 to the body's {len(body)}")
         end = header_length
     try:
-        header = json.loads(bytes(body[:end]))
+        header = json.loads(bytes(body[:end]))  # see Note: JSON (the standard library's: integers exact)
     except (ValueError, RecursionError) as e:
         raise bad_request(f"the request header is not JSON: {e}") from None
     if not isinstance(header, dict):
@@ -448,7 +459,7 @@ def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> web.Respo
     head: dict[str, Any] = {"model_name": model.name, "model_version": VERSION, "outputs": tensors}
     if decoded.id:
         head = {"id": decoded.id, **head}
-    text = json.dumps(head, separators=(",", ":")).encode()
+    text = orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
         return web.Response(body=text, content_type="application/json")
     return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream", headers={HEADER_LENGTH: str(len(text))})

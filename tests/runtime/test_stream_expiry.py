@@ -1,0 +1,140 @@
+"""Expiring idle streams (issue 28, item 13): longest idle first, and at a cost that does not grow
+with the streams open (see Note: expiring idle streams, onnxpipe/runtime/_stream.py).
+
+The model is tests/stateful_models.py ``recurrent()`` cut at ``state1N``: one state in each of its
+2 stages. Timeouts are real seconds; each test's margins are at least 0.2 s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from onnxpipe import StreamError
+from onnxpipe.runtime import Pipeline, load
+from onnxpipe.splitter import split
+from tests.models import bundle_of
+from tests.stateful_models import recurrent
+
+X = {"x": np.ones((1, 4), np.float32)}
+
+
+@pytest.fixture(scope="module")
+def rnn_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return bundle_of(split(recurrent(), ["state1N"], states="auto"), tmp_path_factory.mktemp("rnn"))
+
+
+def _held_in(pipe: Pipeline, stream_id: int) -> list[str]:
+    """The stages whose runners hold a state for the stream."""
+    return [r.name for rs in pipe._engine.runners() for r in rs if stream_id in r.states]
+
+
+def _idle_error(stream_id: int, timeout: float) -> str:
+    return rf"stream {stream_id} is closed \(it was idle for more than stream_timeout={timeout:g} s, and its state was freed\)"
+
+
+class _Held:
+    """Wraps a runner's session: every ``run`` waits until ``release`` is set (a step held in flight)."""
+
+    def __init__(self, session: Any) -> None:
+        self.session, self.release = session, threading.Event()
+
+    def run(self, *args: Any) -> Any:
+        assert self.release.wait(30), "the test never released the held step"
+        return self.session.run(*args)
+
+
+def test_the_longest_idle_streams_close_first_and_the_active_ones_stay(rnn_bundle: Path) -> None:
+    timeout = 0.6
+    with load(rnn_bundle, stream_timeout=timeout) as pipe:
+        streams = [pipe.stream() for _ in range(4)]
+        for k in (2, 0):
+            streams[k].step(X)
+        time.sleep(0.35)
+        for k in (3, 1):
+            streams[k].step(X)
+        time.sleep(0.35)  # 2 and 0 idle for 0.7 s, 3 and 1 for 0.35 s
+        assert pipe.close_idle_streams() == [2, 0]  # by last use, not by id
+        assert pipe.open_streams == [1, 3]
+        assert _held_in(pipe, 2) == _held_in(pipe, 0) == []
+        assert _held_in(pipe, 1) == _held_in(pipe, 3) == ["stage0", "stage1"]
+        with pytest.raises(StreamError, match=_idle_error(2, timeout)):
+            streams[2].step(X)
+        streams[1].step(X)  # active again: idle from now
+        time.sleep(0.35)  # 3 idle for 0.7 s, 1 for 0.35 s
+        assert pipe.close_idle_streams() == [3]
+        assert pipe.open_streams == [1] and _held_in(pipe, 3) == []
+        streams[1].close()
+        assert len(pipe._idle) == 0
+
+
+def test_a_stream_idle_too_long_refuses_its_own_next_step(rnn_bundle: Path) -> None:
+    timeout = 0.2
+    with load(rnn_bundle, stream_timeout=timeout) as pipe:
+        late, other = pipe.stream(), pipe.stream()
+        late.step(X)
+        time.sleep(0.4)  # nothing else called meanwhile: its own step finds it idle (and the other one)
+        with pytest.raises(StreamError, match=_idle_error(late.id, timeout)):
+            late.step(X)
+        assert late.closed and other.closed and pipe.open_streams == []
+        assert _held_in(pipe, late.id) == []
+
+
+def test_a_stream_with_a_step_in_flight_is_not_idle(rnn_bundle: Path) -> None:
+    timeout = 0.2
+    with load(rnn_bundle, stream_timeout=timeout) as pipe:
+        busy, idle = pipe.stream(), pipe.stream()
+        busy.step(X)
+        idle.step(X)
+        stage0 = pipe._engine.runners()[0][0]
+        held = stage0.session = _Held(stage0.session)
+        future = busy.submit(X)
+        time.sleep(0.4)  # both last finished a step 0.4 s ago; busy's next one is in flight
+        assert len(pipe._idle) == 1  # busy is not in it while its step is in flight
+        # The close of the idle stream follows the held step through stage0: let the step go soon.
+        threading.Timer(0.3, held.release.set).start()
+        assert pipe.close_idle_streams() == [idle.id]
+        assert not busy.closed
+        future.result(timeout=30)
+        stage0.session = held.session
+        assert pipe.close_idle_streams() == []  # its idle time starts again when the step finishes
+        assert len(pipe._idle) == 1
+        busy.step(X)
+        busy.close()
+
+
+def test_closed_streams_leave_no_trace_without_a_timeout(rnn_bundle: Path) -> None:
+    with load(rnn_bundle) as pipe:
+        streams = [pipe.stream() for _ in range(50)]
+        for s in streams:
+            s.step(X)
+        for s in streams[:30]:
+            s.close()
+        assert len(pipe._idle) == 20
+    assert len(pipe._idle) == 0  # closing the pipeline closes them all
+
+
+def _looked(bundle: Path, open_count: int) -> int:
+    """How many streams expiry looks at over 10 steps of an open stream and 5 new streams' first
+    steps, with ``open_count`` streams open (each stepped once, none idle long enough)."""
+    with load(bundle, max_streams=2 * open_count, stream_timeout=600) as pipe:
+        streams = [pipe.stream() for _ in range(open_count)]
+        for s in streams:
+            s.step(X)
+        before = pipe._idle.looked
+        for _ in range(10):
+            streams[open_count // 2].step(X)
+        for _ in range(5):
+            with pipe.stream() as s:
+                s.step(X)
+        return pipe._idle.looked - before
+
+
+def test_a_step_looks_at_one_stream_however_many_are_open(rnn_bundle: Path) -> None:
+    # One look per expiry: each step has one, a new stream two (opening it, then its first step).
+    assert _looked(rnn_bundle, 10) == _looked(rnn_bundle, 1000) == 10 + 5 * 2
