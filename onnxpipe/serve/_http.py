@@ -75,7 +75,7 @@ def make_app(state: ServerState) -> web.Application:
         """The token, and one JSON error for every refusal (the router's 404 and 405 too)."""
         try:
             if request.path not in _OPEN:
-                state.authorize(request.headers.get("Authorization"))
+                state.authorize(request.headers.getall("Authorization", []))
             return await handler(request)
         except RequestError as e:
             response = error(e.status, str(e), {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)

@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 
 from onnxpipe import __version__
-from onnxpipe._errors import BusyError, InputError, StageError, StreamError, closest
+from onnxpipe._errors import BusyError, InputError, StageError, StreamError
 from onnxpipe.runtime import Pipeline, Stream
-from onnxpipe.serve._errors import RequestError, bad_request
+from onnxpipe.serve._errors import RequestError, bad_request, near, shown
 from onnxpipe.serve._tensors import Port, port_of
 
 __all__ = ["PLATFORM", "Sequence", "ServedModel", "SequenceId"]
@@ -77,15 +77,15 @@ def sequence_of(parameters: Mapping[str, Any]) -> Sequence | None:
     sid = parameters.get("sequence_id")
     for flag in ("sequence_start", "sequence_end"):
         if not isinstance(parameters.get(flag, False), bool):
-            raise bad_request(f"parameter '{flag}' must be a boolean, got {parameters[flag]!r}")
+            raise bad_request(f"parameter '{flag}' must be a boolean, got {shown(parameters[flag])}")
     if sid is None or sid == 0 or sid == "":
         if parameters.get("sequence_start") or parameters.get("sequence_end"):
             raise bad_request("parameters 'sequence_start' and 'sequence_end' need a 'sequence_id' (a non-zero integer or a non-empty string)")
         return None
     if isinstance(sid, bool) or not isinstance(sid, (int, str)):
-        raise bad_request(f"parameter 'sequence_id' must be an unsigned integer or a string, got {sid!r}")
+        raise bad_request(f"parameter 'sequence_id' must be an unsigned integer or a string, got {shown(sid)}")
     if isinstance(sid, int) and not 0 < sid < 2**64:
-        raise bad_request(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {sid}")
+        raise bad_request(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {shown(sid)}")
     if isinstance(sid, str) and len(sid) > _MAX_SEQUENCE_ID:
         raise bad_request(f"parameter 'sequence_id': a string id may have at most {_MAX_SEQUENCE_ID} characters, got {len(sid)}")
     return Sequence(sid, bool(parameters.get("sequence_start", False)), bool(parameters.get("sequence_end", False)))
@@ -253,7 +253,7 @@ class ServedModel:
         """
         port = self.inputs.get(name)
         if port is None:
-            raise bad_request(f"model '{self.name}' has no input '{name}'; {closest(name, self.inputs, n=len(self.inputs))}")
+            raise bad_request(f"model '{self.name}' has no input {shown(name)}; {near(name, self.inputs)}")
         if name in given:
             raise bad_request(f"input '{name}' is given twice")
         return port
@@ -266,7 +266,7 @@ class ServedModel:
         """
         port = self.outputs.get(name)
         if port is None:
-            raise bad_request(f"model '{self.name}' has no output '{name}'; {closest(name, self.outputs, n=len(self.outputs))}")
+            raise bad_request(f"model '{self.name}' has no output {shown(name)}; {near(name, self.outputs)}")
         if "classification" in parameters:
             raise bad_request(f"output '{name}': the classification extension is not implemented; ask for the tensor itself")
         return port

@@ -76,18 +76,29 @@ class ServerState:
     def live(self) -> bool:
         return not self.draining
 
-    def authorize(self, header: str | None) -> None:
-        """Check a request's ``Authorization`` value (constant time).
+    def authorize(self, values: str | list[str] | tuple[str, ...] | None) -> None:
+        """Check a request's ``Authorization`` header (gRPC: ``authorization`` metadata), in constant time.
+
+        Args:
+            values: Every value the request gave for it (a single one, or ``None``, is taken too).
 
         Raises:
-            RequestError: 401, no token or the wrong one.
+            RequestError: 401, no token or the wrong one (bytes that are not UTF-8 included);
+                400 for more than one value (HTTP would read the first, gRPC the last).
         """
         if self._token is None:
             return
-        scheme, _, token = (header or "").strip().partition(" ")
-        if not header or scheme.lower() != "bearer":
+        given = [values] if isinstance(values, str) else list(values or ())
+        if len(given) > 1:
+            raise bad_request(f"the request has {len(given)} Authorization headers; send one: 'Authorization: Bearer <token>'")
+        scheme, _, token = (given[0] if given else "").strip().partition(" ")
+        if scheme.lower() != "bearer":
             raise RequestError(401, "this server needs a bearer token: send the header 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(token.strip().encode(), self._token):
+        try:  # aiohttp decodes a header as UTF-8 with surrogateescape: this gives back the bytes sent
+            raw = token.strip().encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that no byte decodes to: not a token of this server
+            raw = b""
+        if not hmac.compare_digest(raw, self._token):
             raise RequestError(401, "the bearer token is not valid")
 
     def model(self, name: str, version: str = "") -> ServedModel:

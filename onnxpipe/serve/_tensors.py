@@ -9,20 +9,33 @@ Note: checked before anything is allocated.
     A tensor's datatype must be the model input's, its shape a list of sizes that fits the
     input's rank and fixed dims, and its data exactly ``count x itemsize`` bytes (or ``count``
     values): every check runs on the header and the body's length, so a request declaring a 10 GB
-    shape in a 1 KB body is refused without allocating anything. Raw tensors become numpy views
-    over the request body (no copy, no per-element Python), copied once only when the body puts
-    them at an offset their dtype cannot be read at. JSON data is parsed by the JSON parser anyway;
-    it becomes an array in one numpy call, after its element kind is checked (a float for an int
-    input is refused, never truncated; an int out of the input's range is refused, never wrapped).
-    BYTES elements are length-prefixed (4-byte little-endian) and carry UTF-8 text: onnxpipe's
-    ``string`` tensors are numpy ``object`` arrays of ``str``.
+    shape in a 1 KB body is refused without allocating anything. A tensor with elements is bounded
+    by its data that way; an empty one (a dim 0) has none, so its other dims may multiply to at most
+    :data:`_MOST_ELEMENTS` (numpy refuses dims whose product overflows, as a stage may). Raw tensors
+    become numpy views over the request body (no copy, no per-element Python), copied once only when
+    the body puts them at an offset their dtype cannot be read at.
+
+Note: JSON values keep their kind and their value.
+    JSON data is parsed by the JSON parser anyway; it becomes an array in one numpy call, after the
+    Python types of its values are collected (one pass in C, no per-element Python): a float for an
+    int input is refused, never truncated; ``true`` or ``false`` for a number input is refused
+    (booleans are BOOL data only); an int out of the input's range is refused, never wrapped, and a
+    number past FP32's range is refused, never made infinite. Integers are exact: where numpy would
+    make floats of them (UINT64 values from 2**63 beside smaller ones), they are converted one by
+    one. BYTES elements are length-prefixed (4-byte little-endian) and carry UTF-8 text: onnxpipe's
+    ``string`` tensors are numpy ``object`` arrays of ``str``, and a JSON string that UTF-8 cannot
+    carry (a lone surrogate, ``"\\ud800"``) is refused. Outputs holding NaN or an infinity are
+    refused as JSON (JSON has no such numbers; Triton writes them bare, which JavaScript, Go and
+    Jackson reject): they travel as binary data.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +43,7 @@ import numpy as np
 
 from onnxpipe._errors import ConfigError
 from onnxpipe.runtime import TensorSpec, numpy_dtype
-from onnxpipe.serve._errors import bad_request
+from onnxpipe.serve._errors import RequestError, bad_request, shown
 
 __all__ = ["DATATYPES", "Port", "from_binary", "from_contents", "from_json", "port_of", "to_binary", "to_json"]
 
@@ -53,6 +66,10 @@ DATATYPES = {
 #: A shape's largest rank when the model does not fix it, and its largest dim (int64 on the wire).
 _MAX_RANK = 32
 _MAX_DIM = 2**63 - 1
+#: The most elements an empty tensor's dims other than 0 may multiply to: the largest gRPC message's
+#: bytes (its length is an int32), at a byte or more per element (see Note: checked before anything
+#: is allocated).
+_MOST_ELEMENTS = 2**31 - 1
 #: gRPC's typed contents field for each datatype (FP16 has none: raw contents only).
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -68,7 +85,20 @@ _CONTENTS = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
+#: The numpy dtype of each typed contents field, as the proto declares it.
+_WIRE = {
+    "bool_contents": np.dtype(np.bool_),
+    "uint_contents": np.dtype(np.uint32),
+    "uint64_contents": np.dtype(np.uint64),
+    "int_contents": np.dtype(np.int32),
+    "int64_contents": np.dtype(np.int64),
+    "fp32_contents": np.dtype(np.float32),
+    "fp64_contents": np.dtype(np.float64),
+}
+#: The Python types of JSON values each kind of input takes (see Note: JSON values keep their kind and their value).
+_TAKES: dict[str, set[type]] = {"b": {bool}, "i": {int}, "u": {int}, "f": {int, float}}
 _LENGTH = struct.Struct("<I")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -120,19 +150,27 @@ def check_shape(port: Port, datatype: object, shape: object) -> tuple[int, ...]:
         RequestError: 400 naming the tensor and what was expected.
     """
     if datatype != port.datatype:
-        raise bad_request(f"input '{port.name}' has datatype {_text(datatype)}; the model takes {port.datatype}")
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise bad_request(f"input '{port.name}': shape must be a list of integers, got {_text(shape)}")
+        raise bad_request(f"input '{port.name}' has datatype {shown(datatype)}; the model takes {port.datatype}")
+    if not isinstance(shape, (list, tuple)):
+        raise bad_request(f"input '{port.name}': shape must be a list of integers, got {shown(shape)}")
     if port.shape is not None and len(shape) != len(port.shape):
-        raise bad_request(f"input '{port.name}' has shape {list(shape)}; the model takes rank {len(port.shape)}: {port.dims}")
+        raise bad_request(f"input '{port.name}' has shape {shown(list(shape))}; the model takes rank {len(port.shape)}: {port.dims}")
     if len(shape) > _MAX_RANK:
         raise bad_request(f"input '{port.name}' has rank {len(shape)}; at most {_MAX_RANK}")
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise bad_request(f"input '{port.name}': shape must be a list of integers, got {shown(list(shape))}")
     for axis, d in enumerate(shape):
         if not 0 <= d <= _MAX_DIM:
             raise bad_request(f"input '{port.name}' has shape {list(shape)}: dim {axis} must be from 0 to {_MAX_DIM}")
         want = port.shape[axis] if port.shape is not None else None
         if isinstance(want, int) and d != want:
             raise bad_request(f"input '{port.name}' has shape {list(shape)}; the model takes {port.dims} (dim {axis} must be {want})")
+    if 0 in shape and (filled := math.prod(d for d in shape if d)) > _MOST_ELEMENTS:
+        axis = max(range(len(shape)), key=shape.__getitem__)
+        raise bad_request(
+            f"input '{port.name}' has shape {list(shape)}: its dims other than 0 multiply to {filled} (dim {axis} is {shape[axis]}); "
+            f"at most {_MOST_ELEMENTS}, even in an empty tensor"
+        )
     return tuple(shape)
 
 
@@ -200,13 +238,14 @@ def from_json(port: Port, shape: tuple[int, ...], data: object) -> np.ndarray:
     if port.datatype == "FP16":
         raise bad_request(f"input '{port.name}': FP16 values cannot travel as JSON; send them as binary data (the binary tensor data extension)")
     if not isinstance(data, list):
-        raise bad_request(f"input '{port.name}': 'data' must be a list of values, got {_text(data)}")
+        raise bad_request(f"input '{port.name}': 'data' must be a list of values, got {shown(data)}")
     count = math.prod(shape)
     if port.is_bytes:
         flat = _flatten(port, data, count)
         for i, item in enumerate(flat):
             if not isinstance(item, str):
-                raise bad_request(f"input '{port.name}': BYTES element {i} is {_text(item)}; JSON BYTES elements are strings")
+                raise bad_request(f"input '{port.name}': BYTES element {i} is {shown(item)}; JSON BYTES elements are strings")
+        _check_utf8(port, flat)
         return _objects(flat, shape)
     try:
         values = np.asarray(data)
@@ -214,7 +253,17 @@ def from_json(port: Port, shape: tuple[int, ...], data: object) -> np.ndarray:
         raise bad_request(f"input '{port.name}': 'data' is not a list of numbers nested to one shape") from None
     if values.size != count:
         raise bad_request(f"input '{port.name}': 'data' holds {values.size} values; shape {list(shape)} takes {count}")
-    return _cast(port, values).reshape(shape)
+    return _numbers(port, data, values).reshape(shape)
+
+
+def _check_utf8(port: Port, items: list[str]) -> None:
+    """Refuse strings UTF-8 cannot carry (a lone surrogate, which JSON's ``\\ud800`` makes): the
+    output would fail to encode them. One look at the joined text; ASCII text is known as such."""
+    text = "".join(items)
+    if text.isascii() or not _SURROGATE.search(text):
+        return
+    index = next(i for i, item in enumerate(items) if _SURROGATE.search(item))
+    raise bad_request(f"input '{port.name}': BYTES element {index} ({shown(items[index])}) holds a lone surrogate, which is not UTF-8 text")
 
 
 def _flatten(port: Port, data: list[Any], count: int) -> list[Any]:
@@ -236,19 +285,90 @@ def _flatten(port: Port, data: list[Any], count: int) -> list[Any]:
     return flat
 
 
-def _cast(port: Port, values: np.ndarray) -> np.ndarray:
-    """JSON numbers as the input's dtype, refused where that would change a value's kind or wrap it."""
-    kind, want = values.dtype.kind, port.dtype.kind
-    fits = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[want]
-    if values.size and kind not in fits:
-        got = {"b": "booleans", "i": "integers", "u": "integers", "f": "fractional numbers"}.get(kind, "values that are not numbers")
-        raise bad_request(f"input '{port.name}' is {port.datatype}, but 'data' holds {got}")
-    if want in "iu" and values.size:
+def _numbers(port: Port, data: list[Any], values: np.ndarray) -> np.ndarray:
+    """JSON numbers as the input's dtype (see Note: JSON values keep their kind and their value).
+
+    Args:
+        port: The input.
+        data: The values as parsed.
+        values: ``np.asarray(data)``, with the shape's count of values.
+    """
+    if not values.size:
+        return np.empty(values.shape, port.dtype)
+    want = port.dtype.kind
+    wrong = set(map(type, _leaves(data, values.ndim))) - _TAKES[want]
+    if wrong == {float} and want in "iu":
+        _check_floats(port, data, values.ndim)
+    if wrong:
+        raise bad_request(f"input '{port.name}' is {port.datatype}, but 'data' holds {_kinds(wrong)}")
+    if want == "f":
+        return _floats(port, values)
+    if want == "b":
+        return values  # booleans only: numpy made bools of them
+    if values.dtype.kind in "iu":
+        _check_range(port, values.min().item(), values.max().item())
+        return values.astype(port.dtype, copy=False)
+    # Integers numpy made floats of (past int64 beside others) or objects (past uint64): exact, one by one.
+    exact = list(_leaves(data, values.ndim))
+    _check_range(port, min(exact), max(exact))
+    return np.array(exact, port.dtype).reshape(values.shape)
+
+
+def _leaves(data: list[Any], depth: int) -> Iterator[Any]:
+    """The values of ``data``, ``depth`` lists deep as numpy found them, row-major (iterated in C)."""
+    leaves: Iterable[Any] = data
+    for _ in range(depth - 1):
+        leaves = itertools.chain.from_iterable(leaves)
+    return iter(leaves)
+
+
+def _kinds(wrong: set[type]) -> str:
+    if not wrong <= {bool, int, float}:
+        return "values that are not numbers"
+    if bool in wrong:
+        return "booleans; true and false are BOOL data only"
+    return "integers" if int in wrong else "fractional numbers"
+
+
+def _check_floats(port: Port, data: list[Any], depth: int) -> None:
+    """Refuse floats for an integer input, naming one that is whole: written as ``1.0``, or an
+    integer past 64 bits that the parser read as a float (orjson does). Others fall through to the
+    message about fractional numbers."""
+    whole = next((v for v in _leaves(data, depth) if isinstance(v, float) and v.is_integer()), None)
+    if whole is not None:
         info = np.iinfo(port.dtype)
-        low, high = values.min(), values.max()
-        if low < info.min or high > info.max:
-            raise bad_request(f"input '{port.name}' is {port.datatype}: value {low if low < info.min else high} is out of its range {info.min}..{info.max}")
-    return values.astype(port.dtype)
+        raise bad_request(f"input '{port.name}' is {port.datatype}, but 'data' holds {shown(whole)}, a float: it takes integers from {info.min} to {info.max}")
+
+
+def _check_range(port: Port, low: Any, high: Any) -> None:
+    """Raises:
+        RequestError: 400 naming a value out of the integer input's range (BOOL has none)."""
+    if port.dtype.kind not in "iu":
+        return
+    info = np.iinfo(port.dtype)
+    if low < info.min or high > info.max:
+        raise bad_request(f"input '{port.name}' is {port.datatype}: value {shown(low if low < info.min else high)} is out of its range {info.min}..{info.max}")
+
+
+def _floats(port: Port, values: np.ndarray) -> np.ndarray:
+    """Numbers as the float input's dtype, refused where one is past its range (never made infinite)."""
+    most = float(np.finfo(port.dtype).max)
+    try:
+        with np.errstate(over="ignore"):  # refused below
+            array = values.astype(port.dtype, copy=False)
+    except OverflowError:  # an integer past float64's (numpy made objects of integers past uint64)
+        raise _out_of_range(port, next(v for v in values.flat if abs(v) > most), most) from None
+    infinite = np.isinf(array)
+    if infinite.any():
+        grown = np.flatnonzero(infinite & np.isfinite(values.astype(np.float64)))
+        if grown.size:
+            raise _out_of_range(port, values.reshape(-1)[grown[:1]].tolist()[0], most)
+    return array
+
+
+def _out_of_range(port: Port, value: object, most: float) -> RequestError:
+    most_text = str(port.dtype.type(most))  # as the dtype writes it: 3.4028235e+38
+    return bad_request(f"input '{port.name}' is {port.datatype}: value {shown(value)} is out of its range -{most_text}..{most_text}")
 
 
 def from_contents(port: Port, shape: tuple[int, ...], contents: Any) -> np.ndarray:
@@ -266,7 +386,10 @@ def from_contents(port: Port, shape: tuple[int, ...], contents: Any) -> np.ndarr
         raise bad_request(f"input '{port.name}': contents hold {len(values)} values; shape {list(shape)} takes {count}")
     if port.is_bytes:
         return _objects([_utf8(port, i, v) for i, v in enumerate(values)], shape)
-    return _cast(port, np.asarray(values)).reshape(shape) if port.dtype.kind in "iu" else np.asarray(values, port.dtype).reshape(shape)
+    array = np.fromiter(values, _WIRE[field], count)  # the field's own dtype: exact (UINT64 past 2**63 too)
+    if count:
+        _check_range(port, array.min().item(), array.max().item())  # UINT8..32 and INT8..32 travel wider
+    return array.astype(port.dtype, copy=False).reshape(shape)
 
 
 def to_binary(port: Port, array: np.ndarray) -> bytes:
@@ -284,17 +407,21 @@ def to_json(port: Port, array: np.ndarray) -> list[Any]:
     """An output's values as a flat JSON list (BYTES as strings).
 
     Raises:
-        RequestError: 400 for FP16, which JSON cannot carry (ask for binary data).
+        RequestError: 400 for FP16, and for NaN or an infinity, which JSON cannot carry (ask for
+            binary data; see Note: JSON values keep their kind and their value).
     """
     if port.datatype == "FP16":
         raise bad_request(f"output '{port.name}' is FP16, which cannot travel as JSON; ask for it as binary data (binary_data: true)")
     flat = array.reshape(-1)
     if port.is_bytes:
         return [item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item) for item in flat]
+    if flat.dtype.kind == "f" and flat.size:
+        finite = np.isfinite(flat)
+        if not finite.all():
+            index = int(np.argmin(finite))
+            value = flat[index]
+            what = "NaN" if np.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+            raise bad_request(
+                f"output '{port.name}' holds {what} (element {index}), which JSON cannot carry; ask for it as binary data (binary_data: true)"
+            )
     return flat.tolist()
-
-
-def _text(value: object, limit: int = 60) -> str:
-    """A value from a request, for a message: its JSON-ish form, cut short."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
