@@ -105,7 +105,7 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
 
     async def model_infer(r: Any) -> Message:
         model = state.model(r.model_name, r.model_version)
-        return await state.infer(model, "grpc", lambda: _decode(model, r), lambda d, o: _encode(model, d, o))
+        return await state.infer(model, "grpc", lambda: _decode(model, r), lambda d, o: _encode(model, d, o), sum(len(c) for c in r.raw_input_contents))
 
     handlers = {
         "ServerLive": method(server_live, pb.ServerLiveRequest, pb.ServerLiveResponse, open_to_all=True),

@@ -52,7 +52,7 @@ import orjson
 from aiohttp import StreamReader, web
 
 from onnxpipe._errors import OnnxpipeError
-from onnxpipe.serve._errors import RequestError, bad_request
+from onnxpipe.serve._errors import RequestError, bad_request, shown
 from onnxpipe.serve._models import VERSION, Outputs, ServedModel, sequence_of
 from onnxpipe.serve._state import Decoded, ServerState
 from onnxpipe.serve._tensors import check_shape, from_binary, from_json, to_binary, to_json
@@ -123,7 +123,7 @@ def make_app(state: ServerState) -> web.Application:
         held = budget.hold()
         try:
             body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, header_length, held)
-            response = await state.infer(model, "http", lambda: _decode(model, body, header_length), lambda d, o: _encode(model, d, o))
+            response = await state.infer(model, "http", lambda: _decode(model, body, header_length), lambda d, o: _encode(model, d, o), len(body))
         finally:
             held.release()  # the body's bytes (the response no longer needs them)
         if "Accept-Encoding" in request.headers:
@@ -134,7 +134,7 @@ def make_app(state: ServerState) -> web.Application:
         """``Expect: 100-continue``: a body the server would refuse is refused before the client
         sends it (aiohttp calls this outside the middleware: it answers errors itself)."""
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return error(417, f"Expect {brief(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
+            return error(417, f"Expect {shown(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
         try:
             length = byte_count(request.headers.get("Content-Length"), "Content-Length")
         except RequestError as e:
@@ -248,13 +248,8 @@ def byte_count(value: str | None, what: str) -> int | None:
         return None
     text = value.strip()
     if not _DIGITS.fullmatch(text):
-        raise bad_request(f"{what} {brief(value)} is not a number of bytes (ASCII digits, at most 19)")
+        raise bad_request(f"{what} {shown(value)} is not a number of bytes (ASCII digits, at most 19)")
     return int(text)
-
-
-def brief(value: str, most: int = 60) -> str:
-    """``value`` quoted, cut to ``most`` characters with its full length where it is longer."""
-    return repr(value) if len(value) <= most else f"{value[:most]!r}... ({len(value)} characters)"
 
 
 async def _body(request: web.Request, limit: int, timeout: float, header_length: int | None, held: _Held) -> memoryview:

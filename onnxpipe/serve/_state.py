@@ -1,5 +1,16 @@
 """What both front doors share: the served models, readiness, auth, and one way to run an inference.
 
+Note: work off the loop.
+    Both front doors share one event loop, and every client's health check waits for whatever
+    runs on it. Decoding a request of :data:`OFF_LOOP` bytes or more (parsing its JSON, checking
+    and converting its values) and encoding an answer whose outputs hold as many (writing JSON,
+    joining binary data) run on a thread instead: the loop goes on answering between the
+    thread's steps. What a thread cannot free the loop from is one call that holds the
+    interpreter throughout (the JSON parser's, numpy's conversion of a large list): a limit of
+    the interpreter, measured in ``benchmarks.serve_faults``; binary tensors avoid it. Smaller
+    requests stay on the loop, where a thread's hand-over (about 50 us) would cost more than the
+    work.
+
 Note: one inference path.
     HTTP and gRPC differ in how a request's tensors are laid out and how the answer is written;
     :meth:`ServerState.infer` is everything else, once: refusal while not serving, admission,
@@ -9,6 +20,7 @@ Note: one inference path.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Callable
@@ -18,8 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from onnxpipe import __version__
-from onnxpipe._errors import closest
-from onnxpipe.serve._errors import RequestError, bad_request
+from onnxpipe.serve._errors import RequestError, bad_request, near, shown
 from onnxpipe.serve._metrics import Metrics
 from onnxpipe.serve._models import VERSION, Outputs, Sequence, ServedModel
 from onnxpipe.serve._options import ServeOptions
@@ -29,6 +40,8 @@ __all__ = ["EXTENSIONS", "Decoded", "ServerState"]
 #: The protocol extensions implemented (``GET /v2``), Triton's names: only ones implemented in full.
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "sequence")
 SERVER_NAME = "onnxpipe"
+#: Requests of this many bytes or more are decoded off the loop, and answers as large encoded so (see Note: work off the loop).
+OFF_LOOP = 1 << 20
 
 T = TypeVar("T")
 
@@ -114,9 +127,9 @@ class ServerState:
                 raise RequestError(503, f"model '{name}' is not available: it failed to load: {self.failed[name]}")
             if name in self.names:
                 raise RequestError(503, f"model '{name}' is not ready yet: it is loading")
-            raise bad_request(f"unknown model '{name}'; {closest(name, self.names, n=len(self.names))}")
+            raise bad_request(f"unknown model {shown(name)}; {near(name, self.names)}")
         if version not in ("", VERSION):
-            raise RequestError(404, f"model '{name}' has no version {version!r}; versions: {VERSION}")
+            raise RequestError(404, f"model '{name}' has no version {shown(version)}; versions: {VERSION}")
         return model
 
     def serving(self) -> None:
@@ -138,7 +151,8 @@ class ServerState:
 
     # -- inference ----------------------------------------------------------------------------
 
-    async def infer(self, model: ServedModel, protocol: str, decode: Callable[[], Decoded], encode: Callable[[Decoded, Outputs], T]) -> T:
+    async def infer(self, model: ServedModel, protocol: str, decode: Callable[[], Decoded], encode: Callable[[Decoded, Outputs], T],
+                    size: int = 0) -> T:
         """Run one request through ``model`` (see Note: one inference path).
 
         Args:
@@ -146,6 +160,8 @@ class ServerState:
             protocol: ``"http"`` or ``"grpc"``, for the metrics.
             decode: Makes the request's :class:`Decoded` (timed as its compute input).
             encode: Makes the response from it and the outputs (timed as its compute output).
+            size: The request's bytes: from :data:`OFF_LOOP` on, it is decoded on a thread, and so
+                is an answer whose outputs hold that many (see Note: work off the loop).
 
         Raises:
             RequestError: for every refusal and failure, with its status.
@@ -156,11 +172,12 @@ class ServerState:
             self.serving()
             model.admit()
             try:
-                decoded = decode()
+                decoded = await asyncio.to_thread(decode) if size >= OFF_LOOP else decode()
                 decoded_at = time.perf_counter()
                 outputs = await model.infer(decoded.arrays, decoded.sequence)
                 encode_at = time.perf_counter()
-                response = encode(decoded, outputs)
+                large = sum(getattr(a, "nbytes", 0) for a in outputs.values()) >= OFF_LOOP
+                response = await asyncio.to_thread(encode, decoded, outputs) if large else encode(decoded, outputs)
                 model.record(True, started, decoded_at - started, time.perf_counter() - encode_at)
                 status = 200
                 return response
