@@ -77,6 +77,8 @@ _IDLE_TIMEOUT = 30.0
               help="Seconds an HTTP connection may take to send a request's head, from connecting or from its last answer; then it is closed.")
 @click.option("--max-connections", type=click.IntRange(min=1), metavar="N",
               help="HTTP connections open at once; more are answered 503 and closed [default: half the open-file limit, less 64].")
+@click.option("--json-workers", default=1, show_default=True, type=click.IntRange(min=0), metavar="N",
+              help="Processes that decode JSON requests of 1 MiB or more, so the event loop never waits on them (0: a thread).")
 @click.option("--allow-partial", is_flag=True, help="Serve the models that load even if some fail (each failure is printed; those models answer 503).")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Do not run the bundles' reference samples at load.")
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
@@ -100,6 +102,7 @@ def serve(
     drain_timeout: float,
     idle_timeout: float,
     max_connections: int | None,
+    json_workers: int,
     allow_partial: bool,
     no_verify: bool,
     access_log: bool,
@@ -154,6 +157,7 @@ def serve(
         drain_timeout=drain_timeout,
         idle_timeout=idle_timeout,
         max_connections=max_connections,
+        json_workers=json_workers,
         allow_partial=allow_partial,
         verify=not no_verify,
         access_log=access_log,

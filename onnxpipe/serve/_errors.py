@@ -54,6 +54,9 @@ class RequestError(OnnxpipeError):
         super().__init__(_cut(message, MESSAGE_MOST))
         self.status = status
 
+    def __reduce__(self) -> tuple[type[RequestError], tuple[int, str]]:
+        return RequestError, (self.status, str(self))  # from a JSON worker process (_jsonwork), whole
+
     @property
     def grpc_code(self) -> str:
         """The name of the ``grpc.StatusCode`` for this error."""

@@ -5,14 +5,14 @@ Note: the body.
     A request's body is read chunk by chunk against ``max_body_bytes`` (a ``Content-Length`` over
     it is refused before anything is read: 413) and ``body_timeout`` (408); a client that goes away
     mid-body gets no answer and costs nothing more. Memory follows the bytes received, never a
-    declared size: the chunks are kept as they arrive, each counted against the server's
-    :class:`BodyBudget` (``max_inflight`` x ``max_body_bytes`` across every connection: past it,
-    503), and given back when the request is answered, so a client announcing 64 MiB and sending
-    nothing holds nothing. Once a large body (with a ``Content-Length``) is in, it is copied once
-    into a buffer placed so that the binary data after the JSON header
-    (``Inference-Header-Content-Length`` bytes) starts on a 64-byte boundary: raw tensors are then
-    views that onnxruntime reads in place (the same one copy as when the buffer was filled as the
-    bytes came; for that instant the body is held twice). A compressed body (``Content-Encoding: gzip`` or
+    declared size: each chunk is counted as it arrives against the server's :class:`BodyBudget`
+    (``max_inflight`` x ``max_body_bytes`` across every connection: past it, 503), and given back
+    when the request is answered. A large body with a ``Content-Length`` is copied once, as it
+    arrives, into an anonymous mapping of that length whose pages the system makes only as they
+    are written, so a client announcing 64 MiB and sending nothing holds nothing (smaller bodies
+    are joined from their chunks). The mapping is placed so that the binary data after the JSON
+    header (``Inference-Header-Content-Length`` bytes) starts on a 64-byte boundary: raw tensors
+    are then views that onnxruntime reads in place. A compressed body (``Content-Encoding: gzip`` or
     ``deflate``, as ``tritonclient`` sends with ``request_compression_algorithm``) is inflated
     against the same limit. The JSON header is parsed; binary tensors are then taken, in the order
     of the inputs that declare ``binary_data_size``, as views over the rest.
@@ -38,14 +38,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
+import mmap
 import re
 import sys
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -53,11 +54,17 @@ from aiohttp import StreamReader, web
 
 from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve._errors import RequestError, bad_request, shown
-from onnxpipe.serve._models import VERSION, Outputs, ServedModel, sequence_of
+from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of
 from onnxpipe.serve._state import Decoded, ServerState
-from onnxpipe.serve._tensors import check_shape, from_binary, from_json, to_binary, to_json
+from onnxpipe.serve._tensors import binary_view, check_shape, from_binary, from_json, to_json
+
+if TYPE_CHECKING:
+    from onnxpipe.serve._jsonwork import JsonWorkers
 
 __all__ = ["BUDGET", "make_app"]
+
+#: A JSON header of this many bytes or more is decoded by a JSON worker (``_jsonwork``, which imports this module).
+JSON_FROM = 1 << 20
 
 log = logging.getLogger("onnxpipe.serve")
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -67,8 +74,9 @@ _INPUT_KEYS = {"name", "datatype", "shape", "parameters", "data"}
 _OPEN = {"/v2/health/live", "/v2/health/ready"}  # answered without the token
 
 
-def make_app(state: ServerState) -> web.Application:
-    """The aiohttp application of ``state``'s models (its :class:`BodyBudget` in ``app[BUDGET]``)."""
+def make_app(state: ServerState, workers: JsonWorkers | None = None) -> web.Application:
+    """The aiohttp application of ``state``'s models (its :class:`BodyBudget` in ``app[BUDGET]``);
+    large JSON requests are decoded by ``workers`` once they run (``_jsonwork``, Note: a JSON worker)."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -123,7 +131,11 @@ def make_app(state: ServerState) -> web.Application:
         held = budget.hold()
         try:
             body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, header_length, held)
-            response = await state.infer(model, "http", lambda: _decode(model, body, header_length), lambda d, o: _encode(model, d, o), len(body))
+            if workers is not None and workers.running and (header_length or len(body)) >= JSON_FROM:
+                decode = partial(workers.decode, model.ports, body, header_length)
+            else:
+                decode = partial(_decode, model.ports, body, header_length)
+            response = await state.infer(model, "http", decode, lambda d, o: _encode(model, d, o), len(body))
         finally:
             held.release()  # the body's bytes (the response no longer needs them)
         if "Accept-Encoding" in request.headers:
@@ -266,6 +278,9 @@ async def _body(request: web.Request, limit: int, timeout: float, header_length:
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     plain = encoding in ("", "identity")
 
+    offset = header_length if header_length is not None and length is not None and header_length <= length else 0
+    buffer = _lazy(length, offset) if plain and length is not None and length >= _ALIGN_FROM else None
+
     async def read() -> memoryview:
         chunks: list[bytes] = []
         size = 0
@@ -274,15 +289,13 @@ async def _body(request: web.Request, limit: int, timeout: float, header_length:
             if end > limit:
                 raise RequestError(413, f"the body is over {limit} bytes, the most this server takes (--max-body-size)")
             held.take(len(chunk))
-            chunks.append(chunk)
+            if buffer is not None and end <= len(buffer):
+                buffer[size:end] = chunk
+            else:
+                chunks.append(chunk)
             size = end
-        if plain and length is not None and size >= _ALIGN_FROM:
-            buffer = _aligned(size, header_length if header_length is not None and header_length <= size else 0)
-            at = 0
-            for chunk in chunks:
-                buffer[at : at + len(chunk)] = chunk
-                at += len(chunk)
-            return buffer  # the chunks go as this returns: the memory held stays the body's size
+        if buffer is not None:
+            return buffer[:size]  # the parser stops at Content-Length: nothing went past it
         return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
     reading = held.budget.reading
@@ -304,11 +317,12 @@ _ALIGN = 64
 _ALIGN_FROM = 64 << 10
 
 
-def _aligned(size: int, offset: int) -> memoryview:
-    """A writable buffer of ``size`` bytes whose byte ``offset`` lies on a 64-byte boundary."""
-    raw = bytearray(size + _ALIGN)
-    start = -(ctypes.addressof(ctypes.c_char.from_buffer(raw)) + offset) % _ALIGN
-    return memoryview(raw)[start : start + size]
+def _lazy(size: int, offset: int) -> memoryview:
+    """A writable buffer of ``size`` bytes whose byte ``offset`` lies on a 64-byte boundary, in an
+    anonymous mapping: its pages exist only once written, so the memory it holds follows the
+    bytes received (see Note: the body), and goes back to the system when its last view does."""
+    start = -offset % _ALIGN  # a mapping starts on a page
+    return memoryview(mmap.mmap(-1, size + start))[start : start + size]
 
 
 if sys.version_info >= (3, 11):
@@ -347,7 +361,7 @@ def _inflate(body: memoryview, encoding: str, limit: int) -> memoryview:
     return memoryview(plain)
 
 
-def _decode(model: ServedModel, body: memoryview, header_length: int | None) -> Decoded:
+def _decode(model: ModelPorts, body: memoryview, header_length: int | None) -> Decoded:
     """A request's JSON header and tensors (see Note: the body)."""
     end = len(body)
     if header_length is not None:
@@ -407,7 +421,7 @@ def _decode(model: ServedModel, body: memoryview, header_length: int | None) -> 
     return Decoded(arrays, sequence_of(parameters), request_id, _requested(model, header.get("outputs"), binary), binary)
 
 
-def _requested(model: ServedModel, outputs: object, binary: bool) -> list[tuple[str, bool]]:
+def _requested(model: ModelPorts, outputs: object, binary: bool) -> list[tuple[str, bool]]:
     if outputs is None:
         return []
     if not isinstance(outputs, list):
@@ -445,7 +459,7 @@ def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> web.Respo
         port, array = model.outputs[name], outputs[name]
         tensor: dict[str, Any] = {"name": name, "datatype": port.datatype, "shape": list(array.shape)}
         if binary:
-            raw = to_binary(port, array)
+            raw = binary_view(port, array)  # joined below: the one copy of the output
             tensor["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:

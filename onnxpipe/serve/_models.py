@@ -117,6 +117,56 @@ class _Counters:
     last_inference_ms: int = 0
 
 
+@dataclass(frozen=True)
+class ModelPorts:
+    """A model's inputs and outputs as requests name them: all that decoding a request needs, so
+    that a JSON worker process can decode one too (``_jsonwork``).
+
+    Attributes:
+        name: The model's name.
+        inputs: Its input ports by name, in order.
+        outputs: Its output ports by name, in order.
+    """
+
+    name: str
+    inputs: dict[str, Port]
+    outputs: dict[str, Port]
+
+    def input_port(self, name: str, given: Mapping[str, object]) -> Port:
+        """The port of a request's input ``name``, not given before (``given``: the inputs so far).
+
+        Raises:
+            RequestError: 400 for an unknown input or one given twice.
+        """
+        port = self.inputs.get(name)
+        if port is None:
+            raise bad_request(f"model '{self.name}' has no input {shown(name)}; {near(name, self.inputs)}")
+        if name in given:
+            raise bad_request(f"input '{name}' is given twice")
+        return port
+
+    def output_port(self, name: str, parameters: Mapping[str, object]) -> Port:
+        """The port of a requested output, with its parameters.
+
+        Raises:
+            RequestError: 400 for an unknown output or an extension not implemented.
+        """
+        port = self.outputs.get(name)
+        if port is None:
+            raise bad_request(f"model '{self.name}' has no output {shown(name)}; {near(name, self.outputs)}")
+        if "classification" in parameters:
+            raise bad_request(f"output '{name}': the classification extension is not implemented; ask for the tensor itself")
+        return port
+
+    def check_complete(self, given: Mapping[str, object]) -> None:
+        """Raises:
+            RequestError: 400 naming the inputs the request lacks."""
+        missing = [n for n in self.inputs if n not in given]
+        if missing:
+            names = ", ".join(repr(n) for n in missing)
+            raise bad_request(f"model '{self.name}': missing input(s) {names}; it takes {', '.join(repr(n) for n in self.inputs)}")
+
+
 class ServedModel:
     """One bundle behind the protocol: its pipeline, ports, admission and sequences.
 
@@ -134,8 +184,10 @@ class ServedModel:
         self.max_inflight = max_inflight
         self.inflight = 0
         spec = pipe.spec
-        self.inputs = {t.name: port_of(t, f"model '{name}': input") for t in spec.inputs}
-        self.outputs = {t.name: port_of(t, f"model '{name}': output") for t in spec.outputs}
+        self.ports = ModelPorts(name, {t.name: port_of(t, f"model '{name}': input") for t in spec.inputs},
+                                {t.name: port_of(t, f"model '{name}': output") for t in spec.outputs})
+        self.inputs, self.outputs = self.ports.inputs, self.ports.outputs
+        self.input_port, self.output_port, self.check_complete = self.ports.input_port, self.ports.output_port, self.ports.check_complete
         self.stateful = bool(spec.states)
         self.counters = _Counters()
         self.sequences: dict[SequenceId, Stream] = {}
@@ -244,40 +296,6 @@ class ServedModel:
         self._worker.shutdown(wait=True, cancel_futures=True)
 
     # -- a request's tensors against the ports (both front doors) ------------------------------
-
-    def input_port(self, name: str, given: Mapping[str, object]) -> Port:
-        """The port of a request's input ``name``, not given before (``given``: the inputs so far).
-
-        Raises:
-            RequestError: 400 for an unknown input, or one given twice.
-        """
-        port = self.inputs.get(name)
-        if port is None:
-            raise bad_request(f"model '{self.name}' has no input {shown(name)}; {near(name, self.inputs)}")
-        if name in given:
-            raise bad_request(f"input '{name}' is given twice")
-        return port
-
-    def output_port(self, name: str, parameters: Mapping[str, object]) -> Port:
-        """The port of a requested output, with its parameters.
-
-        Raises:
-            RequestError: 400 for an unknown output, or one asking for the classification extension.
-        """
-        port = self.outputs.get(name)
-        if port is None:
-            raise bad_request(f"model '{self.name}' has no output {shown(name)}; {near(name, self.outputs)}")
-        if "classification" in parameters:
-            raise bad_request(f"output '{name}': the classification extension is not implemented; ask for the tensor itself")
-        return port
-
-    def check_complete(self, given: Mapping[str, object]) -> None:
-        """Raises:
-            RequestError: 400 naming the inputs the request lacks."""
-        missing = [n for n in self.inputs if n not in given]
-        if missing:
-            names = ", ".join(repr(n) for n in missing)
-            raise bad_request(f"model '{self.name}': missing input(s) {names}; it takes {', '.join(repr(n) for n in self.inputs)}")
 
     # -- what the protocol shows of it ---------------------------------------------------------
 

@@ -54,6 +54,8 @@ class ServeOptions:
             from its previous answer; then it is closed (``_connections``, Note: connections).
         max_connections: HTTP connections open at once; more are answered 503 and closed.
             ``None``: half the file descriptors the process may open, less 64.
+        json_workers: Processes that decode JSON requests of 1 MiB or more, off the event loop
+            (``_jsonwork``, Note: a JSON worker); 0: decode them on a thread of the server.
     """
 
     host: str = "127.0.0.1"
@@ -76,6 +78,7 @@ class ServeOptions:
     access_log: bool = False
     idle_timeout: float = 30.0
     max_connections: int | None = None
+    json_workers: int = 1
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -94,6 +97,8 @@ class ServeOptions:
         for name in ("body_timeout", "drain_timeout", "idle_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.json_workers < 0:
+            raise ConfigError(f"json_workers must be 0 or more, got {self.json_workers}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ConfigError("the auth token is empty")
 

@@ -34,6 +34,7 @@ from onnxpipe.runtime import load
 from onnxpipe.serve._connections import GatedSite, default_max_connections
 from onnxpipe.serve._grpc import make_server
 from onnxpipe.serve._http import BUDGET, BodyBudget, make_app
+from onnxpipe.serve._jsonwork import JsonWorkers
 from onnxpipe.serve._models import ServedModel
 from onnxpipe.serve._options import ModelSource, ServeOptions
 from onnxpipe.serve._state import ServerState
@@ -95,8 +96,9 @@ class _Server:
         options, state = self.options, self.state
         http_socket = _bind(options.host, options.http_port)
         grpc_server = None
+        workers = JsonWorkers(options.json_workers)
         runner = web.AppRunner(
-            make_app(state),
+            make_app(state, workers),
             handle_signals=False,
             access_log=logging.getLogger("aiohttp.access") if options.access_log else None,
             auto_decompress=False,  # inflated by onnxpipe, within --max-body-size
@@ -114,6 +116,7 @@ class _Server:
             await runner.setup()
             await GatedSite(runner, http_socket, options.max_connections or default_max_connections(), _BACKLOG).start()
             await self._load_all()
+            await asyncio.to_thread(workers.start)
             if not self._signals:
                 state.ready = True
                 self.say(f"ready: {self._summary()}")
@@ -131,6 +134,7 @@ class _Server:
             if grpc_server is not None:
                 await grpc_server.stop(grace=1.0)
             await asyncio.to_thread(self._close_models)
+            await asyncio.to_thread(workers.close)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
                 signal.signal(sig, signal.SIG_IGN)  # a signal now finds the server stopping already: not a kill (exit 143)

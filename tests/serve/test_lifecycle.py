@@ -218,15 +218,15 @@ def test_a_second_signal_cuts_the_drain_short_and_a_third_after_it_is_ignored(bu
             except Exception as e:
                 results[k] = e
 
-        threads = [threading.Thread(target=send, args=(k,)) for k in range(32)]
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(60)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while _metric(proc, "onnxpipe_inflight_requests") < 16 and time.monotonic() < deadline:
+        while _metric(proc, "onnxpipe_inflight_requests") < 8 and time.monotonic() < deadline:
             time.sleep(0.005)
         started = time.monotonic()
         proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        time.sleep(0.02)
+        time.sleep(0.01)
         proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         while "stopped" not in proc.log() and proc.proc.poll() is None and time.monotonic() - started < 30:  # type: ignore[union-attr]
             time.sleep(0.01)
