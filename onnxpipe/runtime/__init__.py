@@ -5,7 +5,7 @@ from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, 
 from onnxpipe.runtime._code import check_allowed, code_entries
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
-from onnxpipe.runtime._inputs import check_dims, check_inputs, random_inputs, sample_shapes
+from onnxpipe.runtime._inputs import UNKNOWN_DIM_NAMES, check_dims, check_inputs, random_inputs, sample_shapes
 from onnxpipe.runtime._ortapi import ModelMetadata, NodeArg
 from onnxpipe.runtime._pipeline import DEFAULT_MAX_STREAMS, ENGINES, Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._ray import RayOptions
@@ -18,6 +18,7 @@ from onnxpipe.runtime._stats import PipelineStats, StageStats
 from onnxpipe.runtime._stream import Stream
 
 __all__ = [
+    "UNKNOWN_DIM_NAMES",
     "ARCHIVE_SUFFIX",
     "DEFAULT_MAX_STREAMS",
     "DEFAULT_QUEUE_DEPTH",

@@ -38,7 +38,7 @@ import numpy as np
 
 from onnxpipe import __version__
 from onnxpipe._errors import BusyError, InputError, StageError, StreamError
-from onnxpipe.runtime import Pipeline, Stream
+from onnxpipe.runtime import UNKNOWN_DIM_NAMES, Pipeline, Stream
 from onnxpipe.serve._errors import RequestError, bad_request, near, shown
 from onnxpipe.serve._tensors import Port, port_of
 
@@ -158,13 +158,28 @@ class ModelPorts:
             raise bad_request(f"output '{name}': the classification extension is not implemented; ask for the tensor itself")
         return port
 
-    def check_complete(self, given: Mapping[str, object]) -> None:
-        """Raises:
-            RequestError: 400 naming the inputs the request lacks."""
+    def check_complete(self, given: Mapping[str, np.ndarray]) -> None:
+        """Every input given, and every dim the model names in several inputs one size in them
+        (``x [N, 4]`` and ``prefix [N]``: a request giving ``N`` two sizes would fail inside a
+        stage, as the server's failure, where it is the request's).
+
+        Raises:
+            RequestError: 400 naming the inputs the request lacks, or the dim given two sizes.
+        """
         missing = [n for n in self.inputs if n not in given]
         if missing:
             names = ", ".join(repr(n) for n in missing)
             raise bad_request(f"model '{self.name}': missing input(s) {names}; it takes {', '.join(repr(n) for n in self.inputs)}")
+        sizes: dict[str, tuple[int, str]] = {}
+        for name, port in self.inputs.items():
+            for axis, d in enumerate(port.shape or ()):
+                if not isinstance(d, str) or d in UNKNOWN_DIM_NAMES or axis >= given[name].ndim:
+                    continue
+                size = given[name].shape[axis]
+                first = sizes.setdefault(d, (size, name))
+                if first[0] != size:
+                    raise bad_request(f"inputs '{first[1]}' and '{name}' give dim '{d}' the sizes {first[0]} and {size}; "
+                                      "the model names that dim in both, so they must agree")
 
 
 class ServedModel:

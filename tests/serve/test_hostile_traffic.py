@@ -7,6 +7,7 @@ traceback in the log."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -246,3 +247,69 @@ def test_an_unparsable_grpc_message_is_invalid_argument_naming_the_message(proc:
     assert "the message is not a valid ModelInferRequest" in e.value.details()
     _no_traceback(proc)
     _works(proc)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (whichever of its threads started them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def _echo_bundle(root: Path) -> Path:
+    from benchmarks.serve_faults import _bundles
+
+    return _bundles(root)["echo"]
+
+
+def test_a_large_json_request_is_decoded_by_the_json_worker_exactly_and_its_mistakes_are_400s(tmp_path: Path) -> None:
+    """A 2 MiB JSON tensor (over the worker's 1 MiB) comes back equal; a mistake in one is the same
+    400 the server's own decoding gives; a worker killed mid-work is replaced (that request 503),
+    and the next large request is answered."""
+    import signal as signals
+
+    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB") as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        values = np.random.default_rng(0).standard_normal(200_000).astype(np.float32)
+        body = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [values.size], "data": values.tolist()}]}).encode()
+        assert len(body) > 2 * MIB
+        status, answer = proc.request("POST", "/v2/models/echo/infer", body)
+        assert status == 200
+        np.testing.assert_array_equal(np.array(json.loads(answer)["outputs"][0]["data"], np.float32), values)
+        wrong = body.replace(b'"shape": [200000]', b'"shape": [200001]')
+        status, answer = proc.request("POST", "/v2/models/echo/infer", wrong)
+        assert status == 400 and json.loads(answer) == {"error": "input 'X': 'data' holds 200000 values; shape [200001] takes 200001"}
+        workers = [pid for pid in _children(proc.proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1  # the JSON worker (not spawn's resource tracker, its other child)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signals.SIGKILL)
+        time.sleep(0.3)
+        statuses = [proc.request("POST", "/v2/models/echo/infer", body)[0] for _ in range(2)]
+        assert statuses[-1] == 200 and set(statuses) <= {200, 503}, statuses
+        assert proc.get("/v2/health/ready")[0] == 200
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def test_inputs_giving_one_named_dim_two_sizes_are_a_400_not_a_stage_failure(server: ServerProcess) -> None:
+    """``labelled`` takes ``x [N, 4]`` and ``prefix [N]``: 2 rows of one and 3 of the other failed
+    inside its code stage as a 500 (the issue); the request's fault is named before it runs."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 4], "data": [0.0] * 8},
+                                  {"name": "prefix", "datatype": "BYTES", "shape": [3], "data": ["a", "b", "c"]}]}).encode()
+    status, answer = server.request("POST", "/v2/models/labelled/infer", body)
+    assert status == 400, answer
+    assert json.loads(answer) == {"error": "inputs 'prefix' and 'x' give dim 'N' the sizes 3 and 2; the model names that dim in both, so they must agree"}
+    client = grpcclient.InferenceServerClient(server.grpc)
+    x = grpcclient.InferInput("x", [2, 4], "FP32")
+    x.set_data_from_numpy(np.zeros((2, 4), np.float32))
+    prefix = grpcclient.InferInput("prefix", [3], "BYTES")
+    prefix.set_data_from_numpy(np.array([b"a", b"b", b"c"], dtype=object))
+    with pytest.raises(InferenceServerException, match="give dim 'N' the sizes 3 and 2") as e:
+        client.infer("labelled", [x, prefix])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
