@@ -46,7 +46,7 @@ import sys
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -57,9 +57,6 @@ from onnxpipe.serve._errors import RequestError, bad_request, shown
 from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of
 from onnxpipe.serve._state import Decoded, ServerState
 from onnxpipe.serve._tensors import binary_view, check_shape, from_binary, from_json, to_json
-
-if TYPE_CHECKING:
-    from onnxpipe.serve._jsonwork import JsonWorkers
 
 __all__ = ["BUDGET", "make_app"]
 
@@ -74,7 +71,16 @@ _INPUT_KEYS = {"name", "datatype", "shape", "parameters", "data"}
 _OPEN = {"/v2/health/live", "/v2/health/ready"}  # answered without the token
 
 
-def make_app(state: ServerState, workers: JsonWorkers | None = None) -> web.Application:
+class JsonDecoders(Protocol):
+    """What decodes large JSON requests off the server's process (``_jsonwork.JsonWorkers``)."""
+
+    @property
+    def running(self) -> bool: ...
+
+    def decode(self, ports: ModelPorts, body: memoryview, header_length: int | None) -> Decoded: ...
+
+
+def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.Application:
     """The aiohttp application of ``state``'s models (its :class:`BodyBudget` in ``app[BUDGET]``);
     large JSON requests are decoded by ``workers`` once they run (``_jsonwork``, Note: a JSON worker)."""
 
