@@ -115,3 +115,14 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def read_head(sock: socket.socket) -> bytes:
+    """What ``sock`` receives up to the end of an HTTP answer's head (less where it closes first)."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    return answer

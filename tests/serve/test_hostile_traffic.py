@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.serve.conftest import serve_args
-from tests.serve.process import ServerProcess
+from tests.serve.process import ServerProcess, read_head
 from tests.serve.test_hostile import _raw
 
 MIB = 1 << 20
@@ -113,12 +113,7 @@ def test_the_bodies_held_at_once_are_bounded_across_connections(proc: ServerProc
         sockets.append(s)
     statuses = []
     for s in sockets:
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            answer += chunk
+        answer = read_head(s)
         statuses.append(int(answer.split()[1]) if answer else 0)
         s.close()
     assert sorted(statuses) == [408, 408, 408, 408, 503], statuses

@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.serve.conftest import serve_args
-from tests.serve.process import ROOT, ServerProcess, free_ports
+from tests.serve.process import ROOT, ServerProcess, free_ports, read_head
 
 SLOW = (256, 1024)
 
@@ -34,6 +34,23 @@ def _slow_request(client: httpclient.InferenceServerClient, k: float) -> np.ndar
     return client.infer("slow", [tensor]).as_numpy("y")
 
 
+def _send_slow(proc: ServerProcess, count: int) -> tuple[list[threading.Thread], dict[int, object]]:
+    """``count`` slow requests, each from a thread of its own (started); the threads, and where
+    each puts its answer (or its exception) by number."""
+    results: dict[int, object] = {}
+
+    def send(k: int) -> None:
+        try:
+            results[k] = _slow_request(httpclient.InferenceServerClient(proc.http, network_timeout=120), float(k))
+        except Exception as e:
+            results[k] = e
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
 def _metric(proc: ServerProcess, name: str) -> float:
     text = proc.get("/metrics")[1].decode()
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
@@ -42,17 +59,7 @@ def _metric(proc: ServerProcess, name: str) -> float:
 def test_sigterm_answers_every_admitted_request_refuses_later_ones_and_exits_0(bundles: dict[str, Path], tmp_path: Path) -> None:
     with ServerProcess(*serve_args(bundles, "slow")) as proc:
         proc.start(tmp_path / "serve.log")
-        results: dict[int, object] = {}
-
-        def send(k: int) -> None:
-            try:
-                results[k] = _slow_request(httpclient.InferenceServerClient(proc.http, network_timeout=120), float(k))
-            except Exception as e:
-                results[k] = e
-
-        threads = [threading.Thread(target=send, args=(k,)) for k in range(32)]
-        for t in threads:
-            t.start()
+        threads, results = _send_slow(proc, 32)
         deadline = time.monotonic() + 60
         # All 32 admitted (answered or in flight) before the signal, and most still in flight.
         while _metric(proc, "onnxpipe_inflight_requests") + _metric(proc, "onnxpipe_requests_total") < 32 and time.monotonic() < deadline:
@@ -189,13 +196,7 @@ def test_bodies_still_arriving_at_sigterm_are_refused_at_once_and_the_exit_does_
         proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         answers = []
         for s in sockets:
-            answer = b""
-            while b"\r\n\r\n" not in answer:
-                chunk = s.recv(4096)
-                if not chunk:
-                    break
-                answer += chunk
-            answers.append(answer)
+            answers.append(read_head(s))
             s.close()
         code = proc.stop()
         took = time.monotonic() - started
@@ -210,17 +211,7 @@ def test_a_second_signal_cuts_the_drain_short_and_a_third_after_it_is_ignored(bu
     the log says so truthfully); signals while the server stops do not kill it (no exit 143)."""
     with ServerProcess(*serve_args(bundles, "slow"), "--drain-timeout", "60") as proc:
         proc.start(tmp_path / "serve.log")
-        results: dict[int, object] = {}
-
-        def send(k: int) -> None:
-            try:
-                results[k] = _slow_request(httpclient.InferenceServerClient(proc.http, network_timeout=120), float(k))
-            except Exception as e:
-                results[k] = e
-
-        threads = [threading.Thread(target=send, args=(k,)) for k in range(60)]
-        for t in threads:
-            t.start()
+        threads, results = _send_slow(proc, 60)
         deadline = time.monotonic() + 60
         while _metric(proc, "onnxpipe_inflight_requests") < 8 and time.monotonic() < deadline:
             time.sleep(0.005)
