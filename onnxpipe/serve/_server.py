@@ -10,9 +10,9 @@ Note: lifecycle.
     answered (for at most ``drain_timeout`` seconds, the listener's connections included), then
     the listeners close, the pipelines close, and :func:`serve` returns. A second signal ends the
     wait at once: what is still in flight is cut off (its connection closed). A signal after that
-    is ignored: the server is stopping already. Both front doors (aiohttp's HTTP server, grpcio's asyncio server) share one asyncio event
-    loop (uvloop where installed); inference runs on the pipelines' own threads or actors, never on
-    the loop.
+    is ignored: the server is stopping already. Both front doors (aiohttp's HTTP server, grpcio's
+    asyncio server) share one asyncio event loop (uvloop where installed); inference runs on the
+    pipelines' own threads or actors, never on the loop.
 """
 
 from __future__ import annotations
