@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# KServe's clients, for the tests, and the peer of bench-serve (its dependencies are not ours).
+KSERVE := .venv-kserve
 DEMO_OUT ?= demo-out
 
 .PHONY: demo test test-oldest-ort test-openvino perf-analyzer protos lint bench bench-serve bench-decoders clean
@@ -41,7 +43,9 @@ demo: $(VENV)/.installed
 
 # perf_analyzer (Triton's load generator, for tests/serve and benchmarks.serve) is installed when it
 # can be; where it cannot, its tests skip saying so. .ci/run installs it strictly first.
-test: $(VENV)/.installed-dev
+# KServe's own clients drive the server in tests/serve/test_kserve_clients.py from a venv of their
+# own (.venv-kserve, also the peer of bench-serve): kserve pins psutil below 6, ipython needs 7.
+test: $(VENV)/.installed-dev $(KSERVE)/.installed
 	@.ci/install-perf-analyzer $(VENV) || echo "perf_analyzer could not be installed: its tests will skip (see .ci/install-perf-analyzer)"
 	$(BIN)/python -m pytest -n 2 -q
 
@@ -106,8 +110,7 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks.ocr_chain
 
 # benchmarks.serve: onnxpipe serve beside the same bundle in process and beside KServe's Python
-# ModelServer, the peer, which lives in a venv of its own (its dependencies are not ours).
-KSERVE := .venv-kserve
+# ModelServer, the peer, which lives in the venv of KServe's clients (KSERVE, defined above).
 
 $(KSERVE)/.installed:
 	$(PYTHON) -m venv $(KSERVE)

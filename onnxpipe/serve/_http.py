@@ -66,7 +66,7 @@ JSON_FROM = 1 << 20
 log = logging.getLogger("onnxpipe.serve")
 HEADER_LENGTH = "Inference-Header-Content-Length"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
+_REQUEST_KEYS = {"id", "parameters", "inputs", "outputs", "model_name", "model_version"}  # KServe's client sends the last two
 _INPUT_KEYS = {"name", "datatype", "shape", "parameters", "data"}
 _OPEN = {"/v2/health/live", "/v2/health/ready"}  # answered without the token
 
@@ -106,11 +106,14 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
             log.exception("internal error on %s %s", request.method, request.path)
             return error(500, f"internal error: {type(e).__name__}: {e}")
 
+    # The Open Inference Protocol's REST bodies ({"live": true}, {"ready": true}): KServe's client
+    # reads them; Triton's reads the status alone, which stays 200, or 400 when not.
     async def live(request: web.Request) -> web.StreamResponse:
-        return web.Response(status=200 if state.live else 400)
+        return _json({"live": state.live}, 200 if state.live else 400)
 
     async def ready(request: web.Request) -> web.StreamResponse:
-        return web.Response(status=200 if state.ready and not state.draining else 400)
+        ok = state.ready and not state.draining
+        return _json({"ready": ok}, 200 if ok else 400)
 
     async def server_metadata(request: web.Request) -> web.StreamResponse:
         return _json(state.metadata())
@@ -119,10 +122,10 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
         return _json(_model(state, request).metadata())
 
     async def model_ready(request: web.Request) -> web.StreamResponse:
-        _model(state, request)
+        model = _model(state, request)
         if state.draining:
-            return error(400, "Model version not ready: the server is shutting down")
-        return web.Response(status=200)
+            return _json({"name": model.name, "ready": False, "error": "Model version not ready: the server is shutting down"}, 400)
+        return _json({"name": model.name, "ready": True})
 
     async def model_config(request: web.Request) -> web.StreamResponse:
         return _json(_model(state, request).config(state.options.stream_timeout))
@@ -383,6 +386,10 @@ def _decode(model: ModelPorts, body: memoryview, header_length: int | None) -> D
     unknown = set(header) - _REQUEST_KEYS
     if unknown:
         raise bad_request(f"unknown key(s) {', '.join(repr(k) for k in sorted(unknown))} in the request; valid: {', '.join(sorted(_REQUEST_KEYS))}")
+    for key, want in (("model_name", model.name), ("model_version", None)):
+        given = header.get(key)
+        if given is not None and (not isinstance(given, str) or (want is not None and given != want) or (want is None and given not in ("", VERSION))):
+            raise bad_request(f"the request's {key} {shown(given)} is not the URL's ({want or VERSION}); leave it out or give the same")
     request_id = header.get("id", "")
     parameters = _object(header.get("parameters", {}), "the request's 'parameters'")
     if not isinstance(request_id, str):

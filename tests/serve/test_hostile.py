@@ -39,7 +39,8 @@ CASES: list[tuple[str, str, bytes, dict[str, str], int, str]] = [
     ("not JSON", "twoout", b"{inputs: nope", {}, 400, "the request header is not JSON"),
     ("not an object", "twoout", b"[1, 2]", {}, 400, "must be a JSON object with 'inputs'"),
     ("no inputs", "twoout", b"{}", {}, 400, "must have an 'inputs' list"),
-    ("unknown request key", "twoout", b'{"inputs": [], "input": []}', {}, 400, "unknown key(s) 'input' in the request; valid: id, inputs, outputs, parameters"),
+    ("unknown request key", "twoout", b'{"inputs": [], "input": []}', {}, 400,
+     "unknown key(s) 'input' in the request; valid: id, inputs, model_name, model_version, outputs, parameters"),
     ("wrong datatype", "twoout", _infer({**X[0], "datatype": "FP64", "data": [0, 1, 2, 3]}), {}, 400, "input 'X' has datatype 'FP64'; the model takes FP32"),
     ("unknown datatype", "twoout", _infer({**X[0], "datatype": "FP99", "data": [0, 1, 2, 3]}), {}, 400, "input 'X' has datatype 'FP99'; the model takes FP32"),
     ("wrong rank", "twoout", _infer({**X[0], "shape": [4], "data": [0, 1, 2, 3]}), {}, 400, "input 'X' has shape [4]; the model takes rank 2: [1, 4]"),
@@ -195,3 +196,16 @@ def test_bad_grpc_requests_get_the_status_triton_maps_them_to(server: ServerProc
     assert len(infer(request).raw_output_contents) == 2  # typed contents in, raw contents out
     channel.close()
     assert server.get("/v2/health/ready")[0] == 200
+
+
+def test_health_answers_carry_the_rest_specs_bodies_and_kserves_model_keys_are_taken(server: ServerProcess) -> None:
+    """The Open Inference Protocol's REST bodies for health and readiness (KServe's client reads
+    them); a request's ``model_name`` / ``model_version`` (KServe's client always sends them) are
+    taken when they match the URL, and a 400 naming both when not."""
+    assert server.get("/v2/health/live") == (200, b'{"live":true}')
+    assert server.get("/v2/health/ready") == (200, b'{"ready":true}')
+    assert server.get("/v2/models/twoout/ready") == (200, b'{"name":"twoout","ready":true}')
+    tensor = {**X[0], "data": [0, 1, 2, 3]}
+    assert server.request("POST", "/v2/models/twoout/infer", _infer(tensor, model_name="twoout", model_version="1"))[0] == 200
+    status, answer = server.request("POST", "/v2/models/twoout/infer", _infer(tensor, model_name="squeeze"))
+    assert status == 400 and json.loads(answer) == {"error": "the request's model_name 'squeeze' is not the URL's (twoout); leave it out or give the same"}
