@@ -83,7 +83,7 @@ class _Refused(asyncio.Protocol):
     def __init__(self, most: int) -> None:
         body = json.dumps({"error": f"the server holds {most} connections, the most it takes (--max-connections); retry later"}).encode()
         self.answer = (
-            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"HTTP/1.1 503 Service Unavailable\r\nServer: onnxpipe\r\nContent-Type: application/json\r\nConnection: close\r\n"
             + f"Content-Length: {len(body)}\r\nRetry-After: 1\r\n\r\n".encode()
             + body
         )
@@ -107,7 +107,7 @@ class _JsonErrors(RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("the response has been sent in part: the connection is closed")
         reason = "internal error" if status >= 500 else text
-        response = web.Response(status=status, body=json.dumps({"error": reason}).encode(), content_type="application/json")
+        response = web.Response(status=status, body=json.dumps({"error": reason}).encode(), content_type="application/json", headers={"Server": "onnxpipe"})
         response.force_close()
         return response
 

@@ -87,8 +87,9 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
         return pb.ServerReadyResponse(ready=state.ready and not state.draining)
 
     async def model_ready(r: Any) -> Message:
-        state.model(r.name, r.version)
-        return pb.ModelReadyResponse(ready=not state.draining)
+        # A model that is not served (unknown, loading, failed, another version) is not ready: an answer, not an error (as Triton).
+        ready = r.name in state.models and r.version in ("", VERSION) and not state.draining
+        return pb.ModelReadyResponse(ready=ready)
 
     async def server_metadata(_: Any) -> Message:
         return json_format.ParseDict(state.metadata(), pb.ServerMetadataResponse())

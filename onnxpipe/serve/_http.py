@@ -69,6 +69,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REQUEST_KEYS = {"id", "parameters", "inputs", "outputs", "model_name", "model_version"}  # KServe's client sends the last two
 _INPUT_KEYS = {"name", "datatype", "shape", "parameters", "data"}
 _OPEN = {"/v2/health/live", "/v2/health/ready"}  # answered without the token
+SERVER = "onnxpipe"  # every answer's Server header
 
 
 class JsonDecoders(Protocol):
@@ -171,6 +172,10 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
     budget = BodyBudget(state.options.max_inflight * state.options.max_body_bytes)
     app = web.Application(middlewares=[guard], client_max_size=state.options.max_body_bytes)
     app[BUDGET] = budget
+
+    async def server_header(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Server"] = SERVER  # not aiohttp's "Python/3.11 aiohttp/3.x": what runs here is no client's business
+    app.on_response_prepare.append(server_header)
     app.router.add_get("/v2/health/live", live)
     app.router.add_get("/v2/health/ready", ready)
     app.router.add_get("/v2", server_metadata)
@@ -374,6 +379,9 @@ def _decode(model: ModelPorts, body: memoryview, header_length: int | None) -> D
     """A request's JSON header and tensors (see Note: the body)."""
     end = len(body)
     if header_length is not None:
+        if header_length == 0:
+            raise bad_request("a raw binary request (Inference-Header-Content-Length: 0, the body one input's bytes) is not supported: "
+                              "send the JSON header first, its length in Inference-Header-Content-Length")
         if not 0 < header_length <= len(body):
             raise bad_request(f"Inference-Header-Content-Length {header_length} must be a number of bytes from 1 to the body's {len(body)}")
         end = header_length

@@ -209,3 +209,27 @@ def test_health_answers_carry_the_rest_specs_bodies_and_kserves_model_keys_are_t
     assert server.request("POST", "/v2/models/twoout/infer", _infer(tensor, model_name="twoout", model_version="1"))[0] == 200
     status, answer = server.request("POST", "/v2/models/twoout/infer", _infer(tensor, model_name="squeeze"))
     assert status == 400 and json.loads(answer) == {"error": "the request's model_name 'squeeze' is not the URL's (twoout); leave it out or give the same"}
+
+
+def test_every_answer_says_server_onnxpipe_and_nothing_of_what_runs_it(server: ServerProcess) -> None:
+    import http.client
+
+    for method, path in (("GET", "/v2/health/ready"), ("GET", "/v2/models/twoout"), ("GET", "/v2/nothing"), ("POST", "/v2/models/twoout/infer")):
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+        conn.request(method, path, body=b"{}" if method == "POST" else None)
+        response = conn.getresponse()
+        response.read()
+        conn.close()
+        assert response.getheader("Server") == "onnxpipe", (path, response.getheader("Server"))
+
+
+def test_a_raw_binary_request_is_named_not_supported(server: ServerProcess) -> None:
+    status, answer = server.request("POST", "/v2/models/twoout/infer", GOOD, {"Inference-Header-Content-Length": "0"})
+    assert status == 400 and "a raw binary request (Inference-Header-Content-Length: 0" in json.loads(answer)["error"]
+
+
+def test_grpc_model_ready_of_a_model_not_served_is_not_ready_not_an_error(server: ServerProcess) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc)
+    assert client.is_model_ready("twoout") is True
+    assert client.is_model_ready("nope") is False
+    assert client.is_model_ready("twoout", "7") is False
