@@ -7,8 +7,8 @@ on top of the runtime; imports the runtime only, never the build side. See docs/
 """
 
 from onnxpipe.serve._errors import RequestError
-from onnxpipe.serve._options import ModelSource, ServeOptions, model_sources
+from onnxpipe.serve._options import ModelSource, ModelSources, ServeOptions, model_sources
 from onnxpipe.serve._server import serve
 from onnxpipe.serve._state import EXTENSIONS
 
-__all__ = ["EXTENSIONS", "ModelSource", "RequestError", "ServeOptions", "model_sources", "serve"]
+__all__ = ["EXTENSIONS", "ModelSource", "ModelSources", "RequestError", "ServeOptions", "model_sources", "serve"]

@@ -4,24 +4,58 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from onnxpipe._errors import ConfigError
 from onnxpipe.runtime import ARCHIVE_SUFFIX, DEFAULT_MAX_STREAMS, ENGINES, is_bundle
+from onnxpipe.runtime._bundle import CONFIG_NAME, MANIFEST_NAME
 
-__all__ = ["ModelSource", "ServeOptions", "model_sources"]
+__all__ = ["ModelSource", "ModelSources", "ServeOptions", "model_sources"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_VERSION = re.compile(r"[0-9]+")
+#: The bundle a version folder holds, unless it is a bundle folder itself (Triton's ``model.onnx``).
+_VERSION_BUNDLE = f"model{ARCHIVE_SUFFIX}"
+#: Skipped entries an error lists (a repository may hold many).
+_SHOWN = 5
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A bundle to serve, and the name clients call it by."""
+    """A bundle to serve, and the name clients call it by.
+
+    Attributes:
+        name: The model's name.
+        path: Its bundle (folder or archive).
+        versions: The versions found in Triton's ``NAME/VERSION/`` layout, lowest first; the last
+            is the one served (see Note: a model repository). Empty: a bundle of its own.
+    """
 
     name: str
     path: Path
+    versions: tuple[str, ...] = ()
+
+    @property
+    def version(self) -> str | None:
+        """The version served, from Triton's layout (``None``: a bundle of its own)."""
+        return self.versions[-1] if self.versions else None
+
+
+class ModelSources(list[ModelSource]):
+    """The models to serve (:func:`model_sources`), and what was found but not taken. A list, so
+    that :func:`serve` given it says what was skipped and code that takes a list still does.
+
+    Attributes:
+        skipped: Each entry of the model repository (or of a model folder given) not served, with
+            why: one line a user can act on, worded to follow "'PATH' is". Hidden entries (dot
+            files) are not listed.
+    """
+
+    def __init__(self, sources: Iterable[ModelSource] = (), skipped: Iterable[tuple[Path, str]] = ()) -> None:
+        super().__init__(sources)
+        self.skipped = list(skipped)
 
 
 @dataclass(frozen=True)
@@ -103,25 +137,38 @@ class ServeOptions:
             raise ConfigError("the auth token is empty")
 
 
-def model_sources(bundles: Sequence[str | os.PathLike[str]] = (), repository: str | os.PathLike[str] | None = None) -> list[ModelSource]:
-    """The models to serve: each bundle given (``PATH`` or ``NAME=PATH``), then every bundle in
-    ``repository`` (a folder of bundle folders and ``.onnxpipe`` archives), sorted by name.
+def model_sources(bundles: Sequence[str | os.PathLike[str]] = (), repository: str | os.PathLike[str] | None = None) -> ModelSources:
+    """The models to serve: each bundle given (``PATH`` or ``NAME=PATH``), then every model in
+    ``repository`` (see Note: a model repository), sorted by name.
 
-    A model's name is its bundle's file or folder name without the ``.onnxpipe`` suffix.
+    A model's name is its bundle's file or folder name without the ``.onnxpipe`` suffix (in
+    Triton's layout, the model folder's name).
+
+    Note: a model repository.
+        Each entry of the folder is a bundle folder (a ``manifest.json``), a ``NAME.onnxpipe``
+        archive, or a model folder in Triton's layout, ``NAME/VERSION/`` (VERSION a number), each
+        version a bundle folder itself or holding ``model.onnxpipe``. Of a model's versions the
+        highest is served (the others are listed in :attr:`ModelSource.versions`). Every other
+        entry, and every entry of a model folder that is not a version holding a bundle, is listed
+        in :attr:`ModelSources.skipped` with why (the server says each at start); hidden entries
+        (dot files) are passed over. A ``NAME.onnxpipe`` file is taken by its name, so that one
+        damaged or truncated fails as it loads, naming the file (and ``allow_partial`` applies).
+        A model folder in Triton's layout may be given by itself too.
+
+    Returns:
+        The models, with :attr:`ModelSources.skipped`.
 
     Raises:
-        ConfigError: no model at all, a path that is no bundle, a name clients could not use,
-            or two models of one name.
+        ConfigError: no model at all, a path given that is no bundle (saying what it is), a
+            repository that is no folder or holds no model, a name clients could not use, or two
+            models of one name.
     """
-    sources = [_source(str(item)) for item in bundles]
+    skipped: list[tuple[Path, str]] = []
+    sources = [_source(str(item), skipped) for item in bundles]
     if repository is not None:
-        root = Path(repository)
-        if not root.is_dir():
-            raise ConfigError(f"model repository '{root}' is not a folder")
-        found = sorted(p for p in root.iterdir() if is_bundle(p) and (p.is_dir() or p.name.endswith(ARCHIVE_SUFFIX)))
-        if not found:
-            raise ConfigError(f"model repository '{root}' holds no bundle (folders with a manifest.json, or {ARCHIVE_SUFFIX} archives)")
-        sources += [ModelSource(_name(p), p) for p in found]
+        found, passed = _repository(Path(repository))
+        sources += found
+        skipped += passed
     if not sources:
         raise ConfigError("no model to serve: give bundles (PATH or NAME=PATH) or a model repository folder")
     seen: dict[str, Path] = {}
@@ -129,10 +176,10 @@ def model_sources(bundles: Sequence[str | os.PathLike[str]] = (), repository: st
         if s.name in seen:
             raise ConfigError(f"two models are named '{s.name}': '{seen[s.name]}' and '{s.path}'; name one with NAME=PATH")
         seen[s.name] = s.path
-    return sources
+    return ModelSources(sources, skipped)
 
 
-def _source(item: str) -> ModelSource:
+def _source(item: str, skipped: list[tuple[Path, str]]) -> ModelSource:
     name, sep, path_text = item.partition("=")
     if sep and not Path(item).exists():
         path = Path(path_text)
@@ -141,9 +188,103 @@ def _source(item: str) -> ModelSource:
         path, name = Path(item), _name(Path(item))
     if not path.exists():
         raise ConfigError(f"bundle '{path}' does not exist")
-    if not is_bundle(path):
-        raise ConfigError(f"'{path}' is not a bundle (a folder with a manifest.json, or a {ARCHIVE_SUFFIX} archive); make one with onnxpipe export")
-    return ModelSource(name, path)
+    # A file named as an archive is taken as one: damaged, it fails as it loads, naming what is wrong.
+    if is_bundle(path) or (path.is_file() and path.name.endswith(ARCHIVE_SUFFIX)):
+        return ModelSource(name, path)
+    held = _model_folder(path, skipped) if path.is_dir() else None
+    if held is None:
+        raise ConfigError(f"'{path}' is {_not_servable(path)}")
+    return ModelSource(name, *held)
+
+
+def _repository(root: Path) -> tuple[list[ModelSource], list[tuple[Path, str]]]:
+    """The models in the repository folder ``root`` (see Note: a model repository), and its entries not taken, with why."""
+    if not root.is_dir():
+        raise ConfigError(f"model repository '{root}' is not a folder")
+    found: list[ModelSource] = []
+    skipped: list[tuple[Path, str]] = []
+    for entry in _entries(root):
+        if entry.is_file() and entry.name.endswith(ARCHIVE_SUFFIX):
+            found.append(ModelSource(_name(entry), entry))
+        elif entry.is_dir() and (held := _model_folder(entry, skipped)) is not None:
+            found.append(ModelSource(_name(entry), *held))
+        elif not _versions(entry):  # a model folder's own entries said why
+            skipped.append((entry, _not_servable(entry)))
+    if not found:
+        listed = "; ".join(f"'{p.relative_to(root)}' is {why}" for p, why in skipped[:_SHOWN])
+        more = f"; and {len(skipped) - _SHOWN} more" if len(skipped) > _SHOWN else ""
+        raise ConfigError(
+            f"model repository '{root}' holds no bundle (folders with a manifest.json, {ARCHIVE_SUFFIX} archives, or NAME/VERSION/ folders "
+            f"holding one){': ' + listed + more if listed else ''}"
+        )
+    return found, skipped
+
+
+def _model_folder(folder: Path, skipped: list[tuple[Path, str]]) -> tuple[Path, tuple[str, ...]] | None:
+    """The bundle a model folder holds, and its versions: the folder itself (a bundle folder: no
+    versions), or in Triton's ``NAME/VERSION/`` layout the highest version holding a bundle, with
+    every version holding one; ``None``: none. A model folder's entries not taken go to ``skipped``."""
+    if (folder / MANIFEST_NAME).is_file():
+        return folder, ()
+    versions = _versions(folder)
+    if not versions:
+        return None
+    held = {v.name: bundle for v in versions if (bundle := _version_bundle(v)) is not None}  # lowest first, as versions
+    skipped += [(p, _not_a_version(p)) for p in _entries(folder) if p.name not in held]
+    if not held:
+        return None
+    return list(held.values())[-1], tuple(held)
+
+
+def _versions(folder: Path) -> list[Path]:
+    """The version folders (named by a number) of a model folder in Triton's layout, lowest first."""
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in _entries(folder) if p.is_dir() and _VERSION.fullmatch(p.name)), key=lambda p: (int(p.name), p.name))
+
+
+def _version_bundle(version: Path) -> Path | None:
+    """The bundle a version folder holds: the folder itself, or its ``model.onnxpipe`` (taken by its name, as in the repository)."""
+    if (version / MANIFEST_NAME).is_file():
+        return version
+    bundle = version / _VERSION_BUNDLE
+    return bundle if bundle.is_file() or (bundle / MANIFEST_NAME).is_file() else None
+
+
+def _entries(folder: Path) -> list[Path]:
+    """A folder's entries but the hidden ones (an editor's, version control's), sorted."""
+    return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def _not_servable(path: Path) -> str:
+    """Why ``path``, neither a bundle nor an archive, is not served: what it is and what to do,
+    worded to follow "'PATH' is"."""
+    if path.is_dir():
+        if (path / CONFIG_NAME).is_file():
+            return "a build folder: export it with onnxpipe export"
+        if any(is_bundle(p) or p.name.endswith(ARCHIVE_SUFFIX) for p in _entries(path)):
+            return "not a bundle: a folder of bundles (a model repository: serve it with --model-repository)"
+        return f"not a bundle: a folder with nothing servable (no {MANIFEST_NAME}, and no version folder 1/, 2/, ... in it holds a bundle)"
+    if path.suffix == ".onnx":
+        return "an ONNX model, not a bundle: make one with onnxpipe split/build/export"
+    if is_bundle(path):
+        return f"a zip archive not named NAME{ARCHIVE_SUFFIX}: rename it to serve it"
+    if path.is_file():
+        return f"not a bundle (a folder with a {MANIFEST_NAME}, or a {ARCHIVE_SUFFIX} archive)"
+    return "neither a file nor a folder"
+
+
+def _not_a_version(path: Path) -> str:
+    """Why an entry of a model folder in Triton's layout is not served, worded as :func:`_not_servable`."""
+    if path.name == "config.pbtxt":
+        return "Triton's model configuration, not read: a bundle carries its own settings"
+    if not (path.is_dir() and _VERSION.fullmatch(path.name)):
+        return f"not a version folder (Triton's layout: NAME/VERSION/{_VERSION_BUNDLE}, VERSION a number)"
+    if any(p.suffix == ".onnx" for p in _entries(path)):
+        return "a version folder holding an ONNX model, not a bundle: make one with onnxpipe split/build/export"
+    if (path / CONFIG_NAME).is_file():
+        return "a build folder: export it with onnxpipe export"
+    return f"a version folder without a bundle ({_VERSION_BUNDLE}, or a {MANIFEST_NAME} of its own)"
 
 
 def _name(path: Path) -> str:

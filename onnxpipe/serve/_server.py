@@ -25,6 +25,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -36,7 +37,7 @@ from onnxpipe.serve._grpc import make_server
 from onnxpipe.serve._http import BUDGET, BodyBudget, make_app
 from onnxpipe.serve._jsonwork import JsonWorkers
 from onnxpipe.serve._models import ServedModel
-from onnxpipe.serve._options import ModelSource, ServeOptions
+from onnxpipe.serve._options import ModelSource, ModelSources, ServeOptions
 from onnxpipe.serve._state import ServerState
 
 __all__ = ["serve"]
@@ -54,7 +55,7 @@ def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, sa
     from the main thread: it handles those signals.
 
     Args:
-        models: What to serve (see :func:`model_sources`).
+        models: What to serve (see :func:`model_sources`; what it skipped is said at start).
         options: How (defaults: loopback, ports 8000 and 8001).
         say: Where progress lines go (default: stderr).
 
@@ -62,7 +63,8 @@ def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, sa
         ConfigError: a port cannot be bound, or no model loaded.
         OnnxpipeError: a model failed to load (without ``allow_partial``): the error names it.
     """
-    server = _Server(list(models), options or ServeOptions(), say)
+    skipped = models.skipped if isinstance(models, ModelSources) else []
+    server = _Server(list(models), options or ServeOptions(), say, skipped)
     try:
         import uvloop
     except ImportError:
@@ -72,8 +74,9 @@ def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, sa
 
 
 class _Server:
-    def __init__(self, sources: list[ModelSource], options: ServeOptions, say: Say) -> None:
+    def __init__(self, sources: list[ModelSource], options: ServeOptions, say: Say, skipped: Sequence[tuple[Path, str]] = ()) -> None:
         self.sources = sources
+        self.skipped = skipped
         self.options = options
         self.say = say
         self.state = ServerState(options, [s.name for s in sources])
@@ -142,6 +145,8 @@ class _Server:
 
     async def _load_all(self) -> None:
         state = self.state
+        for path, why in self.skipped:
+            self.say(f"skipped {path}: {why}")
         self.say(f"loading {len(self.sources)} model(s); live at {self._summary()}")
         for source in self.sources:
             if self._signals:
@@ -157,7 +162,8 @@ class _Server:
                 self.say(f"not serving {message}")
                 continue
             state.models[source.name] = model
-            self.say(f"model '{source.name}': {len(model.pipe.spec.stages)} stage(s), {note}, in {time.perf_counter() - started:.1f} s")
+            version = f" version {source.version} (of {', '.join(source.versions)})" if source.versions else ""
+            self.say(f"model '{source.name}'{version}: {len(model.pipe.spec.stages)} stage(s), {note}, in {time.perf_counter() - started:.1f} s")
         if not state.models:
             raise ConfigError(f"no model could be loaded ({len(state.failed)} failed)")
 
