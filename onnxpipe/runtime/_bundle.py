@@ -605,6 +605,11 @@ def _unpack(archive: Path, dest: Path, limits: Limits) -> dict[str, Relocation]:
         Unpacking therefore writes at most what the manifest declares, within ``Limits``.
     """
     if not zipfile.is_zipfile(archive):
+        with open(archive, "rb") as file:
+            begins_as_zip = file.read(4) == b"PK\x03\x04"
+        if begins_as_zip:
+            raise BundleError(f"archive '{archive}' is damaged or truncated: it begins as a zip archive but has no zip directory at its end; "
+                              "copy it again (or export it again)")
         raise BundleError(f"'{archive}' is not a bundle: not a folder and not a zip archive")
     try:
         with zipfile.ZipFile(archive) as zf:

@@ -314,3 +314,11 @@ def test_the_hash_check_reads_one_chunk_at_a_time(tmp_path: Path, monkeypatch: p
     assert _bundle.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
     assert _bundle.sha256_file(tmp_path / "f", 1000, 5000) == hashlib.sha256(data[1000:6000]).hexdigest()
     assert reads and all(0 < n <= 1024 for n in reads)
+
+
+def test_a_truncated_archive_is_named_damaged_not_unknown(tmp_path: Path) -> None:
+    archive = _zip(tmp_path / "whole.onnxpipe", {"a.bin": b"\0" * 5000})
+    cut = tmp_path / "cut.onnxpipe"
+    cut.write_bytes(archive.read_bytes()[: len(archive.read_bytes()) // 2])
+    with pytest.raises(BundleError, match=r"archive '.*cut.onnxpipe' is damaged or truncated: it begins as a zip archive but has no zip directory"):
+        load(cut)

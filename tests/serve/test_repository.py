@@ -192,7 +192,8 @@ def test_a_truncated_archive_in_the_repository_stops_the_server_naming_it(reposi
     _assert_skipped(done.stderr, repository)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     broken = repository / "broken.onnxpipe"
-    assert errors == [f"error: model 'broken' ({broken}): '{broken}' is not a bundle: not a folder and not a zip archive"], done.stderr
+    assert errors == [f"error: model 'broken' ({broken}): archive '{broken}' is damaged or truncated: it begins as a zip archive but has no zip "
+                      "directory at its end; copy it again (or export it again)"], done.stderr
 
 
 def test_with_allow_partial_it_serves_the_rest_and_the_triton_layout_model_answers(repository: Path, tmp_path: Path) -> None:
@@ -201,11 +202,11 @@ def test_with_allow_partial_it_serves_the_rest_and_the_triton_layout_model_answe
         proc.start(tmp_path / "serve.log")
         log = proc.log()
         _assert_skipped(log, repository)
-        assert f"onnxpipe serve: not serving model 'broken' ({broken}): '{broken}' is not a bundle: not a folder and not a zip archive" in log, log
+        assert f"onnxpipe serve: not serving model 'broken' ({broken}): archive '{broken}' is damaged or truncated" in log, log
         assert re.search(r"^onnxpipe serve: model 'resnet' version 3 \(of 1, 3\): 2 stage\(s\), verified", log, re.M), log
         assert re.search(r"^onnxpipe serve: model 'pair': ", log, re.M), log
         status, body = proc.get("/v2/models/broken/ready")
-        assert status == 503 and f"model 'broken' is not available: it failed to load: '{broken}' is not a bundle".encode() in body, body
+        assert status == 503 and f"model 'broken' is not available: it failed to load: archive '{broken}' is damaged or truncated".encode() in body, body
 
         client = httpclient.InferenceServerClient(proc.http)
         assert [i["name"] for i in client.get_model_metadata("resnet")["inputs"]] == ["data_0"]  # version 3's model, not version 1's
