@@ -21,12 +21,12 @@ import onnx
 import onnxruntime as ort
 
 import onnxpipe
-from onnxpipe._errors import BuildError, BundleError, ConfigError, InputError
+from onnxpipe._errors import BuildError, ConfigError, InputError
 from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.builder._modules import move_into_place
 from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
 from onnxpipe.runtime._bundle import MANIFEST_NAME, PAGE, save_npz, write_manifest
-from onnxpipe.runtime._code import check_allowed
+from onnxpipe.runtime._code import CodeNotAllowedError, check_allowed
 from onnxpipe.runtime._inputs import feed_shapes
 from onnxpipe.runtime._protoscan import external_locations
 
@@ -63,9 +63,10 @@ def export(
         The bundle's path.
 
     Raises:
-        BuildError: ``build_dir`` is not a build folder, ``out`` exists, computing the reference
-            outputs needs code ``allow_code`` does not allow, or reference samples are given for a
-            pipeline with state links.
+        BuildError: ``build_dir`` is not a build folder, ``out`` exists, or reference samples are
+            given for a pipeline with state links.
+        CodeNotAllowedError: computing the reference outputs needs code ``allow_code`` does not
+            allow (a :class:`BundleError`; nothing is imported).
         InputError: ``reference_model`` fails on a reference input set (the sizes of its symbolic
             dims, most often); computing the outputs with the pipeline, a stage fails on one
             (:class:`StageError`).
@@ -175,8 +176,8 @@ def _write_reference(
         missing = any(s.settings.provider not in ort.get_available_providers() for s in spec.stages if s.code is None)
         try:
             check_allowed(spec, allow_code)
-        except BundleError as e:
-            raise BuildError(f"computing the reference outputs runs the pipeline here: {e}".replace("runtime.load(...", "export(...")) from None
+        except CodeNotAllowedError as e:
+            raise e.for_call("export", "computing the reference outputs runs the pipeline here: ") from None
         runner = SequentialPipeline(spec, root, target="cpu" if missing else None, allow_code=allow_code)
         outputs = [runner.run(feeds) for feeds in inputs]
     if len(outputs) != len(inputs):

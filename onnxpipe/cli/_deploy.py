@@ -7,8 +7,10 @@ Each command parses its options, calls the library (``onnxpipe.builder.build``,
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+import shlex
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 
     from onnxpipe.runtime import BenchReport, Pipeline, PipelineSpec, TensorSpec
 
-__all__ = ["bench", "build", "export", "run"]
+__all__ = ["allowing_code", "bench", "build", "export", "run"]
 
 
 @click.command(short_help="Build the stages of a split folder or a pipeline file, each for its target.")
@@ -140,7 +142,40 @@ def build(
         for r in result.report
         if not r.available
     ]
-    _render.build_result(result, notes)
+    _render.build_result(result, notes, _next_export(result.spec, result.path))
+
+
+def _next_export(spec: PipelineSpec, built: Path) -> str:
+    """The export command that works for this build: reference samples where they can be made
+    (single requests; random values unless an input's dtype has none), with ``--allow-code`` for
+    the Python that computing them runs."""
+    from onnxpipe._errors import InputError
+    from onnxpipe.runtime import code_entries, random_inputs
+    from onnxpipe.runtime._code import as_flags
+
+    command = f"onnxpipe export {shlex.quote(str(built))} -o BUNDLE.onnxpipe"
+    if spec.states:
+        return f"{command}   (no --reference: a reference sample is one request, and this pipeline keeps state between steps)"
+    why = ""
+    try:
+        random_inputs(spec.inputs, {}, 0)
+        samples = " --reference 2"
+    except InputError as e:
+        samples, why = " --reference-inputs INPUTS.npz", f"   (INPUTS.npz: one request's inputs by name; no random ones: {e})"
+    code = as_flags(dict.fromkeys(name for _, _, name in code_entries(spec)), "--allow-code")  # computing the samples runs it
+    return command + samples + (f" {code}" if code else "") + why
+
+
+@contextlib.contextmanager
+def allowing_code(command: str) -> Iterator[None]:
+    """Say a refusal of Python the host did not allow in ``onnxpipe COMMAND``'s terms: its own
+    ``--allow-code`` flags (see Note: saying how to allow code, in runtime/_code.py)."""
+    from onnxpipe.runtime._code import CodeNotAllowedError
+
+    try:
+        yield
+    except CodeNotAllowedError as e:
+        raise e.for_command(f"onnxpipe {command}", "--allow-code") from None
 
 
 @click.command(short_help="Write a build folder as a bundle (folder or archive).")
@@ -214,7 +249,8 @@ def export(
         if model is not None and not model.is_file():
             raise UserError(f"model file '{model}' does not exist")
     try:
-        path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite, allow_code=allow_code)
+        with allowing_code("export"):
+            path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite, allow_code=allow_code)
     except (InputError, StageError) as e:  # computing the reference outputs failed
         if not hint:
             raise
@@ -450,7 +486,7 @@ def run(
     destinations = _destinations(out, files)
     quiet_onnxruntime()
     # On Ray no session starts here: each actor checks its own stage's threads against its node.
-    with read_bundle(bundle, allow_code=allow_code, sessions=() if engine == "ray" else None) as checked:
+    with allowing_code("run"), read_bundle(bundle, allow_code=allow_code, sessions=() if engine == "ray" else None) as checked:
         _check_input_files(checked.spec.inputs, files)
         with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None, **where_run) as pipe:
             pipe.reset_stats()  # from the first request, not from load
@@ -551,7 +587,7 @@ def bench(
 
     quiet_onnxruntime()
     inputs = read_npz(input_file, "inputs file") if input_file is not None else None
-    with load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code, **where_run) as pipe:
+    with allowing_code("bench"), load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code, **where_run) as pipe:
         if inputs is not None:
             try:
                 inputs = check_inputs(pipe.spec.inputs, inputs)

@@ -25,7 +25,7 @@ import click
 from onnxpipe import __version__
 from onnxpipe.cli._autosplit import POLICY_NAMES
 from onnxpipe.cli._common import ALLOW_CODE, DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime, read_json
-from onnxpipe.cli._deploy import bench, build, export, run
+from onnxpipe.cli._deploy import allowing_code, bench, build, export, run
 from onnxpipe.cli._serve import serve
 
 if TYPE_CHECKING:
@@ -487,7 +487,7 @@ def _inspect_bundle(path: Path, as_json: bool, on_host: bool = False, target: st
     from onnxpipe.cli import _render
     from onnxpipe.runtime import host_placement, read_bundle
 
-    with read_bundle(path, allow_code=allow_code) as bundle:
+    with allowing_code("inspect --host"), read_bundle(path, allow_code=allow_code) as bundle:
         kind, nbytes, files = bundle_size(path)
         where = host_placement(bundle, target) if on_host else None
         if as_json:
@@ -588,7 +588,7 @@ def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, 
     from onnxpipe.cli import _render
     from onnxpipe.runtime import Pipeline, read_bundle
 
-    with read_bundle(path, allow_code=allow_code) as bundle:
+    with allowing_code("verify"), read_bundle(path, allow_code=allow_code) as bundle:
         if not bundle.manifest.reference:
             raise UserError(f"bundle '{path}' stores no reference; pass --model MODEL.onnx to compare with the whole model (or export with --reference N)")
         with Pipeline(bundle, target) as pipe:

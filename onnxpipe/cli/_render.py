@@ -311,8 +311,8 @@ def _build_record(record: Mapping[str, object]) -> str:
     return f"offline, {record.get('optimization')}" + (", ORT format" if record.get("format") == "ort" else "")
 
 
-def build_result(result: BuildResult, notes: Iterable[str]) -> None:
-    """One row per stage, the notes, and where the build went."""
+def build_result(result: BuildResult, notes: Iterable[str], next_step: str) -> None:
+    """One row per stage, the notes, where the build went, and the command to run next."""
     console = _console()
     replicas = any(r.replicas != 1 for r in result.report)
     table = Table(title=f"built {len(result.report)} stage(s)")
@@ -330,7 +330,7 @@ def build_result(result: BuildResult, notes: Iterable[str]) -> None:
             _line(console, f"stage '{stage.name}' batches up to {stage.settings.max_batch}{delay}: {stage.batching.describe()}")
     _notes(console, notes)
     _line(console, f"wrote {result.path}: pipeline.json and {len(result.report)} module(s) in stages/")
-    _line(console, f"next: onnxpipe export {shlex.quote(str(result.path))} -o BUNDLE.onnxpipe --reference 2")
+    _line(console, f"next: {next_step}")
 
 
 def exported(path: Path, kind: str, nbytes: int, files: int, samples: int, source: str | None, notes: Iterable[str]) -> None:

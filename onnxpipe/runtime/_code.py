@@ -12,6 +12,15 @@ Note: code is data only by name.
     library refused, so the bundle cannot make the host import a module it did not allow -- not
     even to learn that it exists.
 
+Note: saying how to allow code.
+    Only the caller knows how its user spells the allow-list: ``allow_code=[...]`` to a Python
+    caller, ``--allow-code`` to a command (``onnxpipe serve``'s, ``onnxpipe export``'s). So the
+    refusal, :class:`CodeNotAllowedError`, keeps what it refused apart from the remedy: the runtime's
+    message gives the generic one, ``allow_code=[...]`` with the patterns that allow each name,
+    and a caller that knows better says it its own way: :meth:`CodeNotAllowedError.for_command`
+    (the CLI and the server name their command and flag), :meth:`~CodeNotAllowedError.for_call`
+    (the builder names ``export``).
+
 Note: the GIL.
     A code stage runs Python on its worker thread and holds the GIL while it does, so it shares one
     core with every other code stage and with the Python parts of the pipeline (the hand-offs),
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -33,13 +43,66 @@ import numpy as np
 from onnxpipe._errors import BundleError, closest
 from onnxpipe.runtime._spec import PipelineSpec, StageSpec
 
-__all__ = ["CodeFunction", "check_allowed", "code_entries", "copy_params", "custom_ops_library", "is_allowed", "package_library", "resolve_entry"]
+__all__ = [
+    "CodeFunction",
+    "CodeNotAllowedError",
+    "as_flags",
+    "check_allowed",
+    "code_entries",
+    "copy_params",
+    "custom_ops_library",
+    "is_allowed",
+    "package_library",
+    "resolve_entry",
+]
 
 #: The callable a code stage names: ``fn(inputs, params) -> outputs`` (arrays by tensor name).
 CodeFunction = Callable[[dict[str, np.ndarray], dict[str, Any]], Mapping[str, np.ndarray]]
 
 _KINDS = {"code": "", "custom_ops": "custom-op library of package ", "ep_package": "execution provider library of package "}
-_HOW = "allow it with runtime.load(..., allow_code=[...]) or onnxpipe run --allow-code PATTERN (fnmatch patterns, e.g. 'mypkg.*')"
+
+
+#: What every way of saying how to allow code adds: the patterns are fnmatch patterns.
+_FNMATCH = "(fnmatch patterns: 'mypkg.*' allows a whole package)"
+
+
+class CodeNotAllowedError(BundleError):
+    """A pipeline names Python the host has not allowed (:func:`check_allowed`); nothing was imported.
+
+    Args:
+        reason: What was refused, and what is allowed now.
+        patterns: fnmatch patterns that allow each name refused (the names themselves).
+        how: How to allow them, the message's end (default: ``allow_code=[...]`` with the
+            patterns; see Note: saying how to allow code).
+
+    Attributes:
+        reason: As given.
+        patterns: As given.
+    """
+
+    def __init__(self, reason: str, patterns: Sequence[str] = (), how: str | None = None) -> None:
+        self.reason = reason
+        self.patterns = tuple(patterns)
+        if how is None and self.patterns:
+            how = f"allow it with allow_code={list(self.patterns)!r} {_FNMATCH}"
+        super().__init__(f"{reason}; {how}" if how else reason)
+
+    def saying(self, how: str, context: str = "") -> CodeNotAllowedError:
+        """The same refusal, ending with ``how`` to allow it, and ``context`` before the reason."""
+        return CodeNotAllowedError(context + self.reason, self.patterns, how)
+
+    def for_call(self, call: str, context: str = "") -> CodeNotAllowedError:
+        """Said to a caller of the function ``call``: ``allow it with call(..., allow_code=[...])``."""
+        return self.saying(f"allow it with {call}(..., allow_code={list(self.patterns)!r}) {_FNMATCH}", context)
+
+    def for_command(self, command: str, flag: str, context: str = "") -> CodeNotAllowedError:
+        """Said to a user of the command ``command``: ``allow it: command ... FLAG 'PATTERN' ...``."""
+        return self.saying(f"allow it: {command} ... {as_flags(self.patterns, flag)} {_FNMATCH}", context)
+
+
+def as_flags(patterns: Iterable[str], flag: str) -> str:
+    """Patterns as a command line's options, each quoted for a shell: ``--allow-code 'mypkg.ocr:decode' ...``."""
+    return " ".join(f"{flag} '{p}'" if "'" not in p else f"{flag} {shlex.quote(p)}" for p in patterns)
 
 
 def code_entries(spec: PipelineSpec | Iterable[StageSpec]) -> list[tuple[str, str, str]]:
@@ -66,8 +129,8 @@ def check_allowed(spec: PipelineSpec | Iterable[StageSpec], allow: Sequence[str]
     """Refuse a pipeline naming Python the host did not allow; imports nothing.
 
     Raises:
-        BundleError: one message naming every entry point and custom-op package not allowed, the
-            stage of each, and how to allow them.
+        CodeNotAllowedError: one message naming every entry point and custom-op package not allowed,
+            the stage of each, and how to allow them (a :class:`BundleError`).
     """
     if isinstance(allow, str):
         raise TypeError("allow_code takes a list of patterns, not one string")
@@ -76,7 +139,8 @@ def check_allowed(spec: PipelineSpec | Iterable[StageSpec], allow: Sequence[str]
         return
     listed = ", ".join(f"{_KINDS[kind]}'{name}' (stage '{stage}')" for stage, kind, name in refused)
     shown = f"allowed now: {', '.join(repr(p) for p in allow)}" if allow else "nothing is allowed by default"
-    raise BundleError(f"the pipeline runs Python this host has not allowed: {listed}; {shown}; {_HOW}")
+    names = dict.fromkeys(name for _, _, name in refused)  # a name, as a pattern, allows itself only
+    raise CodeNotAllowedError(f"the pipeline runs Python this host has not allowed: {listed}; {shown}", list(names))
 
 
 def resolve_entry(stage: StageSpec) -> CodeFunction:

@@ -59,7 +59,7 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the message is not a valid {request.__name__}: {message.why}")
             try:
                 if not open_to_all:
-                    state.authorize([value for key, value in context.invocation_metadata() or () if key == "authorization"])
+                    state.authorize([value for key, value in context.invocation_metadata() or () if key == "authorization"], protocol="grpc")
                 return await fn(message)
             except RequestError as e:
                 await context.abort(getattr(grpc.StatusCode, e.grpc_code), str(e))

@@ -21,6 +21,15 @@ Note: sequences are streams.
     the step is on its way. The pipeline's ``max_streams`` and ``stream_timeout`` stay the only
     limits: a refused stream is a 503 with the reason, a step of an unknown, ended or expired
     sequence a 400 naming ``sequence_id``.
+
+Note: a client's terms.
+    A client knows its ``sequence_id``s and the server's flags, not the pipeline's stream numbers
+    or ``load()``'s arguments. So every refusal of a sequence names ``sequence_id``s, and the
+    runtime's stream errors are said over in the protocol's terms (:func:`_sequence_terms`):
+    "stream 3" becomes the request's ``sequence_id``, ``stream_timeout=`` the flag
+    ``--stream-timeout``, and the runtime's remedies (open a new stream, close it) the protocol's
+    (``sequence_start``, ``sequence_end``). A refusal for lack of room lists the open sequences
+    and ``--max-streams``.
 """
 
 from __future__ import annotations
@@ -51,6 +60,18 @@ VERSION = "1"
 _MAX_SEQUENCE_ID = 128
 #: Sequences whose end is remembered, to say why a later step of one is refused.
 _ENDED = 4096
+#: Open sequences a refusal for lack of room names (the rest are counted).
+_SHOWN = 8
+#: The runtime's words for a stream, and the protocol's for a sequence (see Note: a client's terms).
+_TERMS = (
+    ("open a new stream for another", "start a new sequence ('sequence_start': true) for another"),
+    ("close it and open a new one", "start it again with 'sequence_start': true"),
+    ("open a new one with pipe.stream()", "start it again with 'sequence_start': true"),
+    ("close the stream", "start the sequence again with 'sequence_start': true"),
+    ("the stream can go on", "the sequence can go on"),
+    ("the stream's state", "the sequence's state"),
+    ("stream_timeout=", "--stream-timeout "),
+)
 
 SequenceId = int | str
 Outputs = dict[str, np.ndarray]
@@ -248,7 +269,7 @@ class ServedModel:
                         self._waiting -= 1
             return await asyncio.wrap_future(future)
         except (InputError, StageError) as e:
-            raise _request_error(e) from None
+            raise _request_error(e, _sequence_terms(str(e)) if self.stateful else str(e)) from None
 
     def _submit_now(self, arrays: Mapping[str, np.ndarray]) -> Future[Outputs] | None:
         try:
@@ -270,22 +291,43 @@ class ServedModel:
             try:
                 stream = self.pipe.stream()
             except StreamError as e:
-                raise RequestError(503, f"model '{self.name}' cannot start sequence {sequence.id!r}: {e}") from None
+                raise RequestError(503, f"model '{self.name}' cannot start sequence {sequence.id!r}: {self._no_room(e)}") from None
             self.sequences[sequence.id] = stream
         elif stream is None or stream.closed:
-            if stream is not None:
-                self._forget(sequence.id, stream.closed_because or "closed")
-            why = self._ended.get(sequence.id)
-            why = f" ({why})" if why else ""
-            raise bad_request(
-                f"sequence_id {sequence.id!r} names no open sequence of model '{self.name}'{why}: "
-                "the first request of a sequence must set 'sequence_start': true"
-            )
-        future = stream.submit(arrays)
+            raise self._not_open(sequence.id, stream)
+        try:
+            future = stream.submit(arrays)
+        except (StreamError, InputError) as e:
+            if stream.closed:  # it expired since the look above
+                raise self._not_open(sequence.id, stream) from None
+            raise bad_request(_sequence_terms(str(e), stream, sequence.id)) from None
         if sequence.end:
             self._forget(sequence.id, "it ended with sequence_end")
             stream.close(wait=False)  # follows the step; frees the state behind it
         return future
+
+    def _not_open(self, sid: SequenceId, stream: Stream | None) -> RequestError:
+        """The 400 for a step of a sequence that is not open (never started, ended, or expired)."""
+        if stream is not None:
+            self._forget(sid, _sequence_terms(stream.closed_because or "closed"))
+        why = self._ended.get(sid)
+        why = f" ({why})" if why else ""
+        return bad_request(
+            f"sequence_id {sid!r} names no open sequence of model '{self.name}'{why}: "
+            "the first request of a sequence must set 'sequence_start': true"
+        )
+
+    def _no_room(self, error: StreamError) -> str:
+        """Why a sequence cannot start, in a client's terms (see Note: a client's terms): the
+        sequences open, by ``sequence_id``, and the flags that free or make room."""
+        pipe = self.pipe
+        if len(pipe.open_streams) < pipe.max_streams:
+            return str(error)  # not for lack of room: the pipeline is closing
+        open_ids = [sid for sid, stream in self.sequences.items() if not stream.closed]
+        shown = ", ".join(repr(sid) for sid in open_ids[:_SHOWN]) + (f" and {len(open_ids) - _SHOWN} more" if len(open_ids) > _SHOWN else "")
+        idle = f", let one stay idle for --stream-timeout ({pipe.stream_timeout:g} s)" if pipe.stream_timeout else ""
+        return (f"{pipe.max_streams} sequences are open, the limit (--max-streams {pipe.max_streams}): sequence_ids {shown}; "
+                f"end one ('sequence_end': true){idle}, or restart the server with a larger --max-streams")
 
     def _forget(self, sid: SequenceId, why: str) -> None:
         self.sequences.pop(sid, None)
@@ -298,7 +340,7 @@ class ServedModel:
         """Close sequences idle past the stream timeout, and forget the ones closed (on the worker thread)."""
         self.pipe.close_idle_streams()
         for sid, stream in [(s, stream) for s, stream in self.sequences.items() if stream.closed]:
-            self._forget(sid, stream.closed_because or "closed")
+            self._forget(sid, _sequence_terms(stream.closed_because or "closed"))
 
     async def on_worker(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the model's worker thread, after what is queued there."""
@@ -423,12 +465,23 @@ def _config_type(port: Port) -> str:
     return "TYPE_STRING" if port.is_bytes else f"TYPE_{port.datatype}"
 
 
-def _request_error(error: InputError | StageError) -> RequestError:
-    """The status of a runtime error: the request's fault (400) or a stage's failure (500)."""
+def _request_error(error: InputError | StageError, text: str) -> RequestError:
+    """The status of a runtime error: the request's fault (400) or a stage's failure (500);
+    ``text`` says it."""
     if isinstance(error, InputError):
-        return bad_request(str(error))
+        return bad_request(text)
     if isinstance(error, StreamError) and error.stage is None:
-        return bad_request(f"{error} (parameter 'sequence_id')")
+        return bad_request(f"{text} (parameter 'sequence_id')")
     if error.stage is None:  # the pipeline closed under the request: the server is stopping
-        return RequestError(503, str(error))
-    return RequestError(500, str(error))
+        return RequestError(503, text)
+    return RequestError(500, text)
+
+
+def _sequence_terms(text: str, stream: Stream | None = None, sid: SequenceId | None = None) -> str:
+    """A runtime message about a stream, in a client's terms (see Note: a client's terms): the
+    stream named by its ``sequence_id``, the server's flags, the protocol's remedies."""
+    if stream is not None and text.startswith(f"stream {stream.id}"):
+        text = f"sequence_id {sid!r}" + text[len(f"stream {stream.id}"):]
+    for runtime, protocol in _TERMS:
+        text = text.replace(runtime, protocol)
+    return text

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError
 from onnxpipe.runtime import load
+from onnxpipe.runtime._code import CodeNotAllowedError
 from onnxpipe.serve._connections import GatedSite, default_max_connections
 from onnxpipe.serve._grpc import make_server
 from onnxpipe.serve._http import BUDGET, BodyBudget, make_app
@@ -155,6 +156,7 @@ class _Server:
             try:
                 model, note = await asyncio.to_thread(self._load, source)
             except OnnxpipeError as e:
+                e = e.for_command("onnxpipe serve", "--allow-code") if isinstance(e, CodeNotAllowedError) else e  # its flag (Note in runtime/_code.py)
                 message = f"model '{source.name}' ({source.path}): {e}"
                 if not self.options.allow_partial:
                     raise type(e)(message) from None

@@ -89,11 +89,13 @@ class ServerState:
     def live(self) -> bool:
         return not self.draining
 
-    def authorize(self, values: str | list[str] | tuple[str, ...] | None) -> None:
+    def authorize(self, values: str | list[str] | tuple[str, ...] | None, protocol: str = "http") -> None:
         """Check a request's ``Authorization`` header (gRPC: ``authorization`` metadata), in constant time.
 
         Args:
             values: Every value the request gave for it (a single one, or ``None``, is taken too).
+            protocol: ``"http"`` or ``"grpc"``: how the refusal spells what to send (gRPC metadata
+                keys are lowercase; a client sending ``Authorization`` fails before it is sent).
 
         Raises:
             RequestError: 401, no token or the wrong one (bytes that are not UTF-8 included);
@@ -102,11 +104,14 @@ class ServerState:
         if self._token is None:
             return
         given = [values] if isinstance(values, str) else list(values or ())
+        grpc = protocol == "grpc"
+        line = "'authorization: Bearer <token>'" if grpc else "'Authorization: Bearer <token>'"
         if len(given) > 1:
-            raise bad_request(f"the request has {len(given)} Authorization headers; send one: 'Authorization: Bearer <token>'")
+            what = "'authorization' metadata values" if grpc else "Authorization headers"
+            raise bad_request(f"the request has {len(given)} {what}; send one: {line}")
         scheme, _, token = (given[0] if given else "").strip().partition(" ")
         if scheme.lower() != "bearer":
-            raise RequestError(401, "this server needs a bearer token: send the header 'Authorization: Bearer <token>'")
+            raise RequestError(401, f"this server needs a bearer token: send the {'metadata' if grpc else 'header'} {line}")
         try:  # aiohttp decodes a header as UTF-8 with surrogateescape: this gives back the bytes sent
             raw = token.strip().encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:  # a surrogate that no byte decodes to: not a token of this server

@@ -172,7 +172,8 @@ def test_two_authorization_headers_are_refused_over_http(guarded: ServerProcess)
 def test_two_authorization_values_are_refused_over_grpc(guarded: ServerProcess) -> None:
     request = service_pb2.ModelInferRequest(model_name="mlp")
     for first, second in [(TOKEN, "wrong"), ("wrong", TOKEN)]:
-        _grpc_refused(guarded, request, grpc.StatusCode.INVALID_ARGUMENT, "the request has 2 Authorization headers",
+        _grpc_refused(guarded, request, grpc.StatusCode.INVALID_ARGUMENT,
+                      "the request has 2 'authorization' metadata values; send one: 'authorization: Bearer <token>'",
                       [("authorization", f"Bearer {first}"), ("authorization", f"Bearer {second}")])
 
 

@@ -101,13 +101,14 @@ def test_idle_sequences_are_freed_and_max_streams_refusals_are_503(bundles: dict
         x = _steps(1, 1)[0]
         _http_step(http, 1, x, start=True)
         _http_step(http, 2, x, start=True)
-        with pytest.raises(InferenceServerException, match=r"model 'rnn' cannot start sequence 3: max_streams=2 streams are open already") as e:
+        room = r"model 'rnn' cannot start sequence 3: 2 sequences are open, the limit \(--max-streams 2\): sequence_ids 1, 2; "
+        with pytest.raises(InferenceServerException, match=room) as e:
             _http_step(http, 3, x, start=True)
         assert e.value.status() == "503"
         time.sleep(1.0)  # idle past the timeout: freed without any request (the server's own timer)
         metrics = proc.get("/metrics")[1].decode()
         assert 'onnxpipe_open_streams{model="rnn"} 0.0' in metrics
-        idle = r"sequence_id 1 names no open sequence of model 'rnn' \(it was idle for more than stream_timeout=0.3 s"
+        idle = r"sequence_id 1 names no open sequence of model 'rnn' \(it was idle for more than --stream-timeout 0.3 s"
         with pytest.raises(InferenceServerException, match=idle):
             _http_step(http, 1, x)
         _http_step(http, 3, x, start=True, end=True)

@@ -1,0 +1,175 @@
+"""Messages that send a client or a deployer the right way (issue 29, item 6), from a real server:
+a bundle's code refused names ``onnxpipe serve``'s ``--allow-code`` and the pattern; sequence refusals
+name the client's ``sequence_id``s and the server's flags (``--max-streams``, ``--stream-timeout``),
+never the pipeline's stream numbers or ``load()``'s arguments; the gRPC 401 says to send the
+lowercase ``authorization`` metadata, the HTTP one the ``Authorization`` header. Each message's
+advice is then followed, and works."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from onnxpipe import runtime
+from onnxpipe.serve import RequestError
+from onnxpipe.serve._models import Sequence, ServedModel
+from tests.serve.conftest import serve_args
+from tests.serve.process import ServerProcess
+
+TOKEN = "messages-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TIMEOUT_S = 2.0
+#: The code stage of the ``labelled`` bundle, as the refusal names it and the pattern that allows it.
+LABEL = "'tests.code_stages:label' (stage 'label')"
+ALLOW = "--allow-code 'tests.code_stages:label'"
+
+
+@pytest.fixture(scope="module")
+def guarded(bundles: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """``rnn`` (state per sequence) and ``mlp``, behind a token, two sequences at most, idle ones freed after TIMEOUT_S."""
+    root = tmp_path_factory.mktemp("messages")
+    (root / "token").write_text(TOKEN)
+    with ServerProcess(*serve_args(bundles, "rnn", "mlp"), "--auth-token-file", root / "token", "--max-streams", "2",
+                       "--stream-timeout", str(TIMEOUT_S)) as proc:
+        proc.start(root / "serve.log")
+        yield proc
+        assert proc.stop() == 0, proc.log()
+
+
+def _x(rows: int = 1) -> np.ndarray:
+    return np.linspace(-1, 1, 4 * rows, dtype=np.float32).reshape(rows, 4)
+
+
+def _step(client: Any, module: Any, sid: int | str, x: np.ndarray, **flags: bool) -> Any:
+    tensor = module.InferInput("x", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    headers = {"authorization": AUTH["Authorization"]} if module is grpcclient else AUTH
+    return client.infer("rnn", [tensor], sequence_id=sid, headers=headers, **flags)
+
+
+def _refused(call: Any, *args: Any, **kwargs: Any) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as e:
+        call(*args, **kwargs)
+    return e.value
+
+
+def _wait_exit(proc: ServerProcess, seconds: float = 90) -> int:
+    assert proc.proc is not None
+    return proc.proc.wait(seconds)
+
+
+# -- the code a bundle runs ----------------------------------------------------------------------
+
+
+def test_serve_refusing_code_names_its_flag_and_the_pattern(bundles: dict[str, Path], tmp_path: Path) -> None:
+    with ServerProcess(*serve_args(bundles, "labelled")) as proc:
+        proc.start(tmp_path / "refused.log", wait=False)
+        assert _wait_exit(proc) == 1, proc.log()
+    error = [line for line in proc.log().splitlines() if line.startswith("error: ")]
+    assert error == [f"error: model 'labelled' ({bundles['labelled']}): the pipeline runs Python this host has not allowed: {LABEL}; "
+                     f"nothing is allowed by default; allow it: onnxpipe serve ... {ALLOW} (fnmatch patterns: 'mypkg.*' allows a whole package)"], proc.log()
+    assert "onnxpipe run" not in proc.log() and "allow_code=" not in proc.log()
+    with ServerProcess(*serve_args(bundles, "labelled", "twoout"), "--allow-partial") as proc:  # the same words for a model left out
+        proc.start(tmp_path / "partial.log")
+        assert f"not serving model 'labelled' ({bundles['labelled']}): the pipeline runs Python this host has not allowed: {LABEL}" in proc.log()
+        assert f"allow it: onnxpipe serve ... {ALLOW}" in proc.log()
+        assert proc.stop() == 0
+    with ServerProcess(*serve_args(bundles, "labelled"), "--allow-code", "tests.code_stages:label") as proc:  # as it says
+        proc.start(tmp_path / "allowed.log")
+        assert proc.get("/v2/models/labelled/ready")[0] == 200
+        assert proc.stop() == 0
+
+
+# -- sequences -----------------------------------------------------------------------------------
+
+
+def test_a_sequence_refused_for_room_names_the_open_sequence_ids_and_max_streams(guarded: ServerProcess) -> None:
+    http = httpclient.InferenceServerClient(guarded.http)
+    grpc = grpcclient.InferenceServerClient(guarded.grpc)
+    _step(http, httpclient, 11, _x(), sequence_start=True)
+    _step(grpc, grpcclient, "user-7", _x(), sequence_start=True)
+    room = (f"model 'rnn' cannot start sequence 13: 2 sequences are open, the limit (--max-streams 2): sequence_ids 11, 'user-7'; "
+            f"end one ('sequence_end': true), let one stay idle for --stream-timeout ({TIMEOUT_S:g} s), or restart the server with a larger --max-streams")
+    refused = _refused(_step, http, httpclient, 13, _x(), sequence_start=True)
+    assert (refused.status(), refused.message()) == ("503", room)
+    refused = _refused(_step, grpc, grpcclient, 13, _x(), sequence_start=True)
+    assert refused.status() == "StatusCode.UNAVAILABLE" and refused.message() == room
+    for words in ("ids 0", "max_streams=", "load the pipeline"):
+        assert words not in room
+    # a step sizing the state otherwise: named by its sequence_id, with the protocol's remedy
+    refused = _refused(_step, http, httpclient, 11, _x(2))
+    assert (refused.status(), refused.message()) == ("400", "sequence_id 11, step 1: input 'x' has batch=2, but the sequence's state was made with "
+                                                            "batch=1 on its first step; start a new sequence ('sequence_start': true) for another batch")
+    _step(http, httpclient, 11, _x(), sequence_end=True)  # as the first refusal says: end one, and there is room
+    _step(http, httpclient, 13, _x(), sequence_start=True)
+    time.sleep(TIMEOUT_S + 1.5)  # idle past --stream-timeout: freed by the server's timer
+    refused = _refused(_step, grpc, grpcclient, "user-7", _x())
+    assert refused.message() == (f"sequence_id 'user-7' names no open sequence of model 'rnn' (it was idle for more than --stream-timeout {TIMEOUT_S:g} s, "
+                                 "and its state was freed): the first request of a sequence must set 'sequence_start': true")
+    _step(grpc, grpcclient, "user-7", _x(), sequence_start=True, sequence_end=True)  # as it says
+
+
+class _FailOnce:
+    """A session whose next run fails (as tests/runtime/test_streams.py injects one)."""
+
+    def __init__(self, session: Any) -> None:
+        self.session, self.armed = session, True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
+
+    def run(self, *args: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected failure")
+        return self.session.run(*args)
+
+
+def test_a_sequence_whose_state_is_lost_says_to_start_it_again(bundles: dict[str, Path]) -> None:
+    """A step failing after an earlier stage took it (a stage failure cannot be asked of a real
+    server): the served model says it in the protocol's terms, the step's 500 and the next step's 400."""
+    with runtime.load(bundles["rnn"]) as pipe:
+        model = ServedModel("rnn", bundles["rnn"], pipe, max_inflight=4)
+
+        async def step(**flags: bool) -> Any:
+            return await model.infer({"x": _x()}, Sequence(5, **flags))
+
+        try:
+            asyncio.run(step(start=True))
+            stage1 = pipe._engine.runners()[1][0]
+            stage1.session = _FailOnce(stage1.session)
+            with pytest.raises(RequestError) as failed:
+                asyncio.run(step())
+            assert failed.value.status == 500
+            assert str(failed.value).endswith("the sequence's state is no longer valid: stage(s) 'stage0' took step 1 and stage 'stage1' did not; "
+                                              "start the sequence again with 'sequence_start': true"), failed.value
+            with pytest.raises(RequestError) as refused:
+                asyncio.run(step())
+            assert (refused.value.status, str(refused.value)) == (400, "sequence_id 5 cannot take more steps: step 1 failed in stage 'stage1' after stage(s) "
+                                                                       "'stage0' had updated their state; start it again with 'sequence_start': true")
+            asyncio.run(step(start=True, end=True))  # as it says
+        finally:
+            model._worker.shutdown(wait=True)
+
+
+# -- the token -----------------------------------------------------------------------------------
+
+
+def test_grpc_401_says_lowercase_metadata_and_http_the_header(guarded: ServerProcess) -> None:
+    grpc = grpcclient.InferenceServerClient(guarded.grpc)
+    refused = _refused(grpc.get_model_metadata, "mlp")
+    assert refused.status() == "StatusCode.UNAUTHENTICATED"
+    assert refused.message() == "this server needs a bearer token: send the metadata 'authorization: Bearer <token>'"
+    assert grpc.get_model_metadata("mlp", headers={"authorization": f"Bearer {TOKEN}"}).name == "mlp"  # as it says
+    status, body = guarded.get("/v2/models/mlp")
+    assert (status, body) == (401, b'{"error":"this server needs a bearer token: send the header \'Authorization: Bearer <token>\'"}')
+    assert guarded.get("/v2/models/mlp", headers=AUTH)[0] == 200
