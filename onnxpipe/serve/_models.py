@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -147,11 +148,14 @@ class ModelPorts:
         name: The model's name.
         inputs: Its input ports by name, in order.
         outputs: Its output ports by name, in order.
+        max_batch_size: The ``max_batch_size`` its config reports (``ServedModel.batching``): a
+            request holds at most that many rows (dim 0), as Triton refuses more; 0: any.
     """
 
     name: str
     inputs: dict[str, Port]
     outputs: dict[str, Port]
+    max_batch_size: int = 0
 
     def input_port(self, name: str, given: Mapping[str, object]) -> Port:
         """The port of a request's input ``name``, not given before (``given``: the inputs so far).
@@ -191,6 +195,11 @@ class ModelPorts:
         if missing:
             names = ", ".join(repr(n) for n in missing)
             raise bad_request(f"model '{self.name}': missing input(s) {names}; it takes {', '.join(repr(n) for n in self.inputs)}")
+        if self.max_batch_size:
+            for name, array in given.items():
+                if array.ndim and array.shape[0] > self.max_batch_size:
+                    raise bad_request(f"input '{name}' has {array.shape[0]} rows (dim 0); model '{self.name}' takes at most {self.max_batch_size} "
+                                      "(its config's max_batch_size): send them in requests of that many")
         sizes: dict[str, tuple[int, str]] = {}
         for name, port in self.inputs.items():
             for axis, d in enumerate(port.shape or ()):
@@ -225,6 +234,8 @@ class ServedModel:
         self.inputs, self.outputs = self.ports.inputs, self.ports.outputs
         self.input_port, self.output_port, self.check_complete = self.ports.input_port, self.ports.output_port, self.ports.check_complete
         self.stateful = bool(spec.states)
+        self.ports = dataclasses.replace(self.ports, max_batch_size=self.batching()[0])  # the config's, enforced as Triton does
+        self.input_port, self.output_port, self.check_complete = self.ports.input_port, self.ports.output_port, self.ports.check_complete
         self.counters = _Counters()
         self.sequences: dict[SequenceId, Stream] = {}
         self._ended: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()  # the last _ENDED, and why

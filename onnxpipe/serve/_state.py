@@ -123,7 +123,7 @@ class ServerState:
         """The served model ``name`` at ``version`` ("" or "1").
 
         Raises:
-            RequestError: 400 for an unknown model (as Triton), 503 for one loading or failed to
+            RequestError: 404 for an unknown model (as Triton 2.51 and KServe), 503 for one loading or failed to
                 load, 404 for an unknown version.
         """
         model = self.models.get(name)
@@ -132,7 +132,7 @@ class ServerState:
                 raise RequestError(503, f"model '{name}' is not available: it failed to load: {self.failed[name]}")
             if name in self.names:
                 raise RequestError(503, f"model '{name}' is not ready yet: it is loading")
-            raise bad_request(f"unknown model {shown(name)}; {near(name, self.names)}")
+            raise RequestError(404, f"unknown model {shown(name)}; {near(name, self.names)}")  # as Triton 2.51 and KServe answer
         if version not in ("", VERSION):
             raise RequestError(404, f"model '{name}' has no version {shown(version)}; versions: {VERSION}")
         return model

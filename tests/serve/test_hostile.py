@@ -104,7 +104,7 @@ def test_a_bad_request_gets_one_4xx_naming_what_is_wrong(server: ServerProcess, 
 
 def test_unknown_models_versions_and_paths_are_named(server: ServerProcess) -> None:
     unknown = b'{"error":"unknown model \'nope\'; valid: \'labelled\', \'mlp\', \'rnn\', \'squeeze\', \'twoout\'"}'
-    assert server.request("POST", "/v2/models/nope/infer", _infer({**X[0], "data": [0] * 4})) == (400, unknown)
+    assert server.request("POST", "/v2/models/nope/infer", _infer({**X[0], "data": [0] * 4})) == (404, unknown)  # as Triton 2.51 and KServe
     assert server.request("POST", "/v2/models/twoout/versions/2/infer", b"{}") == (404, b'{"error":"model \'twoout\' has no version \'2\'; versions: 1"}')
     assert server.get("/v2/models/twoout/versions/1/ready")[0] == 200
     assert server.get("/v2/nothing") == (404, b'{"error":"Not Found"}')
@@ -170,7 +170,7 @@ def test_bad_grpc_requests_get_the_status_triton_maps_them_to(server: ServerProc
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
     with pytest.raises(InferenceServerException, match=r"unknown model 'nope'") as e:
         client.get_model_metadata("nope")
-    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert e.value.status() == "StatusCode.NOT_FOUND"
     with pytest.raises(InferenceServerException, match=r"model 'twoout' has no version '3'") as e:
         client.get_model_config("twoout", "3")
     assert e.value.status() == "StatusCode.NOT_FOUND"
@@ -233,3 +233,17 @@ def test_grpc_model_ready_of_a_model_not_served_is_not_ready_not_an_error(server
     assert client.is_model_ready("twoout") is True
     assert client.is_model_ready("nope") is False
     assert client.is_model_ready("twoout", "7") is False
+
+
+def test_a_request_over_the_configs_max_batch_size_is_refused_as_triton_refuses_it(server: ServerProcess) -> None:
+    """``mlp`` batches (max_batch 8): its config says ``max_batch_size: 8``, so a request of 9 rows
+    is a 400 naming the limit, and one of 8 is answered."""
+    assert json.loads(server.get("/v2/models/mlp/config")[1])["max_batch_size"] == 8
+
+    def ids(rows: int) -> bytes:  # ids [batch, n]: n = 4 here
+        return json.dumps({"inputs": [{"name": "ids", "datatype": "INT64", "shape": [rows, 4], "data": [1] * (rows * 4)}]}).encode()
+
+    assert server.request("POST", "/v2/models/mlp/infer", ids(8))[0] == 200
+    status, answer = server.request("POST", "/v2/models/mlp/infer", ids(9))
+    assert status == 400 and json.loads(answer) == {
+        "error": "input 'ids' has 9 rows (dim 0); model 'mlp' takes at most 8 (its config's max_batch_size): send them in requests of that many"}
