@@ -80,6 +80,8 @@ _IDLE_TIMEOUT = 30.0
 @click.option("--json-workers", default=1, show_default=True, type=click.IntRange(min=0), metavar="N",
               help="Processes that decode JSON requests of 1 MiB or more, so the event loop never waits on them (0: a thread).")
 @click.option("--allow-partial", is_flag=True, help="Serve the models that load even if some fail (each failure is printed; those models answer 503).")
+@click.option("--strict-readiness", is_flag=True,
+              help="With --allow-partial: /v2/health/ready (and gRPC ServerReady) answer not ready while a model failed to load (Triton's flag).")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Do not run the bundles' reference samples at load.")
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
 def serve(
@@ -104,6 +106,7 @@ def serve(
     max_connections: int | None,
     json_workers: int,
     allow_partial: bool,
+    strict_readiness: bool,
     no_verify: bool,
     access_log: bool,
 ) -> None:
@@ -159,6 +162,7 @@ def serve(
         max_connections=max_connections,
         json_workers=json_workers,
         allow_partial=allow_partial,
+        strict_readiness=strict_readiness,
         verify=not no_verify,
         access_log=access_log,
         **where_run,

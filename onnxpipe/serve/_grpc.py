@@ -84,7 +84,7 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
         return pb.ServerLiveResponse(live=state.live)
 
     async def server_ready(_: Any) -> Message:
-        return pb.ServerReadyResponse(ready=state.ready and not state.draining)
+        return pb.ServerReadyResponse(ready=state.serves)
 
     async def model_ready(r: Any) -> Message:
         # A model that is not served (unknown, loading, failed, another version) is not ready: an answer, not an error (as Triton).

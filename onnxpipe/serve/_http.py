@@ -113,7 +113,7 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
         return _json({"live": state.live}, 200 if state.live else 400)
 
     async def ready(request: web.Request) -> web.StreamResponse:
-        ok = state.ready and not state.draining
+        ok = state.serves
         return _json({"ready": ok}, 200 if ok else 400)
 
     async def server_metadata(request: web.Request) -> web.StreamResponse:

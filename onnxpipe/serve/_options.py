@@ -90,6 +90,9 @@ class ServeOptions:
             ``None``: half the file descriptors the process may open, less 64.
         json_workers: Processes that decode JSON requests of 1 MiB or more, off the event loop
             (``_jsonwork``, Note: a JSON worker); 0: decode them on a thread of the server.
+        strict_readiness: With ``allow_partial``, answer not ready while a model failed to load
+            (Triton's ``--strict-readiness``): the server serves what loaded, and an orchestrator
+            sees that something is wrong.
     """
 
     host: str = "127.0.0.1"
@@ -113,6 +116,7 @@ class ServeOptions:
     idle_timeout: float = 30.0
     max_connections: int | None = None
     json_workers: int = 1
+    strict_readiness: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -89,6 +89,12 @@ class ServerState:
     def live(self) -> bool:
         return not self.draining
 
+    @property
+    def serves(self) -> bool:
+        """Whether the server answers ready: every model loaded (or, with ``allow_partial``, those
+        that could), not draining, and with ``strict_readiness`` no model that failed to load."""
+        return self.ready and not self.draining and not (self.options.strict_readiness and self.failed)
+
     def authorize(self, values: str | list[str] | tuple[str, ...] | None, protocol: str = "http") -> None:
         """Check a request's ``Authorization`` header (gRPC: ``authorization`` metadata), in constant time.
 

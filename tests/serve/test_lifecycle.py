@@ -139,6 +139,21 @@ def test_allow_partial_serves_what_loads_and_names_what_did_not(bundles: dict[st
         assert proc.stop() == 0
 
 
+def test_strict_readiness_answers_not_ready_while_a_model_failed_and_serves_the_rest(bundles: dict[str, Path], tmp_path: Path) -> None:
+    """Triton's --strict-readiness: with --allow-partial, what loaded is served, and readiness (HTTP
+    and gRPC) says something is wrong; without it the server is ready (the test above)."""
+    with ServerProcess(*serve_args(bundles, "twoout", "labelled"), "--allow-partial", "--strict-readiness") as proc:
+        proc.start(tmp_path / "serve.log", wait=False)
+        deadline = time.monotonic() + 60
+        while proc.get("/v2/models/twoout/ready")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.get("/v2/models/twoout/ready")[0] == 200
+        assert proc.get("/v2/health/ready") == (400, b'{"ready":false}')
+        assert proc.get("/v2/health/live") == (200, b'{"live":true}')
+        assert grpcclient.InferenceServerClient(proc.grpc).is_server_ready() is False
+        assert proc.stop() == 0
+
+
 def test_the_token_guards_everything_but_health_on_both_protocols(bundles: dict[str, Path], tmp_path: Path) -> None:
     token = tmp_path / "token.txt"
     token.write_text("s3cret-token\n")
