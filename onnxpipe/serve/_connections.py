@@ -53,7 +53,6 @@ class Gate:
     def __init__(self, server: web.Server, most: int) -> None:
         self.server = server
         self.most = most
-        self.refused = 0
         self._logged_at = 0.0
         self._unlogged = 0
 
@@ -69,7 +68,6 @@ class Gate:
         return _JsonErrors(self.server, loop=self.server._loop, **self.server._kwargs)
 
     def _refuse(self) -> None:
-        self.refused += 1
         self._unlogged += 1
         now = time.monotonic()
         if now - self._logged_at >= 1.0:

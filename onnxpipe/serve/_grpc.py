@@ -20,9 +20,8 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from onnxpipe._errors import OnnxpipeError
-from onnxpipe.serve._connections import default_max_connections
 from onnxpipe.serve._errors import RequestError, bad_request
-from onnxpipe.serve._models import VERSION, Outputs, ServedModel, sequence_of
+from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of
 from onnxpipe.serve._proto import oip_pb2 as pb
 from onnxpipe.serve._state import Decoded, ServerState
 from onnxpipe.serve._tensors import check_shape, from_binary, from_contents, to_binary
@@ -34,7 +33,7 @@ log = logging.getLogger("onnxpipe.serve")
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
 
 
-def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]:
+def make_server(state: ServerState, address: str, max_connections: int) -> tuple[grpc.aio.Server, int]:
     """The asyncio gRPC server of ``state``'s models, bound (not started) to ``address``.
 
     Returns:
@@ -49,7 +48,7 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),
         # As the HTTP listener's (see Note: connections in _connections): more connections are closed at once, idle ones after the timeout.
-        ("grpc.max_allowed_incoming_connections", o.max_connections or default_max_connections()),
+        ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.max_connection_idle_ms", int(o.idle_timeout * 1000)),
     ])
 
@@ -106,7 +105,7 @@ def make_server(state: ServerState, address: str) -> tuple[grpc.aio.Server, int]
 
     async def model_infer(r: Any) -> Message:
         model = state.model(r.model_name, r.model_version)
-        return await state.infer(model, "grpc", lambda: _decode(model, r), lambda d, o: _encode(model, d, o), sum(len(c) for c in r.raw_input_contents))
+        return await state.infer(model, "grpc", lambda: _decode(model.ports, r), lambda d, o: _encode(model, d, o), sum(len(c) for c in r.raw_input_contents))
 
     handlers = {
         "ServerLive": method(server_live, pb.ServerLiveRequest, pb.ServerLiveResponse, open_to_all=True),
@@ -141,7 +140,7 @@ def _parameters(params: Any) -> dict[str, Any]:
     return plain
 
 
-def _decode(model: ServedModel, r: Any) -> Decoded:
+def _decode(model: ModelPorts, r: Any) -> Decoded:
     raw = r.raw_input_contents
     if raw and len(raw) != len(r.inputs):
         raise bad_request(f"raw_input_contents has {len(raw)} entries for {len(r.inputs)} inputs: give one per input, in order, or none")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -229,13 +228,11 @@ class ServedModel:
         self.max_inflight = max_inflight
         self.inflight = 0
         spec = pipe.spec
-        self.ports = ModelPorts(name, {t.name: port_of(t, f"model '{name}': input") for t in spec.inputs},
-                                {t.name: port_of(t, f"model '{name}': output") for t in spec.outputs})
-        self.inputs, self.outputs = self.ports.inputs, self.ports.outputs
-        self.input_port, self.output_port, self.check_complete = self.ports.input_port, self.ports.output_port, self.ports.check_complete
+        self.inputs = {t.name: port_of(t, f"model '{name}': input") for t in spec.inputs}
+        self.outputs = {t.name: port_of(t, f"model '{name}': output") for t in spec.outputs}
         self.stateful = bool(spec.states)
-        self.ports = dataclasses.replace(self.ports, max_batch_size=self.batching()[0])  # the config's, enforced as Triton does
-        self.input_port, self.output_port, self.check_complete = self.ports.input_port, self.ports.output_port, self.ports.check_complete
+        #: What decoding a request checks it against; max_batch_size the config's, enforced as Triton does.
+        self.ports = ModelPorts(name, self.inputs, self.outputs, self.batching()[0])
         self.counters = _Counters()
         self.sequences: dict[SequenceId, Stream] = {}
         self._ended: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()  # the last _ENDED, and why

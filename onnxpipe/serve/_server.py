@@ -101,6 +101,7 @@ class _Server:
         http_socket = _bind(options.host, options.http_port)
         grpc_server = None
         workers = JsonWorkers(options.json_workers)
+        cap = options.max_connections or default_max_connections()  # each listener's, HTTP's and gRPC's
         runner = web.AppRunner(
             make_app(state, workers),
             handle_signals=False,
@@ -112,13 +113,13 @@ class _Server:
         try:
             if options.grpc_port:
                 try:
-                    grpc_server, _ = make_server(state, f"{_url_host(options.host)}:{options.grpc_port}")
+                    grpc_server, _ = make_server(state, f"{_url_host(options.host)}:{options.grpc_port}", cap)
                 except (OSError, RuntimeError) as e:
                     where = f"{options.host}:{options.grpc_port}"
                     raise ConfigError(f"cannot listen on {where} (gRPC): {e}; choose another --grpc-port, or 0 for no gRPC") from None
                 await grpc_server.start()
             await runner.setup()
-            await GatedSite(runner, http_socket, options.max_connections or default_max_connections(), _BACKLOG).start()
+            await GatedSite(runner, http_socket, cap, _BACKLOG).start()
             await self._load_all()
             await asyncio.to_thread(workers.start)
             if not self._signals:

@@ -231,14 +231,16 @@ def split(
     pairs: list[StatePair] = []
     constants: dict[str, int] = {}
     fixed_notes: list[str] = []
+    input_specs = [tensor_spec(types[n]) for n in index.inputs]
+    head_dims = genai_head_dims(input_specs, folder)  # onnxruntime-genai's kv_cache_dim, from its genai_config.json
     if states is not None:
-        pairs = pair_states([tensor_spec(types[n]) for n in index.inputs], [tensor_spec(types[n]) for n in index.outputs], states)
+        pairs = pair_states(input_specs, [tensor_spec(types[n]) for n in index.outputs], states)
         state_inputs = {p.input for p in pairs}
-        named = {d for n in index.inputs if n not in state_inputs for d in (tensor_spec(types[n]).shape or ()) if isinstance(d, str)}
+        named = {d for t in input_specs if t.name not in state_inputs for d in (t.shape or ()) if isinstance(d, str)}
         sized = {**(getattr(policy, "dims", None) or {}), **(dims or {})}  # a profiling policy's dims size them too (split --auto --dim)
-        constants, fixed_notes = fixed_state_dims(pairs, [tensor_spec(types[n]) for n in index.inputs], named, sized, folder)
+        constants, fixed_notes = fixed_state_dims(pairs, input_specs, named, sized, head_dims)
         types = _with_dims_fixed(types, constants)  # see Note: a state's constant dims (_states)
-    profiled = {**genai_head_dims([tensor_spec(types[n]) for n in index.inputs], folder), **constants}
+    profiled = {**head_dims, **constants}
     if policy is not None and profiled and isinstance(getattr(policy, "dims", None), Mapping):
         policy = dataclasses.replace(policy, dims={**profiled, **policy.dims})  # type: ignore[type-var, attr-defined]  # profiled with them
     auto = None

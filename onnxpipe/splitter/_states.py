@@ -163,10 +163,10 @@ def check_together(pairs: Sequence[StatePair], readers: Mapping[str, Sequence[in
 
 
 def fixed_state_dims(pairs: Sequence[StatePair], inputs: Sequence[TensorSpec], named: set[str], dims: Mapping[str, int] | None,
-                     folder: Path | None) -> tuple[dict[str, int], list[str]]:
+                     head_dims: Mapping[str, int]) -> tuple[dict[str, int], list[str]]:
     """Sizes for the symbolic dims of state inputs that no other pipeline input names (onnxruntime-genai's
-    ``kv_cache_dim``): from ``dims`` (``--dim kv_cache_dim=64``) or, for a last axis, from the
-    ``head_size`` of a ``genai_config.json`` beside the model. The split fixes them in every stage
+    ``kv_cache_dim``): from ``dims`` (``--dim kv_cache_dim=64``) or from ``head_dims`` (a cache's head
+    dim sized by the ``genai_config.json`` beside the model: :func:`genai_head_dims`). The split fixes them in every stage
     (they are a layer's constant, not a stream's), so a stream's first state has a size.
 
     Note: a state's constant dims.
@@ -183,7 +183,6 @@ def fixed_state_dims(pairs: Sequence[StatePair], inputs: Sequence[TensorSpec], n
         SplitError: such a dim has no size from either, saying to give it with ``--dim``.
     """
     by_name = {t.name: t for t in inputs}
-    head_size = _genai_head_size(folder)
     given = dict(dims or {})
     sizes: dict[str, int] = {}
     notes: list[str] = []
@@ -195,9 +194,9 @@ def fixed_state_dims(pairs: Sequence[StatePair], inputs: Sequence[TensorSpec], n
             if d in given:
                 sizes[d] = int(given[d])
                 notes.append(f"state dim '{d}' fixed at {sizes[d]} in every stage (given)")
-            elif head_size is not None and axis == len(shape) - 1:
-                sizes[d] = head_size
-                notes.append(f"state dim '{d}' fixed at {head_size} in every stage (head_size of genai_config.json)")
+            elif d in head_dims:
+                sizes[d] = head_dims[d]
+                notes.append(f"state dim '{d}' fixed at {sizes[d]} in every stage (head_size of genai_config.json)")
             else:
                 raise SplitError(
                     f"state input '{pair.input}' {_fmt(shape)}: dim {axis} ('{d}') is named by no other input, so a stream's first state has no "
