@@ -164,3 +164,71 @@ def labelled() -> Any:
     code.output("label").connect(cfg.output("label"))
     code.output("score").connect(cfg.output("score"))
     return cfg
+
+
+def png(pixels: np.ndarray) -> bytes:
+    """An 8-bit RGB PNG of ``pixels`` (H x W x 3 uint8), unfiltered: a real encoded image, written
+    with the standard library only (its signature's 0x89 is not UTF-8)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    height, width, _ = pixels.shape
+    rows = b"".join(b"\x00" + pixels[y].tobytes() for y in range(height))  # filter type 0 on every row
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def decode_png(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """``image[1]`` (bytes: a PNG as :func:`png` writes it) -> ``pixels[H, W, 3]`` (uint8), the
+    file's ``signature[1]`` (its first 8 bytes, raw, to travel back as BYTES) and its ``size[1]``."""
+    import struct
+    import zlib
+
+    data = inputs["image"][0]
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("not a PNG")
+    width, height = struct.unpack(">II", data[16:24])
+    at, idat = 8, b""
+    while data[at + 4 : at + 8] != b"IEND":
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        if data[at + 4 : at + 8] == b"IDAT":
+            idat += data[at + 8 : at + 8 + length]
+        at += 12 + length
+    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(height, 1 + width * 3)
+    signature = np.array([data[:8]], dtype=object)
+    return {"pixels": rows[:, 1:].reshape(height, width, 3).copy(), "signature": signature, "size": np.array([len(data)], np.int64)}
+
+
+def decoded() -> Any:
+    """``image[1] (bytes) -> decode (code: decode_png) -> pixels -> mean (ONNX: per-channel mean of the
+    pixels as float) -> mean[3]``, and the PNG's ``signature[1]`` (bytes) and ``size[1]`` out: Triton's ensemble front."""
+    import onnx
+
+    from onnxpipe.builder import PipelineConfig
+    from onnxpipe.runtime import TensorSpec
+
+    model = onnx.parser.parse_model(
+        """<ir_version: 8, opset_import: ["" : 18]>
+        mean (uint8[H, W, 3] pixels) => (float[3] mean) {
+            f = Cast <to = 1> (pixels)
+            axes = Constant <value = int64[2] {0, 1}> ()
+            mean = ReduceMean <keepdims = 0> (f, axes)
+        }"""
+    )
+    cfg = PipelineConfig("decoded")
+    decode = cfg.add_python_stage(
+        "tests.code_stages:decode_png",
+        inputs=[TensorSpec("image", "bytes", (1,))],
+        outputs=[TensorSpec("pixels", "uint8", ("H", "W", 3)), TensorSpec("signature", "bytes", (1,)), TensorSpec("size", "int64", (1,))],
+        name="decode",
+    )
+    mean = cfg.add_stage(model, "mean")
+    cfg.input("image").connect(decode.input("image"))
+    decode.output("pixels").connect(mean.input("pixels"))
+    mean.output("mean").connect(cfg.output("mean"))
+    decode.output("signature").connect(cfg.output("signature"))
+    decode.output("size").connect(cfg.output("size"))
+    return cfg

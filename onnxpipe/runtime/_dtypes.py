@@ -4,13 +4,23 @@ The bundle spec names element types by short strings (``"float32"``, ``"int64"``
 ONNX's ``TensorProto.DataType`` numbers and onnxruntime's ``tensor(...)`` strings to those names, and the
 names to numpy dtypes where numpy has one. The ONNX numbers are fixed by the ONNX spec, so no onnx
 import is needed here.
+
+Note: raw bytes.
+    ONNX's strings are text: onnxruntime takes and gives ``string`` tensors as numpy ``object``
+    arrays of ``str``, and the server decodes a BYTES tensor for one as UTF-8. A code stage may
+    ask for the bytes themselves instead (an encoded image, a protobuf, a compressed blob: Triton's
+    usual ensemble front, whose Python backend gets ``bytes``) by declaring a port ``bytes``: an
+    ``object`` array of ``bytes``, which travels as BYTES on the wire, unchecked, and is never
+    decoded. ONNX has no such type, so only code stages' ports may be ``bytes`` (:data:`CODE_DTYPES`);
+    a link from a ``bytes`` output to an ONNX stage's ``string`` input is a dtype mismatch, as it
+    would be in onnxruntime.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DTYPES", "dtype_from_onnx", "dtype_from_ort", "itemsize", "numpy_dtype", "ort_type"]
+__all__ = ["CODE_DTYPES", "DTYPES", "dtype_from_onnx", "dtype_from_ort", "itemsize", "numpy_dtype", "ort_type"]
 
 # ONNX TensorProto.DataType number -> onnxpipe name (the ORT type string is "tensor(<ort name>)").
 _ONNX: dict[int, tuple[str, str]] = {
@@ -39,10 +49,12 @@ _ONNX: dict[int, tuple[str, str]] = {
     23: ("float4e2m1", "float4e2m1"),
 }
 
-DTYPES: tuple[str, ...] = tuple(name for name, _ in _ONNX.values())
-_TO_ORT = {name: f"tensor({ort})" for name, ort in _ONNX.values()}
-_FROM_ORT = {ort: name for name, ort in _TO_ORT.items()}
-_NUMPY = {"string": np.dtype(object)}
+#: Dtypes only code stages' ports may have (see Note: raw bytes).
+CODE_DTYPES: tuple[str, ...] = ("bytes",)
+DTYPES: tuple[str, ...] = (*(name for name, _ in _ONNX.values()), *CODE_DTYPES)
+_FROM_ORT = {f"tensor({ort})": name for name, ort in _ONNX.values()}
+_TO_ORT = {**{name: ort for ort, name in _FROM_ORT.items()}, "bytes": "tensor(string)"}  # as the drop-in session reports a bytes input
+_NUMPY = {"string": np.dtype(object), "bytes": np.dtype(object)}
 
 
 def dtype_from_onnx(elem_type: int) -> str:
@@ -99,11 +111,11 @@ _SUB_BYTE = {"uint4": 1, "int4": 1, "float4e2m1": 1}  # packed two per byte; cou
 
 
 def itemsize(name: str) -> int:
-    """Bytes per element of a dtype name (strings count as 8, a pointer; 4-bit types as 1)."""
+    """Bytes per element of a dtype name (strings and bytes count as 8, a pointer; 4-bit types as 1)."""
     if name in _SUB_BYTE:
         return _SUB_BYTE[name]
     if name.startswith("float8"):
         return 1
     if name == "bfloat16":
         return 2
-    return 8 if name == "string" else numpy_dtype(name).itemsize
+    return 8 if name in ("string", "bytes") else numpy_dtype(name).itemsize

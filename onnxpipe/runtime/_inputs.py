@@ -54,7 +54,8 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
     (a code stage's outputs: its declared contract). A name that means "unknown"
     (:data:`UNKNOWN_DIM_NAMES`) never binds. Values are never cast: a float64 array for a float32
     input is an error, since a silent cast would hide a caller's mistake and cost a copy per
-    request; numpy's own str arrays are taken for a string input (as an ``object`` array of ``str``).
+    request; numpy's own str arrays are taken for a string input (as an ``object`` array of ``str``),
+    and a code stage's ``bytes`` input takes an ``object`` array of ``bytes`` only (Note: raw bytes).
 
     Args:
         specs: What the pipeline (or a parameter group) declares.
@@ -78,11 +79,13 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
         value = feeds[spec.name]
         array = value if isinstance(value, np.ndarray) else np.asarray(value)
         want = _numpy(spec, what)
-        if want.kind == "O" and array.dtype.kind == "U":  # numpy's own str arrays (np.array(["a"])): onnxruntime's string tensors are object arrays of str
+        raw = spec.dtype == "bytes"  # see Note: raw bytes (runtime/_dtypes.py)
+        if want.kind == "O" and array.dtype.kind == "U" and not raw:  # numpy's own str arrays (np.array(["a"])): string tensors are object arrays of str
             array = array.astype(object)
         if array.dtype != want:
-            hint = " (a numpy object array of str, np.array([...], dtype=object), or numpy's own str array)" if want.kind == "O" else ""
-            raise InputError(f"{what} '{spec.name}' has dtype {array.dtype}; expected {spec.dtype}{hint}")
+            raise InputError(f"{what} '{spec.name}' has dtype {array.dtype}; expected {spec.dtype}{_object_hint(spec) if want.kind == 'O' else ''}")
+        if raw:
+            _check_bytes(spec, array, what)
         if spec.shape is not None:
             if array.ndim != len(spec.shape):
                 raise InputError(f"{what} '{spec.name}' has shape {list(array.shape)}; expected rank {len(spec.shape)}: {_fmt(spec.shape)}")
@@ -95,6 +98,20 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
                         raise InputError(f"{what} '{spec.name}' has {dim}={size} (dim {axis}) but {what} '{seen[1]}' has {dim}={seen[0]}")
         arrays[spec.name] = array
     return arrays
+
+
+def _object_hint(spec: TensorSpec) -> str:
+    if spec.dtype == "bytes":  # numpy's fixed-width bytes arrays drop trailing zero bytes: never taken for raw bytes
+        return " (a numpy object array of bytes, np.array([...], dtype=object); numpy's own bytes arrays drop trailing zero bytes)"
+    return " (a numpy object array of str, np.array([...], dtype=object), or numpy's own str array)"
+
+
+def _check_bytes(spec: TensorSpec, array: np.ndarray, what: str) -> None:
+    """Refuse a ``bytes`` value holding anything but ``bytes`` (a ``str`` most likely: text is a ``string`` port's)."""
+    for index, item in enumerate(array.reshape(-1)):
+        if not isinstance(item, bytes):
+            kind = type(item).__name__
+            raise InputError(f"{what} '{spec.name}' is bytes, but element {index} is {kind}; encode it (str.encode) or declare the port 'string'")
 
 
 class InputCheck:

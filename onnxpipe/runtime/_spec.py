@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from onnxpipe._errors import ConfigError, OnnxpipeError, closest
 from onnxpipe.runtime._dims import dim_size
-from onnxpipe.runtime._dtypes import DTYPES, itemsize
+from onnxpipe.runtime._dtypes import CODE_DTYPES, DTYPES, itemsize
 from onnxpipe.runtime._settings import StageSettings
 
 __all__ = [
@@ -345,6 +345,11 @@ class StageSpec:
         for spec in (*self.inputs, *self.outputs):
             if spec.dtype not in DTYPES:
                 raise ConfigError(f"stage '{self.name}': tensor '{spec.name}' has unknown dtype '{spec.dtype}'; valid: {', '.join(DTYPES)}")
+            if self.code is None and spec.dtype in CODE_DTYPES:
+                raise ConfigError(
+                    f"stage '{self.name}': tensor '{spec.name}' is {spec.dtype}, which only code stages' ports may be "
+                    "(raw bytes; ONNX's text tensors are 'string')"
+                )
             if self.code is not None and spec.shape is None:
                 raise ConfigError(f"code stage '{self.name}': port '{spec.name}' needs a shape (a list of sizes, names or nulls) so its values can be checked")
         if self.settings.max_batch > 1 and self.code is not None:

@@ -24,7 +24,10 @@ Note: JSON values keep their kind and their value.
     make floats of them (UINT64 values from 2**63 beside smaller ones), they are converted one by
     one. BYTES elements are length-prefixed (4-byte little-endian) and carry UTF-8 text: onnxpipe's
     ``string`` tensors are numpy ``object`` arrays of ``str``, and a JSON string that UTF-8 cannot
-    carry (a lone surrogate, ``"\\ud800"``) is refused. Outputs holding NaN or an infinity are
+    carry (a lone surrogate, ``"\\ud800"``) is refused. A code stage's ``bytes`` port takes the
+    elements as they are, never decoded (Note: raw bytes in runtime/_dtypes.py); as JSON, where
+    elements are strings, it gets their UTF-8; a BYTES output that is not UTF-8 text is refused as
+    JSON, never replaced. Outputs holding NaN or an infinity are
     refused as JSON (JSON has no such numbers; Triton writes them bare, which JavaScript, Go and
     Jackson reject): they travel as binary data.
 """
@@ -62,6 +65,7 @@ DATATYPES = {
     "float32": "FP32",
     "float64": "FP64",
     "string": "BYTES",
+    "bytes": "BYTES",
 }
 #: A shape's largest rank when the model does not fix it, and its largest dim (int64 on the wire).
 _MAX_RANK = 32
@@ -110,12 +114,15 @@ class Port:
         datatype: The protocol's datatype (``FP32``, ``BYTES``, ...).
         dtype: The numpy dtype of its values (little-endian: the wire's byte order).
         shape: The declared shape (ints fixed, anything else any size), or ``None`` for any rank.
+        raw: BYTES elements are given and taken as ``bytes``, never decoded (a code stage's
+            ``bytes`` port, Note: raw bytes in runtime/_dtypes.py); otherwise they are UTF-8 text.
     """
 
     name: str
     datatype: str
     dtype: np.dtype
     shape: tuple[Any, ...] | None
+    raw: bool = False
 
     @property
     def dims(self) -> list[int]:
@@ -140,7 +147,7 @@ def port_of(spec: TensorSpec, where: str) -> Port:
         valid = ", ".join(DATATYPES)
         raise ConfigError(f"{where} '{spec.name}' is {spec.dtype}, which the inference protocol cannot carry; servable dtypes: {valid}")
     dtype = numpy_dtype(spec.dtype)
-    return Port(spec.name, datatype, dtype if dtype.kind == "O" else dtype.newbyteorder("<"), spec.shape)
+    return Port(spec.name, datatype, dtype if dtype.kind == "O" else dtype.newbyteorder("<"), spec.shape, raw=spec.dtype == "bytes")
 
 
 def check_shape(port: Port, datatype: object, shape: object) -> tuple[int, ...]:
@@ -197,10 +204,10 @@ def from_binary(port: Port, shape: tuple[int, ...], data: memoryview) -> np.ndar
 
 
 def _bytes_array(port: Port, shape: tuple[int, ...], count: int, data: memoryview) -> np.ndarray:
-    """BYTES elements: a 4-byte little-endian length, then that many bytes of UTF-8, ``count`` times."""
+    """BYTES elements: a 4-byte little-endian length, then that many bytes (UTF-8 unless the port is raw), ``count`` times."""
     if count * _LENGTH.size > len(data):
         raise bad_request(f"input '{port.name}': {len(data)} bytes cannot hold {count} BYTES elements (4 bytes of length each at least)")
-    items: list[str] = []
+    items: list[str | bytes] = []
     at = 0
     for i in range(count):
         if at + _LENGTH.size > len(data):
@@ -209,11 +216,16 @@ def _bytes_array(port: Port, shape: tuple[int, ...], count: int, data: memoryvie
         at += _LENGTH.size
         if at + length > len(data):
             raise bad_request(f"input '{port.name}': BYTES element {i} of {count} declares {length} bytes, past the tensor's {len(data)}")
-        items.append(_utf8(port, i, data[at : at + length]))
+        items.append(_element(port, i, data[at : at + length]))
         at += length
     if at != len(data):
         raise bad_request(f"input '{port.name}': {len(data) - at} bytes left over after its {count} BYTES elements")
     return _objects(items, shape)
+
+
+def _element(port: Port, index: int, raw: bytes | memoryview) -> str | bytes:
+    """A BYTES element as the port takes it: the bytes themselves for a raw port, else UTF-8 text."""
+    return bytes(raw) if port.raw else _utf8(port, index, raw)
 
 
 def _utf8(port: Port, index: int, raw: bytes | memoryview) -> str:
@@ -246,7 +258,7 @@ def from_json(port: Port, shape: tuple[int, ...], data: object) -> np.ndarray:
             if not isinstance(item, str):
                 raise bad_request(f"input '{port.name}': BYTES element {i} is {shown(item)}; JSON BYTES elements are strings")
         _check_utf8(port, flat)
-        return _objects(flat, shape)
+        return _objects([item.encode("utf-8") for item in flat] if port.raw else flat, shape)  # JSON carries text: a raw port gets its UTF-8
     try:
         values = np.asarray(data)
     except (ValueError, TypeError):
@@ -385,7 +397,7 @@ def from_contents(port: Port, shape: tuple[int, ...], contents: Any) -> np.ndarr
     if len(values) != count:
         raise bad_request(f"input '{port.name}': contents hold {len(values)} values; shape {list(shape)} takes {count}")
     if port.is_bytes:
-        return _objects([_utf8(port, i, v) for i, v in enumerate(values)], shape)
+        return _objects([_element(port, i, v) for i, v in enumerate(values)], shape)
     array = np.fromiter(values, _WIRE[field], count)  # the field's own dtype: exact (UINT64 past 2**63 too)
     if count:
         _check_range(port, array.min().item(), array.max().item())  # UINT8..32 and INT8..32 travel wider
@@ -403,6 +415,18 @@ def to_binary(port: Port, array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=port.dtype).tobytes()
 
 
+def _text(port: Port, index: int, item: object) -> str:
+    """A BYTES output element as a JSON string; bytes that are not UTF-8 text cannot be one, and are never replaced."""
+    if not isinstance(item, bytes):
+        return str(item)
+    try:
+        return item.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request(
+            f"output '{port.name}': BYTES element {index} is not UTF-8 text, which JSON cannot carry; ask for it as binary data (binary_data: true)"
+        ) from None
+
+
 def binary_view(port: Port, array: np.ndarray) -> bytes | memoryview:
     """:func:`to_binary`, as a view of the array's own bytes where it has them in order (no copy)."""
     if port.is_bytes:
@@ -417,14 +441,15 @@ def to_json(port: Port, array: np.ndarray) -> list[Any] | np.ndarray:
     it is (``3.4028234663852886e+38``), as ``tolist`` and Triton write it.
 
     Raises:
-        RequestError: 400 for FP16, and for NaN or an infinity, which JSON cannot carry (ask for
-            binary data; see Note: JSON values keep their kind and their value).
+        RequestError: 400 for FP16, for NaN or an infinity, and for BYTES that are not UTF-8 text,
+            which JSON cannot carry (ask for binary data; see Note: JSON values keep their kind
+            and their value).
     """
     if port.datatype == "FP16":
         raise bad_request(f"output '{port.name}' is FP16, which cannot travel as JSON; ask for it as binary data (binary_data: true)")
     flat = array.reshape(-1)
     if port.is_bytes:
-        return [item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item) for item in flat]
+        return [_text(port, i, item) for i, item in enumerate(flat)]
     if flat.dtype.kind == "f" and flat.size:
         finite = np.isfinite(flat)
         if not finite.all():
