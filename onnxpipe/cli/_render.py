@@ -306,6 +306,8 @@ def _build_record(record: Mapping[str, object]) -> str:
     """``offline, extended``: optimized here for its provider; ``portable, at load``: its target optimizes it."""
     if not record:
         return "not built"
+    if record.get("kind") == "code":
+        return "code, nothing to build"
     if record.get("optimize_at_load"):
         return "portable, at load"
     return f"offline, {record.get('optimization')}" + (", ORT format" if record.get("format") == "ort" else "")
@@ -473,6 +475,8 @@ def _build_detail(stage: StageSpec) -> str:
     record = stage.build
     if not record:
         return "not built"
+    if record.get("kind") == "code":
+        return "code, nothing to build"
     if record.get("optimize_at_load"):
         return f"portable ({record.get('optimization')}); {stage.settings.provider} optimizes it at load"
     fmt = ", ORT format" if record.get("format") == "ort" else ""

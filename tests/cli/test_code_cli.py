@@ -18,7 +18,9 @@ def test_build_inspect_export_run_a_pipeline_file(tmp_path: Path) -> None:
     shown = ok("inspect", path).output
     assert "stage 'combine' (code tests.code_stages:combine" in shown
     assert "in  h: float32[N, 4]  <- head.h" in shown and "out y: float32[N, 4]  -> pipeline.y" in shown
-    ok("build", path, "-o", tmp_path / "built", "--stage", "head:threads=1")
+    built = ok("build", path, "-o", tmp_path / "built", "--stage", "head:threads=1").output
+    row = next(line for line in built.splitlines() if "combine" in line)
+    assert "code, nothing to build" in row and "None" not in row and "offline" not in row
     ok("export", tmp_path / "built", "-o", tmp_path / "b.onnxpipe")
     listed = ok("inspect", tmp_path / "b.onnxpipe").output
     assert "stage 1 'combine': code tests.code_stages:combine" in listed
