@@ -13,11 +13,11 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e '.[cpu]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml examples/pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,ray,serve,qnn]' -e examples
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray,serve,qnn]' -e examples  # dev includes cpu: plain onnxruntime
 	touch $@ $(VENV)/.installed
 
 LIGHT_MODEL = $(BIN)/python -c 'import onnx, os; print(os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", "light_$(1).onnx"))'
@@ -75,28 +75,42 @@ test-oldest-ort: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(SAFETY_TESTS)
 
 # A second real execution provider: a venv whose onnxruntime is Intel's onnxruntime-openvino (it
-# replaces the onnxruntime package, so it cannot share .venv), with Ray for both engines and the
-# rapidocr wheel for its PP-OCR models (--no-deps: it would bring plain onnxruntime back). The
-# target tests run there (tests/targets: stages on OpenVINO and on the CPU, fallback, provider
-# options, a bundle built by .venv, which lacks OpenVINO); .ci/run runs it after `make test`.
+# is the package `onnxruntime` too, so it cannot share .venv), installed as docs/building.md says
+# (the openvino extra: no plain onnxruntime, a clean `pip check`), with Ray for both engines and the
+# serve extra. The PP-OCR models of the rapidocr wheel are unpacked from it as a bare package
+# folder: installed, its metadata would require plain onnxruntime, which `pip check` would then miss.
+# The target tests run there (tests/targets: stages on OpenVINO and on the CPU, fallback, provider
+# options, a bundle built by .venv, which lacks OpenVINO; installing as documented gives a clean
+# pip check; two onnxruntime builds over each other are diagnosed), and so do the distribution
+# tests, which read .venv's metadata beside this venv's; .ci/run runs it after `make test`.
 OPENVINO_ORT := onnxruntime-openvino==1.24.1
 OPENVINO := .venv-openvino
+# onnxpipe with the openvino extra and then plain onnxruntime installed over it, as `pip install
+# 'onnxpipe[cpu]' onnxruntime-openvino` (or any package requiring onnxruntime) leaves a host:
+# tests/targets/test_openvino_install.py checks the diagnosis there, and its fix in a copy (about
+# 25 s to make, from the wheels pip's cache holds once .venv-openvino is made).
+OPENVINO_MIXED := .venv-openvino-mixed
 
-# Made anew whenever pyproject.toml changes: installing onnxpipe into it again would bring plain
-# onnxruntime back over onnxruntime-openvino's files (both are the package `onnxruntime`).
 $(OPENVINO)/.installed: pyproject.toml
 	rm -rf $(OPENVINO)
 	$(PYTHON) -m venv $(OPENVINO)
 	$(OPENVINO)/bin/python -m pip install --quiet --upgrade pip
-	$(OPENVINO)/bin/python -m pip install --quiet -e '.[ray]' 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
-	$(OPENVINO)/bin/python -m pip uninstall --quiet -y onnxruntime
-	$(OPENVINO)/bin/python -m pip install --quiet $(OPENVINO_ORT)
-	$(OPENVINO)/bin/python -m pip install --quiet --no-deps rapidocr_onnxruntime==1.4.4
+	$(OPENVINO)/bin/python -m pip install --quiet -e '.[openvino,ray,serve]' $(OPENVINO_ORT) 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
+	$(OPENVINO)/bin/python -m pip download --quiet --no-deps --dest $(OPENVINO)/wheels rapidocr_onnxruntime==1.4.4
+	$(OPENVINO)/bin/python -c 'import sys, sysconfig, zipfile; z = zipfile.ZipFile(sys.argv[1]); z.extractall(sysconfig.get_paths()["purelib"], [n for n in z.namelist() if n.startswith("rapidocr_onnxruntime/")])' $(OPENVINO)/wheels/rapidocr_onnxruntime-1.4.4-*.whl
 	touch $@
 
-test-openvino: $(OPENVINO)/.installed $(VENV)/.installed-dev
+$(OPENVINO_MIXED)/.installed: pyproject.toml
+	rm -rf $(OPENVINO_MIXED)
+	$(PYTHON) -m venv $(OPENVINO_MIXED)
+	$(OPENVINO_MIXED)/bin/python -m pip install --quiet --upgrade pip
+	$(OPENVINO_MIXED)/bin/python -m pip install --quiet -e '.[openvino]' $(OPENVINO_ORT)
+	$(OPENVINO_MIXED)/bin/python -m pip install --quiet onnxruntime
+	touch $@
+
+test-openvino: $(OPENVINO)/.installed $(OPENVINO_MIXED)/.installed $(VENV)/.installed-dev
 	$(OPENVINO)/bin/python -c 'import onnxruntime as ort; print("onnxruntime", ort.__version__, ort.get_available_providers()); assert "OpenVINOExecutionProvider" in ort.get_available_providers()'
-	$(OPENVINO)/bin/python -m pytest -q -p no:cacheprovider tests/targets
+	$(OPENVINO)/bin/python -m pytest -q -p no:cacheprovider tests/targets tests/runtime/test_distributions.py
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check onnxpipe tests benchmarks
@@ -133,7 +147,7 @@ LLAMAS := bench-out/llama
 $(DECODERS)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(DECODERS)
 	$(DECODERS)/bin/python -m pip install --quiet --upgrade pip
-	$(DECODERS)/bin/python -m pip install --quiet torch==2.13.0 'transformers<5' optimum-onnx==0.1.0 onnxruntime-genai==0.18.0 onnxscript -e .
+	$(DECODERS)/bin/python -m pip install --quiet torch==2.13.0 'transformers<5' optimum-onnx==0.1.0 onnxruntime-genai==0.18.0 onnxscript -e '.[cpu]'
 	touch $@
 
 $(GENAI_BUILDER)/.installed:
@@ -150,4 +164,4 @@ bench-decoders: $(LLAMAS)/24m/about.json
 	$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/24m --streams 8,16 --rounds 3
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(KSERVE) $(DECODERS) $(GENAI_BUILDER) $(DEMO_OUT) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(OPENVINO_MIXED) $(KSERVE) $(DECODERS) $(GENAI_BUILDER) $(DEMO_OUT) .pytest_cache .hypothesis

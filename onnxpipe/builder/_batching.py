@@ -46,9 +46,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from onnxpipe._errors import BuildError, InputError, OnnxpipeError
+from onnxpipe._errors import BuildError, ConfigError, InputError, OnnxpipeError
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import MASK_NAMES, DecoderInputs, random_array
+from onnxpipe.runtime._overrides import check_stream_batching
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, TensorSpec
 from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
@@ -75,13 +76,10 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     batching = [s for s in spec.stages if s.settings.max_batch > 1]
     if not batching:
         return spec
-    alone = [s for s in spec.stages if s.settings.max_batch <= 1]
-    if spec.states and alone:
-        names = ", ".join(f"'{s.name}'" for s in alone)
-        raise BuildError(
-            f"stage(s) {names} of this pipeline with state have max_batch=1: streams' steps are batched once, at the pipeline's entry, "
-            "and travel every stage as one batch, so every stage must batch them; set max_batch on every stage (or on none)"
-        )
+    try:
+        check_stream_batching(spec)  # the runtime checks deploy-time settings with the same rule
+    except ConfigError as e:
+        raise BuildError(str(e)) from None
     for stage in batching:
         _check_batch_axes(stage)
     growing = [s for s in batching if any(link.empty_axis is not None for link in spec.states_of(s.name))]

@@ -1,8 +1,9 @@
-"""export(): a built pipeline as a relocatable bundle, a folder or a single archive.
+"""export(): a built pipeline as a relocatable bundle, a folder or a single archive; rebundle(): a
+bundle again with other deploy-time settings.
 
 The bundle layout and the checks the runtime makes when it loads one are in
 ``onnxpipe/runtime/_bundle.py`` and docs/bundle-format.md; this module writes exactly that, through
-the runtime's own :class:`~onnxpipe.runtime.Manifest`.
+the runtime's own :class:`~onnxpipe.runtime.Manifest`, in one place (``_write_bundle``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shutil
 import struct
 import tempfile
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +26,13 @@ from onnxpipe._errors import BuildError, ConfigError, InputError
 from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.builder._modules import move_into_place
 from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
-from onnxpipe.runtime._bundle import MANIFEST_NAME, PAGE, save_npz, write_manifest
+from onnxpipe.runtime._bundle import CONFIG_NAME, MANIFEST_NAME, PAGE, Bundle, FileEntry, Limits, read_bundle, save_npz, write_manifest
 from onnxpipe.runtime._code import CodeNotAllowedError, check_allowed
 from onnxpipe.runtime._inputs import feed_shapes
+from onnxpipe.runtime._overrides import Overrides, apply_overrides
 from onnxpipe.runtime._protoscan import external_locations
 
-__all__ = ["export", "read_build"]
+__all__ = ["export", "read_build", "rebundle"]
 
 _STORED = (".onnx", ".data", ".ort", ".npz")  # already dense: not worth compressing
 
@@ -79,14 +81,87 @@ def export(
         raise BuildError(f"reference samples are single requests, but this pipeline keeps state between steps ({spec.states[0]}, ...); export it without them")
     if reference_outputs is None and reference_model is not None and reference_inputs:
         reference_outputs = _model_outputs(reference_model, spec, reference_inputs)
+
+    def fill(staging: Path) -> tuple[Mapping[str, object], None]:
+        _copy_files(src, staging, spec)
+        reference = _write_reference(staging, spec, reference_inputs, reference_outputs, allow_code)
+        return _manifest_fields(staging, spec, reference), None
+
+    return _write_bundle(out, overwrite, fill)
+
+
+def rebundle(
+    bundle: str | os.PathLike[str] | Bundle,
+    out: str | os.PathLike[str],
+    overrides: Overrides | None = None,
+    *,
+    overwrite: bool = False,
+    limits: Limits | None = None,
+) -> Path:
+    """Write a bundle again with other deploy-time settings (threads, affinity, replicas, ...).
+
+    The bundle is read and checked in full first; its ``pipeline.json`` is written with the
+    overrides applied, checked as ``load(..., overrides=...)`` checks them (the same code), and
+    every other file (modules, external data, reference samples) is copied byte for byte, its
+    manifest entry kept: only the config is hashed again. The versions, opsets and providers of
+    the manifest stay the build's (the modules are the build's).
+
+    What only the loading host can judge (a core its process may not use, its thread caps) is
+    left to it: the bundle may be meant for another host than this one.
+
+    Args:
+        bundle: The bundle (folder or ``.onnxpipe`` archive), or one read already
+            (``read_bundle(path, sessions=(), overrides=...)``: its spec, with the overrides it was
+            read with, is what is written).
+        out: The new bundle: a folder, or a single archive when the name ends with ``.onnxpipe``.
+        overrides: The deploy-time settings (see ``onnxpipe.runtime.load``), applied on top of
+            the bundle's.
+        overwrite: Replace ``out`` if it exists (it may be ``bundle`` itself).
+        limits: Limits to read a ``bundle`` path with (default: the runtime's).
+
+    Returns:
+        The new bundle's path.
+
+    Raises:
+        BundleError: ``bundle`` is missing, broken or refused as unsafe.
+        ConfigError: an override names no stage, a setting that may not change at deploy time, a
+            bad value, or a ``max_batch`` above what the build allows.
+        BuildError: ``out`` exists.
+    """
+    if isinstance(bundle, Bundle):
+        return _rebundle(bundle, apply_overrides(bundle.spec, overrides), Path(out), overwrite)
+    # sessions=(): no stage is checked against this host's caps (see above); everything else is.
+    with read_bundle(bundle, limits, sessions=(), overrides=overrides) as source:
+        return _rebundle(source, source.spec, Path(out), overwrite)
+
+
+def _rebundle(source: Bundle, spec: PipelineSpec, out: Path, overwrite: bool) -> Path:
+    def fill(staging: Path) -> tuple[Mapping[str, object], dict[str, FileEntry]]:
+        known = source.copy_files(staging, skip={CONFIG_NAME})
+        (staging / CONFIG_NAME).write_text(spec.to_json())
+        m = source.manifest
+        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return {"versions": m.versions, "opsets": m.opsets, "providers": m.providers, "reference": m.reference, "created": created}, known
+
+    return _write_bundle(out, overwrite, fill)
+
+
+def _write_bundle(out: Path, overwrite: bool, fill: Callable[[Path], tuple[Mapping[str, object], Mapping[str, FileEntry] | None]]) -> Path:
+    """The one writer of bundles: ``fill`` puts the files in a private staging folder next to
+    ``out`` and says the manifest's fields (and the entries of files copied from a checked bundle);
+    the manifest is written, then the folder is moved into place or packed as an archive. Nothing
+    is left behind on failure, and ``out`` is replaced only once the new bundle is whole.
+
+    Raises:
+        BuildError: ``out`` exists and ``overwrite`` is false.
+    """
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise BuildError(f"'{out}' exists; choose another name or overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _copy_files(src, staging, spec)
-        reference = _write_reference(staging, spec, reference_inputs, reference_outputs, allow_code)
-        write_manifest(staging, _manifest_fields(staging, spec, reference))
+        fields, known = fill(staging)
+        write_manifest(staging, fields, known)
         staging.chmod(0o777 & ~_umask())  # mkdtemp made it private; a bundle is an ordinary folder
         if out.name.endswith(ARCHIVE_SUFFIX):
             _write_archive(staging, out)

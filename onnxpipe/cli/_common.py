@@ -233,6 +233,9 @@ def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
 
 def quiet_onnxruntime() -> None:
     """Only errors from onnxruntime's own logger: its warnings (unused initializers, ...) are noise here."""
+    from onnxpipe.runtime._distributions import require_onnxruntime
+
+    require_onnxruntime()  # first: a missing or broken onnxruntime is one error saying what to install, not a traceback
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)

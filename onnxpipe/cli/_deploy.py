@@ -1,8 +1,9 @@
-"""``build``, ``export``, ``run`` and ``bench``: from a split folder to a bundle, and the bundle at work.
+"""``build``, ``export``, ``rebundle``, ``run`` and ``bench``: from a split folder to a bundle, and the bundle at work.
 
 Each command parses its options, calls the library (``onnxpipe.builder.build``,
-``onnxpipe.builder.export``, ``onnxpipe.runtime.load`` and ``Pipeline.map``,
-``onnxpipe.runtime.benchmark``) and prints; heavy modules are imported inside the commands.
+``onnxpipe.builder.export``, ``onnxpipe.builder.rebundle``, ``onnxpipe.runtime.load`` and
+``Pipeline.map``, ``onnxpipe.runtime.benchmark``) and prints; heavy modules are imported inside
+the commands. ``--set`` (:data:`SET`) gives deploy-time settings in ``build --stage``'s keys.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from onnxpipe.cli._common import (
     write_npz,
 )
 from onnxpipe.cli._progress import progress
-from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, parse_cores, read_settings_file
+from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, deploy_overrides, parse_cores, read_settings_file
 
 if TYPE_CHECKING:
     import numpy as np
 
     from onnxpipe.runtime import BenchReport, Pipeline, PipelineSpec, TensorSpec
 
-__all__ = ["allowing_code", "bench", "build", "export", "run"]
+__all__ = ["SET", "allowing_code", "bench", "build", "code_flags", "export", "rebundle", "run"]
 
 
 @click.command(short_help="Build the stages of a split folder or a pipeline file, each for its target.")
@@ -150,8 +151,7 @@ def _next_export(spec: PipelineSpec, built: Path) -> str:
     (single requests; random values unless an input's dtype has none), with ``--allow-code`` for
     the Python that computing them runs."""
     from onnxpipe._errors import InputError
-    from onnxpipe.runtime import code_entries, random_inputs
-    from onnxpipe.runtime._code import as_flags
+    from onnxpipe.runtime import random_inputs
 
     command = f"onnxpipe export {shlex.quote(str(built))} -o BUNDLE.onnxpipe"
     if spec.states:
@@ -162,8 +162,16 @@ def _next_export(spec: PipelineSpec, built: Path) -> str:
         samples = " --reference 2"
     except InputError as e:
         samples, why = " --reference-inputs INPUTS.npz", f"   (INPUTS.npz: one request's inputs by name; no random ones: {e})"
-    code = as_flags(dict.fromkeys(name for _, _, name in code_entries(spec)), "--allow-code")  # computing the samples runs it
+    code = code_flags(spec)  # computing the samples runs it
     return command + samples + (f" {code}" if code else "") + why
+
+
+def code_flags(spec: PipelineSpec) -> str:
+    """The ``--allow-code`` options a pipeline's Python needs to load (empty: it names none)."""
+    from onnxpipe.runtime import code_entries
+    from onnxpipe.runtime._code import as_flags
+
+    return as_flags(dict.fromkeys(name for _, _, name in code_entries(spec)), "--allow-code")
 
 
 @contextlib.contextmanager
@@ -256,7 +264,7 @@ def export(
             raise
         raise UserError(f"{e}; {hint}") from e
     kind, nbytes, files = bundle_size(path)
-    _render.exported(path, kind, nbytes, files, len(inputs), str(model) if model else None, notes)
+    _render.exported(path, kind, nbytes, files, len(inputs), str(model) if model else None, notes, code_flags(read_build(builddir)))
 
 
 def _reference_inputs(
@@ -322,6 +330,83 @@ TRACE = click.option(
     metavar="FILE.json",
     help="Write a timeline of every stage run (Chrome trace: open it in https://ui.perfetto.dev or chrome://tracing).",
 )
+
+
+SET = click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    type=StageOptionType(selector_optional=True),
+    metavar="[SEL:]KEY=VALUE",
+    help="Deploy-time settings instead of the bundle's, in build --stage's keys (KEY=VALUE,KEY=VALUE...): threads, inter-threads, mode, "
+    "spinning, affinity, replicas, max_batch (up to the bundle's), max_delay_ms, host. SEL (default *): a stage name, a position or *. "
+    "E.g. --set replicas=2 --set 'enc:threads=2,affinity=0-1'. Repeatable; later wins (docs/runtime.md).",
+)
+
+
+def _host_notes(spec: PipelineSpec) -> list[str]:
+    """What this host would refuse of a bundle's settings (its cores, its thread caps): said, not refused,
+    since a bundle written here may be meant for another host."""
+    import os
+
+    from onnxpipe._errors import BundleError
+    from onnxpipe.runtime import Limits
+    from onnxpipe.runtime._bundle import check_caps
+
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    notes = [
+        f"stage '{s.name}' is pinned to core(s) {sorted(set(s.settings.affinity) - allowed)} this process may not use (allowed: {sorted(allowed)}): "
+        "the bundle loads only on a host where it may"
+        for s in spec.stages
+        if s.settings.affinity is not None and not set(s.settings.affinity) <= allowed
+    ]
+    try:
+        check_caps(spec, Limits())
+    except BundleError as e:
+        notes.append(f"this host would refuse it: {e}")
+    return notes
+
+
+@click.command(short_help="Write a bundle again with other deploy-time settings (threads, cores, replicas).")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option(
+    "-o", "--out", "out", required=True, type=click.Path(path_type=Path),
+    help="The new bundle: one archive file if the name ends with .onnxpipe, else a folder.",
+)
+@SET
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (it may be BUNDLE itself).")
+def rebundle(bundle: Path, out: Path, settings: Sequence[StageOption], overwrite: bool) -> None:
+    """Write BUNDLE (folder or .onnxpipe archive) to OUT with the deploy-time settings of --set in its pipeline.json.
+
+    For a host the bundle was not built for: a bundle pinned to cores 6-7 does not start on a 2-core
+    host, and editing its pipeline.json breaks its manifest. BUNDLE is checked in full first; the
+    settings are checked as 'onnxpipe run/serve --set' checks them (a setting that makes the stage's
+    module -- target, opt, ep.*, ... -- needs 'onnxpipe build'; max_batch goes up to the bundle's);
+    every other file (modules, weights, reference samples) is copied byte for byte with its manifest
+    entry, and only the config is hashed again. What only the loading host can judge (its cores, its
+    thread caps) is said here, not refused: the new bundle may be meant for another host.
+
+    \b
+    Examples:
+      onnxpipe rebundle model.onnxpipe -o small-host.onnxpipe --set '*:affinity=0-1' --set threads=1
+      onnxpipe rebundle bundle/ -o bundle/ --overwrite --set enc:replicas=2
+      onnxpipe rebundle model.onnxpipe -o lowlat.onnxpipe --set max_batch=1
+    """
+    if not settings:
+        raise click.UsageError("give the settings to change with --set [SEL:]KEY=VALUE (e.g. --set '*:affinity=0')")
+    from onnxpipe.builder import rebundle as rebundle_bundle
+    from onnxpipe.cli import _render
+    from onnxpipe.runtime import read_bundle
+    from onnxpipe.runtime._overrides import describe_settings
+
+    overrides = deploy_overrides(settings)
+    # Read once, with the settings (checked here, before anything is written); no stage against this host's caps: see above.
+    with read_bundle(bundle, sessions=(), overrides=overrides) as source:
+        path = rebundle_bundle(source, out, overwrite=overwrite)
+        spec, samples = source.spec, len(source.manifest.reference)
+    kind, nbytes, files = bundle_size(path)
+    _render.rebundled(path, kind, nbytes, files, samples, [f"stage '{s.name}': {describe_settings(s)}" for s in spec.stages], _host_notes(spec),
+                      code_flags(spec))
 
 
 def _input_files(paths: Sequence[Path]) -> list[Path]:
@@ -437,6 +522,7 @@ def _stream(pipe: Pipeline, files: Sequence[Path], destinations: Sequence[Path],
 @ADDRESS
 @TRACE
 @ALLOW_CODE
+@SET
 @click.option("--json", "as_json", is_flag=True, help="Print the files written and the run's statistics as JSON, nothing else.")
 def run(
     bundle: Path,
@@ -448,6 +534,7 @@ def run(
     address: str | None,
     trace: Path | None,
     allow_code: Sequence[str],
+    settings: Sequence[StageOption],
     as_json: bool,
 ) -> None:
     """Stream every --inputs request through BUNDLE (folder or .onnxpipe archive); write the outputs as they come.
@@ -478,15 +565,17 @@ def run(
       onnxpipe run gpu-bundle/ --inputs x.npz --outputs y.npz --target cpu
       onnxpipe run ocr.onnxpipe --inputs page.npz --outputs text.npz --allow-code 'mypkg.*'
       onnxpipe run model.onnxpipe --inputs images/ --outputs scores/ --engine ray --address HEAD:6379
+      onnxpipe run model.onnxpipe --inputs images/ --outputs scores/ --set '*:affinity=0-1' --set replicas=2
     """
     from onnxpipe.runtime import Pipeline, read_bundle
 
     where_run = _engine_args(engine, address)
+    overrides = deploy_overrides(settings)
     files = _input_files(input_paths)
     destinations = _destinations(out, files)
     quiet_onnxruntime()
     # On Ray no session starts here: each actor checks its own stage's threads against its node.
-    with allowing_code("run"), read_bundle(bundle, allow_code=allow_code, sessions=() if engine == "ray" else None) as checked:
+    with allowing_code("run"), read_bundle(bundle, allow_code=allow_code, sessions=() if engine == "ray" else None, overrides=overrides) as checked:
         _check_input_files(checked.spec.inputs, files)
         with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None, **where_run) as pipe:
             pipe.reset_stats()  # from the first request, not from load
@@ -539,6 +628,7 @@ def run(
 )
 @TRACE
 @ALLOW_CODE
+@SET
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else.")
 @click.pass_context
 def bench(
@@ -556,6 +646,7 @@ def bench(
     caller_cores: str | None,
     trace: Path | None,
     allow_code: Sequence[str],
+    settings: Sequence[StageOption],
     as_json: bool,
 ) -> None:
     """Stream N identical requests through BUNDLE and put its numbers next to what its stages do alone.
@@ -577,8 +668,10 @@ def bench(
       onnxpipe bench gpu-bundle/ --target cpu --standalone-runs 0
       onnxpipe bench model.onnxpipe --caller-cores auto
       onnxpipe bench model.onnxpipe --engine ray --address auto   # stages on Ray actors: no standalone times
+      onnxpipe bench model.onnxpipe --set 1:replicas=2 --set '*:affinity=none'   # try settings without rebuilding
     """
     where_run = _engine_args(engine, address)
+    overrides = deploy_overrides(settings)
     cores = _parse_caller_cores(caller_cores)
     if input_file is not None and dims:
         raise click.UsageError("--dim: only used for random inputs; the --inputs file fixes the shapes")
@@ -587,7 +680,8 @@ def bench(
 
     quiet_onnxruntime()
     inputs = read_npz(input_file, "inputs file") if input_file is not None else None
-    with allowing_code("bench"), load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code, **where_run) as pipe:
+    with allowing_code("bench"), load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code, overrides=overrides,
+                                      **where_run) as pipe:
         if inputs is not None:
             try:
                 inputs = check_inputs(pipe.spec.inputs, inputs)
@@ -630,7 +724,7 @@ def _bench_notes(report: BenchReport, standalone_runs: int) -> list[str]:
         return [f"every stage runs in under {_TINY_MS:g} ms alone: the pipeline's own per-request cost dominates, so efficiency says little"]
     return [
         f"stage '{s.stage}' takes {s.pipeline_mean_ms / s.standalone_ms:.1f}x as long in the pipeline as alone: it may share cores "
-        "with other stages (pin stages apart: onnxpipe build --stage N:affinity=...)"
+        "with other stages (pin stages apart: --set N:affinity=..., or onnxpipe build --stage N:affinity=...)"
         for s in report.stages
         if s.standalone_ms >= _TINY_MS and s.pipeline_mean_ms > _SLOWDOWN * s.standalone_ms
     ]

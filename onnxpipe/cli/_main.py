@@ -25,8 +25,9 @@ import click
 from onnxpipe import __version__
 from onnxpipe.cli._autosplit import POLICY_NAMES
 from onnxpipe.cli._common import ALLOW_CODE, DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime, read_json
-from onnxpipe.cli._deploy import allowing_code, bench, build, export, run
+from onnxpipe.cli._deploy import SET, allowing_code, bench, build, export, rebundle, run
 from onnxpipe.cli._serve import serve
+from onnxpipe.cli._stageopts import StageOption, deploy_overrides
 
 if TYPE_CHECKING:
     from onnxpipe.runtime import Bundle, ReferenceCheck
@@ -72,11 +73,14 @@ def main() -> None:
       onnxpipe bench model.onnxpipe                      # throughput, latency, the bottleneck stage
       onnxpipe run model.onnxpipe --inputs in/ --outputs out/
       onnxpipe serve model.onnxpipe                      # KServe v2 / Triton's protocol on :8000, :8001
+      onnxpipe serve model.onnxpipe --set '*:affinity=0-1' --set replicas=2   # this host's cores, not the build's
+      onnxpipe rebundle model.onnxpipe -o here.onnxpipe --set '*:affinity=0'  # the same, written into a bundle
     """
 
 
 main.add_command(build)
 main.add_command(export)
+main.add_command(rebundle)
 main.add_command(run)
 main.add_command(bench)
 main.add_command(serve)
@@ -393,10 +397,11 @@ def _read_assignment(path: Path) -> dict[str, int]:
 @click.option("--host", "on_host", is_flag=True, help="Bundles only: make each stage's session on this host and show which provider takes each node.")
 @TARGET
 @ALLOW_CODE
+@SET
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON, nothing else.")
 @click.pass_context
 def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, int]], profile: bool, threads: int, max_stages: int, on_host: bool,
-            target: str | None, allow_code: Sequence[str], as_json: bool) -> None:
+            target: str | None, allow_code: Sequence[str], settings: Sequence[StageOption], as_json: bool) -> None:
     """Show a model and where to cut it, or a bundle and how it will run.
 
     For a MODEL (.onnx): its inputs, outputs, ops and weights, and the cheapest places to cut it.
@@ -419,7 +424,9 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
     imported). With --host, each ONNX stage's session is also made here, as
     loading the bundle would make it (--target, --allow-code for custom-op packages), and the
     providers that took its nodes are listed with their counts, naming the nodes that fell back
-    to the CPU: a stage on an accelerator that ran nothing on the CPU shows one provider.
+    to the CPU: a stage on an accelerator that ran nothing on the CPU shows one provider. With --set,
+    the stages' settings are shown as loading with the same --set would make them (checked the same
+    way; with --host, the sessions are made with them too).
 
     For a PIPELINE FILE (.toml, docs/pipelines.md): the graph of stages in pipeline order, what
     each reads and makes and where it flows.
@@ -431,6 +438,7 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
       onnxpipe inspect model.onnx --profile --threads 2 --max-stages 6
       onnxpipe inspect model.onnxpipe
       onnxpipe inspect model.onnxpipe --host
+      onnxpipe inspect model.onnxpipe --host --set '*:affinity=0-1'
       onnxpipe inspect ocr.toml
     """
     from onnxpipe.runtime import is_bundle
@@ -442,9 +450,9 @@ def inspect(ctx: click.Context, path: Path, top: int, dims: Sequence[tuple[str, 
         host_only = given(ctx, "target", "allow_code")
         if host_only and not on_host:
             raise click.UsageError(f"{', '.join(host_only)}: only with --host")
-        _inspect_bundle(path, as_json, on_host, target, allow_code)
+        _inspect_bundle(path, as_json, on_host, target, allow_code, settings)
         return
-    bundle_only = given(ctx, "on_host", "target", "allow_code")
+    bundle_only = given(ctx, "on_host", "target", "allow_code", "settings")
     if bundle_only:
         raise click.UsageError(f"{', '.join(bundle_only)}: only used for a bundle")
     if path.suffix == ".toml":
@@ -483,20 +491,26 @@ def _inspect_pipeline_file(path: Path, as_json: bool) -> None:
         click.echo(str(config))
 
 
-def _inspect_bundle(path: Path, as_json: bool, on_host: bool = False, target: str | None = None, allow_code: Sequence[str] = ()) -> None:
+def _inspect_bundle(path: Path, as_json: bool, on_host: bool = False, target: str | None = None, allow_code: Sequence[str] = (),
+                    settings: Sequence[StageOption] = ()) -> None:
     from onnxpipe.cli import _render
     from onnxpipe.runtime import host_placement, read_bundle
 
-    with allowing_code("inspect --host"), read_bundle(path, allow_code=allow_code) as bundle:
+    overrides = deploy_overrides(settings)
+    with allowing_code("inspect --host"), read_bundle(path, allow_code=allow_code, overrides=overrides) as bundle:
         kind, nbytes, files = bundle_size(path)
         where = host_placement(bundle, target) if on_host else None
         if as_json:
             data = _bundle_dict(bundle, path, kind, nbytes, files)
             if where is not None:
                 data["placement"] = {stage: None if p is None else {ep: list(nodes) for ep, nodes in p.items()} for stage, p in where.items()}
+            if overrides:
+                data["deploy_settings"] = [o.origin for o in overrides]
             click.echo(json.dumps(data, indent=2))
             return
         _render.bundle_summary(bundle, path, kind, nbytes, files)
+        if overrides:  # the settings above are not the bundle's own
+            click.echo(f"settings as loading with {' '.join(o.origin for o in overrides)} makes them (the bundle's own: without --set)")
         if where is not None:
             _render.placement(bundle, where)
 
@@ -522,6 +536,7 @@ def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int)
 @click.option("--no-boundaries", is_flag=True, help="Compare the pipeline outputs only, not the tensors crossing stage boundaries (with --model).")
 @TARGET
 @ALLOW_CODE
+@SET
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else (infinite errors as null).")
 @click.pass_context
 def verify(
@@ -536,6 +551,7 @@ def verify(
     no_boundaries: bool,
     target: str | None,
     allow_code: Sequence[str],
+    settings: Sequence[StageOption],
     as_json: bool,
 ) -> None:
     """Check a split folder or a bundle against the whole model, or a bundle against its stored reference.
@@ -549,7 +565,8 @@ def verify(
     and compares every step's outputs.
 
     Without --model, a bundle runs the reference inputs stored in it ('onnxpipe export
-    --reference') and compares with the stored outputs: one row per output per sample.
+    --reference') and compares with the stored outputs: one row per output per sample; with --set,
+    on the deploy-time settings given (as 'onnxpipe run/serve --set' would load it).
 
     Exits 0 when everything is within tolerance and 1, naming the tensors, when something is not.
 
@@ -559,6 +576,7 @@ def verify(
       onnxpipe verify split --model model.onnx --dim batch=4 --samples 3 --rtol 1e-3 --json
       onnxpipe verify model.onnxpipe
       onnxpipe verify model.onnxpipe --model model.onnx --target cpu
+      onnxpipe verify model.onnxpipe --set '*:affinity=0-1'
     """
     from onnxpipe.runtime import is_bundle
 
@@ -571,8 +589,10 @@ def verify(
         model_only = given(ctx, "dims", "samples", "seed", "no_boundaries")
         if model_only:
             raise click.UsageError(f"{', '.join(model_only)}: only used with --model; a bundle's stored reference has its own inputs")
-        _verify_reference(path, rtol, atol, target, allow_code, as_json)
+        _verify_reference(path, rtol, atol, target, allow_code, as_json, settings)
         return
+    if settings:
+        raise click.UsageError("--set: only for a bundle's stored reference (without --model); a split folder's stages run with their own settings")
     from onnxpipe.cli import _render
     from onnxpipe.splitter import verify as verify_split
 
@@ -584,11 +604,13 @@ def verify(
     _fail_past_tolerance([repr(r.tensor) for r in report.rows if not r.ok], len(report.rows), "tensor(s)", rtol, atol)
 
 
-def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, allow_code: Sequence[str], as_json: bool) -> None:
+def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, allow_code: Sequence[str], as_json: bool,
+                      settings: Sequence[StageOption] = ()) -> None:
     from onnxpipe.cli import _render
     from onnxpipe.runtime import Pipeline, read_bundle
 
-    with allowing_code("verify"), read_bundle(path, allow_code=allow_code) as bundle:
+    overrides = deploy_overrides(settings)
+    with allowing_code("verify"), read_bundle(path, allow_code=allow_code, overrides=overrides) as bundle:
         if not bundle.manifest.reference:
             raise UserError(f"bundle '{path}' stores no reference; pass --model MODEL.onnx to compare with the whole model (or export with --reference N)")
         with Pipeline(bundle, target) as pipe:

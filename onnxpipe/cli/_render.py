@@ -335,8 +335,8 @@ def build_result(result: BuildResult, notes: Iterable[str], next_step: str) -> N
     _line(console, f"next: {next_step}")
 
 
-def exported(path: Path, kind: str, nbytes: int, files: int, samples: int, source: str | None, notes: Iterable[str]) -> None:
-    """Where the bundle is, what it is, and how to use it."""
+def exported(path: Path, kind: str, nbytes: int, files: int, samples: int, source: str | None, notes: Iterable[str], flags: str = "") -> None:
+    """Where the bundle is, what it is, and how to use it (``flags``: the ``--allow-code`` its code needs)."""
     console = _console()
     _notes(console, notes)
     if samples:
@@ -344,7 +344,21 @@ def exported(path: Path, kind: str, nbytes: int, files: int, samples: int, sourc
     else:
         reference = "no reference samples"
     _line(console, f"wrote {path}: {kind}, {human_bytes(nbytes)}, {files} files; {reference}")
-    quoted = shlex.quote(str(path))
+    _next_commands(console, path, samples, flags)
+
+
+def rebundled(path: Path, kind: str, nbytes: int, files: int, samples: int, stages: Iterable[str], notes: Iterable[str], flags: str = "") -> None:
+    """The new bundle, the settings of each stage in it, and how to use it."""
+    console = _console()
+    _notes(console, notes)
+    _line(console, f"wrote {path}: {kind}, {human_bytes(nbytes)}, {files} files; pipeline.json rewritten, every other file copied as it was")
+    for line in stages:
+        _line(console, f"  {line}")
+    _next_commands(console, path, samples, flags)
+
+
+def _next_commands(console: Console, path: Path, samples: int, flags: str) -> None:
+    quoted = shlex.quote(str(path)) + (f" {flags}" if flags else "")  # a bundle with code loads only with its --allow-code
     _line(console, f"run it:   onnxpipe run {quoted} --inputs INPUTS.npz --outputs OUTPUTS.npz")
     _line(console, f"time it:  onnxpipe bench {quoted}")
     if samples:
@@ -379,12 +393,14 @@ def bench_report(report: BenchReport, warmup: int, notes: Iterable[str], trace: 
         _line(console, f"memory:     {human_bytes(report.resident_bytes)} resident in this process (the pipeline and all else it holds)")
     table = Table(title="stages")
     batching = any(s.batch_sizes for s in report.stages)
-    for column in ("stage", "replicas", "alone ms", "in pipeline ms", *(("batch mean", "max") if batching else ()), "utilization", ""):
+    for column in ("stage", "replicas", "threads", "cores", "alone ms", "in pipeline ms", *(("batch mean", "max") if batching else ()), "utilization", ""):
         table.add_column(column, justify="left" if column in ("stage", "") else "right")
     for s in report.stages:
         mark = Text("bottleneck", style="bold yellow") if s.stage == report.bottleneck else Text("")
         batch = (f"{s.batch_mean:.2f}", str(max(s.batch_sizes, default=1))) if batching else ()
-        table.add_row(Text(s.stage), str(s.replicas), _ms(s.standalone_ms) if measured else "-", _ms(s.pipeline_mean_ms), *batch, f"{s.utilization:.0%}", mark)
+        cores = ",".join(map(str, s.affinity)) if s.affinity is not None else "any"
+        table.add_row(Text(s.stage), str(s.replicas), str(s.intra_op_threads), cores, _ms(s.standalone_ms) if measured else "-", _ms(s.pipeline_mean_ms),
+                      *batch, f"{s.utilization:.0%}", mark)
     _table(console, table)
     _notes(console, notes)
     _timeline(console, trace)
@@ -443,8 +459,13 @@ def placement(bundle: Bundle, where: Mapping[str, Mapping[str, Sequence[str]] | 
     """Which provider takes each stage's nodes on this host (``inspect BUNDLE --host``)."""
     import onnxruntime as ort
 
+    from onnxpipe.runtime._distributions import conflict
+
     console = _console()
     _line(console, f"on this host (onnxruntime {ort.__version__}, providers {', '.join(ort.get_available_providers())}):")
+    two = conflict()  # asked for: the host's own onnxruntime, so say when two builds lie over each other
+    if two:
+        _line(console, f"  warning: {two}")
     for stage in bundle.spec.stages:
         nodes = where.get(stage.name)
         if stage.code is not None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import click
 
 from onnxpipe.cli._common import ALLOW_CODE, TARGET, SizeType, UserError
-from onnxpipe.cli._deploy import ADDRESS, ENGINE, _engine_args
+from onnxpipe.cli._deploy import ADDRESS, ENGINE, SET, _engine_args
+from onnxpipe.cli._stageopts import StageOption, deploy_overrides
 
 __all__ = ["serve"]
 
@@ -37,15 +38,21 @@ _IDLE_TIMEOUT = 30.0
     help="Serve every bundle in DIR too (folders and .onnxpipe archives; each named after its file).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 for every interface (then set --auth-token-file).")
-@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="HTTP/REST port (GET /metrics too).")
+@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="HTTP/REST port (GET /metrics too, behind the token).")
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(0, 65535), help="gRPC port; 0: no gRPC.")
+@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(0, 65535),
+              help="Port of GET /metrics alone (Prometheus; no token asked there, as Triton's); 0: none.")
+@click.option("--metrics-address", metavar="ADDRESS", help="Address the metrics port binds [default: --host's].")
+@click.option("--allow-metrics/--no-allow-metrics", default=True, show_default=True,
+              help="Serve metrics at all (Triton's --allow-metrics=false is --no-allow-metrics): the metrics port and GET /metrics on the HTTP port.")
 @click.option(
     "--auth-token-file",
     type=click.Path(dir_okay=False, path_type=Path),
     metavar="FILE",
-    help="Every request but the health checks must carry 'Authorization: Bearer <the token in FILE>' (gRPC: metadata 'authorization').",
+    help="Every request but the health checks and the metrics port's must carry 'Authorization: Bearer <the token in FILE>' (gRPC: metadata 'authorization').",
 )
 @ALLOW_CODE
+@SET
 @ENGINE
 @ADDRESS
 @TARGET
@@ -73,6 +80,9 @@ _IDLE_TIMEOUT = 30.0
               help="Seconds a sequence may stay idle before its state is freed (0: never).")
 @click.option("--drain-timeout", default=_DRAIN_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), metavar="S",
               help="On SIGTERM or SIGINT: seconds to let admitted requests finish before the pipelines close.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="Seconds an inference request may wait for its model to start it; then it is answered 503 (Triton's queue timeout; "
+                   "a request's 'timeout' parameter may ask for less) [default: no limit].")
 @click.option("--idle-timeout", default=_IDLE_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), metavar="S",
               help="Seconds an HTTP connection may take to send a request's head, from connecting or from its last answer; then it is closed.")
 @click.option("--max-connections", type=click.IntRange(min=1), metavar="N",
@@ -83,15 +93,22 @@ _IDLE_TIMEOUT = 30.0
 @click.option("--strict-readiness", is_flag=True,
               help="With --allow-partial: /v2/health/ready (and gRPC ServerReady) answer not ready while a model failed to load (Triton's flag).")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Do not run the bundles' reference samples at load.")
-@click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+@click.option("--access-log", is_flag=True,
+              help="Log every request, HTTP and gRPC (health checks too), one line each; failed ones are logged without it too.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="The log's lines on stderr: 'onnxpipe serve: ...' text, or one JSON object a line (for log shippers; docs/serving.md#logs).")
 def serve(
     bundles: Sequence[str],
     repository: Path | None,
     host: str,
     http_port: int,
     grpc_port: int,
+    metrics_port: int,
+    metrics_address: str | None,
+    allow_metrics: bool,
     auth_token_file: Path | None,
     allow_code: Sequence[str],
+    settings: Sequence[StageOption],
     engine: str,
     address: str | None,
     target: str | None,
@@ -102,6 +119,7 @@ def serve(
     max_streams: int,
     stream_timeout: float,
     drain_timeout: float,
+    request_timeout: float | None,
     idle_timeout: float,
     max_connections: int | None,
     json_workers: int,
@@ -109,6 +127,7 @@ def serve(
     strict_readiness: bool,
     no_verify: bool,
     access_log: bool,
+    log_format: str,
 ) -> None:
     """Serve BUNDLEs (and every bundle in --model-repository) over the Open Inference Protocol
     (KServe v2) with Triton's extensions, so Triton's clients (tritonclient, perf_analyzer) and any
@@ -118,7 +137,9 @@ def serve(
     \b
     HTTP (--http-port): GET /v2/health/live|ready, GET /v2, GET /v2/models/NAME[/versions/1]
       [/ready|/config|/stats], POST .../infer (JSON or binary tensors), GET /metrics (Prometheus).
-    gRPC (--grpc-port): inference.GRPCInferenceService, with ModelConfig and ModelStatistics.
+    gRPC (--grpc-port): inference.GRPCInferenceService, with ModelConfig, ModelStatistics and
+      ModelStreamInfer (Triton's stream: many requests in flight, answered in order).
+    Metrics (--metrics-port): GET /metrics, Triton's nv_inference_* names and onnxpipe's, no token.
     A model with state takes Triton's sequence parameters (sequence_id, sequence_start,
     sequence_end). It listens on loopback unless --host says otherwise; ready once every model
     is loaded and verified against its reference samples; SIGTERM drains: new requests get 503,
@@ -126,11 +147,12 @@ def serve(
 
     \b
     Examples:
-      onnxpipe serve resnet50.onnxpipe                                # 127.0.0.1:8000 HTTP, :8001 gRPC
+      onnxpipe serve resnet50.onnxpipe                                # 127.0.0.1:8000 HTTP, :8001 gRPC, :8002 metrics
       onnxpipe serve det=ocr_det.onnxpipe ocr.onnxpipe --allow-code 'mypkg.*'
       onnxpipe serve --model-repository bundles/ --host 0.0.0.0 --auth-token-file token.txt
       onnxpipe serve decoder.onnxpipe --max-streams 16 --stream-timeout 300
       onnxpipe serve resnet50.onnxpipe --engine ray --address auto --max-inflight 32
+      onnxpipe serve resnet50.onnxpipe --set '*:affinity=0-1' --set 1:replicas=2   # this host's cores
       curl localhost:8000/v2/health/ready; curl localhost:8000/v2/models/resnet50/config
       perf_analyzer -m resnet50 -u localhost:8001 -i grpc --concurrency-range 1:8
     """
@@ -148,6 +170,9 @@ def serve(
         host=host,
         http_port=http_port,
         grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        metrics_host=metrics_address,
+        allow_metrics=allow_metrics,
         auth_token=token,
         allow_code=tuple(allow_code),
         target=target,
@@ -158,13 +183,16 @@ def serve(
         max_streams=max_streams,
         stream_timeout=stream_timeout or None,
         drain_timeout=drain_timeout,
+        request_timeout=request_timeout,
         idle_timeout=idle_timeout,
         max_connections=max_connections,
         json_workers=json_workers,
         allow_partial=allow_partial,
         strict_readiness=strict_readiness,
+        overrides=deploy_overrides(settings),
         verify=not no_verify,
         access_log=access_log,
+        log_format=log_format,
         **where_run,
     )
     server.serve(sources, options)

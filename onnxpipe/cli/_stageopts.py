@@ -1,7 +1,10 @@
-"""Per-stage settings on the command line: ``--stage SEL:key=value,...`` and ``--settings FILE.json``.
+"""Per-stage settings on the command line: ``build``'s ``--stage SEL:key=value,...`` and ``--settings
+FILE.json``, and the deploy-time ``--set [SEL:]key=value,...`` of ``serve``, ``run``, ``bench``,
+``verify``, ``inspect`` and ``rebundle``: one syntax and one vocabulary of keys for both.
 
 Parsing is plain Python, so that ``onnxpipe --help`` imports nothing heavy; the values themselves are
-checked by :class:`~onnxpipe.runtime.StageSettings` when they are applied to a stage, and any
+checked by :class:`~onnxpipe.runtime.StageSettings` when they are applied to a stage (at build time
+by ``Stage.configure``, at deploy time by ``onnxpipe.runtime`` as it reads the bundle), and any
 :class:`ConfigError` is re-raised with the option or file entry that caused it.
 """
 
@@ -14,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from onnxpipe._errors import ConfigError, closest
+from onnxpipe._errors import ConfigError
 from onnxpipe.cli._common import read_json
 
 if TYPE_CHECKING:
     from onnxpipe.builder import PipelineConfig, Stage
+    from onnxpipe.runtime import StageOverrides
 
-__all__ = ["STAGE_KEYS", "StageOption", "StageOptionType", "apply", "format_cores", "parse_cores", "read_settings_file"]
+__all__ = ["STAGE_KEYS", "StageOption", "StageOptionType", "apply", "deploy_overrides", "format_cores", "parse_cores", "read_settings_file"]
 
 ALL = "*"
 _SWITCHES = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
@@ -127,9 +131,18 @@ class StageOption:
 
 
 class StageOptionType(click.ParamType):
-    """``SEL:key=value[,key=value...]``; a malformed value is a usage error naming the valid keys."""
+    """``SEL:key=value[,key=value...]``; a malformed value is a usage error naming the valid keys.
+
+    Args:
+        selector_optional: ``SEL:`` may be left out, meaning every stage (``--set replicas=2``).
+    """
 
     name = "SEL:KEY=VALUE[,...]"
+
+    def __init__(self, selector_optional: bool = False) -> None:
+        self.selector_optional = selector_optional
+        if selector_optional:
+            self.name = "[SEL:]KEY=VALUE[,...]"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> StageOption:
         if isinstance(value, StageOption):
@@ -138,11 +151,15 @@ class StageOptionType(click.ParamType):
         # The selector ends at the last ':' before the first '=': targets such as cuda:1 hold a ':' too.
         head = text.partition("=")[0]
         selector, colon, _ = head.rpartition(":")
+        body = text[len(selector) + 1 :]
+        if not colon and self.selector_optional and "=" in text:
+            selector, colon, body = ALL, ":", text
         if not colon or not selector or "=" not in text:
-            self.fail(f"{text!r} is not SEL:key=value[,key=value...] (SEL: stage position, name or *; e.g. 0:threads=2,affinity=0-1)", param, ctx)
+            sel = "[SEL:]" if self.selector_optional else "SEL:"
+            self.fail(f"{text!r} is not {sel}key=value[,key=value...] (SEL: stage position, name or *; e.g. 0:threads=2,affinity=0-1)", param, ctx)
         changes: dict[str, Any] = {}
         previous = ""
-        for item in text[len(selector) + 1 :].split(","):
+        for item in body.split(","):
             key, eq, raw = item.partition("=")
             key = key.strip()
             if not eq:
@@ -176,17 +193,10 @@ def select(config: PipelineConfig, selector: str) -> list[Stage]:
     Raises:
         ConfigError: no such stage (naming the valid names and positions).
     """
+    from onnxpipe.runtime._overrides import select_stages  # what a selector means, at build and deploy time alike
+
     stages = list(config.stages)
-    if selector == ALL:
-        return stages
-    by_name = {s.name: s for s in stages}
-    if selector in by_name:
-        return [by_name[selector]]
-    if selector.isdigit():
-        if int(selector) < len(stages):
-            return [stages[int(selector)]]
-        raise ConfigError(f"no stage at position {selector}: the pipeline has {len(stages)} stage(s), at positions 0..{len(stages) - 1}")
-    raise ConfigError(f"no stage '{selector}'; {closest(selector, by_name)} (or a position 0..{len(stages) - 1}, or * for all)")
+    return [stages[i] for i in select_stages([s.name for s in stages], selector)]
 
 
 def apply(config: PipelineConfig, selector: str, changes: Mapping[str, Any], origin: str) -> None:
@@ -207,6 +217,18 @@ def apply(config: PipelineConfig, selector: str, changes: Mapping[str, Any], ori
             stage.configure(**given)
         except ConfigError as e:
             raise ConfigError(f"{origin}: {e}") from e
+
+
+def deploy_overrides(options: Iterable[StageOption], flag: str = "--set") -> tuple[StageOverrides, ...]:
+    """The runtime's deploy-time settings for ``--set`` values, each naming its option in errors.
+
+    Raises:
+        ConfigError: a key that cannot change at deploy time (it makes the stage's module), naming
+            the option; values and stage names are checked as the bundle is read.
+    """
+    from onnxpipe.runtime import StageOverrides
+
+    return tuple(StageOverrides(o.selector, o.changes, origin=f"{flag} {o.text}") for o in options)
 
 
 def read_settings_file(path: Path) -> list[tuple[str, dict[str, Any]]]:

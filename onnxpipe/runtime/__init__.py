@@ -1,5 +1,6 @@
 """The runtime: the pipeline spec, bundles and the executors. Imports only stdlib, numpy and onnxruntime."""
 
+import onnxpipe.runtime._guard  # noqa: F401  first: a missing or broken onnxruntime is one error saying what to install
 from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
 from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, npz_layout, read_bundle, save_npz
 from onnxpipe.runtime._code import check_allowed, code_entries
@@ -7,6 +8,7 @@ from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, nu
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import UNKNOWN_DIM_NAMES, check_dims, check_inputs, random_inputs, sample_shapes
 from onnxpipe.runtime._ortapi import ModelMetadata, NodeArg
+from onnxpipe.runtime._overrides import StageOverrides
 from onnxpipe.runtime._pipeline import DEFAULT_MAX_STREAMS, ENGINES, Pipeline, ReferenceCheck, load
 from onnxpipe.runtime._ray import RayOptions
 from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
@@ -45,6 +47,7 @@ __all__ = [
     "Rounds",
     "SequentialPipeline",
     "StageBench",
+    "StageOverrides",
     "StageSettings",
     "StageSpec",
     "StageStats",

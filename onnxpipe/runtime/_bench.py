@@ -40,7 +40,8 @@ __all__ = ["BenchReport", "StageBench", "benchmark"]
 @dataclass(frozen=True)
 class StageBench:
     """One stage: alone, and inside the pipeline (``pipeline_mean_ms`` per session call: for a
-    stage that batches, a call runs ``batch_mean`` requests on average)."""
+    stage that batches, a call runs ``batch_mean`` requests on average), with the settings it ran
+    with (``replicas``, ``intra_op_threads``, ``affinity``: the bundle's, or the host's overrides)."""
 
     stage: str
     replicas: int
@@ -49,6 +50,8 @@ class StageBench:
     utilization: float
     batch_mean: float = 1.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
+    intra_op_threads: int = 1
+    affinity: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,8 @@ def benchmark(
         efficiency=throughput / ideal if ideal else None,
         bottleneck=stats.bottleneck,
         stages=tuple(
-            StageBench(s.stage, s.replicas, ms, s.mean_ms, s.utilization, s.batch_mean, s.batch_sizes) for s, ms in zip(stats.stages, standalone, strict=True)
+            StageBench(s.stage, s.replicas, ms, s.mean_ms, s.utilization, s.batch_mean, s.batch_sizes, s.intra_op_threads, s.affinity)
+            for s, ms in zip(stats.stages, standalone, strict=True)
         ),
         notes=tuple(notes),
         caller_cores=tuple(sorted(cores)) if cores is not None else None,

@@ -55,6 +55,7 @@ import numpy as np
 
 from onnxpipe._errors import BundleError, ConfigError, InputError
 from onnxpipe.runtime._inputs import check_inputs
+from onnxpipe.runtime._overrides import Overrides, StageOverrides, apply_overrides, as_overrides
 from onnxpipe.runtime._protoscan import Relocation, external_locations, relocate_external
 from onnxpipe.runtime._session import maps_archive_data
 from onnxpipe.runtime._settings import host_cores
@@ -154,7 +155,8 @@ def check_caps(spec: PipelineSpec, limits: Limits, stages: Collection[str] | Non
             return value, f"Limits.{knob}"
         return times * cores, f"{times} x the {cores} core(s) this process may use"
 
-    how = "lower it in the bundle's settings, or raise the cap on this host with load(..., limits=Limits({}=...))"
+    how = ("lower it in the bundle's settings, or raise the cap on this host with load(..., limits=Limits({}=...)); "
+           "or lower it at load: load(..., overrides=...), onnxpipe serve/run/bench --set")
     threads, threads_why = cap(limits.max_threads, 4, "max_threads")
     replicas, replicas_why = cap(limits.max_replicas, 4, "max_replicas")
     here = [stage for stage in spec.stages if stages is None or stage.name in stages]
@@ -355,6 +357,9 @@ class Bundle:
         #: The stages checked against this host's thread and replica caps when it was read (None:
         #: all; see ``read_bundle(sessions=...)``); a thread engine checks the rest before it starts.
         self.capped: frozenset[str] | None = None
+        #: The host's deploy-time settings, applied to :attr:`spec` when it was read (``read_bundle(overrides=...)``);
+        #: kept for the readers of the same files elsewhere (a Ray actor reads the bundle again).
+        self.overrides: tuple[StageOverrides, ...] = ()
         self._cleanup = weakref.finalize(self, shutil.rmtree, tmp, True) if tmp else None
 
     def session_source(self, stage: str | StageSpec) -> tuple[str | bytes, dict[str, str]]:
@@ -417,6 +422,27 @@ class Bundle:
                 "(a host that trusts the bundle can raise it with Limits(max_reference_bytes=...))"
             )
         return [(load_npz(self.root / i, self.limits), load_npz(self.root / o, self.limits)) for i, o in self.manifest.reference]
+
+    def copy_files(self, dest: Path, skip: Collection[str] = ()) -> dict[str, FileEntry]:
+        """Copy every file the manifest lists (but ``skip``) into the folder ``dest``, byte for
+        byte, from the bundle's folder or from its archive where a member stayed there.
+
+        Returns:
+            The manifest's entries of the files copied (their size and sha256, checked when the
+            bundle was read), by bundle path.
+        """
+        copied = {}
+        for rel, entry in sorted(self.manifest.files.items()):
+            if rel in skip:
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if rel in self.in_archive:
+                _copy_range(self.in_archive[rel], target)
+            else:
+                shutil.copyfile(self.root / rel, target)
+            copied[rel] = entry
+        return copied
 
     def close(self) -> None:
         """Remove the temporary folder of an unpacked archive (nothing for a folder bundle)."""
@@ -550,7 +576,12 @@ def is_bundle(path: object) -> bool:
 
 
 def read_bundle(
-    path: str | os.PathLike[str], limits: Limits | None = None, *, allow_code: Sequence[str] = (), sessions: Collection[str] | None = None
+    path: str | os.PathLike[str],
+    limits: Limits | None = None,
+    *,
+    allow_code: Sequence[str] = (),
+    sessions: Collection[str] | None = None,
+    overrides: Overrides | None = None,
 ) -> Bundle:
     """Open a bundle folder or archive and check all of it (see the note above).
 
@@ -565,28 +596,34 @@ def read_bundle(
         sessions: The stages whose sessions this process will start, checked against this host's
             thread and replica caps (see ``check_caps``); default: all. The Ray engine's driver
             passes none, and each actor its own stage, checked against the actor's node.
+        overrides: Deploy-time settings of the stages (threads, affinity, replicas, ...; see
+            ``_overrides``), applied to the spec before it is checked against the caps: the
+            bundle's files stay as they are (:attr:`Bundle.overrides` keeps them).
 
     Returns:
         The checked :class:`Bundle`.
 
     Raises:
         BundleError: anything missing, broken, or unsafe; nothing is left behind on failure.
+        ConfigError: an override names no stage of the bundle, a setting that may not change at
+            deploy time, a bad value, or a ``max_batch`` above what the build allows.
     """
     if isinstance(allow_code, str):
         raise TypeError("allow_code takes a list of patterns, not one string")
     limits = limits or Limits()
+    changes = as_overrides(overrides)  # malformed ones are refused before anything is read
     path = Path(path)
     if not path.exists():
         raise BundleError(f"bundle '{path}' does not exist")
     if path.is_dir() and not path.is_symlink():
-        bundle = _check_folder(path, limits, None, str(path), sessions=sessions)
+        bundle = _check_folder(path, limits, None, str(path), sessions=sessions, overrides=changes)
     elif not path.is_file():
         raise BundleError(f"bundle '{path}' is neither a folder nor an archive file")
     else:
         tmp = Path(tempfile.mkdtemp(prefix="onnxpipe-bundle-"))
         try:
             kept = _unpack(path, tmp, limits)
-            bundle = _check_folder(tmp, limits, tmp, str(path), kept, sessions)
+            bundle = _check_folder(tmp, limits, tmp, str(path), kept, sessions, changes)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -792,7 +829,13 @@ def _read_json(path: Path, limits: Limits, what: str) -> Any:
 
 
 def _check_folder(
-    root: Path, limits: Limits, tmp: Path | None, label: str, kept: Mapping[str, Relocation] | None = None, sessions: Collection[str] | None = None
+    root: Path,
+    limits: Limits,
+    tmp: Path | None,
+    label: str,
+    kept: Mapping[str, Relocation] | None = None,
+    sessions: Collection[str] | None = None,
+    overrides: Sequence[StageOverrides] = (),
 ) -> Bundle:
     kept = dict(kept or {})
     present = set(_walk_files(root, limits)) | set(kept)
@@ -822,11 +865,12 @@ def _check_folder(
         spec.validate()
     except ConfigError as e:
         raise BundleError(f"{CONFIG_NAME}: {e}") from e
-    check_caps(spec, limits, sessions)
     for stage in spec.stages:
         if stage.settings.max_batch > 1 and stage.batching is None:
             raise BundleError(f"{CONFIG_NAME}: stage '{stage.name}' has max_batch {stage.settings.max_batch} but no batching record: "
                               "build it with onnxpipe build (which checks that the stage can batch), or set max_batch to 1")
+    spec = apply_overrides(spec, overrides)  # the host's settings, checked as the bundle's own are (caps below, cores at session start)
+    check_caps(spec, limits, sessions)
     used: set[str] = set()
     for stage in spec.stages:
         if stage.module is None:
@@ -854,15 +898,31 @@ def _check_folder(
         _copy_range(kept.pop(rel), root / rel)
     bundle = Bundle(root, spec, manifest, tmp, kept, limits)
     bundle.capped = None if sessions is None else frozenset(sessions)
+    bundle.overrides = tuple(overrides)
     for stage in spec.stages:
         if stage.module is not None:
             bundle.session_source(stage)  # every tensor that points into the archive fits in its member
     return bundle
 
 
-def write_manifest(root: Path, manifest_fields: Mapping[str, Any]) -> Manifest:
-    """Hash every file under ``root`` and write ``manifest.json``; used by the builder's export."""
-    files = {rel: FileEntry((root / rel).stat().st_size, sha256_file(root / rel)) for rel in sorted(_walk_files(root, Limits())) if rel != MANIFEST_NAME}
+def write_manifest(root: Path, manifest_fields: Mapping[str, Any], known: Mapping[str, FileEntry] | None = None) -> Manifest:
+    """Hash every file under ``root`` and write ``manifest.json``; used by the builder's export.
+
+    Args:
+        root: The bundle's folder, every file in place.
+        manifest_fields: The manifest's other fields (versions, opsets, providers, reference, created).
+        known: Entries of files copied byte for byte from a checked bundle (:meth:`Bundle.copy_files`):
+            kept as they are, not hashed again (a rebundle hashes only its new config).
+    """
+    known = known or {}
+
+    def entry(rel: str) -> FileEntry:
+        size = (root / rel).stat().st_size
+        if rel in known and known[rel].size == size:
+            return known[rel]
+        return FileEntry(size, sha256_file(root / rel))
+
+    files = {rel: entry(rel) for rel in sorted(_walk_files(root, Limits())) if rel != MANIFEST_NAME}
     manifest = Manifest(files=files, **manifest_fields)
     (root / MANIFEST_NAME).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
     return manifest

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from onnxpipe._errors import ConfigError, StageError
 from onnxpipe.runtime._channel import Channel, Closed, Reader
-from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, pinned_replica
+from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, claimed, pinned_replica
 from onnxpipe.runtime._stats import StageRecorder
 
 __all__ = ["DEFAULT_QUEUE_DEPTH", "Engine", "RunnerFactory", "ThreadEngine"]
@@ -137,7 +137,7 @@ class ThreadEngine:
                 request = take()
             except Closed:
                 return
-            if request.error is None:
+            if request.error is None and (request.claim is None or claimed(request)):
                 batch = request.batch
                 size, failed = request.size, len(batch.failed) if batch is not None else 0
                 start = clock()
@@ -182,6 +182,9 @@ class ThreadEngine:
                 self._orphan(group)  # taken, never run: the pipeline fails them
                 return
             waited = clock() - taken  # what the group's first call waited for it to fill
+            for member in group:
+                if member.claim is not None:
+                    claimed(member)  # a withdrawn one is marked failed: run_many passes it over
             for call in runner.run_many(group):
                 errors = [None if e is None else self._failure(runner.name, m.id, e) for m, e in zip(call.members, call.errors, strict=True)]
                 for member, error in zip(call.members, errors, strict=True):

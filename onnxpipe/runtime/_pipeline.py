@@ -10,6 +10,17 @@ Note: ordering and failures.
     so ``get_output`` and ``map`` return them in submission order even when replicas finish out of
     order. A stage that raises fails only that request: its future raises :class:`StageError`
     naming the stage and the request, later stages let it pass untouched, and other requests go on.
+
+Note: withdrawn requests.
+    A stateless request's future stays pending while the request waits in front of the first
+    stage, and turns running only when that stage takes it: until then ``future.cancel()``
+    withdraws it, and no stage runs it (it still passes through the queues, marked failed, so the
+    engines' bookkeeping stays one path; it counts neither as completed nor as failed). The stage
+    asks through ``Request.claim`` (``_stage.claimed``), once, so an engine knows nothing of
+    futures (Note: the engine boundary, ``_engine``). Once running, ``cancel()`` returns False and
+    the request finishes; whoever cancelled it simply does not read it. A stream's steps are
+    never withdrawn (a step left out would leave the stream's state a step behind what its client
+    sent): their futures are running from the start.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -37,6 +48,7 @@ from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
 from onnxpipe.runtime._inputs import InputCheck, check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
+from onnxpipe.runtime._overrides import Overrides
 from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is imported only when a RayEngine starts
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
@@ -335,7 +347,9 @@ class Pipeline(InferenceSessionAPI):
         """Submit one request; returns a future of its outputs by name.
 
         Blocks only while the first stage's queue is full; with ``block=False`` it never waits
-        (for an event loop, say) and raises :class:`BusyError` instead.
+        (for an event loop, say) and raises :class:`BusyError` instead. Until the first stage
+        takes the request, ``future.cancel()`` withdraws it: no stage runs it (see Note:
+        withdrawn requests).
 
         Raises:
             InputError: an input is unknown, missing, or of the wrong dtype or shape (the pipeline
@@ -372,7 +386,10 @@ class Pipeline(InferenceSessionAPI):
             self._next_id += 1
             self._in_flight += 1
             self._futures[request.id] = future
-        future.set_running_or_notify_cancel()
+        if stream is None:  # withdrawable until its first stage takes it (see Note: withdrawn requests)
+            request.claim = future.set_running_or_notify_cancel
+        else:
+            future.set_running_or_notify_cancel()
         if step != CLOSE:
             self._requests.submitted(request.submitted)
         try:
@@ -512,7 +529,8 @@ class Pipeline(InferenceSessionAPI):
         else:
             if error is None:
                 outputs = {name: request.values[key] for name, key in self._finals.items()}
-            self._requests.finished(request.submitted, time.perf_counter(), error is None)
+            if not isinstance(error, CancelledError):  # a withdrawn request neither completed nor failed
+                self._requests.finished(request.submitted, time.perf_counter(), error is None)
             if request.stream is not None:
                 error = self._stream_finished(request.stream, request.step, request.error)
                 if self._scheduler is not None:
@@ -721,15 +739,28 @@ class Pipeline(InferenceSessionAPI):
 
     # -- observability ----------------------------------------------------------------------------
 
-    def stats(self) -> PipelineStats:
-        """Throughput, latency, and per-stage utilization and queues since load or :meth:`reset_stats`."""
+    def stats(self, memory: bool = True) -> PipelineStats:
+        """Throughput, latency, and per-stage utilization and queues since load or :meth:`reset_stats`.
+
+        Args:
+            memory: Also read the process's physical memory (``resident_bytes``): a walk of its
+                mappings, 2 ms here and 8-20 ms in a server holding several models; a poller that
+                does not show it (the server's statistics and metrics, on its event loop) skips it.
+        """
         rows = [(p[0].stage, p, q[0], q[1], q[2]) for p, q in zip(self._engine.recorders(), self._engine.queues(), strict=True)]
         stats = summarize(rows, self._requests, self._in_flight)
         if self._node_counts is None:  # the sessions do not change: counted once, not on every poll
             self._node_counts = {stage: {ep: len(nodes) for ep, nodes in (where or {}).items()} for stage, where in self.placement().items()}
-        stages = tuple(dataclasses.replace(s, nodes=dict(self._node_counts.get(s.stage, {}))) for s in stats.stages)
-        memory = resident_bytes() if self.engine == "thread" else None  # the Ray engine's sessions live in other processes
-        return dataclasses.replace(stats, stages=stages, resident_bytes=memory)
+        settings = {s.name: s.settings for s in self.spec.stages}  # those in effect: the bundle's, with the host's overrides
+        stages = tuple(
+            dataclasses.replace(
+                s, nodes=dict(self._node_counts.get(s.stage, {})), intra_op_threads=settings[s.stage].intra_op_threads,
+                inter_op_threads=settings[s.stage].inter_op_threads, affinity=settings[s.stage].affinity, max_batch=settings[s.stage].max_batch,
+            )
+            for s in stats.stages
+        )
+        held = resident_bytes() if memory and self.engine == "thread" else None  # the Ray engine's sessions live in other processes
+        return dataclasses.replace(stats, stages=stages, resident_bytes=held)
 
     def reset_stats(self) -> None:
         """Start a new measurement window (e.g. after warm-up)."""
@@ -815,6 +846,7 @@ def load(
     max_streams: int = DEFAULT_MAX_STREAMS,
     stream_timeout: float | None = None,
     micro_batches: int | None = None,
+    overrides: Overrides | None = None,
 ) -> Pipeline:
     """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime, and start it.
 
@@ -838,6 +870,12 @@ def load(
         stream_timeout: Close streams idle for longer than this many seconds (``None``: never).
         micro_batches: Groups the streams of a pipeline whose stages batch them are spread over,
             each stepping as one batch (``None``: one per stage; see :class:`Pipeline`).
+        overrides: Deploy-time settings of some or all stages, instead of the bundle's:
+            ``intra_op_threads``, ``inter_op_threads``, ``execution_mode``, ``spinning``,
+            ``affinity``, ``replicas``, ``max_batch`` (up to the bundle's), ``max_delay_ms``,
+            ``host``; as :class:`StageOverrides` (applied in order) or a mapping
+            ``{"*": {...}, "STAGE": {...}, "1": {...}}``. Checked as the bundle's own settings
+            are; the bundle's files are not changed (``onnxpipe rebundle`` writes a new bundle).
 
     Raises:
         BundleError: the bundle is missing, broken or refused as unsafe, a stage's provider is
@@ -845,11 +883,13 @@ def load(
             ``allow_code`` does not allow or this host does not have.
         ConfigError: the OS refused a stage's CPU affinity; an unknown engine; on Ray: Ray is not
             installed, the cluster cannot be reached, or a stage cannot be placed; ``max_streams``,
-            ``stream_timeout`` or ``micro_batches`` is not positive.
+            ``stream_timeout`` or ``micro_batches`` is not positive; an override names no stage,
+            a setting that may not change at deploy time, a bad value, or a ``max_batch`` above
+            what the build allows (naming the stage and its maximum).
     """
     # A hostile bundle, or code the host does not allow, is refused here, before anything ships. On
     # Ray no session starts here: each actor checks its stage's threads against its own node.
-    bundle = read_bundle(path, limits, allow_code=allow_code, sessions=() if engine == "ray" else None)
+    bundle = read_bundle(path, limits, allow_code=allow_code, sessions=() if engine == "ray" else None, overrides=overrides)
     try:
         return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path, max_streams=max_streams, stream_timeout=stream_timeout,
                         micro_batches=micro_batches)

@@ -98,7 +98,7 @@ from onnxpipe.runtime._bundle import MANIFEST_NAME, Bundle, Limits, read_bundle,
 from onnxpipe.runtime._channel import Closed, Full
 from onnxpipe.runtime._ortapi import SessionFacts
 from onnxpipe.runtime._spec import Endpoint
-from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, pinned_replica, plan_stages
+from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, claimed, make_runner, pinned_replica, plan_stages
 from onnxpipe.runtime._stats import StageRecorder
 from onnxpipe.runtime.scheduling import StepBatch, take_rows
 
@@ -165,7 +165,8 @@ class _StageActor:
     a failing request must not become a Ray task error carrying a pickled exception."""
 
     def __init__(self, payload: Any, path: str | None, manifest_sha: str, limits: Mapping[str, Any], index: int, replica: int,
-                 target: str | None, folder: str, returns: Sequence[str], allow_code: Sequence[str], stage: str) -> None:
+                 target: str | None, folder: str, returns: Sequence[str], allow_code: Sequence[str], stage: str,
+                 overrides: Sequence[Any] = ()) -> None:
         self._error: str | None = None
         self._perf_to_wall = time.perf_counter() - time.time()
         import ray
@@ -188,7 +189,8 @@ class _StageActor:
                 path = str(archive)
             # The driver's allow-list travels with the bundle: code is imported only if it allows it.
             # Only this actor's stage is checked against the thread caps, and against this node's cores.
-            self._bundle = read_bundle(path, Limits(**limits), allow_code=allow_code, sessions=(stage,))
+            # The driver's deploy-time settings too: the bundle's files hold the build's.
+            self._bundle = read_bundle(path, Limits(**limits), allow_code=allow_code, sessions=(stage,), overrides=overrides)
             if sha256_file(self._bundle.root / MANIFEST_NAME) != manifest_sha:
                 raise BundleError(f"the bundle at '{path}' is not the one the driver checked (its manifest differs)")
             plan = plan_stages(self._bundle.spec)[0][index]
@@ -520,7 +522,7 @@ class RayEngine:
             for r in range(plan.stage.settings.replicas):
                 folder = f"onnxpipe-ray-{run_id}-{i}-{r}"
                 row.append(_Replica(remote.options(**options).remote(payload, path, manifest_sha, limits, i, r, target, folder, self._returns[i],
-                                                                     list(bundle.allow_code), plan.stage.name)))
+                                                                     list(bundle.allow_code), plan.stage.name, list(bundle.overrides))))
             self._replicas.append(row)
         calls = {self._ping(rep): (i, r) for i, row in enumerate(self._replicas) for r, rep in enumerate(row)}
         ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=self._options.placement_timeout_s)
@@ -654,7 +656,7 @@ class RayEngine:
         """Submit the requests waiting for replica ``r`` of stage ``i`` as one call, if it has room."""
         rep = self._replicas[i][r]
         while rep.pending and rep.calls < _CALLS_PER_REPLICA and rep.state != "dead":
-            members = [(f, a) for f, a in rep.pending[: self._per_call[i]] if not f.done and a == f.attempt]
+            members = [(f, a) for f, a in rep.pending[: self._per_call[i]] if not f.done and a == f.attempt and self._claimed(f)]
             del rep.pending[: self._per_call[i]]
             if not members:
                 continue
@@ -662,6 +664,14 @@ class RayEngine:
             for flight, _ in members:
                 flight.cursor = i + 1
                 self._advance(flight)
+
+    def _claimed(self, flight: _Flight) -> bool:
+        """Whether its first stage may run the request (``claimed``); one withdrawn meanwhile is
+        finished here, having run nowhere (Note: withdrawn requests, ``_pipeline``)."""
+        if flight.request.claim is None or claimed(flight.request):
+            return True
+        self._complete(flight)
+        return False
 
     def _call(self, i: int, r: int, members: list[tuple[_Flight, int]]) -> None:
         """One actor call running stage ``i`` on ``members``: each reads object references from its

@@ -16,6 +16,15 @@ Note: where each node ran.
     took. An older onnxruntime cannot tell, and the placement is then ``None``. With
     ``fallback=off`` a provider that cannot take every node fails the session; the error names
     the nodes, found by making the session again with fallback on and reading its placement.
+
+Note: a run's failure is said once.
+    A run that fails raises onnxruntime's error, which the stage's ``StageError`` carries to the
+    caller (``onnxpipe run`` prints it, the server answers and logs it with the request's model
+    and id); onnxruntime also writes it to stderr itself, in its own format and ANSI colour
+    (``[E:onnxruntime:, sequential_executor.cc:...]``). :func:`run_options` turns that line off
+    for a stage's runs (``RunOptions.log_severity_level``, which a run's log takes instead of its
+    session's): the session's own log, while it is made, stays as it was, since there it can be
+    the one place saying why a provider refused its options.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from typing import Any
 
 import onnxruntime as ort
 
-from onnxpipe._errors import BundleError
+from onnxpipe._errors import BundleError, ConfigError
 from onnxpipe.runtime._code import custom_ops_library, package_library
+from onnxpipe.runtime._distributions import conflict
 from onnxpipe.runtime._settings import StageSettings
 from onnxpipe.runtime._spec import StageSpec
 
@@ -45,6 +55,7 @@ __all__ = [
     "ort_message",
     "placement",
     "plugin_devices",
+    "run_options",
 ]
 
 #: Whether this onnxruntime can say which provider took each node (see Note: where each node ran).
@@ -65,6 +76,8 @@ PROVIDER_PACKAGES: dict[str, str] = {
 }
 _ORT_HEAD = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
 _FALLBACK_REFUSED = "fallback to CPU EP has been explicitly disabled"
+#: onnxruntime's log severity for what only a crash would say (0 verbose ... 3 error, 4 fatal).
+_FATAL_ONLY = 4
 
 
 def maps_archive_data() -> bool:
@@ -114,7 +127,10 @@ def make_session(module: Path | str | bytes, stage: StageSpec, target: str | Non
     level = load_optimization(stage, settings)
 
     def options_for(chosen: StageSettings) -> ort.SessionOptions:
-        options = chosen.session_options(level)
+        try:
+            options = chosen.session_options(level)
+        except ConfigError as e:  # a core this process may not use: say whose
+            raise ConfigError(f"stage '{stage.name}': {e}") from None
         for package in chosen.custom_ops:  # allowed by the caller (see _code.check_allowed)
             options.register_custom_ops_library(custom_ops_library(stage.name, package))
         for key, value in (config or {}).items():
@@ -138,7 +154,8 @@ def check_available(stage: str, settings: StageSettings) -> None:
     if settings.provider in available:
         return
     package = PROVIDER_PACKAGES.get(settings.provider)
-    get = f"install {package} to get it, or " if package else ""
+    two = conflict(settings.provider)  # two onnxruntime builds over each other: installing one more is the wrong advice
+    get = f"{two}; or " if two else f"install {package} to get it, or " if package else ""
     raise BundleError(
         f"stage '{stage}' targets {settings.provider}, which this host's onnxruntime ({ort.__version__}) does not have; "
         f"available: {', '.join(available)}; {get}use target 'cpu' to run every stage on the CPU instead"
@@ -266,6 +283,14 @@ def placement(session: ort.InferenceSession) -> Placement | None:
     for subgraph in assigned:
         nodes.setdefault(subgraph.ep_name, []).extend(f"{n.op_type} '{n.name}'" if n.name else n.op_type for n in subgraph.get_nodes())
     return {ep: tuple(names) for ep, names in nodes.items()}
+
+
+def run_options() -> ort.RunOptions:
+    """Options for a stage's runs: onnxruntime's own log of a failed run is off (see Note: a run's
+    failure is said once)."""
+    options = ort.RunOptions()
+    options.log_severity_level = _FATAL_ONLY
+    return options
 
 
 def ort_message(error: BaseException) -> str:

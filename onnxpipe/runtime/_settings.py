@@ -364,4 +364,5 @@ def check_cores(cores: Sequence[int]) -> None:
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     bad = [c for c in cores if c not in allowed]
     if bad:
-        raise ConfigError(f"affinity names core(s) {bad} this process may not use; allowed cores: {allowed}")
+        raise ConfigError(f"affinity names core(s) {bad} this process may not use; allowed cores: {allowed}; "
+                          "choose others at load: load(..., overrides=...), or --set SEL:affinity=CORES (onnxpipe serve/run/bench)")

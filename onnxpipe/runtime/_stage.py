@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,11 +60,13 @@ from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import check_inputs
-from onnxpipe.runtime._session import Placement, make_session, placement
+from onnxpipe.runtime._session import Placement, make_session, placement, run_options
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_rows, pad_stack, take_rows
 
-__all__ = ["CLOSE", "Call", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "host_placement", "make_runner", "pinned_replica", "plan_stages"]
+__all__ = [
+    "CLOSE", "Call", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "claimed", "host_placement", "make_runner", "pinned_replica", "plan_stages",
+]
 
 #: ``Request.step`` of a control request that closes its stream: each stateful runner drops the
 #: stream's state; stateless ones pass it on.
@@ -91,6 +94,8 @@ class Request:
             queues by.
         batch: For a batch of streams' steps travelling as one request (Note: state blocks): its
             members and layout; ``stream`` is then ``None``.
+        claim: Asked by the first stage that takes the request, before it runs it: ``False``
+            when its owner withdrew it meanwhile (see :func:`claimed`); ``None``: nothing to ask.
     """
 
     id: int
@@ -104,6 +109,7 @@ class Request:
     dims: Mapping[str, int] = field(default_factory=dict)
     queued_at: float = 0.0
     batch: StepBatch | None = None
+    claim: Callable[[], bool] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.queued_at = self.queued_at or self.submitted
@@ -119,6 +125,17 @@ class Request:
     def size(self) -> int:
         """Steps or requests it carries: a batch's members, else 1."""
         return 1 if self.batch is None else len(self.batch)
+
+
+def claimed(request: Request) -> bool:
+    """Whether a stage may run ``request``: what every engine's first stage asks, once, before
+    running a request (``Request.claim``; Note: withdrawn requests, ``_pipeline``). A request its
+    owner withdrew is marked failed with ``CancelledError``, so every stage passes it on untouched."""
+    claim, request.claim = request.claim, None
+    if claim is None or claim():
+        return True
+    request.error = CancelledError(f"request {request.id} was withdrawn before it started")
+    return False
 
 
 @dataclass(frozen=True)
@@ -222,7 +239,7 @@ class StageRunner:
         self.plan = plan
         self.name = plan.stage.name
         self.session = session
-        self.run_options = ort.RunOptions()
+        self.run_options = run_options()  # onnxruntime's own line of a failed run is off: the StageError says it (_session, Note: a run's failure is said once)
         self._keys = tuple(Endpoint(self.name, o) for o in plan.outputs)
         #: Per stream: (steps in the state, the state: its own arrays, or its rows of a block). See Note: state blocks.
         self.states: dict[int, tuple[int, dict[str, np.ndarray] | _InBlock]] = {}

@@ -55,6 +55,7 @@ class StageRecorder:
         self.thread_id = 0
         self.calls = 0
         self.batches: dict[int, int] = {}  # batch size -> calls of that size (only with batching)
+        self.batch_busy: dict[int, float] = {}  # batch size -> seconds its calls ran (Triton's batch_stats)
         self.batch_wait = 0.0
 
     def record(self, request: int, start: float, end: float, ok: bool, queued: float = 0.0) -> None:
@@ -79,6 +80,7 @@ class StageRecorder:
         self.failed += failed
         self.busy += end - start
         self.batches[size] = self.batches.get(size, 0) + 1
+        self.batch_busy[size] = self.batch_busy.get(size, 0.0) + (end - start)
         self.latencies.append(end - start)
         self.queued += queued * size
         if self.events is not None:
@@ -94,6 +96,7 @@ class StageRecorder:
         self.failed += sum(e is not None for e in errors)
         self.busy += end - start
         self.batches[k] = self.batches.get(k, 0) + 1
+        self.batch_busy[k] = self.batch_busy.get(k, 0.0) + (end - start)
         self.batch_wait += waited
         self.latencies.append(end - start)
         for member, error in zip(members, errors, strict=True):
@@ -106,9 +109,10 @@ class StageRecorder:
         """``(count, failed, busy, latencies, queued)`` as of now, safe to take while the worker records (see Note above)."""
         return self.count, self.failed, self.busy, list(self.latencies.copy()), self.queued
 
-    def batch_snapshot(self) -> tuple[int, dict[int, int], float]:
-        """``(calls, batch size histogram, seconds waited for batches)`` of a worker that batches."""
-        return self.calls, dict(self.batches.copy()), self.batch_wait
+    def batch_snapshot(self) -> tuple[int, dict[int, int], float, dict[int, float]]:
+        """``(calls, batch size histogram, seconds waited for batches, seconds run per batch size)``
+        of a worker that batches."""
+        return self.calls, dict(self.batches.copy()), self.batch_wait, dict(self.batch_busy.copy())
 
     def trace_events(self) -> list[tuple[int, float, float, bool, int]]:
         """The recorded trace events as of now, safe to take while the worker records."""
@@ -119,6 +123,7 @@ class StageRecorder:
         self.count = self.failed = self.calls = 0
         self.busy = self.queued = self.batch_wait = 0.0
         self.batches = {}
+        self.batch_busy = {}
         self.latencies.clear()
         if self.events is not None:
             self.events.clear()
@@ -144,12 +149,17 @@ class StageStats:
         batch_mean: Requests per session call (1.0 for a stage that does not batch).
         batch_wait_ms: Mean time a call waited, after taking its first request, for others to
             join it (``max_delay_ms``; 0 when it only takes what is queued).
+        batch_busy_s: For a stage that batches: batch size -> seconds its calls of that size ran,
+            summed over replicas (Triton's ``batch_stats``); empty otherwise.
         queue_depth: Requests waiting for the stage now.
         queue_high_water: The most that ever waited.
         queue_capacity: How many may wait before the stage before it blocks.
         nodes: Execution provider -> how many nodes of the stage's optimized graph it runs
             (``Pipeline.placement()`` names them); empty where onnxruntime cannot tell, and for
             code stages.
+        intra_op_threads, inter_op_threads, affinity, max_batch: The stage's settings in effect
+            (the bundle's, or the host's deploy-time overrides: ``load(..., overrides=...)``);
+            ``replicas`` above is the workers running it.
     """
 
     stage: str
@@ -170,6 +180,11 @@ class StageStats:
     batch_mean: float = 1.0
     batch_wait_ms: float = 0.0
     nodes: dict[str, int] = field(default_factory=dict)
+    batch_busy_s: dict[int, float] = field(default_factory=dict)
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    affinity: tuple[int, ...] | None = None
+    max_batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -217,6 +232,7 @@ class PipelineStats:
         for s in self.stages:
             lines.append(
                 f"  {s.stage:<12} x{s.replicas} runs {s.count:>6}  util {s.utilization:6.1%}  mean {s.mean_ms:7.2f} ms  "
+                f"threads {s.intra_op_threads}{' cores ' + ','.join(map(str, s.affinity)) if s.affinity is not None else ''}  "
                 f"p99 {s.p99_ms:7.2f} ms  queue {s.queue_depth}/{s.queue_capacity} (max {s.queue_high_water})"
                 + (f"  batch mean {s.batch_mean:.2f} (max {max(s.batch_sizes)})" if s.batch_sizes else "")
             )
@@ -304,13 +320,16 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
         count = sum(snap[0] for snap in snapshots)
         queued = sum(snap[4] for snap in snapshots)
         sizes: dict[int, int] = {}
+        sized: dict[int, float] = {}
         calls = wait = 0.0
         for r in recorders:
-            n, histogram, waited = r.batch_snapshot()
+            n, histogram, waited, ran = r.batch_snapshot()
             calls += n
             wait += waited
             for k, v in histogram.items():
                 sizes[k] = sizes.get(k, 0) + v
+            for k, seconds in ran.items():
+                sized[k] = sized.get(k, 0.0) + seconds
         batched = sum(k * v for k, v in sizes.items())
         rows.append(
             StageStats(
@@ -331,6 +350,7 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
                 batch_sizes=dict(sorted(sizes.items())),
                 batch_mean=batched / sum(sizes.values()) if sizes else 1.0,
                 batch_wait_ms=1e3 * wait / calls if calls else 0.0,
+                batch_busy_s=dict(sorted(sized.items())),
             )
         )
     with requests._lock:

@@ -39,10 +39,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import mmap
 import re
 import sys
+import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -53,8 +53,9 @@ import orjson
 from aiohttp import StreamReader, web
 
 from onnxpipe._errors import OnnxpipeError
+from onnxpipe.serve import _logs as logs
 from onnxpipe.serve._errors import RequestError, bad_request, shown
-from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of
+from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
 from onnxpipe.serve._state import Decoded, ServerState
 from onnxpipe.serve._tensors import binary_view, check_shape, from_binary, from_json, to_json
 
@@ -63,7 +64,6 @@ __all__ = ["BUDGET", "make_app"]
 #: A JSON header of this many bytes or more is decoded by a JSON worker (``_jsonwork``, which imports this module).
 JSON_FROM = 1 << 20
 
-log = logging.getLogger("onnxpipe.serve")
 HEADER_LENGTH = "Inference-Header-Content-Length"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REQUEST_KEYS = {"id", "parameters", "inputs", "outputs", "model_name", "model_version"}  # KServe's client sends the last two
@@ -103,9 +103,10 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
             return error(400, str(e))
         except ConnectionError:
             return web.Response(status=499)  # the client went away mid-body: nobody reads this
-        except Exception as e:  # a bug: logged with its traceback, answered without it; the server goes on
-            log.exception("internal error on %s %s", request.method, request.path)
-            return error(500, f"internal error: {type(e).__name__}: {e}")
+        except Exception as e:  # a bug: logged with its traceback (its request's line, _logs), answered without it; the server goes on
+            response = error(500, f"internal error: {type(e).__name__}: {e}")
+            response[logs.BUG] = e
+            return response
 
     # The Open Inference Protocol's REST bodies ({"live": true}, {"ready": true}): KServe's client
     # reads them; Triton's reads the status alone, which stays 200, or 400 when not.
@@ -141,10 +142,11 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
         held = budget.hold()
         try:
             body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, header_length, held)
+            note = partial(request.__setitem__, logs.REQUEST_ID)  # the protocol's id, for the request's line (_logs)
             if workers is not None and workers.running and (header_length or len(body)) >= JSON_FROM:
-                decode = partial(workers.decode, model.ports, body, header_length)
+                decode = _noting(note, partial(workers.decode, model.ports, body, header_length))
             else:
-                decode = partial(_decode, model.ports, body, header_length)
+                decode = partial(_decode, model.ports, body, header_length, note)
             response = await state.infer(model, "http", decode, lambda d, o: _encode(model, d, o), len(body))
         finally:
             held.release()  # the body's bytes (the response no longer needs them)
@@ -154,23 +156,20 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: a body the server would refuse is refused before the client
-        sends it (aiohttp calls this outside the middleware: it answers errors itself)."""
-        if request.headers.get("Expect", "").lower() != "100-continue":
-            return error(417, f"Expect {shown(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
-        try:
-            length = byte_count(request.headers.get("Content-Length"), "Content-Length")
-        except RequestError as e:
-            return error(e.status, str(e))
-        if length is not None and length > state.options.max_body_bytes:
-            return error(413, f"the body has {length} bytes; this server takes at most {state.options.max_body_bytes} (--max-body-size)")
+        sends it (aiohttp calls this outside the middleware: it answers errors itself, and logs them)."""
+        started = time.perf_counter()
+        refused = _refused_early(request, state.options.max_body_bytes)
+        if refused is not None:
+            logs.http_answered(request, refused, started, state.options.access_log)
+            return refused
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
 
     async def metrics(request: web.Request) -> web.StreamResponse:
-        return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8", headers={"X-Content-Format": "0.0.4"})
+        return state.metrics.answer()
 
     budget = BodyBudget(state.options.max_inflight * state.options.max_body_bytes)
-    app = web.Application(middlewares=[guard], client_max_size=state.options.max_body_bytes)
+    app = web.Application(middlewares=[logs.middleware(state.options.access_log), guard], client_max_size=state.options.max_body_bytes)
     app[BUDGET] = budget
 
     async def server_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -180,7 +179,8 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
     app.router.add_get("/v2/health/ready", ready)
     app.router.add_get("/v2", server_metadata)
     app.router.add_get("/v2/models/stats", model_stats)
-    app.router.add_get("/metrics", metrics)
+    if state.options.allow_metrics:  # also on the metrics port, without the token (_server, --metrics-port)
+        app.router.add_get("/metrics", metrics)
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         app.router.add_get(prefix, model_metadata)
         app.router.add_get(prefix + "/ready", model_ready)
@@ -192,7 +192,33 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The protocol's error response: ``{"error": message}``."""
-    return _json({"error": message}, status, headers)
+    response = _json({"error": message}, status, headers)
+    response[logs.ERROR] = message  # for its request's line (_logs)
+    return response
+
+
+def _refused_early(request: web.Request, limit: int) -> web.Response | None:
+    """The answer to a request with ``Expect`` whose body would be refused (417, 400, 413), or ``None``: let it send."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return error(417, f"Expect {shown(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
+    try:
+        length = byte_count(request.headers.get("Content-Length"), "Content-Length")
+    except RequestError as e:
+        return error(e.status, str(e))
+    if length is not None and length > limit:
+        return error(413, f"the body has {length} bytes; this server takes at most {limit} (--max-body-size)")
+    return None
+
+
+def _noting(note: Callable[[str], None], decode: Callable[[], Decoded]) -> Callable[[], Decoded]:
+    """``decode``, telling ``note`` the request's ``id`` (a JSON worker's: its failures have the line's other id)."""
+
+    def run() -> Decoded:
+        decoded = decode()
+        note(decoded.id)
+        return decoded
+
+    return run
 
 
 def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -375,8 +401,8 @@ def _inflate(body: memoryview, encoding: str, limit: int) -> memoryview:
     return memoryview(plain)
 
 
-def _decode(model: ModelPorts, body: memoryview, header_length: int | None) -> Decoded:
-    """A request's JSON header and tensors (see Note: the body)."""
+def _decode(model: ModelPorts, body: memoryview, header_length: int | None, note: Callable[[str], None] | None = None) -> Decoded:
+    """A request's JSON header and tensors (see Note: the body); ``note`` is told its ``id`` once known."""
     end = len(body)
     if header_length is not None:
         if header_length == 0:
@@ -402,6 +428,8 @@ def _decode(model: ModelPorts, body: memoryview, header_length: int | None) -> D
     parameters = _object(header.get("parameters", {}), "the request's 'parameters'")
     if not isinstance(request_id, str):
         raise bad_request(f"the request's 'id' must be a string, got {request_id!r}")
+    if note is not None and request_id:
+        note(request_id)  # its line says it, should the rest fail (_logs)
     inputs = header.get("inputs")
     if not isinstance(inputs, list):
         raise bad_request("the request must have an 'inputs' list")
@@ -439,7 +467,7 @@ def _decode(model: ModelPorts, body: memoryview, header_length: int | None) -> D
     binary = parameters.get("binary_data_output", False)
     if not isinstance(binary, bool):
         raise bad_request(f"parameter 'binary_data_output' must be a boolean, got {binary!r}")
-    return Decoded(arrays, sequence_of(parameters), request_id, _requested(model, header.get("outputs"), binary), binary)
+    return Decoded(arrays, sequence_of(parameters), request_id, _requested(model, header.get("outputs"), binary), binary, timeout_of(parameters))
 
 
 def _requested(model: ModelPorts, outputs: object, binary: bool) -> list[tuple[str, bool]]:

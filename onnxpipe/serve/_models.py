@@ -30,6 +30,35 @@ Note: a client's terms.
     ``--stream-timeout``, and the runtime's remedies (open a new stream, close it) the protocol's
     (``sequence_start``, ``sequence_end``). A refusal for lack of room lists the open sequences
     and ``--max-streams``.
+
+Note: executions.
+    Triton counts a model's *inferences* (rows: a request of 8 rows is 8) and its *executions*
+    (runs of the model: requests the dynamic batcher put together run once), and reports
+    ``batch_stats`` per batch size executed. A pipeline runs several stages, each its own calls:
+    its executions are the session calls of its *executing stage*, the first stage that batches
+    (``max_batch`` above 1; in a pipeline with state, the first whose steps travel as batches),
+    else its first stage: one call per request that reached it. ``execution_count`` is that
+    stage's calls, failed ones included as Triton's are; ``batch_stats`` has, per batch size, its
+    calls and their time as ``compute_infer`` (the other stages' time is in ``inference_stats``
+    only). A batch size here is the requests (or sequence steps) a call ran together, where
+    Triton's is their rows; a client sending one row a request (``perf_analyzer``'s default) sees
+    the same. ``compute_input`` and ``compute_output`` of a batch are 0 ns: the protocol layer
+    decodes and encodes each request on its own, before and after the pipeline (their time is
+    ``inference_stats``'s). Counting costs the runtime one dict update per batched call
+    (``StageRecorder.batch_busy``).
+
+Note: request timeouts.
+    As Triton's queue policy does, a timeout bounds a request's wait until its model starts it,
+    not its run: a request whose ``timeout`` parameter (microseconds, Triton's) or the server's
+    ``--request-timeout``, the shorter, runs out while it still waits (on the worker thread for
+    room, or in front of the pipeline's first stage) is withdrawn, and answered 503 "Request
+    timeout expired" (Triton's UNAVAILABLE); one its first stage has taken runs to its end and is
+    answered. A request whose client went away (a gRPC deadline or cancellation: grpcio cancels
+    the call's task) is no longer waited for: withdrawn if no stage has taken it, otherwise left
+    to finish unread; either way its admission place is free at once. Withdrawing is the
+    runtime's ``future.cancel()`` (Note: withdrawn requests, runtime ``_pipeline``). A sequence's
+    step that the worker thread has begun to hand to its stream is not withdrawn (the stream's
+    state would lack the step): it runs, and a client past its time gets the 503 all the same.
 """
 
 from __future__ import annotations
@@ -38,7 +67,7 @@ import asyncio
 import collections
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +76,11 @@ import numpy as np
 
 from onnxpipe import __version__
 from onnxpipe._errors import BusyError, InputError, StageError, StreamError
-from onnxpipe.runtime import UNKNOWN_DIM_NAMES, Pipeline, Stream
+from onnxpipe.runtime import UNKNOWN_DIM_NAMES, Pipeline, PipelineStats, StageStats, Stream
 from onnxpipe.serve._errors import RequestError, bad_request, near, shown
 from onnxpipe.serve._tensors import Port, port_of
 
-__all__ = ["PLATFORM", "Sequence", "ServedModel", "SequenceId"]
+__all__ = ["PLATFORM", "Deadline", "Sequence", "ServedModel", "SequenceId", "timeout_of"]
 
 #: What metadata and config call the platform (Triton's ``onnxruntime_onnx`` for one ONNX model).
 PLATFORM = "onnxpipe"
@@ -112,6 +141,58 @@ def sequence_of(parameters: Mapping[str, Any]) -> Sequence | None:
     return Sequence(sid, bool(parameters.get("sequence_start", False)), bool(parameters.get("sequence_end", False)))
 
 
+def timeout_of(parameters: Mapping[str, Any]) -> float | None:
+    """A request's own timeout, in seconds, from its ``timeout`` parameter (Triton's: microseconds;
+    see Note: request timeouts).
+
+    Returns:
+        ``None`` without the parameter, or for 0 (as Triton: no timeout of its own).
+
+    Raises:
+        RequestError: 400 for a value that is not a whole number of microseconds, 0 or more.
+    """
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_request(f"parameter 'timeout' must be a whole number of microseconds, 0 or more (0: none), got {shown(value)}")
+    return value / 1e6 if value else None
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a request must have been started by its model's pipeline (see Note: request timeouts).
+
+    Attributes:
+        at: That moment, as ``time.perf_counter()``.
+        seconds: The timeout it was set from.
+        source: What set it, as a refusal names it.
+    """
+
+    at: float
+    seconds: float
+    source: str
+
+    @classmethod
+    def of(cls, started: float, requested: float | None, server: float | None) -> Deadline | None:
+        """The deadline of a request in since ``started``: the shorter of its own timeout and the
+        server's (``--request-timeout``); ``None`` when it has neither."""
+        if requested is not None and (server is None or requested <= server):
+            return cls(started + requested, requested, f"its 'timeout' parameter, {round(requested * 1e6)} us")
+        if server is not None:
+            return cls(started + server, server, "--request-timeout")
+        return None
+
+    def left(self) -> float:
+        """Seconds until then (0 once past)."""
+        return max(0.0, self.at - time.perf_counter())
+
+    def expired(self, model: str) -> RequestError:
+        """The refusal of a request still waiting at its deadline: Triton's UNAVAILABLE, its words first."""
+        return RequestError(503, f"Request timeout expired: model '{model}' had not started the request {self.seconds:g} s after it came in "
+                                 f"({self.source}); retry later, or give it more time")
+
+
 @dataclass
 class _Durations:
     """Cumulative counts and nanoseconds, as Triton's statistics extension reports them."""
@@ -136,6 +217,12 @@ class _Counters:
     decode: _Durations = field(default_factory=_Durations)
     encode: _Durations = field(default_factory=_Durations)
     last_inference_ms: int = 0
+    #: Rows (dim 0 of a model that batches, else 1 a request) of the requests the pipeline answered: Triton's inference count.
+    inferences: int = 0
+    #: Failed requests by Triton's failure reason, but OTHER (the rest of ``fail``: see :meth:`ServedModel.failures`).
+    rejected: int = 0
+    canceled: int = 0
+    backend: int = 0
 
 
 @dataclass(frozen=True)
@@ -234,6 +321,8 @@ class ServedModel:
         #: What decoding a request checks it against; max_batch_size the config's, enforced as Triton does.
         self.ports = ModelPorts(name, self.inputs, self.outputs, self.batching()[0])
         self.counters = _Counters()
+        #: The stage whose calls are the model's executions (see Note: executions).
+        self.executing = next((i for i, s in enumerate(spec.stages) if s.batching is not None and s.settings.max_batch > 1), 0)
         self.sequences: dict[SequenceId, Stream] = {}
         self._ended: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()  # the last _ENDED, and why
         # Submissions that may wait, and every stream operation, in arrival order (see Note: the event loop never waits).
@@ -255,29 +344,87 @@ class ServedModel:
     def release(self) -> None:
         self.inflight -= 1
 
-    async def infer(self, arrays: Mapping[str, np.ndarray], sequence: Sequence | None) -> Outputs:
-        """Run one admitted request (see :meth:`admit`) and return all its outputs.
+    async def infer(self, arrays: Mapping[str, np.ndarray], sequence: Sequence | None, deadline: Deadline | None = None) -> Outputs:
+        """Run one admitted request (see :meth:`admit`) and return all its outputs. The request
+        is handed to the worker thread or the pipeline before this first waits (see Note: one
+        stream, one order, ``_grpc``). Cancelled (its client went away), it is withdrawn if no
+        stage has taken it yet (see Note: request timeouts).
+
+        Args:
+            arrays: Its inputs.
+            sequence: Its sequence parameters, if any.
+            deadline: When the pipeline must have started it, if ever (see Note: request timeouts).
 
         Raises:
             RequestError: 400 for inputs or sequence parameters that do not fit the model, 503 when
-                a stream cannot be opened, 500 when a stage fails on the request.
+                a stream cannot be opened or the request's time ran out before it started, 500
+                when a stage fails on the request.
         """
-        loop = asyncio.get_running_loop()
         future: Future[Outputs] | None
         try:
             if self.stateful:
-                future = await loop.run_in_executor(self._worker, self._step, arrays, sequence)
+                future = await self._handed(deadline, self._step, arrays, sequence)
             else:
                 future = self._submit_now(arrays) if not self._waiting else None
                 if future is None:  # the first queue is full: wait for room on the worker, after those waiting already
                     self._waiting += 1
                     try:
-                        future = await loop.run_in_executor(self._worker, self.pipe.submit, arrays)
+                        future = await self._handed(deadline, self.pipe.submit, arrays)
                     finally:
                         self._waiting -= 1
-            return await asyncio.wrap_future(future)
+            outputs = await self._outcome(future, deadline)
         except (InputError, StageError) as e:
-            raise _request_error(e, _sequence_terms(str(e)) if self.stateful else str(e)) from None
+            error = _request_error(e, _sequence_terms(str(e)) if self.stateful else str(e))
+            self._failed(error.status)
+            raise error from None
+        except RequestError as e:
+            self._failed(e.status)
+            raise
+        except asyncio.CancelledError:  # its client went away (ServerState.infer counts it failed)
+            self.counters.canceled += 1
+            raise
+        # Triton counts a request's rows when its backend answers: here, when the pipeline does.
+        self.counters.inferences += _rows(arrays) if self.ports.max_batch_size else 1
+        return outputs
+
+    def _failed(self, status: int) -> None:
+        """A request the pipeline refused or failed, by Triton's failure reason (see :meth:`failures`)."""
+        if status == 503:
+            self.counters.rejected += 1
+        elif status >= 500:
+            self.counters.backend += 1
+
+    async def _handed(self, deadline: Deadline | None, submit: Callable[..., Future[Outputs]], *args: Any) -> Future[Outputs]:
+        """``submit(*args)`` (a submission that may wait) on the worker thread, queued there at
+        once: the future it returns. Past ``deadline``, or cancelled, the submission is withdrawn:
+        taken back from the worker's queue, or, made meanwhile, cancelled (see Note: request timeouts)."""
+        job = self._worker.submit(submit, *args)
+        try:
+            if deadline is None:
+                return await asyncio.wrap_future(job)
+            return await asyncio.wait_for(asyncio.wrap_future(job), deadline.left())
+        except asyncio.TimeoutError:
+            job.add_done_callback(_withdraw)
+            assert deadline is not None
+            raise deadline.expired(self.name) from None
+        except asyncio.CancelledError:
+            job.add_done_callback(_withdraw)
+            raise
+
+    async def _outcome(self, future: Future[Outputs], deadline: Deadline | None) -> Outputs:
+        """The outputs of a submitted request. Past ``deadline`` a request no stage has taken yet is
+        withdrawn (a 503); one running is waited for, as Triton lets a request that left its queue
+        finish. Cancelled, it is withdrawn if it can be (see Note: request timeouts)."""
+        waiting = asyncio.wrap_future(future)
+        try:
+            if deadline is not None and not waiting.done():
+                await asyncio.wait([waiting], timeout=deadline.left())
+                if not waiting.done() and future.cancel():
+                    raise deadline.expired(self.name)
+            return await waiting
+        except asyncio.CancelledError:
+            future.cancel()  # not waited for any longer: no stage starts it now (one running finishes unread)
+            raise
 
     def _submit_now(self, arrays: Mapping[str, np.ndarray]) -> Future[Outputs] | None:
         try:
@@ -419,19 +566,19 @@ class ServedModel:
             config["dynamic_batching"] = {"max_queue_delay_microseconds": round(delay_us)}
         return config
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self, stats: PipelineStats | None = None) -> dict[str, Any]:
         """Triton's statistics extension (``GET .../stats``): the protocol layer's own counts and
-        times, and the pipeline's queue and compute time over its stages (its :meth:`stats`).
-        ``execution_count`` is the requests over the first stage's mean batch when it batches.
+        times, and the pipeline's queue and compute time over its stages (its :meth:`stats`, or
+        ``stats`` when given: a scrape of the metrics reads them once for both views).
 
         Every duration counts the successful requests, as Triton's do (``perf_analyzer`` checks that
-        the compute counts agree): ``queue`` and ``compute_infer`` sum the stages' waits and runs."""
+        the compute counts agree): ``queue`` and ``compute_infer`` sum the stages' waits and runs.
+        ``inference_count`` counts rows, ``execution_count`` and ``batch_stats`` the calls of the
+        model's executing stage (see Note: executions)."""
         c = self.counters
-        stages = self.pipe.stats().stages
+        stages = (stats or self.pipe.stats(memory=False)).stages
         done = c.success.count
-        # A first stage that batches runs fewer calls than it takes requests: Triton's execution count.
-        first = stages[0] if stages else None
-        executions = done if first is None or not first.batch_sizes else round(done / first.batch_mean)
+        executing = stages[self.executing] if stages else None
 
         def total(seconds: float) -> dict[str, int]:
             return {"count": done, "ns": int(seconds * 1e9)}
@@ -440,8 +587,8 @@ class ServedModel:
             "name": self.name,
             "version": VERSION,
             "last_inference": c.last_inference_ms,
-            "inference_count": done,
-            "execution_count": executions,
+            "inference_count": c.inferences,
+            "execution_count": _executions(executing),
             "inference_stats": {
                 "success": c.success.to_dict(),
                 "fail": c.fail.to_dict(),
@@ -452,8 +599,22 @@ class ServedModel:
                 "cache_hit": {"count": 0, "ns": 0},
                 "cache_miss": {"count": 0, "ns": 0},
             },
-            "batch_stats": [],
+            "batch_stats": _batch_stats(executing),
         }
+
+    def failures(self) -> dict[str, int]:
+        """The failed requests of :meth:`statistics` (``fail``) by Triton's failure reasons:
+        ``REJECTED`` (a 503: its timeout ran out before it started, a sequence that cannot start,
+        the pipeline closing), ``CANCELED`` (its client went away while the model had it: a gRPC
+        deadline or cancellation), ``BACKEND`` (a stage failed: a 500), ``OTHER`` (the rest: the
+        request's own fault, a 400, or a client gone while its request was decoded)."""
+        c = self.counters
+        return {"REJECTED": c.rejected, "CANCELED": c.canceled, "BACKEND": c.backend, "OTHER": c.fail.count - c.rejected - c.canceled - c.backend}
+
+    def pending(self, stats: PipelineStats | None = None) -> int:
+        """Requests admitted that wait to run (Triton's pending request count): in some stage's
+        queue (each request waits in one at a time), or for room in the first."""
+        return self._waiting + sum(s.queue_depth for s in (stats or self.pipe.stats(memory=False)).stages)
 
     def record(self, ok: bool, started: float, decode_s: float, encode_s: float) -> None:
         """One answered request (``started``: ``time.perf_counter()`` when its body was in)."""
@@ -463,6 +624,44 @@ class ServedModel:
             c.decode.ns += int(decode_s * 1e9)
             c.encode.ns += int(encode_s * 1e9)
             c.last_inference_ms = int(time.time() * 1e3)
+
+
+def _rows(arrays: Mapping[str, np.ndarray]) -> int:
+    """A request's rows (dim 0) in a model that batches: every input has the batch dim, one size."""
+    first = next(iter(arrays.values()), None)
+    return first.shape[0] if first is not None and first.ndim else 1
+
+
+def _executions(stage: StageStats | None) -> int:
+    """Triton's execution count: the executing stage's calls (a batch of requests is one)."""
+    if stage is None:
+        return 0
+    return sum(stage.batch_sizes.values()) if stage.batch_sizes else stage.count
+
+
+def _batch_stats(stage: StageStats | None) -> list[dict[str, Any]]:
+    """Triton's ``batch_stats``: per batch size the executing stage ran, its calls and their time
+    (see Note: executions)."""
+    if stage is None or not stage.count:
+        return []
+    ran = stage.batch_busy_s if stage.batch_sizes else {1: stage.busy_s}
+    calls = stage.batch_sizes or {1: stage.count}
+    return [
+        {
+            "batch_size": size,
+            "compute_input": {"count": n, "ns": 0},
+            "compute_infer": {"count": n, "ns": int(ran.get(size, 0.0) * 1e9)},
+            "compute_output": {"count": n, "ns": 0},
+        }
+        for size, n in sorted(calls.items())
+    ]
+
+
+def _withdraw(job: Future[Future[Outputs]]) -> None:
+    """A submission that left the worker after its request stopped waiting: the request it made
+    is withdrawn, if no stage has taken it yet (see Note: request timeouts)."""
+    if not job.cancelled() and job.exception() is None:
+        job.result().cancel()
 
 
 def _tensor_metadata(port: Port) -> dict[str, Any]:

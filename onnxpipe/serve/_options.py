@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from onnxpipe._errors import ConfigError
-from onnxpipe.runtime import ARCHIVE_SUFFIX, DEFAULT_MAX_STREAMS, ENGINES, is_bundle
+from onnxpipe.runtime import ARCHIVE_SUFFIX, DEFAULT_MAX_STREAMS, ENGINES, StageOverrides, is_bundle
 from onnxpipe.runtime._bundle import CONFIG_NAME, MANIFEST_NAME
 
 __all__ = ["ModelSource", "ModelSources", "ServeOptions", "model_sources"]
@@ -18,6 +18,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _VERSION = re.compile(r"[0-9]+")
 #: The bundle a version folder holds, unless it is a bundle folder itself (Triton's ``model.onnx``).
 _VERSION_BUNDLE = f"model{ARCHIVE_SUFFIX}"
+#: What ``log_format`` takes.
+LOG_FORMATS = ("text", "json")
 #: Skipped entries an error lists (a repository may hold many).
 _SHOWN = 5
 
@@ -64,8 +66,14 @@ class ServeOptions:
 
     Attributes:
         host: The address to bind (loopback unless told otherwise).
-        http_port: The HTTP/REST port (``GET /metrics`` too).
+        http_port: The HTTP/REST port (``GET /metrics`` too, behind the token).
         grpc_port: The gRPC port; 0 for no gRPC.
+        metrics_port: The port of ``GET /metrics`` alone, without the token (Triton's
+            ``--metrics-port``, 8002); 0 for none.
+        metrics_host: The address the metrics port binds; ``None``: ``host`` (Triton's
+            ``--metrics-address``).
+        allow_metrics: Serve metrics at all (Triton's ``--allow-metrics``): ``False`` leaves out
+            the metrics port and ``GET /metrics`` on the HTTP port.
         auth_token: A bearer token every request but the health checks must carry; ``None``: none.
         allow_code: fnmatch patterns of the Python the bundles may make this host import.
         engine: ``"thread"`` or ``"ray"``.
@@ -81,9 +89,16 @@ class ServeOptions:
         max_streams: Sequences open at once per model (a stateful model's streams).
         stream_timeout: Seconds a sequence may stay idle before it is closed (``None``: never).
         drain_timeout: Seconds to wait, on SIGTERM, for admitted requests to finish.
+        request_timeout: Seconds every inference request may wait for its model to start it
+            (Triton's queue policy ``default_timeout_microseconds``); past it, one still waiting
+            is answered 503 (a request's ``timeout`` parameter may ask for less; ``_models``,
+            Note: request timeouts). ``None``: no limit.
         allow_partial: Serve the models that load even when some do not.
         verify: Run each bundle's reference samples at load; a mismatch fails the model.
-        access_log: Log every HTTP request (aiohttp's access log, to stderr).
+        access_log: Log every request, HTTP and gRPC, one line each (failures are logged either
+            way: ``_logs``, Note: one line per request).
+        log_format: ``"text"`` (``onnxpipe serve: ...`` lines) or ``"json"`` (one JSON object a
+            line, for log shippers), for every line of the run (``_logs``, Note: one format per run).
         idle_timeout: Seconds a connection may take to send a request's head, from connecting or
             from its previous answer; then it is closed (``_connections``, Note: connections).
         max_connections: HTTP connections open at once; more are answered 503 and closed.
@@ -93,11 +108,16 @@ class ServeOptions:
         strict_readiness: With ``allow_partial``, answer not ready while a model failed to load
             (Triton's ``--strict-readiness``): the server serves what loaded, and an orchestrator
             sees that something is wrong.
+        overrides: Deploy-time settings of the models' stages (threads, affinity, replicas, ...;
+            ``onnxpipe.runtime.load(..., overrides=...)``), for every model served.
     """
 
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
+    metrics_port: int = 8002
+    metrics_host: str | None = None
+    allow_metrics: bool = True
     auth_token: str | None = None
     allow_code: tuple[str, ...] = ()
     engine: str = "thread"
@@ -110,13 +130,16 @@ class ServeOptions:
     max_streams: int = DEFAULT_MAX_STREAMS
     stream_timeout: float | None = 60.0
     drain_timeout: float = 30.0
+    request_timeout: float | None = None
     allow_partial: bool = False
     verify: bool = True
     access_log: bool = False
+    log_format: str = "text"
     idle_timeout: float = 30.0
     max_connections: int | None = None
     json_workers: int = 1
     strict_readiness: bool = False
+    overrides: tuple[StageOverrides, ...] = ()
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -129,12 +152,21 @@ class ServeOptions:
                 raise ConfigError(f"{name} must be from {1 if name == 'http_port' else 0} to 65535, got {port}")
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ConfigError(f"http_port and grpc_port are both {self.http_port}; give them different ports")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be from 0 to 65535, got {self.metrics_port}")
+        for name in ("http_port", "grpc_port"):
+            if self.allow_metrics and self.metrics_port and self.metrics_port == getattr(self, name):
+                raise ConfigError(f"{name} and metrics_port are both {self.metrics_port}; give them different ports, or 0 for no metrics port")
         for name in ("max_inflight", "max_body_bytes", "max_streams", "queue_depth", "max_connections"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ConfigError(f"request_timeout must be a positive number of seconds or None, got {self.request_timeout}")
         for name in ("body_timeout", "drain_timeout", "idle_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"unknown log format {self.log_format!r}; valid: {', '.join(LOG_FORMATS)}")
         if self.json_workers < 0:
             raise ConfigError(f"json_workers must be 0 or more, got {self.json_workers}")
         if self.auth_token is not None and not self.auth_token.strip():

@@ -1,7 +1,7 @@
 """The server's lifetime: listen, load, serve, drain, stop (:func:`serve`).
 
 Note: lifecycle.
-    The HTTP and gRPC ports are bound first (a port in use is one error, before any model loads),
+    The HTTP, gRPC and metrics ports are bound first (a port in use is one error, before any model loads),
     so ``/v2/health/live`` answers while the models load; ``/v2/health/ready`` turns true only once
     every model is loaded and, where its bundle carries reference samples, verified. A model that
     fails to load stops the server with one error naming it, unless ``allow_partial``. On SIGTERM
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,10 +31,13 @@ from aiohttp import web
 from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError
 from onnxpipe.runtime import load
 from onnxpipe.runtime._code import CodeNotAllowedError
+from onnxpipe.runtime._overrides import describe_settings
+from onnxpipe.serve import _logs as logs
 from onnxpipe.serve._connections import GatedSite, default_max_connections
 from onnxpipe.serve._grpc import make_server
 from onnxpipe.serve._http import BUDGET, BodyBudget, make_app
 from onnxpipe.serve._jsonwork import JsonWorkers
+from onnxpipe.serve._metrics import metrics_app
 from onnxpipe.serve._models import ServedModel
 from onnxpipe.serve._options import ModelSource, ModelSources, ServeOptions
 from onnxpipe.serve._state import ServerState
@@ -45,20 +46,20 @@ __all__ = ["serve"]
 
 Say = Callable[[str], None]
 _BACKLOG = 2048
+#: Connections the metrics port takes at once (a scraper holds one); its fds come from the reserve ``_connections`` keeps.
+_METRICS_CONNECTIONS = 16
 
 
-def _stderr(line: str) -> None:
-    print(f"onnxpipe serve: {line}", file=sys.stderr, flush=True)
-
-
-def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, say: Say = _stderr) -> None:
+def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, say: Say = logs.progress) -> None:
     """Serve ``models`` over HTTP and gRPC until SIGTERM or SIGINT (see Note: lifecycle). Call it
     from the main thread: it handles those signals.
 
     Args:
         models: What to serve (see :func:`model_sources`; what it skipped is said at start).
-        options: How (defaults: loopback, ports 8000 and 8001).
-        say: Where progress lines go (default: stderr).
+        options: How (defaults: loopback, ports 8000, 8001 and 8002 for metrics).
+        say: Where progress lines go (default: the server's log, ``onnxpipe.serve``: stderr in
+            ``options.log_format`` unless logging is configured already; ``_logs``, Note: one
+            format per run).
 
     Raises:
         ConfigError: a port cannot be bound, or no model loaded.
@@ -69,9 +70,11 @@ def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, sa
     try:
         import uvloop
     except ImportError:
-        asyncio.run(server.run())
+        run: Callable[[Any], None] = asyncio.run
     else:
-        uvloop.run(server.run())
+        run = uvloop.run
+    with logs.configured(server.options.log_format):
+        run(server.run())
 
 
 class _Server:
@@ -99,13 +102,14 @@ class _Server:
             loop.add_signal_handler(sig, self._signal)
         options, state = self.options, self.state
         http_socket = _bind(options.host, options.http_port)
+        metrics_socket, metrics_runner = self._metrics_listener(http_socket)
         grpc_server = None
         workers = JsonWorkers(options.json_workers)
         cap = options.max_connections or default_max_connections()  # each listener's, HTTP's and gRPC's
         runner = web.AppRunner(
             make_app(state, workers),
             handle_signals=False,
-            access_log=logging.getLogger("aiohttp.access") if options.access_log else None,
+            access_log=None,  # each request's line is onnxpipe's (_logs, Note: one line per request)
             auto_decompress=False,  # inflated by onnxpipe, within --max-body-size
             shutdown_timeout=max(1.0, options.drain_timeout),
             keepalive_timeout=options.idle_timeout,  # also the deadline of a request's head (see Note: connections)
@@ -120,6 +124,9 @@ class _Server:
                 await grpc_server.start()
             await runner.setup()
             await GatedSite(runner, http_socket, cap, _BACKLOG).start()
+            if metrics_runner is not None and metrics_socket is not None:
+                await metrics_runner.setup()
+                await GatedSite(metrics_runner, metrics_socket, _METRICS_CONNECTIONS, _BACKLOG).start()
             await self._load_all()
             await asyncio.to_thread(workers.start)
             if not self._signals:
@@ -136,6 +143,9 @@ class _Server:
             runner._shutdown_timeout = 0.1 if self._signals > 1 else min(1.0, max(0.1, self._deadline - time.monotonic()))
             await runner.cleanup()  # stops listening; lets connections finish their responses
             http_socket.close()
+            if metrics_runner is not None and metrics_socket is not None:
+                await metrics_runner.cleanup()
+                metrics_socket.close()
             if grpc_server is not None:
                 await grpc_server.stop(grace=1.0)
             await asyncio.to_thread(self._close_models)
@@ -144,6 +154,22 @@ class _Server:
                 loop.remove_signal_handler(sig)
                 signal.signal(sig, signal.SIG_IGN)  # a signal now finds the server stopping already: not a kill (exit 143)
         self.say("stopped")
+
+    def _metrics_listener(self, http_socket: socket.socket) -> tuple[socket.socket | None, web.AppRunner | None]:
+        """The metrics port's socket, bound now with the others (see Note: lifecycle), and its
+        runner; ``(None, None)`` for no metrics port (0, or ``allow_metrics`` off)."""
+        o = self.options
+        if not (o.allow_metrics and o.metrics_port):
+            return None, None
+        try:
+            sock = _bind(o.metrics_host or o.host, o.metrics_port, "metrics", "choose another --metrics-port (0 for none) or --metrics-address")
+        except ConfigError:
+            http_socket.close()
+            raise
+        app = metrics_app(self.state.metrics)
+        app.middlewares.append(logs.middleware(o.access_log))  # its scrapes are requests too (_logs, Note: one line per request)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0, keepalive_timeout=o.idle_timeout)
+        return sock, runner
 
     async def _load_all(self) -> None:
         state = self.state
@@ -181,11 +207,14 @@ class _Server:
             allow_code=o.allow_code,
             max_streams=o.max_streams,
             stream_timeout=o.stream_timeout,
+            overrides=o.overrides,
             **extra,
         )
         try:
             model = ServedModel(source.name, source.path, pipe, o.max_inflight)
             note = self._verify(pipe) if o.verify else "not verified (--no-verify)"
+            if o.overrides:  # what --set made of the bundle's settings, said once per model
+                note += "; deploy-time settings: " + "; ".join(f"stage '{s.name}': {describe_settings(s)}" for s in pipe.spec.stages)
             pipe.reset_stats()  # the statistics count what clients send
         except BaseException:
             pipe.close()
@@ -240,12 +269,13 @@ class _Server:
         o = self.options
         http = f"http://{_url_host(o.host)}:{o.http_port}"
         grpc = f", grpc {_url_host(o.host)}:{o.grpc_port}" if o.grpc_port else ""
+        metrics = f", metrics http://{_url_host(o.metrics_host or o.host)}:{o.metrics_port}/metrics" if o.allow_metrics and o.metrics_port else ""
         names = ", ".join(self.state.models) or ", ".join(self.state.names)
-        return f"{http}{grpc} ({names})"
+        return f"{http}{grpc}{metrics} ({names})"
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The HTTP listening socket.
+def _bind(host: str, port: int, what: str = "HTTP", remedy: str = "choose another --http-port or --host") -> socket.socket:
+    """A listening socket: the HTTP port's (or ``what``'s, whose error says ``remedy``).
 
     Raises:
         ConfigError: the address cannot be bound (in use, not this host's, no permission).
@@ -254,7 +284,7 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), family=family, backlog=_BACKLOG)
     except OSError as e:
-        raise ConfigError(f"cannot listen on {host}:{port} (HTTP): {e.strerror or e}; choose another --http-port or --host") from None
+        raise ConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror or e}; {remedy}") from None
 
 
 def _url_host(host: str) -> str:

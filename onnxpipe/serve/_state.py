@@ -15,7 +15,9 @@ Note: one inference path.
     HTTP and gRPC differ in how a request's tensors are laid out and how the answer is written;
     :meth:`ServerState.infer` is everything else, once: refusal while not serving, admission,
     timing the decode and the encode (Triton's ``compute_input`` / ``compute_output``), the
-    pipeline run, the statistics and the metrics of the outcome.
+    request's deadline (``_models``, Note: request timeouts), the pipeline run, the statistics and
+    the metrics of the outcome. A request of a gRPC stream is one more of the same, given its
+    :class:`Turn` (``_grpc``, Note: one stream, one order).
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import numpy as np
 from onnxpipe import __version__
 from onnxpipe.serve._errors import RequestError, bad_request, near, shown
 from onnxpipe.serve._metrics import Metrics
-from onnxpipe.serve._models import VERSION, Outputs, Sequence, ServedModel
+from onnxpipe.serve._models import VERSION, Deadline, Outputs, Sequence, ServedModel
 from onnxpipe.serve._options import ServeOptions
 
-__all__ = ["EXTENSIONS", "Decoded", "ServerState"]
+__all__ = ["EXTENSIONS", "Decoded", "ServerState", "Turn"]
 
 #: The protocol extensions implemented (``GET /v2``), Triton's names: only ones implemented in full.
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "sequence")
@@ -56,6 +58,7 @@ class Decoded:
         id: The request's ``id``, echoed in the response.
         outputs: The outputs asked for, with whether each goes back as binary (HTTP); empty: all.
         binary: HTTP: whether outputs not asked for by name go back as binary (``binary_data_output``).
+        timeout: Its ``timeout`` parameter in seconds, if any (``_models``, Note: request timeouts).
     """
 
     arrays: dict[str, np.ndarray]
@@ -63,6 +66,31 @@ class Decoded:
     id: str = ""
     outputs: list[tuple[str, bool]] = field(default_factory=list)
     binary: bool = False
+    timeout: float | None = None
+
+
+class Turn:
+    """A request's place among those of one gRPC stream: it is handed to its model after the
+    stream's previous request was (or was refused), whatever their decoding took (see Note: one
+    stream, one order, ``_grpc``).
+
+    Args:
+        previous: The turn of the stream's previous request (``None`` for its first).
+    """
+
+    def __init__(self, previous: Turn | None) -> None:
+        self._previous = previous
+        self._passed = asyncio.Event()
+
+    async def wait(self) -> None:
+        """Until the previous request has been handed on (at once when it has)."""
+        if self._previous is not None:
+            await self._previous._passed.wait()
+            self._previous = None  # a stream's turns hold no more than its requests in flight
+
+    def passed(self) -> None:
+        """This request has been handed on, or will never be: the next may go (idempotent)."""
+        self._passed.set()
 
 
 class ServerState:
@@ -79,11 +107,25 @@ class ServerState:
         self.models: dict[str, ServedModel] = {}
         self.failed: dict[str, str] = {}  # models that did not load (--allow-partial), and why
         self.ready = False
-        self.draining = False
+        self._draining = asyncio.Event()  # streams wait on it to end (_grpc); asyncio binds it to the loop on first use
         self.metrics = Metrics(lambda: dict(self.models))
         self._token = options.auth_token.strip().encode() if options.auth_token else None
 
     # -- what may be asked --------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        """Whether the server is shutting down (see Note: lifecycle, ``_server``); once set, for good."""
+        return self._draining.is_set()
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        if value:
+            self._draining.set()
+
+    async def drained(self) -> None:
+        """Until the server begins to drain."""
+        await self._draining.wait()
 
     @property
     def live(self) -> bool:
@@ -163,7 +205,7 @@ class ServerState:
     # -- inference ----------------------------------------------------------------------------
 
     async def infer(self, model: ServedModel, protocol: str, decode: Callable[[], Decoded], encode: Callable[[Decoded, Outputs], T],
-                    size: int = 0) -> T:
+                    size: int = 0, turn: Turn | None = None) -> T:
         """Run one request through ``model`` (see Note: one inference path).
 
         Args:
@@ -173,9 +215,14 @@ class ServerState:
             encode: Makes the response from it and the outputs (timed as its compute output).
             size: The request's bytes: from :data:`OFF_LOOP` on, it is decoded on a thread, and so
                 is an answer whose outputs hold that many (see Note: work off the loop).
+            turn: For a request of a gRPC stream, its place in the stream: it is handed to the
+                model in that order (``_grpc``, Note: one stream, one order).
 
         Raises:
-            RequestError: for every refusal and failure, with its status.
+            RequestError: for every refusal and failure, with its status (503 too for a request
+                whose timeout ran out before its model started it).
+            asyncio.CancelledError: the call was cancelled (its client went away): the request is
+                withdrawn if no stage has taken it, its admission place freed.
         """
         started = time.perf_counter()
         status = 500  # anything but a RequestError is a bug: counted as an error
@@ -185,7 +232,11 @@ class ServerState:
             try:
                 decoded = await asyncio.to_thread(decode) if size >= OFF_LOOP else decode()
                 decoded_at = time.perf_counter()
-                outputs = await model.infer(decoded.arrays, decoded.sequence)
+                deadline = Deadline.of(started, decoded.timeout, self.options.request_timeout)
+                if turn is not None:
+                    await turn.wait()
+                    turn.passed()  # the next request goes only once this one is with the model: it is, before infer first waits
+                outputs = await model.infer(decoded.arrays, decoded.sequence, deadline)
                 encode_at = time.perf_counter()
                 large = sum(getattr(a, "nbytes", 0) for a in outputs.values()) >= OFF_LOOP
                 response = await asyncio.to_thread(encode, decoded, outputs) if large else encode(decoded, outputs)
@@ -195,10 +246,16 @@ class ServerState:
             except RequestError:
                 model.record(False, started, 0.0, 0.0)
                 raise
+            except asyncio.CancelledError:
+                model.record(False, started, 0.0, 0.0)
+                status = 499  # the client closed the request (nginx's word): not answered
+                raise
             finally:
                 model.release()
         except RequestError as e:
             status = e.status
             raise
         finally:
+            if turn is not None:
+                turn.passed()  # refused or failed before it was handed on: the stream's next request goes
             self.metrics.answered(model.name, protocol, status, time.perf_counter() - started)

@@ -303,6 +303,7 @@ def _check_targets(targets: Sequence[str]) -> tuple[str, ...]:
     import onnxruntime as ort
 
     from onnxpipe.runtime import resolve_provider
+    from onnxpipe.runtime._distributions import conflict
 
     out = []
     for target in targets:
@@ -311,8 +312,10 @@ def _check_targets(targets: Sequence[str]) -> tuple[str, ...]:
         except ConfigError as e:
             raise SplitError(f"--targets: {e}") from None
         if provider not in ort.get_available_providers():
+            two = conflict(provider)  # two onnxruntime builds over each other: say so, and how to keep one
             raise SplitError(f"cannot plan for target '{target}': this host's onnxruntime ({ort.__version__}) does not have {provider} "
-                             f"(it has {', '.join(ort.get_available_providers())}); the planner measures every stage on every target")
+                             f"(it has {', '.join(ort.get_available_providers())}); the planner measures every stage on every target"
+                             + (f"; {two}" if two else ""))
         if device is not None or provider not in _HOST_PROVIDERS:
             raise SplitError(f"cannot plan for target '{target}': the planner counts no device copies, so it plans over providers that run "
                              f"in host memory only ({', '.join(sorted(_HOST_PROVIDERS))})")

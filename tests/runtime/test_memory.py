@@ -30,8 +30,10 @@ def test_stats_report_the_memory_of_the_process_the_pipeline_runs_in(tmp_path: P
     with load(bundle) as pipe:
         pipe({"x": np.ones((1, 1024), np.float32)})
         stats = pipe.stats()
+        polled = pipe.stats(memory=False)  # what a poller that does not show memory asks (the server's statistics)
     assert stats.resident_bytes is not None and stats.resident_bytes >= 16 << 20, stats.resident_bytes  # it holds the weights
     assert " MiB" in str(stats).splitlines()[0] and "resident" in str(stats)
+    assert polled.resident_bytes is None and polled.stages[0].count == stats.stages[0].count == 1
 
 
 @needs_proc

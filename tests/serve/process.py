@@ -39,12 +39,14 @@ class ServerProcess:
     """
 
     def __init__(self, *args: object, env: dict[str, str] | None = None, grpc: bool = True) -> None:
-        self.http_port, self.grpc_port = free_ports(2)
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.args = [str(a) for a in args]
         if "--http-port" not in self.args:
             self.args += ["--http-port", str(self.http_port)]
         if "--grpc-port" not in self.args:
             self.args += ["--grpc-port", str(self.grpc_port if grpc else 0)]
+        if "--metrics-port" not in self.args:  # a free one each: parallel servers would all take 8002
+            self.args += ["--metrics-port", str(self.metrics_port)]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen[str] | None = None
         self.log_path: Path | None = None
@@ -56,6 +58,10 @@ class ServerProcess:
     @property
     def grpc(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics(self) -> str:
+        return f"127.0.0.1:{self.metrics_port}"
 
     def start(self, log: Path, wait: bool = True) -> ServerProcess:
         """Start it, its output going to ``log``; with ``wait``, until ready (or fail with its log)."""
@@ -83,8 +89,11 @@ class ServerProcess:
         """``GET path``: (status, body); status 0 when nothing answers."""
         return self.request("GET", path, headers=headers)
 
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, bytes]:
-        req = urllib.request.Request(f"http://{self.http}{path}", data=body, method=method, headers=headers or {})
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 30,
+                port: int | None = None) -> tuple[int, bytes]:
+        """``METHOD path`` on the HTTP port (or ``port``): (status, body); status 0 when nothing answers."""
+        where = self.http if port is None else f"127.0.0.1:{port}"
+        req = urllib.request.Request(f"http://{where}{path}", data=body, method=method, headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as response:
                 return response.status, response.read()

@@ -98,8 +98,10 @@ def _alive(pid: int) -> bool:
 
 
 def _serve(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``onnxpipe serve ARGS`` that is expected to exit by itself."""
-    return subprocess.run([sys.executable, "-m", "onnxpipe.cli", "serve", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    """``onnxpipe serve ARGS`` that is expected to exit by itself (with no metrics port unless given: tests in parallel would all take 8002)."""
+    given = [str(a) for a in args]
+    given += [] if "--metrics-port" in given else ["--metrics-port", "0"]
+    return subprocess.run([sys.executable, "-m", "onnxpipe.cli", "serve", *given], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def _error_line(done: subprocess.CompletedProcess[str]) -> str:

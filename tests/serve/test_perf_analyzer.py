@@ -1,6 +1,7 @@
 """Triton's load generator, perf_analyzer, unchanged against ``onnxpipe serve``: it reads the
 server's metadata, model config and statistics, then runs at concurrency 1 and 4 over HTTP and
-gRPC with zero errors; on a model with state it sends sequences (sequence_batching in the config).
+gRPC with zero errors; on a model with state it sends sequences (sequence_batching in the config);
+with ``--streaming`` every request goes on ModelStreamInfer streams, stateless ones and sequences.
 
 perf_analyzer is a binary of tritonclient's wheels up to 2.40 (.ci/install-perf-analyzer puts it
 in the venv's bin); without it these tests skip, saying so."""
@@ -50,3 +51,12 @@ def test_perf_analyzer_runs_unchanged_with_server_statistics(server: ServerProce
 def test_perf_analyzer_drives_a_model_with_state_as_sequences(server: ServerProcess, tmp_path: Path) -> None:
     rows = _run(["-m", "rnn", "-u", server.grpc, "-i", "grpc", "--concurrency-range", "4", "--sequence-length", "5", "--shape", "x:1,4"], tmp_path / "seq.csv")
     assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+
+
+@pytest.mark.parametrize("model", ["squeeze", "rnn"])
+def test_perf_analyzer_streams_over_grpc(server: ServerProcess, model: str, tmp_path: Path) -> None:
+    """``--streaming``: every request on ModelStreamInfer streams, stateless ones and sequences alike."""
+    sequences = ["--sequence-length", "5", "--shape", "x:1,4"] if model == "rnn" else []
+    rows = _run(["-m", model, "-u", server.grpc, "-i", "grpc", "--streaming", "--concurrency-range", "4", *sequences], tmp_path / "stream.csv")
+    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+    assert float(rows[0]["Server Compute Infer"]) > 0  # the statistics count streamed requests too

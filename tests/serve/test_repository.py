@@ -185,7 +185,8 @@ def _assert_skipped(log: str, repo: Path) -> None:
 
 def test_a_truncated_archive_in_the_repository_stops_the_server_naming_it(repository: Path) -> None:
     http = free_ports(1)[0]
-    done = subprocess.run([sys.executable, "-m", "onnxpipe.cli", "serve", "--model-repository", repository, "--http-port", str(http), "--grpc-port", "0"],
+    done = subprocess.run([sys.executable, "-m", "onnxpipe.cli", "serve", "--model-repository", repository, "--http-port", str(http), "--grpc-port", "0",
+                           "--metrics-port", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
