@@ -28,8 +28,9 @@ def _perf_analyzer() -> str:
 
 
 def _run(args: list[str], out: Path) -> list[dict[str, str]]:
-    # Short windows, loose stability: this checks the protocol, not the numbers (benchmarks.serve does those).
-    cmd = [_perf_analyzer(), *args, "-p", "800", "--max-trials", "4", "-s", "80", "-f", str(out)]
+    # Short windows, no stability bound to speak of (max / min of the last 3 windows within 11x, where perf_analyzer's default is 1.1x):
+    # this checks the protocol, not the numbers (benchmarks.serve does those), and a loaded CI machine made 80% fail now and then.
+    cmd = [_perf_analyzer(), *args, "-p", "800", "--max-trials", "4", "-s", "1000", "-f", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
     assert "error" not in done.stderr.lower(), done.stderr
