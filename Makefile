@@ -124,7 +124,12 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks.ocr_chain
 
 # benchmarks.serve: onnxpipe serve beside the same bundle in process and beside KServe's Python
-# ModelServer, the peer, which lives in the venv of KServe's clients (KSERVE, defined above).
+# ModelServer, the peer, which lives in the venv of KServe's clients (KSERVE, defined above); then
+# (--vs-triton, issue 30) the planner's bundle for each concurrency beside PyTriton, whose wheel
+# bundles tritonserver 2.51 (Triton's core, HTTP and gRPC front ends, dynamic batcher), in a venv
+# of its own (it pins numpy below 2), with onnxruntime for its Python model
+# (benchmarks/pytriton_peer.py). The PP-OCR recognizer is read from .venv's rapidocr_onnxruntime.
+PYTRITON := .venv-pytriton
 
 $(KSERVE)/.installed:
 	$(PYTHON) -m venv $(KSERVE)
@@ -132,9 +137,16 @@ $(KSERVE)/.installed:
 	$(KSERVE)/bin/python -m pip install --quiet kserve==0.21.0 onnxruntime
 	touch $@
 
-bench-serve: $(VENV)/.installed-dev $(KSERVE)/.installed
+$(PYTRITON)/.installed:
+	$(PYTHON) -m venv $(PYTRITON)
+	$(PYTRITON)/bin/python -m pip install --quiet --upgrade pip
+	$(PYTRITON)/bin/python -m pip install --quiet nvidia-pytriton==0.7.0 onnxruntime
+	touch $@
+
+bench-serve: $(VENV)/.installed-dev $(KSERVE)/.installed $(PYTRITON)/.installed
 	@.ci/install-perf-analyzer $(VENV) || echo "perf_analyzer could not be installed: served rows use the tritonclient load generator"
 	$(BIN)/python -m benchmarks.serve --peer $(KSERVE)/bin/python
+	$(BIN)/python -m benchmarks.serve --vs-triton --triton-python $(PYTRITON)/bin/python
 
 # benchmarks.batching on Llama decoders as users export them, beside onnxruntime-genai's Generator on
 # its own export of the same weights (issue 26). Two venvs, since the exporters disagree on
@@ -164,4 +176,4 @@ bench-decoders: $(LLAMAS)/24m/about.json
 	$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/24m --streams 8,16 --rounds 3
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(OPENVINO_MIXED) $(KSERVE) $(DECODERS) $(GENAI_BUILDER) $(DEMO_OUT) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(OPENVINO_MIXED) $(KSERVE) $(PYTRITON) $(DECODERS) $(GENAI_BUILDER) $(DEMO_OUT) .pytest_cache .hypothesis

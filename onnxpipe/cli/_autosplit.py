@@ -78,8 +78,10 @@ def _field(cls: type, flag: str) -> bool:
 
 
 def planned_split(model: Path, out: Path, *, cores: int, rounds: int, requests: int, measure: int, dims: Mapping[str, int], overwrite: bool,
-                  batch: int = 1, targets: Sequence[str] = ("cpu",), memory: int | None = None) -> None:
-    """Plan ``model`` for ``cores`` cores, measure the finalists in interleaved rounds, write the chosen one with its settings."""
+                  batch: int = 1, targets: Sequence[str] = ("cpu",), memory: int | None = None, concurrency: Sequence[int] | None = None,
+                  p99: float | None = None) -> None:
+    """Plan ``model`` for ``cores`` cores, measure the finalists in interleaved rounds, write the chosen one with its settings
+    (with ``concurrency``, the one chosen for each N: ``out`` for one N, ``out/concurrency-N/`` for several)."""
     from onnxpipe.cli import _render
     from onnxpipe.splitter import load_model, plan_pipeline
 
@@ -88,9 +90,12 @@ def planned_split(model: Path, out: Path, *, cores: int, rounds: int, requests: 
     quiet_onnxruntime()
     with step_progress() as report:
         result = plan_pipeline(model, cores, measure=measure, rounds=rounds, requests=requests, dims=dims, progress=report, batch=batch, targets=targets,
-                               memory=memory)
-    folder = result.plan.save(out, overwrite=overwrite)
-    _render.plan_result(result, folder)
+                               memory=memory, concurrency=concurrency, p99_ms=p99)
+    folder = result.save(out, overwrite=overwrite)
+    if result.loads:
+        _render.load_plans(result, folder)
+    else:
+        _render.plan_result(result, folder)
 
 
 def _check_paths(model: Path, out: Path, overwrite: bool) -> None:

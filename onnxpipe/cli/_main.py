@@ -170,7 +170,8 @@ main.add_command(serve)
     type=click.IntRange(min=1, max=1024),
     metavar="B",
     help="With --cores: also measure the chosen plan batching up to B requests per call (max_batch), "
-    "and keep it only if it wins every round; 1: do not consider batching (docs/batching.md).",
+    "and keep it only if it wins every round; 1: do not consider batching (docs/batching.md). With --concurrency: the "
+    "max_batch of the batching variants measured beside the plans (default: the largest N, at most 8).",
 )
 @click.option(
     "--memory",
@@ -187,6 +188,21 @@ main.add_command(serve)
     metavar="T1,T2",
     help="With --cores: the targets a stage may run on (cpu,openvino); with more than cpu, every stage and the whole model are "
     "measured on each, and the plan sets each stage's target.",
+)
+@click.option(
+    "--concurrency",
+    "concurrency",
+    callback=lambda ctx, param, value: _concurrency(value),
+    metavar="N[,N...]",
+    help="With --cores: plan for a server with N requests in flight: measure the plans (and batching variants) closed loop at "
+    "each N, choose one per N (the lowest p99 at N=1, else the highest req/s); several N write OUT/concurrency-N/ each.",
+)
+@click.option(
+    "--p99",
+    "p99",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="MS",
+    help="With --concurrency: the highest req/s among the plans whose p99 latency is at most MS milliseconds.",
 )
 @click.option(
     "--measure",
@@ -228,6 +244,8 @@ def split(
     batch: int,
     memory: int | None,
     targets: str,
+    concurrency: tuple[int, ...] | None,
+    p99: float | None,
     measure: int,
     state: Sequence[str],
     overwrite: bool,
@@ -254,7 +272,12 @@ def split(
                       symbolic input dim but a leading batch dim needs --dim.
                       With --targets cpu,openvino, every stage and the whole
                       model are also measured on each target, and the plan
-                      sets each stage's target
+                      sets each stage's target. With --concurrency N[,N...],
+                      for a server: the plans and their batching variants
+                      are measured with N requests in flight (closed loop)
+                      and one is chosen per N: the highest req/s within
+                      --p99 MS when given, else the lowest p99 at N=1 and
+                      the highest req/s above (docs/planning.md)
 
     The measured policy profiles every node with --threads intra-op threads and adds the cost of
     handing tensors between stages; where the slowest stage is predicted under 1 ms, the cut and
@@ -274,6 +297,7 @@ def split(
       onnxpipe split model.onnx -o out --auto --stages 3 --policy params
       onnxpipe split model.onnx -o plan --auto --cores 4 && onnxpipe build plan -o built
       onnxpipe split model.onnx -o plan --auto --cores 2 --targets cpu,openvino
+      onnxpipe split model.onnx -o plans --auto --cores 2 --concurrency 1,16 --p99 50
       onnxpipe split decoder.onnx -o out --at layer3.out --state auto   # KV cache stays in its stage
 
     `onnxpipe inspect MODEL` proposes cuts with the exact --at value to use; `onnxpipe inspect MODEL
@@ -285,7 +309,7 @@ def split(
         _split_auto(ctx, model, out, by_hand, overwrite, states)
         return
     auto_only = given(ctx, "stages", "max_stages", "cores", "policy", "max_stage_weights", "pins", "threads", "rounds", "requests", "measure", "batch",
-                      "targets", "memory")
+                      "targets", "memory", "concurrency", "p99")
     if auto_only:
         raise click.UsageError(f"{', '.join(auto_only)}: only with --auto; see 'onnxpipe split --help'")
     if len(by_hand) != 1:
@@ -302,6 +326,19 @@ def split(
         plan = split_model(model, cuts, states=states, dims=dims_given)
     folder = plan.save(out, overwrite=overwrite)
     _render.split_plan(plan, folder)
+
+
+def _concurrency(value: str | None) -> tuple[int, ...] | None:
+    """``--concurrency 1,16``: the Ns, each once, in the order given."""
+    if value is None:
+        return None
+    try:
+        values = [int(v) for v in value.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{value!r} is not N[,N...] with each N an integer from 1 (requests in flight)", param_hint="'--concurrency'")
+    return tuple(dict.fromkeys(values))
 
 
 def _states(values: Sequence[str]) -> str | list[tuple[str, str]] | None:
@@ -338,12 +375,14 @@ def _split_auto(
         not_planner = given(ctx, "policy", "max_stage_weights", "pins", "threads", "state")
         if not_planner:
             raise click.UsageError(f"{', '.join(not_planner)}: not with --cores; the planner profiles 1..C threads itself and cuts with the measured policy")
+        if p["p99"] is not None and p["concurrency"] is None:
+            raise click.UsageError("--p99: only with --concurrency (the bound holds under N requests in flight)")
         _autosplit.planned_split(
             model, out, cores=p["cores"], rounds=p["rounds"], requests=p["requests"], measure=p["measure"], dims=dict(p["dims"]), overwrite=overwrite,
-            batch=p["batch"], targets=[t.strip() for t in p["targets"].split(",")], memory=p["memory"],
+            batch=p["batch"], targets=[t.strip() for t in p["targets"].split(",")], memory=p["memory"], concurrency=p["concurrency"], p99=p["p99"],
         )
         return
-    planner_only = given(ctx, "rounds", "requests", "measure", "batch", "targets", "memory")
+    planner_only = given(ctx, "rounds", "requests", "measure", "batch", "targets", "memory", "concurrency", "p99")
     if planner_only:
         raise click.UsageError(f"{', '.join(planner_only)}: only with --cores (they set how the planner measures its plans)")
     _autosplit.policy_split(

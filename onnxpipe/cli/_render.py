@@ -31,6 +31,7 @@ __all__ = [
     "cost_profile",
     "exported",
     "human_bytes",
+    "load_plans",
     "model_summary",
     "plan_result",
     "reference_checks",
@@ -201,6 +202,43 @@ def plan_result(result: PlanResult, folder: Path) -> None:
     files = sorted(p.name for p in folder.iterdir())
     _line(console, f"wrote {folder}: {', '.join(files)} (stage settings in pipeline.json)")
     _line(console, f"next: onnxpipe build {shlex.quote(str(folder))} -o {shlex.quote(str(folder) + '_built')}")
+
+
+def load_plans(result: PlanResult, folder: Path) -> None:
+    """``split --auto --cores C --concurrency N[,N...]``: every finalist's req/s, p50 and p99 at each N, the plan
+    chosen for each N and why, its stages, and the folders written."""
+    console = _console()
+    header, rows = result.load_table()
+    first = result.loads[0].choice
+    title = (f"plans for {result.cores} core(s) under N requests in flight (closed loop): median of {first.rounds} round(s) "
+             f"of {first.requests} requests at each N, the rounds' min-max in brackets")
+    table = Table(title=title)
+    for i, column in enumerate(header):
+        table.add_column(column, justify="left" if i in (0, len(header) - 1) else "right")
+    for row in rows:
+        table.add_row(Text(row[0]), *row[1:-1], Text(row[-1], style="bold green"))
+    _table(console, table)
+    for load in result.loads:
+        _line(console, str(load.choice))
+    stages = Table(title="chosen plans, stage by stage")
+    for column in ("N", "stage", "nodes", "threads", "replicas", "cores", "max_batch"):
+        stages.add_column(column, justify="left" if column in ("stage", "cores") else "right")
+    for load in result.loads:
+        for s, config in zip(load.plan.stages, load.plan.config.stages, strict=True):
+            st = config.settings
+            batch = f"{st.max_batch}" + (f" (waits {st.max_delay_ms:g} ms)" if st.max_delay_ms else "")
+            cells = (_threads(st.intra_op_threads, 1), str(st.replicas), format_cores(st.affinity), batch)
+            stages.add_row(str(load.concurrency), Text(s.name), str(s.nodes), *cells)
+    _table(console, stages)
+    _notes(console, dict.fromkeys([*result.notes, *(n for load in result.loads for n in load.plan.notes)]))
+    folders = result.folders(folder)
+    for n, path in folders.items():
+        files = sorted(p.name for p in path.iterdir())
+        _line(console, f"wrote {path} (the plan for N={n}): {', '.join(files)} (stage settings in pipeline.json)")
+    if len(folders) > 1:
+        _line(console, f"wrote {folder / 'summary.json'}: every finalist's figures at each N, and each N's choice")
+    for path in folders.values():
+        _line(console, f"next: onnxpipe build {shlex.quote(str(path))} -o {shlex.quote(str(path) + '_built')}")
 
 
 def cost_profile(report: Mapping[str, Any], model: Path) -> None:

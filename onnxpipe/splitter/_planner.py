@@ -60,6 +60,58 @@ Note: memory.
     the one-session plan at one thread is always a finalist then, as the leanest simple plan. No
     plan fitting is a :class:`SplitError` listing every finalist's memory.
 
+Note: the served workload.
+    With ``concurrency`` (``split --auto --cores C --concurrency 1,16``) the finalists are measured under
+    the load a server sees: exactly N requests in flight, closed loop (a request is sent when one
+    comes back), each request's latency timed; for each N, in interleaved rounds, each round
+    giving a finalist's req/s over ``requests`` timed completions and their p50 and p99 (a
+    finalist's figure is the median over the rounds, the spread their min-max). One thread drives
+    the load, keeping N futures in flight (``Pipeline.submit``, a done-callback handing each result
+    to it through a queue): that is the server's own shape (one event loop submitting, futures
+    coming back by callback), it adds no client threads fighting the stages and each other for the
+    GIL, and it costs one queue hand-off per request. N client threads each waiting on its own
+    request measure the clients instead: on a 3-node model (2 replicas x 1 thread, 2 cores) 16
+    threads drove 11,600 req/s where this loop drove 23,400 (paired 1.7-2.4x over 5 rounds); at N
+    = 1 the two are within the noise (0.69-1.07x). The first
+    ``max(3, N)`` completions are not timed (after them every request in flight was sent in the
+    steady state), and the N - 1 in flight when the window closes are drained untimed, so no
+    round ends with fewer than N in flight. A round's p99 of R requests is interpolated between
+    its slowest ones (R = 40: between the two slowest); ``requests`` buys a steadier tail.
+
+    Every finalist is loaded with queues as deep as the largest N, so that every request in
+    flight waits in the pipeline's own queues, as in the server (whose queues are as deep as its
+    ``max_inflight``): a batching stage sees them all. A request's latency runs from the moment
+    its client would send it (at once, as the request before it in its slot came back) to its
+    result, so a moment the driving thread took to get to it counts, as a server's admission
+    wait would; then N / req/s is the mean latency (Little's law), as a server's clients see.
+
+    Finalists are the usual ones, the one-session plan with all C threads (N = 1's natural plan:
+    per-node profiles predict thread scaling least well), the best-predicted pipeline of each
+    depth, and **stateless batching variants** of the best-predicted one-session, replicas and
+    pipeline plans, when every input and output has a symbolic dim 0
+    (a variant the build's probe refuses is dropped, and the notes say so): ``max_batch`` is
+    ``batch`` when given, else min(largest N, 8) -- in a closed loop of N no batch exceeds N, so one
+    variant serves every N, and 8 is where CPU batches stop gaining (docs/batching.md; Triton's
+    batcher was run at 8 in the comparison this was built for) -- and ``max_delay_ms`` is a tenth
+    of the plan's slowest predicted stage, at most 1 ms: long enough for the clients of a batch
+    that just finished to send their next requests (tens of microseconds each in-process, about
+    0.1 ms through a server), short enough that a request waiting alone loses a tenth of a run.
+    With N > max_batch the queue is full when a batch ends and no request waits for the delay.
+
+    The choice, for each N. With ``p99_ms``, the finalists whose p99 (median over the rounds) is
+    over the bound leave the choice (the notes name them; none left is a :class:`SplitError`
+    listing every finalist's p99 at that N), and the highest throughput of the rest is chosen;
+    without it, at N = 1 the lowest p99 and at N > 1 the highest throughput. Either way with the
+    choice rule's every-round test: plans are ranked from simple to complex -- one session,
+    replicas, pipelines, then the same three batching -- the best of the simplest rank (by median) holds,
+    and a plan of the next rank replaces the holder only if it was better in **every** round
+    (req/s: its lowest paired ratio above 1; p99: its highest paired ratio of p99s below 1, a
+    lower tail in every round), the best median ratio among those that did; then the next rank.
+    The plan chosen for each N is written with its settings, ``max_batch`` and ``max_delay_ms``
+    included; ``onnxpipe serve`` of it serves what was measured (docs/planning.md says how far
+    perf_analyzer's figures and the planner's agree). Without ``concurrency`` none of this runs:
+    the planner streams requests and chooses by throughput, as above.
+
 Note: symbolic dims.
     What a plan costs depends on the input sizes, so dims are never guessed silently. A dim that
     is symbolic or unknown must be given (``dims``: by name, or ``"input.axis"`` for an unnamed one),
@@ -71,20 +123,27 @@ Note: symbolic dims.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import itertools
+import json
 import os
+import queue
+import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from onnxpipe._errors import BuildError, ConfigError, SplitError
 from onnxpipe.builder import build, export, io_specs
-from onnxpipe.runtime import Pipeline, StageSettings, TensorSpec, interleaved_rounds, load, random_inputs
+from onnxpipe.builder._modules import move_into_place
+from onnxpipe.runtime import DEFAULT_QUEUE_DEPTH, Pipeline, StageSettings, TensorSpec, interleaved_rounds, load, random_inputs
 from onnxpipe.runtime._stats import resident_bytes
 from onnxpipe.splitter._auto import MeasuredPolicy
 from onnxpipe.splitter._cost import CostProfile, profile_model
@@ -92,7 +151,7 @@ from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._memory import plan_memory
 from onnxpipe.splitter._plan import SplitPlan, split
 
-__all__ = ["PlanCandidate", "PlanChoice", "PlanResult", "plan_pipeline"]
+__all__ = ["Contest", "LoadChoice", "LoadMeasure", "LoadPlan", "PlanCandidate", "PlanChoice", "PlanResult", "plan_pipeline"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -100,6 +159,53 @@ Progress = Callable[[str, int, int], None]
 _HOST_PROVIDERS = frozenset({"CPUExecutionProvider", "OpenVINOExecutionProvider", "DnnlExecutionProvider", "XnnpackExecutionProvider"})
 #: Untimed requests before each timed round: a pipeline that sat idle while the others ran wakes up first.
 _ROUND_WARMUP = 3
+#: The largest ``max_batch`` of a batching variant when ``batch`` is not given (see Note: the served workload).
+_VARIANT_MAX_BATCH = 8
+#: A batching variant's ``max_delay_ms``: this share of its slowest predicted stage, at most ``_VARIANT_MAX_DELAY_MS``.
+_VARIANT_DELAY_SHARE = 0.1
+_VARIANT_MAX_DELAY_MS = 1.0
+#: Plans from simple to complex, as the choice rule ranks them; batching variants rank after every plain plan, in the same order.
+_RANKS = ("session", "replicas", "pipeline", "session, batching", "replicas, batching", "pipeline, batching")
+_RANK_NAMES = {"session": "one-session plans", "replicas": "replicas plans", "pipeline": "pipelines", "session, batching": "batching one-session plans",
+               "replicas, batching": "batching replicas plans", "pipeline, batching": "batching pipelines"}
+
+
+@dataclass(frozen=True)
+class LoadMeasure:
+    """One finalist under N requests in flight, closed loop, each round's figures in round order
+    (see Note: the served workload).
+
+    Attributes:
+        concurrency: N, the requests in flight.
+        rounds: Requests per second in each round.
+        p50_rounds: Each round's median latency (ms, submit to result).
+        p99_rounds: Each round's 99th percentile latency (ms).
+    """
+
+    concurrency: int
+    rounds: tuple[float, ...]
+    p50_rounds: tuple[float, ...]
+    p99_rounds: tuple[float, ...]
+
+    @property
+    def throughput(self) -> float:
+        """Requests per second, the median over the rounds."""
+        return statistics.median(self.rounds)
+
+    @property
+    def p50_ms(self) -> float:
+        """The median latency, the median over the rounds."""
+        return statistics.median(self.p50_rounds)
+
+    @property
+    def p99_ms(self) -> float:
+        """The p99 latency, the median over the rounds."""
+        return statistics.median(self.p99_rounds)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form: the medians and each round's figures."""
+        return {"req_s": self.throughput, "p50_ms": self.p50_ms, "p99_ms": self.p99_ms, "req_s_rounds": list(self.rounds),
+                "p50_ms_rounds": list(self.p50_rounds), "p99_ms_rounds": list(self.p99_rounds)}
 
 
 @dataclass
@@ -121,6 +227,10 @@ class PlanCandidate:
             empty: every stage on the CPU.
         memory_bytes: The physical memory the plan took once loaded and warmed up, measured
             (see Note: memory), when it was measured.
+        max_batch: The most requests a stage runs as one call (a batching variant's is above 1:
+            see Note: the served workload).
+        max_delay_ms: How long a stage that took a request waits for others to join it.
+        loads: What it measured under each N requests in flight, by N (with ``concurrency``).
     """
 
     label: str
@@ -135,6 +245,9 @@ class PlanCandidate:
     split: SplitPlan | None = field(default=None, repr=False)
     targets: tuple[str, ...] = ()
     memory_bytes: int | None = None
+    max_batch: int = 1
+    max_delay_ms: float = 0.0
+    loads: dict[int, LoadMeasure] = field(default_factory=dict)
 
     @property
     def simple(self) -> bool:
@@ -145,6 +258,12 @@ class PlanCandidate:
     def cores(self) -> int:
         """Cores the plan occupies."""
         return sum(t * r for t, r in zip(self.threads, self.replicas, strict=True))
+
+    @property
+    def rank(self) -> str:
+        """Where the choice rule ranks it, simple to complex: ``session``, ``replicas``, ``pipeline``, then the
+        same batching (``session, batching``, ...)."""
+        return f"{self.kind}, batching" if self.max_batch > 1 else self.kind
 
 
 @dataclass(frozen=True)
@@ -185,6 +304,106 @@ class PlanChoice:
         return f"{self.simple} wins: the best pipeline, {self.contender}, is {median:.2f}x it ({spread})"
 
 
+@dataclass(frozen=True)
+class Contest:
+    """One step of the choice rule at one N: the best plan of the next rank against the holder.
+
+    Attributes:
+        rival: Label of the plan of the next rank (the best by median ratio among those better in
+            every round, else among all of its rank).
+        holder: Label of the plan it was compared with.
+        ratios: The rival's figure over the holder's in each round (paired): req/s, or p99 when
+            the choice is by latency.
+        won: Whether it was better in every round (then it holds from here on).
+    """
+
+    rival: str
+    holder: str
+    ratios: tuple[float, ...]
+    won: bool
+
+
+@dataclass(frozen=True)
+class LoadChoice:
+    """Why a plan was chosen for N requests in flight (see Note: the served workload).
+
+    Attributes:
+        concurrency: N.
+        chosen: Label of the chosen plan.
+        metric: ``req/s`` (the highest throughput) or ``p99`` (the lowest p99: at N = 1 without a bound).
+        first: Label of the best plan of the simplest rank, where the rule started.
+        first_rank: Its rank (:attr:`PlanCandidate.rank`).
+        first_value: Its figure (req/s or p99 ms), the median over the rounds.
+        contests: Each later rank's best against the holder, in rank order.
+        dropped: ``(label, p99 ms)`` of each finalist over the p99 bound.
+        p99_bound: The bound in ms, or ``None``.
+        rounds: Rounds run at this N.
+        requests: Timed requests per plan and round.
+    """
+
+    concurrency: int
+    chosen: str
+    metric: str
+    first: str
+    first_rank: str
+    first_value: float
+    contests: tuple[Contest, ...] = ()
+    dropped: tuple[tuple[str, float], ...] = ()
+    p99_bound: float | None = None
+    rounds: int = 0
+    requests: int = 0
+
+    def __str__(self) -> str:
+        latency = self.metric == "p99"
+        what = "p99" if latency else "req/s"
+        won = [i for i, c in enumerate(self.contests) if c.won]
+        if won:
+            last = self.contests[won[-1]]
+            median = statistics.median(last.ratios)
+            if latency:
+                why = f"lower p99 than {last.holder} in every round, {median:.2f}x its p99 ({_spread(last.ratios)})"
+            else:
+                why = f"{median:.2f}x {last.holder}'s req/s in every round ({_spread(last.ratios)})"
+        else:
+            figure = f"{self.first_value:.2f} ms" if latency else f"{self.first_value:.1f} req/s"
+            best = "lowest p99" if latency else "highest req/s"
+            why = f"the {best} of the {_RANK_NAMES[self.first_rank]} ({figure})"
+        later = self.contests[won[-1] + 1 :] if won else self.contests
+        if later:
+            pick = min if latency else max
+            closest = pick(later, key=lambda c: statistics.median(c.ratios))
+            median = statistics.median(closest.ratios)
+            some = any(r < 1.0 for r in closest.ratios) if latency else any(r > 1.0 for r in closest.ratios)
+            why += (f"; no more complex plan was better in every round (the closest, {closest.rival}, {median:.2f}x its {what}, "
+                    f"{_spread(closest.ratios)}{': within the spread, kept the simpler plan' if some else ''})")
+        bound = f" within --p99 {self.p99_bound:g} ms" if self.p99_bound is not None else ""
+        line = f"at N={self.concurrency}{bound}: {self.chosen}: {why} [{self.rounds} round(s) of {self.requests} requests]"
+        if self.dropped:
+            line += f"; --p99 {self.p99_bound:g} ms dropped " + ", ".join(f"{label} (p99 {ms:.2f} ms)" for label, ms in self.dropped)
+        return line
+
+
+@dataclass
+class LoadPlan:
+    """The plan chosen for N requests in flight.
+
+    Attributes:
+        concurrency: N.
+        plan: Its split, the stages' settings set (threads, replicas, affinity, ``max_batch``, ``max_delay_ms``).
+        chosen: The chosen candidate (its ``loads`` hold what every N measured).
+        choice: Why it won at this N.
+    """
+
+    concurrency: int
+    plan: SplitPlan
+    chosen: PlanCandidate
+    choice: LoadChoice
+
+
+def _spread(ratios: Sequence[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 @dataclass
 class PlanResult:
     """The chosen plan and everything considered.
@@ -199,15 +418,20 @@ class PlanResult:
         notes: What the user should know.
         batching: Whether batching requests (``max_batch``) paid for the chosen plan, measured
             (see Note: batching), or why it was not considered; ``None`` when it was not asked for.
+        loads: With ``concurrency``: the plan chosen for each N, in the order given (``plan``,
+            ``chosen`` and ``choice`` are then the first one's; see Note: the served workload).
+        p99_ms: The p99 bound the choice met, or ``None``.
     """
 
     plan: SplitPlan
     chosen: PlanCandidate
     candidates: list[PlanCandidate]
     cores: int
-    choice: PlanChoice
+    choice: PlanChoice | LoadChoice
     notes: list[str] = field(default_factory=list)
     batching: str | None = None
+    loads: list[LoadPlan] = field(default_factory=list)
+    p99_ms: float | None = None
 
     def baselines(self) -> dict[str, float]:
         """Measured throughput of the best one-session plan and the best replicas plan (of those
@@ -218,7 +442,77 @@ class PlanResult:
                 best[c.kind] = max(best.get(c.kind, 0.0), c.measured)
         return best
 
+    def load_table(self) -> tuple[list[str], list[list[str]]]:
+        """With ``concurrency``: the header and one row per finalist, its req/s, p50 and p99 at each N
+        (medians, the rounds' min-max in brackets) and the Ns it was chosen at."""
+        header = ["plan"]
+        for lp in self.loads:
+            header += [f"N={lp.concurrency} req/s", "p50 ms", "p99 ms"]
+        rows = []
+        for c in self.candidates:
+            if not c.loads:
+                continue
+            row = [c.label]
+            for lp in self.loads:
+                m = c.loads.get(lp.concurrency)
+                if m is None:
+                    row += ["-", "-", "-"]
+                    continue
+                row += [f"{m.throughput:.1f} ({min(m.rounds):.1f}-{max(m.rounds):.1f})", _ms(m.p50_ms),
+                        f"{_ms(m.p99_ms)} ({_ms(min(m.p99_rounds))}-{_ms(max(m.p99_rounds))})"]
+            rows.append([*row, ", ".join(f"N={lp.concurrency}" for lp in self.loads if lp.chosen is c)])
+        return [*header, "chosen at"], rows
+
+    def load_summary(self) -> dict[str, object]:
+        """With ``concurrency``: a JSON-ready summary, every finalist's figures at each N and the choice at each N."""
+        finalists = [
+            {"plan": c.label, "kind": c.kind, "threads": list(c.threads), "replicas": list(c.replicas), "targets": list(c.targets),
+             "max_batch": c.max_batch, "max_delay_ms": c.max_delay_ms, "memory_bytes": c.memory_bytes,
+             "loads": {str(n): m.to_dict() for n, m in c.loads.items()}}
+            for c in self.candidates if c.loads
+        ]
+        chosen = {str(lp.concurrency): {"plan": lp.chosen.label, "why": str(lp.choice), "stages": len(lp.plan.stages)} for lp in self.loads}
+        first = self.loads[0].choice if self.loads else None
+        return {"cores": self.cores, "concurrency": [lp.concurrency for lp in self.loads], "p99_ms": self.p99_ms,
+                "rounds": first.rounds if first else 0, "requests": first.requests if first else 0, "finalists": finalists,
+                "chosen": chosen, "notes": list(self.notes)}
+
+    def save(self, directory: str | os.PathLike[str], overwrite: bool = False) -> Path:
+        """Write the chosen plan with its settings to ``directory`` (:meth:`SplitPlan.save`); with
+        several N, each N's plan to ``directory/concurrency-N/`` (see :meth:`folders`) and
+        :meth:`load_summary` to ``directory/summary.json``, the whole folder written or not at all.
+
+        Raises:
+            SplitError: the folder exists, is not empty, and ``overwrite`` is false.
+        """
+        if len(self.loads) < 2:
+            return self.plan.save(directory, overwrite=overwrite)
+        directory = Path(directory)
+        if directory.exists() and (not directory.is_dir() or (any(directory.iterdir()) and not overwrite)):
+            raise SplitError(f"output folder '{directory}' " + ("is a file; choose another name" if not directory.is_dir() else
+                                                                "exists and is not empty; choose another or overwrite it"))
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            for lp, folder in zip(self.loads, self.folders(staging).values(), strict=True):
+                lp.plan.save(folder)
+            (staging / "summary.json").write_text(json.dumps(self.load_summary(), indent=2) + "\n")
+            move_into_place(staging, directory)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+        return directory
+
+    def folders(self, directory: str | os.PathLike[str]) -> dict[int, Path]:
+        """Where :meth:`save` writes each N's plan: ``directory`` itself for one N (or none), else ``directory/concurrency-N``."""
+        directory = Path(directory)
+        if len(self.loads) < 2:
+            return {lp.concurrency: directory for lp in self.loads}
+        return {lp.concurrency: directory / f"concurrency-{lp.concurrency}" for lp in self.loads}
+
     def __str__(self) -> str:
+        if self.loads:
+            return self._loads_str()
         lines = [f"plan for {self.cores} core(s): {self.chosen.label}, {self.chosen.measured or 0:.1f} req/s measured", f"  {self.choice}"]
         for kind, value in self.baselines().items():
             if value:
@@ -230,6 +524,23 @@ class PlanResult:
         if self.batching:
             lines.append(f"  batching: {self.batching}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+    def _loads_str(self) -> str:
+        first = self.loads[0].choice
+        chosen = ", ".join(f"N={lp.concurrency}: {lp.chosen.label}" for lp in self.loads)
+        lines = [f"plans for {self.cores} core(s) under N requests in flight (closed loop): {chosen}",
+                 f"  median of {first.rounds} round(s) of {first.requests} requests at each N, the rounds' min-max in brackets"]
+        header, rows = self.load_table()
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            cells = (cell.ljust(w) if i in (0, len(row) - 1) else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+            lines.append(("  " + "  ".join(cells)).rstrip())
+        lines += [f"  {lp.choice}" for lp in self.loads]
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _ms(value: float) -> str:
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
 
 
 def _stage_ms(profile: CostProfile, nodes: Sequence[int], crossing_bytes: int, first: bool) -> float:
@@ -289,7 +600,8 @@ def _configure(candidate: PlanCandidate, split_plan: SplitPlan, allowed: list[in
     targets = candidate.targets or ("cpu",) * len(candidate.threads)
     for stage, t, r, target in zip(split_plan.config.stages, candidate.threads, candidate.replicas, targets, strict=True):
         cores = allowed[start : start + t * r] if len(allowed) >= candidate.cores else []
-        stage.configure(target=target, **_settings(t, r, cores))
+        # Batching set on every build, since the split is shared: a variant's must not stay on the next finalist's.
+        stage.configure(target=target, max_batch=candidate.max_batch, max_delay_ms=candidate.max_delay_ms, **_settings(t, r, cores))
         start += t * r
     return split_plan
 
@@ -379,14 +691,17 @@ def _target_candidates(whole: SplitPlan, plans: Sequence[SplitPlan], profile: Co
     return out
 
 
-def _contender(base: PlanCandidate, rivals: Sequence[PlanCandidate]) -> tuple[PlanCandidate, tuple[float, ...], bool]:
+def _contender(base: PlanCandidate, rivals: Sequence[PlanCandidate], values: Callable[[PlanCandidate], tuple[float, ...]] = lambda c: c.rounds,
+               lower: bool = False) -> tuple[PlanCandidate, tuple[float, ...], bool]:
     """The rival to compare with ``base``, its paired ratios, and whether it won every round.
 
-    The rival with the highest median ratio among those that won every round, else among all.
+    The rival with the best median ratio among those that won every round, else among all. A
+    round is won by a higher value (req/s), or with ``lower`` by a lower one (p99).
     """
-    ratios = {id(c): tuple(v / b if b else float("inf") for v, b in zip(c.rounds, base.rounds, strict=True)) for c in rivals}
-    winners = [c for c in rivals if min(ratios[id(c)]) > 1.0]
-    best = max(winners or rivals, key=lambda c: statistics.median(ratios[id(c)]))
+    ratios = {id(c): tuple(v / b if b else float("inf") for v, b in zip(values(c), values(base), strict=True)) for c in rivals}
+    winners = [c for c in rivals if (max(ratios[id(c)]) < 1.0 if lower else min(ratios[id(c)]) > 1.0)]
+    pick = min if lower else max
+    best = pick(winners or rivals, key=lambda c: statistics.median(ratios[id(c)]))
     return best, ratios[id(best)], bool(winners)
 
 
@@ -414,6 +729,67 @@ def choose_plan(candidates: Sequence[PlanCandidate], requests: int) -> tuple[Pla
     contender, ratios, won = _contender(simple, pipelines)
     verdict = "pipeline" if won else ("tie" if max(ratios) > 1.0 else "simple")
     return (contender if won else simple), PlanChoice(simple.label, contender.label, ratios, len(simple.rounds), requests, verdict)
+
+
+def choose_load(candidates: Sequence[PlanCandidate], concurrency: int, requests: int, p99_ms: float | None = None) -> tuple[PlanCandidate, LoadChoice]:
+    """Apply the choice rule for N requests in flight (see Note: the served workload).
+
+    Args:
+        candidates: The finalists that take part; each has ``loads[concurrency]``.
+        concurrency: N.
+        requests: Timed requests per plan and round (for the report).
+        p99_ms: A bound on the p99 (median over the rounds), or ``None``.
+
+    Returns:
+        The chosen candidate, and the :class:`LoadChoice` saying why.
+
+    Raises:
+        SplitError: no finalist's p99 meets the bound; lists every finalist's p99 at this N.
+    """
+    pool = list(candidates)
+    dropped: list[PlanCandidate] = []
+    if p99_ms is not None:
+        dropped = [c for c in pool if c.loads[concurrency].p99_ms > p99_ms]
+        pool = [c for c in pool if c not in dropped]
+        if not pool:
+            measured = ", ".join(f"{c.label} {c.loads[concurrency].p99_ms:.2f} ms" for c in candidates)
+            raise SplitError(f"no plan meets --p99 {p99_ms:g} ms at N={concurrency}: measured p99 (median of the rounds) {measured}")
+    latency = p99_ms is None and concurrency == 1
+
+    def values(c: PlanCandidate) -> tuple[float, ...]:
+        load = c.loads[concurrency]
+        return load.p99_rounds if latency else load.rounds
+
+    ranks = [[c for c in pool if c.rank == rank] for rank in _RANKS]
+    ranks = [group for group in ranks if group]
+    pick = min if latency else max
+    holder = pick(ranks[0], key=lambda c: statistics.median(values(c)))
+    first = holder
+    contests = []
+    for group in ranks[1:]:
+        rival, ratios, won = _contender(holder, group, values, lower=latency)
+        contests.append(Contest(rival.label, holder.label, ratios, won))
+        holder = rival if won else holder
+    choice = LoadChoice(concurrency, holder.label, "p99" if latency else "req/s", first.label, first.rank, statistics.median(values(first)),
+                        tuple(contests), tuple((c.label, c.loads[concurrency].p99_ms) for c in dropped), p99_ms,
+                        len(values(first)), requests)
+    return holder, choice
+
+
+def choose_loads(candidates: Sequence[PlanCandidate], concurrency: Sequence[int], requests: int, p99_ms: float | None,
+                 notes: list[str]) -> list[tuple[PlanCandidate, LoadChoice]]:
+    """:func:`choose_load` at each N, in order; the finalists a p99 bound dropped at each N go to ``notes``.
+
+    Raises:
+        SplitError: no finalist meets ``p99_ms`` at some N.
+    """
+    out = []
+    for n in concurrency:
+        winner, choice = choose_load(candidates, n, requests, p99_ms)
+        if choice.dropped:
+            notes.append(f"at N={n}, over --p99 {p99_ms:g} ms: " + ", ".join(f"{label} (p99 {ms:.2f} ms)" for label, ms in choice.dropped))
+        out.append((winner, choice))
+    return out
 
 
 def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: str) -> list[str]:
@@ -454,7 +830,7 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
 
 
 def _load_finalist(candidate: PlanCandidate, target: SplitPlan, allowed: list[int], feeds: dict[str, np.ndarray], requests: int, work: Path,
-                   memory_dims: Mapping[str, int] | None = None) -> Pipeline:
+                   memory_dims: Mapping[str, int] | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Pipeline:
     """Build, export and load one finalist, and warm it up; with ``memory_dims``, also measure its
     memory in a process of its own (see Note: memory), into ``candidate.memory_bytes``."""
     folder = work / f"m{time.monotonic_ns()}"
@@ -462,7 +838,7 @@ def _load_finalist(candidate: PlanCandidate, target: SplitPlan, allowed: list[in
     bundle = export(build(_configure(candidate, target, allowed).config, folder / "built").path, folder / "bundle")
     if memory_dims is not None:
         candidate.memory_bytes = plan_memory(bundle, memory_dims)
-    pipe = load(bundle)
+    pipe = load(bundle, queue_depth=queue_depth)
     for _ in pipe.map(feeds for _ in range(max(5, requests // 10))):
         pass
     return pipe
@@ -508,6 +884,101 @@ def _measure(
         c.stage_measured_ms = tuple(statistics.median(column) for column in zip(*stage_ms[c.label], strict=True))
 
 
+def _closed_loop(pipe: Pipeline, feeds: dict[str, np.ndarray], concurrency: int, requests: int) -> tuple[float, list[float]]:
+    """Keep exactly ``concurrency`` requests in flight, one sent as each comes back, from this one
+    thread (see Note: the served workload); requests per second over ``requests`` timed completions,
+    and their latencies (ms, submit to result)."""
+    done: queue.SimpleQueue[tuple[Future[dict[str, np.ndarray]], float, float]] = queue.SimpleQueue()
+
+    def send(start: float) -> None:
+        pipe.submit(feeds).add_done_callback(lambda f: done.put((f, start, time.perf_counter())))
+
+    warmup = max(_ROUND_WARMUP, concurrency)
+    total = warmup + requests
+    for _ in range(concurrency):
+        send(time.perf_counter())
+    latencies: list[float] = []
+    began = ended = time.perf_counter()
+    for finished in range(1, total + 1):
+        future, start, ended = done.get()
+        future.result()  # a failed request fails the round, as in _timed_round
+        if finished > warmup:
+            latencies.append(1e3 * (ended - start))
+        elif finished == warmup:
+            began = ended
+        if finished < total:
+            # The next request starts when this one came back (a client sends again at once): time this
+            # thread takes to get to it counts in its latency, as a server's admission wait would.
+            send(ended)
+    elapsed = ended - began
+    for _ in range(concurrency - 1):  # those in flight when the window closed, untimed
+        done.get()[0].result()
+    return requests / elapsed, latencies
+
+
+def _variants(plans: Sequence[PlanCandidate], whole: SplitPlan, max_batch: int, notes: list[str]) -> list[PlanCandidate]:
+    """The stateless batching variants of ``plans`` (see Note: the served workload), or none, with a note, when the
+    model's requests cannot be stacked."""
+    fixed = _fixed_batch_dim(whole)
+    if fixed:
+        notes.append(f"no batching variants: {fixed}")
+        return []
+    out = []
+    for c in plans:
+        delay = round(min(_VARIANT_MAX_DELAY_MS, _VARIANT_DELAY_SHARE * max(c.stage_predicted_ms)), 2)
+        label = f"{c.label}, max_batch {max_batch}" + (f", delay {delay:g} ms" if delay else "")
+        out.append(replace(c, label=label, max_batch=max_batch, max_delay_ms=delay, loads={}))
+    return out
+
+
+def _measure_loads(
+    finalists: Sequence[PlanCandidate],
+    whole: SplitPlan,
+    allowed: list[int],
+    feeds: dict[str, np.ndarray],
+    rounds: int,
+    requests: int,
+    concurrency: Sequence[int],
+    report: Progress,
+    notes: list[str],
+    memory_dims: Mapping[str, int] | None = None,
+) -> list[PlanCandidate]:
+    """Load the finalists at once and measure them under each N in flight, in interleaved rounds per N;
+    set their ``loads``. A batching variant the build refuses is left out, with a note.
+
+    Returns:
+        The finalists measured.
+    """
+    with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp, contextlib.ExitStack() as stack:
+        pipes: dict[str, Pipeline] = {}
+        for done, c in enumerate(finalists):
+            report("loading", done, len(finalists))
+            try:
+                # Every request in flight waits in the pipeline's own queues, as in the server (Note: the served workload).
+                depth = max(DEFAULT_QUEUE_DEPTH, *concurrency)
+                pipes[c.label] = stack.enter_context(_load_finalist(c, c.split or whole, allowed, feeds, requests, Path(tmp), memory_dims, depth))
+            except BuildError as e:
+                if c.max_batch == 1:
+                    raise
+                notes.append(f"{c.label}: left out, the build refuses max_batch {c.max_batch}: {e}")
+        report("loading", len(finalists), len(finalists))
+        measured = [c for c in finalists if c.label in pipes]
+
+        def run(pipe: Pipeline, n: int, out: list[tuple[float, float]]) -> float:
+            rate, ms = _closed_loop(pipe, feeds, n, requests)
+            p50, p99 = np.percentile(ms, [50, 99])
+            out.append((float(p50), float(p99)))
+            return rate
+
+        for n in concurrency:
+            latencies: dict[str, list[tuple[float, float]]] = {c.label: [] for c in measured}
+            runners = {c.label: functools.partial(run, pipes[c.label], n, latencies[c.label]) for c in measured}
+            values = interleaved_rounds(runners, rounds, functools.partial(report, f"measuring at N={n}")).values
+            for c in measured:
+                c.loads[n] = LoadMeasure(n, values[c.label], tuple(p for p, _ in latencies[c.label]), tuple(p for _, p in latencies[c.label]))
+    return measured
+
+
 def plan_pipeline(
     model: str | os.PathLike[str],
     cores: int | None = None,
@@ -522,6 +993,8 @@ def plan_pipeline(
     batch: int = 1,
     targets: Sequence[str] = ("cpu",),
     memory: int | None = None,
+    concurrency: int | Sequence[int] | None = None,
+    p99_ms: float | None = None,
 ) -> PlanResult:
     """Plan how to run ``model`` on ``cores`` cores, measure the finalists side by side, choose.
 
@@ -544,15 +1017,23 @@ def plan_pipeline(
             every stage is measured on each and the plan sets each stage's target (see Note: targets).
         memory: A budget in bytes: finalists whose measured memory is over it are dropped, and
             the notes say which, with what they measured (see Note: memory).
+        concurrency: Plan for the served workload: measure the finalists (and batching variants)
+            with exactly N requests in flight, closed loop, for each N given, and choose a plan for
+            each (see Note: the served workload); ``batch`` then sets the variants' ``max_batch``.
+            ``None``: stream requests and choose by throughput, as without a server in mind.
+        p99_ms: With ``concurrency``: the highest throughput whose p99 (median over the rounds)
+            is at most this many milliseconds.
 
     Returns:
         The :class:`PlanResult`; ``result.plan.save(folder)`` writes the chosen stages with their
-        settings, ``result.choice`` says how sure the choice is.
+        settings, ``result.choice`` says how sure the choice is; with ``concurrency``,
+        ``result.loads`` holds the plan chosen for each N.
 
     Raises:
         SplitError: the core budget is below 1 or above what this process may use; ``rounds`` or
             ``requests`` is below 1; an input dim the cost depends on is not given; a target is
-            unknown, missing here, or a device's.
+            unknown, missing here, or a device's; a concurrency below 1, or ``p99_ms`` not above 0
+            or without ``concurrency``; no finalist meets ``p99_ms`` at some N (every p99 listed).
     """
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     cores = cores or len(allowed)
@@ -560,6 +1041,7 @@ def plan_pipeline(
         raise SplitError(f"core budget {cores} is outside 1..{len(allowed)} (the cores this process may use: {allowed})")
     if rounds < 1 or requests < 1:
         raise SplitError(f"rounds and requests must be at least 1, got rounds={rounds}, requests={requests}")
+    loads = _check_loads(concurrency, p99_ms)
     planned_targets = _check_targets(targets)
     if memory is not None and (memory < 1 or resident_bytes() is None):
         raise SplitError(f"memory budget {memory}: " + ("must be at least 1 byte" if memory < 1 else "this OS has no /proc to measure a plan's memory with"))
@@ -597,19 +1079,14 @@ def plan_pipeline(
         lean = next((c for c in ranked if c.kind == "session" and c.threads == (1,)), None)
         if lean is not None and lean not in finalists:
             finalists.append(lean)
+    if loads:
+        served = _served_finalists(finalists, ranked, cores)
+        return _plan_loads(served, candidates, whole, allowed, feeds, rounds, requests, loads, p99_ms, report, notes, cores, batch, memory, dims)
     _measure(finalists, whole, allowed, feeds, rounds, requests, report, dims if memory is not None else None)
     if memory is not None:
-        over = [c for c in finalists if c.memory_bytes is not None and c.memory_bytes > memory]
-        fits = [c for c in finalists if c not in over]
-        budget = f"the {_mib(memory)} memory budget"
-        if not fits:
-            measured = ", ".join(f"{c.label} {_mib(c.memory_bytes)}" for c in finalists)
-            raise SplitError(f"no plan fits {budget}: measured {measured}")
-        if over:
-            notes.append(f"dropped over {budget}: " + ", ".join(f"{c.label} ({_mib(c.memory_bytes)} measured)" for c in over))
+        over = _over_memory(finalists, memory, notes)
         for c in over:  # out of the choice: only what fits is chosen from
             c.rounds = ()
-        notes.append("memory measured per plan once loaded and warmed up: " + ", ".join(f"{c.label} {_mib(c.memory_bytes)}" for c in finalists))
     chosen, choice = choose_plan(candidates, requests)
     final = chosen.split or whole
     _configure(chosen, final, allowed)
@@ -618,28 +1095,116 @@ def plan_pipeline(
     return PlanResult(final, chosen, candidates, cores, choice, notes, batching)
 
 
+def _over_memory(finalists: Sequence[PlanCandidate], memory: int, notes: list[str]) -> list[PlanCandidate]:
+    """The finalists whose measured memory is over ``memory`` (see Note: memory); the notes say which, and what each measured.
+
+    Raises:
+        SplitError: none fits; lists what each measured.
+    """
+    over = [c for c in finalists if c.memory_bytes is not None and c.memory_bytes > memory]
+    budget = f"the {_mib(memory)} memory budget"
+    if len(over) == len(finalists):
+        measured = ", ".join(f"{c.label} {_mib(c.memory_bytes)}" for c in finalists)
+        raise SplitError(f"no plan fits {budget}: measured {measured}")
+    if over:
+        notes.append(f"dropped over {budget}: " + ", ".join(f"{c.label} ({_mib(c.memory_bytes)} measured)" for c in over))
+    notes.append("memory measured per plan once loaded and warmed up: " + ", ".join(f"{c.label} {_mib(c.memory_bytes)}" for c in finalists))
+    return over
+
+
+def _check_loads(concurrency: int | Sequence[int] | None, p99_ms: float | None) -> tuple[int, ...]:
+    """The Ns to plan for, each once, in the order given; empty without ``concurrency``.
+
+    Raises:
+        SplitError: an N below 1 or not an integer; ``p99_ms`` not above 0, or given without ``concurrency``.
+    """
+    if concurrency is None:
+        if p99_ms is not None:
+            raise SplitError("a p99 bound needs the load it holds under: give concurrency (--concurrency N) with p99_ms (--p99)")
+        return ()
+    values = (concurrency,) if isinstance(concurrency, int) else tuple(concurrency)
+    bad = [n for n in values if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad or not values:
+        raise SplitError(f"concurrency must be one or more integers from 1 (requests in flight), got {list(values)!r}")
+    if p99_ms is not None and not p99_ms > 0:
+        raise SplitError(f"the p99 bound must be above 0 ms, got {p99_ms!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def _served_finalists(finalists: Sequence[PlanCandidate], ranked: Sequence[PlanCandidate], cores: int) -> list[PlanCandidate]:
+    """The finalists for the served workload (see Note: the served workload): the usual ones, the one-session plan with
+    all ``cores`` threads (N = 1's plan, whose thread scaling the per-node profiles predict least well) and the
+    best-predicted pipeline of each depth."""
+    out = list(finalists)
+    wide = next((c for c in ranked if c.kind == "session" and c.threads == (cores,)), None)
+    depths: dict[int, PlanCandidate] = {}
+    for c in ranked:
+        if c.kind == "pipeline":
+            depths.setdefault(len(c.threads), c)
+    for extra in (wide, *depths.values()):
+        if extra is not None and all(extra is not f for f in out):
+            out.append(extra)
+    return out
+
+
+def _plan_loads(finalists: list[PlanCandidate], candidates: list[PlanCandidate], whole: SplitPlan, allowed: list[int], feeds: dict[str, np.ndarray],
+                rounds: int, requests: int, loads: Sequence[int], p99_ms: float | None, report: Progress, notes: list[str], cores: int,
+                batch: int, memory: int | None, dims: Mapping[str, int]) -> PlanResult:
+    """``plan_pipeline`` with ``concurrency``: the finalists and their batching variants measured under each N, a plan chosen for each
+    (see Note: the served workload)."""
+    max_batch = batch if batch > 1 else min(max(loads), _VARIANT_MAX_BATCH)
+    if max_batch > 1:  # the best-predicted plan of each kind, batching
+        best = [next(c for c in finalists if c.kind == kind) for kind in ("session", "replicas", "pipeline") if any(c.kind == kind for c in finalists)]
+        variants = _variants(best, whole, max_batch, notes)
+    else:
+        variants = []
+        notes.append("no batching variants: with 1 request in flight no batch forms")
+    measured = _measure_loads([*finalists, *variants], whole, allowed, feeds, rounds, requests, loads, report, notes, dims if memory is not None else None)
+    candidates.extend(c for c in measured if c.max_batch > 1)
+    over = _over_memory(measured, memory, notes) if memory is not None else []
+    pool = [c for c in measured if c not in over]
+    chosen: list[LoadPlan] = []
+    used: set[int] = set()
+    for n, (winner, choice) in zip(loads, choose_loads(pool, loads, requests, p99_ms, notes), strict=True):
+        final = winner.split or whole
+        if id(final) in used:  # another N's plan shares this split: its settings are its own
+            final = copy.deepcopy(final)
+        used.add(id(final))
+        chosen.append(LoadPlan(n, _configure(winner, final, allowed), winner, choice))
+    last = loads[-1]
+    candidates.sort(key=lambda c: (not c.loads, -(c.loads[last].throughput if c.loads else 0.0), -c.predicted))
+    first = chosen[0]
+    return PlanResult(first.plan, first.chosen, candidates, cores, first.choice, notes, None, chosen, p99_ms)
+
+
 def _mib(size: int | None) -> str:
     return "unmeasured" if size is None else f"{size / 2**20:.1f} MiB"
+
+
+def _fixed_batch_dim(split_plan: SplitPlan) -> str | None:
+    """Why the plan's requests cannot be stacked along dim 0 (an input or output whose dim 0 is not symbolic), or ``None``."""
+    spec = split_plan.spec
+    fixed = [t for t in (*spec.inputs, *spec.outputs) if not t.shape or isinstance(t.shape[0], int)]
+    if not fixed:
+        return None
+    return f"'{fixed[0].name}' has no symbolic batch dim (dim 0 is {'unknown' if not fixed[0].shape else fixed[0].shape[0]})"
 
 
 def _try_batching(chosen: PlanCandidate, final: SplitPlan, allowed: list[int], feeds: dict[str, np.ndarray], rounds: int, requests: int,
                   report: Progress, batch: int) -> str:
     """Measure the chosen plan batching up to ``batch`` requests against it (see Note: batching); keep it
     on ``final``'s stages only if it won every round. Returns what was found."""
-    spec = final.spec
-    fixed = [t for t in (*spec.inputs, *spec.outputs) if not t.shape or isinstance(t.shape[0], int)]
+    fixed = _fixed_batch_dim(final)
     if fixed:
-        return f"not considered: '{fixed[0].name}' has no symbolic batch dim (dim 0 is {'unknown' if not fixed[0].shape else fixed[0].shape[0]})"
-    labels = {"plain": chosen.label, "batched": f"{chosen.label}, max_batch {batch}"}
-    stage_ms: dict[str, list[tuple[float, ...]]] = {k: [] for k in labels}
+        return f"not considered: {fixed}"
+    variants = {"plain": chosen, "batched": replace(chosen, label=f"{chosen.label}, max_batch {batch}", max_batch=batch, loads={})}
+    stage_ms: dict[str, list[tuple[float, ...]]] = {k: [] for k in variants}
     with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp, contextlib.ExitStack() as stack:
         pipes: dict[str, Pipeline] = {}
-        for key, max_batch in (("plain", 1), ("batched", batch)):
-            for stage in final.config.stages:
-                stage.configure(max_batch=max_batch)
+        for key, variant in variants.items():
             report("batching", len(pipes), 2)
             try:
-                pipes[key] = stack.enter_context(_load_finalist(chosen, final, allowed, feeds, requests, Path(tmp)))
+                pipes[key] = stack.enter_context(_load_finalist(variant, final, allowed, feeds, requests, Path(tmp)))
             except BuildError as e:
                 for stage in final.config.stages:
                     stage.configure(max_batch=1)

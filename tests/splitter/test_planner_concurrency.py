@@ -1,0 +1,259 @@
+"""The planner for the served workload: finalists measured with exactly N requests in flight (closed
+loop), a plan chosen per N -- the lowest p99 at N = 1, the highest req/s above, or the highest req/s
+within a p99 bound -- and each N's plan written where ``onnxpipe build`` takes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxpipe import SplitError
+from onnxpipe.builder import PipelineConfig, build
+from onnxpipe.splitter import PlanCandidate, PlanResult, plan_pipeline
+from onnxpipe.splitter._planner import LoadMeasure, choose_load, choose_loads
+from tests.cli.helpers import assert_usage_error, assert_user_error, ok, run
+from tests.models import symbolic_batch
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+two_cores = pytest.mark.skipif(CORES < 2, reason=f"the choice changes with N only with 2 cores to share; this process may use {CORES}")
+
+
+def matmuls_then_chain(rows: int = 256, width: int = 512, matmuls: int = 8, chain: int = 200, columns: int = 32) -> onnx.ModelProto:
+    """``x[rows, width]`` through ``matmuls`` MatMuls of ``width x width`` (intra-op threads split them
+    well: 2.3 ms on one thread here, 1.2 ms on two), then down to ``[rows, columns]`` and ``chain``
+    elementwise ops one after another, which onnxruntime runs on one thread however many it has
+    (2.0 ms on one or two). At N = 1 one session with 2 threads answers faster
+    than anything with 1 thread a request; at N = 16 two 1-thread workers (replicas, or the 2-stage
+    pipeline cut between the two parts) each run a request on a core of their own, and beat it."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), f"w{k}") for k in range(matmuls)]
+    inits.append(numpy_helper.from_array((rng.standard_normal((width, columns)) / np.sqrt(width)).astype(np.float32), "down"))
+    nodes, prev = [], "x"
+    for k in range(matmuls):
+        nodes.append(helper.make_node("MatMul", [prev, f"w{k}"], [f"m{k}"], name=f"mm{k}"))
+        prev = f"m{k}"
+    nodes.append(helper.make_node("MatMul", [prev, "down"], ["s0"], name="down"))
+    for i in range(chain):
+        out = "y" if i == chain - 1 else f"s{i + 1}"
+        nodes.append(helper.make_node("Tanh" if i % 2 else "Sin", [f"s{i}"], [out], name=f"e{i}"))
+    graph = helper.make_graph(nodes, "matmuls_then_chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, columns])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> PlanResult:
+    if CORES < 2:
+        pytest.skip(f"the choice changes with N only with 2 cores to share; this process may use {CORES}")
+    path = tmp_path_factory.mktemp("served") / "served.onnx"
+    onnx.save(matmuls_then_chain(), path)
+    return plan_pipeline(path, cores=2, measure=1, rounds=3, requests=40, runs=2, concurrency=(1, 16))
+
+
+def _margins(result: PlanResult) -> str:
+    """Each finalist's p99 at N=1 and req/s at N=16 over the winner's, paired by round (printed: the test's margins)."""
+    lines = []
+    for load in result.loads:
+        winner = load.chosen.loads[load.concurrency]
+        for c in result.candidates:
+            if c.loads and c is not load.chosen:
+                mine = c.loads[load.concurrency]
+                paired = [a / b for a, b in zip(mine.p99_rounds if load.concurrency == 1 else mine.rounds,
+                                                winner.p99_rounds if load.concurrency == 1 else winner.rounds, strict=True)]
+                what = "p99" if load.concurrency == 1 else "req/s"
+                lines.append(f"N={load.concurrency}: {c.label} {what} / {load.chosen.label}'s: {min(paired):.2f}-{max(paired):.2f}")
+    return "\n".join(lines)
+
+
+@two_cores
+def test_the_choice_changes_with_concurrency(planned: PlanResult) -> None:
+    print(planned)
+    print(_margins(planned))
+    assert [load.concurrency for load in planned.loads] == [1, 16]
+    at_1, at_16 = planned.loads
+    # At N = 1 both cores work on the one request: one session with 2 threads has the lowest p99.
+    assert at_1.chosen.label == "1 session x 2t", planned
+    assert at_1.choice.metric == "p99" and at_1.choice.chosen == "1 session x 2t"
+    # At N = 16 two 1-thread workers, one request on each core, beat it on throughput.
+    assert at_16.chosen.kind in ("replicas", "pipeline") and at_16.chosen.threads == (1,) * len(at_16.chosen.threads), planned
+    assert at_16.choice.metric == "req/s"
+    session = next(c for c in planned.candidates if c.label == "1 session x 2t")
+    paired = [a / b for a, b in zip(at_16.chosen.loads[16].rounds, session.loads[16].rounds, strict=True)]
+    assert min(paired) > 1.0, paired  # the rule: it won every round
+    assert planned.plan is at_1.plan and planned.chosen is at_1.chosen and planned.choice is at_1.choice
+    # Every finalist was measured at each N in every round: req/s, p50 <= p99.
+    finalists = [c for c in planned.candidates if c.loads]
+    assert {c.kind for c in finalists} == {"session", "replicas", "pipeline"}
+    for c in finalists:
+        for n in (1, 16):
+            m = c.loads[n]
+            assert len(m.rounds) == len(m.p50_rounds) == len(m.p99_rounds) == 3
+            assert m.throughput == statistics.median(m.rounds) > 0
+            assert all(0 < p50 <= p99 for p50, p99 in zip(m.p50_rounds, m.p99_rounds, strict=True))
+    # A fixed dim 0: no batching variant, and the notes say why.
+    assert "no batching variants: 'x' has no symbolic batch dim (dim 0 is 256)" in planned.notes
+
+
+@two_cores
+def test_exactly_n_requests_are_in_flight(planned: PlanResult) -> None:
+    """Closed loop with N in flight: N / req/s is the mean latency (Little's law), so the median
+    latency times req/s is about N -- not the pipeline's queue capacity, nor 1."""
+    for c in planned.candidates:
+        for n, m in c.loads.items():
+            in_flight = m.throughput * m.p50_ms / 1e3
+            assert 0.6 * n <= in_flight <= 1.4 * n, (c.label, n, in_flight)
+
+
+@two_cores
+def test_the_summary_lists_every_finalist_at_each_n_and_why(planned: PlanResult) -> None:
+    text = str(planned)
+    header, rows = planned.load_table()
+    assert header == ["plan", "N=1 req/s", "p50 ms", "p99 ms", "N=16 req/s", "p50 ms", "p99 ms", "chosen at"]
+    assert sorted(r[0] for r in rows) == sorted(c.label for c in planned.candidates if c.loads)
+    chosen_at = {r[0]: r[-1] for r in rows}
+    assert chosen_at["1 session x 2t"] == "N=1" and chosen_at[planned.loads[1].chosen.label] == "N=16"
+    for row in rows:
+        assert row[0] in text
+    why_1 = next(line.strip() for line in text.splitlines() if line.strip().startswith("at N=1: "))
+    assert why_1.startswith("at N=1: 1 session x 2t: the lowest p99 of the one-session plans (") and "[3 round(s) of 40 requests]" in why_1, why_1
+    assert "no more complex plan was better in every round (the closest, " in why_1
+    why_16 = next(line.strip() for line in text.splitlines() if line.strip().startswith("at N=16: "))
+    assert f"at N=16: {planned.loads[1].chosen.label}: " in why_16 and "'s req/s in every round (" in why_16, why_16
+
+
+@two_cores
+def test_each_n_plan_is_written_and_builds(planned: PlanResult, tmp_path: Path) -> None:
+    folder = planned.save(tmp_path / "plans")
+    assert sorted(p.name for p in folder.iterdir()) == ["concurrency-1", "concurrency-16", "summary.json"]
+    for load in planned.loads:
+        config = PipelineConfig.load(folder / f"concurrency-{load.concurrency}")
+        settings = [(s.settings.intra_op_threads, s.settings.replicas, s.settings.max_batch) for s in config.stages]
+        assert settings == [(t, r, 1) for t, r in zip(load.chosen.threads, load.chosen.replicas, strict=True)]
+        assert build(config, tmp_path / f"built-{load.concurrency}").path.is_dir()
+    # The two plans are their own: the one for N=16 did not overwrite N=1's settings.
+    assert [s.settings.intra_op_threads for s in planned.loads[0].plan.config.stages] == [2]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["concurrency"] == [1, 16] and summary["chosen"]["1"]["plan"] == "1 session x 2t"
+    assert {f["plan"] for f in summary["finalists"]} == {c.label for c in planned.candidates if c.loads}
+    assert all(set(f["loads"]) == {"1", "16"} and f["loads"]["16"]["req_s"] > 0 for f in summary["finalists"])
+
+
+@two_cores
+def test_a_p99_bound_drops_the_plans_over_it(planned: PlanResult) -> None:
+    pool = [c for c in planned.candidates if c.loads]
+    p99s = sorted(c.loads[16].p99_ms for c in pool)
+    bound = (p99s[0] + p99s[-1]) / 2  # between the fastest tail and the slowest: some meet it, some do not
+    notes: list[str] = []
+    (_, at_1), (winner, at_16) = choose_loads(pool, (1, 16), 40, bound, notes)
+    over = [c for c in pool if c.loads[16].p99_ms > bound]
+    assert over and winner.loads[16].p99_ms <= bound
+    dropped = next(n for n in notes if n.startswith(f"at N=16, over --p99 {bound:g} ms: "))
+    for c in over:
+        assert f"{c.label} (p99 {c.loads[16].p99_ms:.2f} ms)" in dropped
+    assert f"--p99 {bound:g} ms dropped " in str(at_16) and f"at N=16 within --p99 {bound:g} ms: " in str(at_16)
+    # Under a bound the choice is the highest throughput, at N = 1 too.
+    assert at_1.metric == "req/s"
+
+
+@two_cores
+def test_a_p99_bound_no_plan_meets_lists_every_p99(planned: PlanResult) -> None:
+    pool = [c for c in planned.candidates if c.loads]
+    every = r"(.+ \d+\.\d\d ms, ){2}.+ \d+\.\d\d ms$"  # the three finalists' p99s
+    with pytest.raises(SplitError, match=r"^no plan meets --p99 0\.001 ms at N=1: measured p99 \(median of the rounds\) " + every):
+        choose_load(pool, 1, 40, 0.001)
+
+
+# -- the rule, on injected figures --------------------------------------------------------------------
+
+
+def _plan(label: str, kind: str, rounds: dict[int, tuple[float, ...]], p99: dict[int, tuple[float, ...]], max_batch: int = 1) -> PlanCandidate:
+    c = PlanCandidate(label, kind, (1,), (1,), 1.0, (1.0,), max_batch=max_batch)
+    c.loads = {n: LoadMeasure(n, rounds[n], tuple(p / 2 for p in p99[n]), p99[n]) for n in rounds}
+    return c
+
+
+def test_at_one_a_more_complex_plan_needs_a_lower_p99_in_every_round() -> None:
+    session = _plan("1 session x 2t", "session", {1: (100.0, 100.0, 100.0)}, {1: (10.0, 10.0, 10.0)})
+    lucky = _plan("2 replicas x 1t", "replicas", {1: (200.0, 200.0, 200.0)}, {1: (5.0, 11.0, 5.0)})  # lower by median, not every round
+    chosen, choice = choose_load([session, lucky], 1, 20)
+    assert chosen is session and choice.metric == "p99"  # throughput does not count at N=1 without a bound
+    assert str(choice) == (
+        "at N=1: 1 session x 2t: the lowest p99 of the one-session plans (10.00 ms); no more complex plan was better in every "
+        "round (the closest, 2 replicas x 1t, 0.50x its p99, 0.50-1.10: within the spread, kept the simpler plan) [3 round(s) of 20 requests]"
+    )
+    steady = _plan("pipeline 2 x (1t, 1t)", "pipeline", {1: (90.0, 90.0, 90.0)}, {1: (9.0, 9.5, 9.8)})
+    chosen, choice = choose_load([session, lucky, steady], 1, 20)
+    assert chosen is steady
+    assert str(choice).startswith("at N=1: pipeline 2 x (1t, 1t): lower p99 than 1 session x 2t in every round, 0.95x its p99 (0.90-0.98)")
+
+
+def test_above_one_the_highest_req_s_and_batching_must_win_every_round() -> None:
+    session = _plan("1 session x 2t", "session", {8: (100.0, 100.0)}, {8: (80.0, 80.0)})
+    replicas = _plan("2 replicas x 1t", "replicas", {8: (130.0, 120.0)}, {8: (60.0, 60.0)})
+    batched = _plan("1 session x 2t, max_batch 8", "session", {8: (140.0, 120.0)}, {8: (50.0, 50.0)}, max_batch=8)  # loses round 2 to replicas
+    chosen, choice = choose_load([session, replicas, batched], 8, 20)
+    assert chosen is replicas and choice.metric == "req/s" and batched.rank == "session, batching"
+    assert str(choice).startswith("at N=8: 2 replicas x 1t: 1.25x 1 session x 2t's req/s in every round (1.20-1.30); no more complex plan")
+    # Within a p99 bound the replicas (60 ms) are dropped, not the batching variant (50 ms): it then only needs to beat the session.
+    chosen, choice = choose_load([session, replicas, batched], 8, 20, p99_ms=55.0)
+    assert chosen is batched and choice.dropped == (("1 session x 2t", 80.0), ("2 replicas x 1t", 60.0))
+
+
+def test_concurrency_and_the_bound_are_checked_before_any_profiling(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(symbolic_batch(), path)
+    with pytest.raises(SplitError, match=r"^concurrency must be one or more integers from 1 \(requests in flight\), got \[1, 0\]$"):
+        plan_pipeline(path, cores=1, concurrency=(1, 0))
+    with pytest.raises(SplitError, match=r"^a p99 bound needs the load it holds under: give concurrency"):
+        plan_pipeline(path, cores=1, p99_ms=10.0)
+    with pytest.raises(SplitError, match=r"^the p99 bound must be above 0 ms, got -1\.0$"):
+        plan_pipeline(path, cores=1, concurrency=4, p99_ms=-1.0)
+
+
+# -- the CLI ------------------------------------------------------------------------------------------
+
+
+def test_split_concurrency_writes_a_plan_per_n_with_batching_variants(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(symbolic_batch(), path)
+    out = tmp_path / "plans"
+    text = ok("split", path, "-o", out, "--auto", "--cores", 1, "--concurrency", "1,4", "--rounds", 1, "--requests", 4).stdout
+    for fragment in ("under N requests in flight (closed loop)", "N=1 req/s", "N=4 req/s", "p99 ms", "chosen at", "1 session x 1t, max_batch 4",
+                     "\nat N=1: 1 session x 1t", "\nat N=4: ", "stage by stage", f"wrote {out / 'summary.json'}", "next: onnxpipe build"):
+        assert fragment in text, (fragment, text)
+    assert sorted(p.name for p in out.iterdir()) == ["concurrency-1", "concurrency-4", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    variant = next(f for f in summary["finalists"] if f["max_batch"] == 4)
+    assert set(variant["loads"]) == {"1", "4"}
+    ok("build", out / "concurrency-4", "-o", tmp_path / "built")
+    # One N: the plan goes to OUT itself, as without --concurrency.
+    ok("split", path, "-o", tmp_path / "one", "--auto", "--cores", 1, "--concurrency", "4", "--rounds", 1, "--requests", 4)
+    assert (tmp_path / "one" / "pipeline.json").is_file() and not (tmp_path / "one" / "summary.json").exists()
+    result = run("split", path, "-o", tmp_path / "none", "--auto", "--cores", 1, "--concurrency", "2", "--p99", "0.0001", "--rounds", 1, "--requests", 4)
+    assert_user_error(result, "no plan meets --p99 0.0001 ms at N=2: measured p99 (median of the rounds) 1 session x 1t ")
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--auto", "--cores", "1", "--p99", "20"], "--p99: only with --concurrency"),
+        (["--auto", "--cores", "1", "--concurrency", "0"], "'0' is not N[,N...] with each N an integer from 1"),
+        (["--auto", "--cores", "1", "--concurrency", "1,x"], "'1,x' is not N[,N...]"),
+        (["--auto", "--stages", "2", "--concurrency", "4"], "--concurrency: only with --cores"),
+        (["--concurrency", "4"], "--concurrency: only with --auto"),
+        (["--auto", "--cores", "1", "--concurrency", "4", "--p99", "0"], "--p99"),
+    ],
+)
+def test_split_concurrency_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(symbolic_batch(), path)
+    assert_usage_error(run("split", path, "-o", tmp_path / "out", *args), message)
+    assert not (tmp_path / "out").exists()
