@@ -279,10 +279,7 @@ def run(models: list[str], rounds: int, seconds: float, peer_python: str | None)
                     add(f"{m}|onnxpipe {proto} (tritonclient)|{PEER_CONCURRENCY}", partial(closed_loop, ours, proto, m, feeds[m], PEER_CONCURRENCY, seconds))
                     add(f"{m}|kserve {proto} (tritonclient)|{PEER_CONCURRENCY}", partial(closed_loop, theirs, proto, m, feeds[m], PEER_CONCURRENCY, seconds))
 
-            def progress(done: int, total: int) -> None:
-                print(f"\r  measured {done}/{total}", end="", file=sys.stderr, flush=True)
-
-            measured = interleaved_rounds(candidates, rounds, progress)
+            measured = interleaved_rounds(candidates, rounds, _progress)
             print(file=sys.stderr)
             assert server.stop() == 0, server.log()
         finally:
@@ -407,6 +404,10 @@ def _planned(subject: Subject, concurrencies: list[int] | None, folder: Path, sp
         _onnxpipe("export", folder / f"{tag}-built", "-o", folder / f"{tag}.onnxpipe", "--overwrite", log=log)
         bundles[n] = folder / f"{tag}.onnxpipe"
     return bundles, summary.rstrip()
+
+
+def _progress(done: int, total: int) -> None:
+    print(f"\r  measured {done}/{total}", end="", file=sys.stderr, flush=True)
 
 
 def _plan_line(summary: str, n: int) -> str:
@@ -573,10 +574,7 @@ def run_vs_triton(models: list[str], concurrencies: list[int], rounds: int, seco
 
                             candidates[key] = once
 
-            def progress(done: int, total: int) -> None:
-                print(f"\r  measured {done}/{total}", end="", file=sys.stderr, flush=True)
-
-            measured = interleaved_rounds(candidates, rounds, progress)
+            measured = interleaved_rounds(candidates, rounds, _progress)
             print(file=sys.stderr)
             assert server.stop() == 0, server.log()
         finally:

@@ -844,6 +844,26 @@ def _load_finalist(candidate: PlanCandidate, target: SplitPlan, allowed: list[in
     return pipe
 
 
+def _load_finalists(stack: contextlib.ExitStack, finalists: Sequence[PlanCandidate], whole: SplitPlan, allowed: list[int],
+                    feeds: dict[str, np.ndarray], requests: int, report: Progress, memory_dims: Mapping[str, int] | None = None,
+                    queue_depth: int = DEFAULT_QUEUE_DEPTH, refused: list[str] | None = None) -> dict[str, Pipeline]:
+    """Every finalist built, loaded and warmed up at once (each closed with ``stack``), by label.
+    With ``refused``, a batching variant the build refuses is left out and noted there; otherwise
+    (and for a plain plan always) the refusal is raised."""
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="onnxpipe-plan-"))
+    pipes: dict[str, Pipeline] = {}
+    for done, c in enumerate(finalists):
+        report("loading", done, len(finalists))
+        try:
+            pipes[c.label] = stack.enter_context(_load_finalist(c, c.split or whole, allowed, feeds, requests, Path(tmp), memory_dims, queue_depth))
+        except BuildError as e:
+            if refused is None or c.max_batch == 1:
+                raise
+            refused.append(f"{c.label}: left out, the build refuses max_batch {c.max_batch}: {e}")
+    report("loading", len(finalists), len(finalists))
+    return pipes
+
+
 def _timed_round(pipe: Pipeline, feeds: dict[str, np.ndarray], requests: int, stage_ms: list[tuple[float, ...]]) -> float:
     """Stream ``requests`` requests through ``pipe``; requests per second, each stage's mean ms appended to ``stage_ms``."""
     for _ in pipe.map(feeds for _ in range(_ROUND_WARMUP)):
@@ -870,12 +890,8 @@ def _measure(
     """Measure the finalists, all loaded at once, in interleaved rounds; set their ``rounds``, ``measured``, ``stage_measured_ms``
     (and with ``memory_dims``, their ``memory_bytes``: see Note: memory)."""
     stage_ms: dict[str, list[tuple[float, ...]]] = {c.label: [] for c in finalists}
-    with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp, contextlib.ExitStack() as stack:
-        pipes = {}
-        for done, c in enumerate(finalists):
-            report("loading", done, len(finalists))
-            pipes[c.label] = stack.enter_context(_load_finalist(c, c.split or whole, allowed, feeds, requests, Path(tmp), memory_dims))
-        report("loading", len(finalists), len(finalists))
+    with contextlib.ExitStack() as stack:
+        pipes = _load_finalists(stack, finalists, whole, allowed, feeds, requests, report, memory_dims)
         runners = {label: (lambda p=pipe, ms=stage_ms[label]: _timed_round(p, feeds, requests, ms)) for label, pipe in pipes.items()}
         measured = interleaved_rounds(runners, rounds, lambda done, total: report("measuring", done, total))
     for c in finalists:
@@ -949,19 +965,10 @@ def _measure_loads(
     Returns:
         The finalists measured.
     """
-    with tempfile.TemporaryDirectory(prefix="onnxpipe-plan-") as tmp, contextlib.ExitStack() as stack:
-        pipes: dict[str, Pipeline] = {}
-        for done, c in enumerate(finalists):
-            report("loading", done, len(finalists))
-            try:
-                # Every request in flight waits in the pipeline's own queues, as in the server (Note: the served workload).
-                depth = max(DEFAULT_QUEUE_DEPTH, *concurrency)
-                pipes[c.label] = stack.enter_context(_load_finalist(c, c.split or whole, allowed, feeds, requests, Path(tmp), memory_dims, depth))
-            except BuildError as e:
-                if c.max_batch == 1:
-                    raise
-                notes.append(f"{c.label}: left out, the build refuses max_batch {c.max_batch}: {e}")
-        report("loading", len(finalists), len(finalists))
+    with contextlib.ExitStack() as stack:
+        # Every request in flight waits in the pipeline's own queues, as in the server (Note: the served workload).
+        depth = max(DEFAULT_QUEUE_DEPTH, *concurrency)
+        pipes = _load_finalists(stack, finalists, whole, allowed, feeds, requests, report, memory_dims, depth, notes)
         measured = [c for c in finalists if c.label in pipes]
 
         def run(pipe: Pipeline, n: int, out: list[tuple[float, float]]) -> float:
