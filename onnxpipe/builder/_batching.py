@@ -31,7 +31,12 @@ Note: the batching probe.
        (fp32; 1e-2 for 16-bit floats), as optimum validates exports; otherwise the stage is
        refused with the largest difference and where it was.
 
-    A stateless pipeline's stages are probed the same way with two random requests. A probe
+    A stateless pipeline's stages are probed the same way with two random requests, each
+    symbolic dim but dim 0 sized as the pipeline's ``input_dims`` metadata says (the sizes its
+    split was made for: ``split --dim``, the planner's dims), else 2. Sizes matter: an image
+    model fed 2 x 2 pixels runs on degenerate shapes, where onnxruntime-openvino 1.24.1 returned
+    one row for a batch of two (a refusal) or crashed the process (the planner building a
+    batching pipeline of two OpenVINO stages of PP-OCR rec); at 48 x 320 it batches. A probe
     that cannot run at all (random inputs the model refuses) leaves the stage batching on the
     strength of step 1, and the record says it was not probed and why.
 """
@@ -56,7 +61,30 @@ from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
 from onnxpipe.runtime._stream import bind_dims, state_dims
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_outputs, stack_steps
 
-__all__ = ["MASK_NAMES", "check_batching"]
+__all__ = ["INPUT_DIMS_KEY", "MASK_NAMES", "check_batching", "format_dims", "parse_dims"]
+
+#: The pipeline metadata key holding the sizes of symbolic input dims the split was made for (see Note: the batching probe).
+INPUT_DIMS_KEY = "input_dims"
+
+
+def format_dims(dims: Mapping[str, int]) -> str:
+    """``{"W": 320, "x.2": 48}`` -> ``"W=320,x.2=48"`` (``--dim``'s syntax), for :data:`INPUT_DIMS_KEY`."""
+    return ",".join(f"{name}={size}" for name, size in dims.items())
+
+
+def parse_dims(text: str) -> dict[str, int]:
+    """Read what :func:`format_dims` wrote.
+
+    Raises:
+        ConfigError: an entry is not ``NAME=SIZE`` with a size from 1.
+    """
+    out: dict[str, int] = {}
+    for entry in filter(None, text.split(",")):
+        name, _, size = entry.partition("=")
+        if not name or not size.isdigit() or int(size) < 1:
+            raise ConfigError(f"pipeline metadata '{INPUT_DIMS_KEY}': {entry!r} is not NAME=SIZE with a size from 1 (as --dim gives it)")
+        out[name] = int(size)
+    return out
 
 _PASTS = (3, 5)  # the probe streams' pasts at their first decode step
 _PROMPTS = (3, 5)
@@ -157,6 +185,7 @@ class _Probe:
             target = None if stage.settings.provider in ort.get_available_providers() else "cpu"
             self.sessions[stage.name] = make_session(folder / stage.module, stage, target)
         self.dims = state_dims(spec)
+        self.sizes = parse_dims(spec.metadata.get(INPUT_DIMS_KEY, ""))  # a stateless request's dims (see Note: the batching probe)
         self.rng = np.random.default_rng(0)
 
     # -- what runs ----------------------------------------------------------------------------
@@ -174,9 +203,11 @@ class _Probe:
         self.pads = bag_pads(spec)
         return [StageRunner(plan, self.sessions[plan.stage.name]) for plan in plan_stages(spec)[0]]
 
-    def _feeds(self, past: int, new: int, seed: int) -> dict[str, np.ndarray]:
+    def _feeds(self, past: int, new: int, seed: int, sizes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
         """A step's pipeline inputs: the mask over past + new positions, positions counted from
-        the past, every other symbolic dim ``new`` long (the step's tokens), values seeded."""
+        the past, every other symbolic dim ``new`` long (the step's tokens) unless ``sizes`` has it
+        (by name, or ``input.axis``), values seeded."""
+        sizes = sizes or {}
         rng = np.random.default_rng(seed)
         feeds = {}
         for t in self.spec.inputs:
@@ -189,7 +220,8 @@ class _Probe:
                 continue
             if t.shape is None:
                 raise _NotProbed(f"input '{t.name}' has no known rank")
-            shape = [1 if axis == 0 else d if isinstance(d, int) else new for axis, d in enumerate(t.shape)]
+            shape = [1 if axis == 0 else d if isinstance(d, int) else sizes.get(d or "", sizes.get(f"{t.name}.{axis}", new))
+                     for axis, d in enumerate(t.shape)]
             try:
                 feeds[t.name] = random_array(t, shape, rng)
             except InputError as e:
@@ -270,7 +302,7 @@ class _Probe:
         return self._requests(batching)
 
     def _requests(self, batching: Sequence[StageSpec]) -> dict[str, Batching]:
-        feeds = [self._feeds(0, 2, seed) for seed in (1, 2)]
+        feeds = [self._feeds(0, 2, seed, self.sizes) for seed in (1, 2)]
         alone = self._runners({})
         want = []
         for rid, f in enumerate(feeds):

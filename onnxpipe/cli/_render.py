@@ -221,13 +221,13 @@ def load_plans(result: PlanResult, folder: Path) -> None:
     for load in result.loads:
         _line(console, str(load.choice))
     stages = Table(title="chosen plans, stage by stage")
-    for column in ("N", "stage", "nodes", "threads", "replicas", "cores", "max_batch"):
-        stages.add_column(column, justify="left" if column in ("stage", "cores") else "right")
+    for column in ("N", "stage", "nodes", "threads", "spinning", "replicas", "cores", "max_batch"):
+        stages.add_column(column, justify="left" if column in ("stage", "spinning", "cores") else "right")
     for load in result.loads:
         for s, config in zip(load.plan.stages, load.plan.config.stages, strict=True):
             st = config.settings
             batch = f"{st.max_batch}" + (f" (waits {st.max_delay_ms:g} ms)" if st.max_delay_ms else "")
-            cells = (_threads(st.intra_op_threads, 1), str(st.replicas), format_cores(st.affinity), batch)
+            cells = (_threads(st.intra_op_threads, 1), "yes" if st.spinning else "no", str(st.replicas), format_cores(st.affinity), batch)
             stages.add_row(str(load.concurrency), Text(s.name), str(s.nodes), *cells)
     _table(console, stages)
     _notes(console, dict.fromkeys([*result.notes, *(n for load in result.loads for n in load.plan.notes)]))

@@ -17,6 +17,7 @@ from onnx import ModelProto
 
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import PipelineConfig, tensor_nbytes, tensor_spec, weights_bytes, without_initializers
+from onnxpipe.builder._batching import INPUT_DIMS_KEY, format_dims
 from onnxpipe.builder._modules import PROTOBUF_LIMIT, move_into_place
 from onnxpipe.runtime import ModelMetadata, PipelineSpec, TensorSpec
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
@@ -294,6 +295,9 @@ def split(
     config = PipelineConfig(proto.graph.name or "pipeline")
     config.metadata["source"] = Path(model).name if not isinstance(model, ModelProto) else proto.graph.name
     config.metadata.update(_model_metadata(proto).to_metadata())
+    given_dims = {**(getattr(policy, "dims", None) or {}), **(dims or {})}
+    if given_dims:  # the sizes the plan was made for: the build's batching probe runs at them (_batching, Note: the batching probe)
+        config.metadata[INPUT_DIMS_KEY] = format_dims(given_dims)
     stages = []
     for i, m in enumerate(models):
         config.add_stage(m, f"stage{i}", source_dir=folder)

@@ -97,20 +97,47 @@ Note: the served workload.
     that just finished to send their next requests (tens of microseconds each in-process, about
     0.1 ms through a server), short enough that a request waiting alone loses a tenth of a run.
     With N > max_batch the queue is full when a batch ends and no request waits for the delay.
+    Then come the spinning variants, at N = 1 (see Note: spinning).
 
     The choice, for each N. With ``p99_ms``, the finalists whose p99 (median over the rounds) is
     over the bound leave the choice (the notes name them; none left is a :class:`SplitError`
     listing every finalist's p99 at that N), and the highest throughput of the rest is chosen;
     without it, at N = 1 the lowest p99 and at N > 1 the highest throughput. Either way with the
     choice rule's every-round test: plans are ranked from simple to complex -- one session,
-    replicas, pipelines, then the same three batching -- the best of the simplest rank (by median) holds,
-    and a plan of the next rank replaces the holder only if it was better in **every** round
-    (req/s: its lowest paired ratio above 1; p99: its highest paired ratio of p99s below 1, a
-    lower tail in every round), the best median ratio among those that did; then the next rank.
-    The plan chosen for each N is written with its settings, ``max_batch`` and ``max_delay_ms``
-    included; ``onnxpipe serve`` of it serves what was measured (docs/planning.md says how far
+    replicas, pipelines, then the same three batching, a spinning variant with the plan it varies --
+    the best of the simplest rank (by median) holds, and a plan of the next rank replaces the
+    holder only if it was better in **every** round (req/s: its lowest paired ratio above 1; p99:
+    its highest paired ratio of p99s below 1, a lower tail in every round), the best median ratio
+    among those that did; then the next rank.
+    The plan chosen for each N is written with its settings, ``max_batch``, ``max_delay_ms`` and
+    ``spinning`` included; ``onnxpipe serve`` of it serves what was measured (docs/planning.md says how far
     perf_analyzer's figures and the planner's agree). Without ``concurrency`` none of this runs:
     the planner streams requests and chooses by throughput, as above.
+
+Note: spinning.
+    Stages do not spin by default (``StageSettings.spinning``): an idle onnxruntime pool that spins
+    takes cores from the other stages and from the front door. But a pool whose threads block
+    between the parallel sections of one run pays a thread wake-up at each of them, and where one
+    session has the cores to itself that is a cost spinning avoids: PP-OCRv4's recognizer, 1
+    session x 2 threads on 2 cores, one request at a time, 8.2 ms a request spinning against
+    10.9 ms not (in process, medians of 5 interleaved rounds; served at N = 1, 100-120 req/s
+    against 67-77). So with ``concurrency`` including 1 the finalists gain the **spinning
+    variant** of the best-predicted plan of each rank that has a stage of two threads or more (a
+    one-thread stage has no pool to spin), its label ending ``, spinning``, measured and chosen
+    from **at N = 1 only**. With one request in flight the front door is idle while the model
+    runs; with more, it decodes and answers other requests meanwhile, and a spinning pool takes
+    its cores, which the in-process loop does not show: planned at N = 8 and 16, the spinning
+    session led squeezenet's 2 replicas x 1t in process (0.95-1.26x them) and served at 0.81-0.94x
+    of the 2 x 1 pipeline, and resnet50's at N = 16 served at 0.93-0.96x PyTriton's best
+    (``benchmarks.serve --vs-triton``, docs/serving.md).
+
+    A spinning variant ranks with the plan it varies: it is that plan with one setting changed, as
+    a thread count is, and within a rank the choice rule takes the best median (the every-round
+    test is for a plan more complex than the holder: more cores, copies or hand-overs). An
+    every-round test on a p99 of 40 requests (about their maximum) is lost to one scheduling
+    hiccup: in two planner runs PP-OCR rec's spinning session had 0.72x and 0.75x the plain
+    session's p99 by median (1.41x its req/s), and lost the test in one round of five each time.
+    The plan chosen writes ``spinning`` into its stages' settings, and the server runs it so.
 
 Note: symbolic dims.
     What a plan costs depends on the input sizes, so dims are never guessed silently. A dim that
@@ -231,6 +258,7 @@ class PlanCandidate:
             see Note: the served workload).
         max_delay_ms: How long a stage that took a request waits for others to join it.
         loads: What it measured under each N requests in flight, by N (with ``concurrency``).
+        spinning: Whether its stages' idle onnxruntime threads spin (a spinning variant: see Note: spinning).
     """
 
     label: str
@@ -248,6 +276,7 @@ class PlanCandidate:
     max_batch: int = 1
     max_delay_ms: float = 0.0
     loads: dict[int, LoadMeasure] = field(default_factory=dict)
+    spinning: bool = False
 
     @property
     def simple(self) -> bool:
@@ -262,7 +291,7 @@ class PlanCandidate:
     @property
     def rank(self) -> str:
         """Where the choice rule ranks it, simple to complex: ``session``, ``replicas``, ``pipeline``, then the
-        same batching (``session, batching``, ...)."""
+        same batching (``session, batching``, ...); a spinning variant ranks with the plan it varies (see Note: spinning)."""
         return f"{self.kind}, batching" if self.max_batch > 1 else self.kind
 
 
@@ -467,7 +496,7 @@ class PlanResult:
         """With ``concurrency``: a JSON-ready summary, every finalist's figures at each N and the choice at each N."""
         finalists = [
             {"plan": c.label, "kind": c.kind, "threads": list(c.threads), "replicas": list(c.replicas), "targets": list(c.targets),
-             "max_batch": c.max_batch, "max_delay_ms": c.max_delay_ms, "memory_bytes": c.memory_bytes,
+             "max_batch": c.max_batch, "max_delay_ms": c.max_delay_ms, "spinning": c.spinning, "memory_bytes": c.memory_bytes,
              "loads": {str(n): m.to_dict() for n, m in c.loads.items()}}
             for c in self.candidates if c.loads
         ]
@@ -600,8 +629,9 @@ def _configure(candidate: PlanCandidate, split_plan: SplitPlan, allowed: list[in
     targets = candidate.targets or ("cpu",) * len(candidate.threads)
     for stage, t, r, target in zip(split_plan.config.stages, candidate.threads, candidate.replicas, targets, strict=True):
         cores = allowed[start : start + t * r] if len(allowed) >= candidate.cores else []
-        # Batching set on every build, since the split is shared: a variant's must not stay on the next finalist's.
-        stage.configure(target=target, max_batch=candidate.max_batch, max_delay_ms=candidate.max_delay_ms, **_settings(t, r, cores))
+        # Batching and spinning set on every build, since the split is shared: a variant's must not stay on the next finalist's.
+        stage.configure(target=target, max_batch=candidate.max_batch, max_delay_ms=candidate.max_delay_ms, spinning=candidate.spinning,
+                        **_settings(t, r, cores))
         start += t * r
     return split_plan
 
@@ -735,7 +765,7 @@ def choose_load(candidates: Sequence[PlanCandidate], concurrency: int, requests:
     """Apply the choice rule for N requests in flight (see Note: the served workload).
 
     Args:
-        candidates: The finalists that take part; each has ``loads[concurrency]``.
+        candidates: The finalists; those with ``loads[concurrency]`` take part.
         concurrency: N.
         requests: Timed requests per plan and round (for the report).
         p99_ms: A bound on the p99 (median over the rounds), or ``None``.
@@ -746,13 +776,14 @@ def choose_load(candidates: Sequence[PlanCandidate], concurrency: int, requests:
     Raises:
         SplitError: no finalist's p99 meets the bound; lists every finalist's p99 at this N.
     """
-    pool = list(candidates)
+    every = [c for c in candidates if concurrency in c.loads]
+    pool = list(every)
     dropped: list[PlanCandidate] = []
     if p99_ms is not None:
         dropped = [c for c in pool if c.loads[concurrency].p99_ms > p99_ms]
         pool = [c for c in pool if c not in dropped]
         if not pool:
-            measured = ", ".join(f"{c.label} {c.loads[concurrency].p99_ms:.2f} ms" for c in candidates)
+            measured = ", ".join(f"{c.label} {c.loads[concurrency].p99_ms:.2f} ms" for c in every)
             raise SplitError(f"no plan meets --p99 {p99_ms:g} ms at N={concurrency}: measured p99 (median of the rounds) {measured}")
     latency = p99_ms is None and concurrency == 1
 
@@ -947,6 +978,17 @@ def _variants(plans: Sequence[PlanCandidate], whole: SplitPlan, max_batch: int, 
     return out
 
 
+def _spinning_variants(plans: Sequence[PlanCandidate]) -> list[PlanCandidate]:
+    """The spinning variants (see Note: spinning): of the best-predicted plan of each rank that has a stage of
+    more than one thread (a one-thread stage has no pool to spin)."""
+    out = []
+    for rank in _RANKS:
+        wide = sorted((c for c in plans if c.rank == rank and max(c.threads) > 1), key=lambda c: -c.predicted)
+        if wide:
+            out.append(replace(wide[0], label=f"{wide[0].label}, spinning", spinning=True, loads={}))
+    return out
+
+
 def _measure_loads(
     finalists: Sequence[PlanCandidate],
     whole: SplitPlan,
@@ -978,10 +1020,11 @@ def _measure_loads(
             return rate
 
         for n in concurrency:
-            latencies: dict[str, list[tuple[float, float]]] = {c.label: [] for c in measured}
-            runners = {c.label: functools.partial(run, pipes[c.label], n, latencies[c.label]) for c in measured}
+            at_n = [c for c in measured if n == 1 or not c.spinning]  # spinning variants take part at N = 1 only (Note: spinning)
+            latencies: dict[str, list[tuple[float, float]]] = {c.label: [] for c in at_n}
+            runners = {c.label: functools.partial(run, pipes[c.label], n, latencies[c.label]) for c in at_n}
             values = interleaved_rounds(runners, rounds, functools.partial(report, f"measuring at N={n}")).values
-            for c in measured:
+            for c in at_n:
                 c.loads[n] = LoadMeasure(n, values[c.label], tuple(p for p, _ in latencies[c.label]), tuple(p for _, p in latencies[c.label]))
     return measured
 
@@ -1073,7 +1116,7 @@ def plan_pipeline(
             continue
         plans.append(plan_k)
         candidates.extend(_pipelines(plan_k, profiles, cores))
-    whole = split(model, assignment={n.name or n.output[0]: 0 for n in proto.graph.node})
+    whole = split(model, assignment={n.name or n.output[0]: 0 for n in proto.graph.node}, dims=dims)
     if planned_targets != ("cpu",):
         candidates = _target_candidates(whole, plans, profiles[1], planned_targets, cores, feeds, requests, report)
         notes.append(f"targets {', '.join(planned_targets)} share this host's cores: a stage's threads count against the {cores}-core budget "
@@ -1166,8 +1209,10 @@ def _plan_loads(finalists: list[PlanCandidate], candidates: list[PlanCandidate],
     else:
         variants = []
         notes.append("no batching variants: with 1 request in flight no batch forms")
+    if 1 in loads:
+        variants += _spinning_variants([*finalists, *variants])
     measured = _measure_loads([*finalists, *variants], whole, allowed, feeds, rounds, requests, loads, report, notes, dims if memory is not None else None)
-    candidates.extend(c for c in measured if c.max_batch > 1)
+    candidates.extend(c for c in measured if c.max_batch > 1 or c.spinning)
     over = _over_memory(measured, memory, notes) if memory is not None else []
     pool = [c for c in measured if c not in over]
     chosen: list[LoadPlan] = []
@@ -1179,7 +1224,7 @@ def _plan_loads(finalists: list[PlanCandidate], candidates: list[PlanCandidate],
         used.add(id(final))
         chosen.append(LoadPlan(n, _configure(winner, final, allowed), winner, choice))
     last = loads[-1]
-    candidates.sort(key=lambda c: (not c.loads, -(c.loads[last].throughput if c.loads else 0.0), -c.predicted))
+    candidates.sort(key=lambda c: (not c.loads, last not in c.loads, -(c.loads[last].throughput if last in c.loads else 0.0), -c.predicted))
     first = chosen[0]
     return PlanResult(first.plan, first.chosen, candidates, cores, first.choice, notes, None, chosen, p99_ms)
 

@@ -204,3 +204,42 @@ def test_a_stateless_stage_the_probe_cannot_run_batches_on_its_batch_axes_and_sa
     spec = build(_one_stage(model, StageSettings(max_batch=4)), tmp_path / "b").spec
     batching = spec.stages[0].batching
     assert batching is not None and batching.probe.startswith("not probed: stage 'm' failed on the probe's request: ")
+
+
+def _valid_conv() -> ModelProto:
+    """``x[N, 1, H, W]`` through a 3 x 3 convolution without padding: it cannot run on fewer than 3 x 3 pixels."""
+    w = helper.make_tensor("w", TensorProto.FLOAT, [2, 1, 3, 3], np.random.default_rng(0).standard_normal(18).astype(np.float32).tolist())
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")], "valid_conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, "H", "W"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, None, None])], initializer=[w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_probe_runs_at_the_sizes_the_split_was_made_for(tmp_path: Path) -> None:
+    """The probe sizes a stateless request's free dims as the split's ``dims`` (kept in the pipeline's
+    ``input_dims`` metadata, through the pipeline file), else 2: a 3 x 3 convolution cannot run on 2 x 2."""
+    model = _valid_conv()
+    plan = split(model, assignment={"conv": 0}, dims={"H": 8, "x.3": 6})
+    assert plan.config.metadata["input_dims"] == "H=8,x.3=6"
+    plan.save(tmp_path / "plan")
+    config = PipelineConfig.load(tmp_path / "plan")
+    assert config.metadata["input_dims"] == "H=8,x.3=6"
+    config.stages[0].configure(max_batch=4)
+    spec = build(config, tmp_path / "b").spec
+    batching = spec.stages[0].batching
+    assert batching is not None and batching.probe.startswith("2 requests batched and alone agree: max abs diff "), batching.probe
+    assert spec.metadata["input_dims"] == "H=8,x.3=6"
+    # Without the sizes the probe's 2 x 2 pixels cannot run, and the record says so.
+    plain = split(model, assignment={"conv": 0})
+    assert "input_dims" not in plain.config.metadata
+    plain.config.stages[0].configure(max_batch=4)
+    unprobed = build(plain.config, tmp_path / "b2").spec.stages[0].batching
+    assert unprobed is not None and unprobed.probe.startswith("not probed: "), unprobed.probe
+
+
+def test_bad_input_dims_metadata_is_one_clear_error(tmp_path: Path) -> None:
+    config = split(_valid_conv(), assignment={"conv": 0}, dims={"H": 8}).config
+    config.metadata["input_dims"] = "H=8,W=zero"
+    config.stages[0].configure(max_batch=4)
+    with pytest.raises(ConfigError, match=r"^pipeline metadata 'input_dims': 'W=zero' is not NAME=SIZE with a size from 1 \(as --dim gives it\)$"):
+        build(config, tmp_path / "b")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxpipe import SplitError
 from onnxpipe.builder import PipelineConfig, build
 from onnxpipe.splitter import PlanCandidate, PlanResult, plan_pipeline
-from onnxpipe.splitter._planner import LoadMeasure, choose_load, choose_loads
+from onnxpipe.splitter._planner import LoadMeasure, _spinning_variants, choose_load, choose_loads
 from tests.cli.helpers import assert_usage_error, assert_user_error, ok, run
 from tests.models import symbolic_batch
 
@@ -54,7 +56,7 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> PlanResult:
         pytest.skip(f"the choice changes with N only with 2 cores to share; this process may use {CORES}")
     path = tmp_path_factory.mktemp("served") / "served.onnx"
     onnx.save(matmuls_then_chain(), path)
-    return plan_pipeline(path, cores=2, measure=1, rounds=3, requests=40, runs=2, concurrency=(1, 16))
+    return plan_pipeline(path, cores=2, measure=1, rounds=3, requests=120, runs=2, concurrency=(1, 16))
 
 
 def _margins(result: PlanResult) -> str:
@@ -63,7 +65,7 @@ def _margins(result: PlanResult) -> str:
     for load in result.loads:
         winner = load.chosen.loads[load.concurrency]
         for c in result.candidates:
-            if c.loads and c is not load.chosen:
+            if load.concurrency in c.loads and c is not load.chosen:
                 mine = c.loads[load.concurrency]
                 paired = [a / b for a, b in zip(mine.p99_rounds if load.concurrency == 1 else mine.rounds,
                                                 winner.p99_rounds if load.concurrency == 1 else winner.rounds, strict=True)]
@@ -78,9 +80,10 @@ def test_the_choice_changes_with_concurrency(planned: PlanResult) -> None:
     print(_margins(planned))
     assert [load.concurrency for load in planned.loads] == [1, 16]
     at_1, at_16 = planned.loads
-    # At N = 1 both cores work on the one request: one session with 2 threads has the lowest p99.
-    assert at_1.chosen.label == "1 session x 2t", planned
-    assert at_1.choice.metric == "p99" and at_1.choice.chosen == "1 session x 2t"
+    # At N = 1 both cores work on the one request: one session with 2 threads has the lowest p99
+    # (its pool spinning or not: Note: spinning).
+    assert at_1.chosen.kind == "session" and at_1.chosen.threads == (2,) and at_1.chosen.max_batch == 1, planned
+    assert at_1.choice.metric == "p99" and at_1.choice.chosen == at_1.chosen.label
     # At N = 16 two 1-thread workers, one request on each core, beat it on throughput.
     assert at_16.chosen.kind in ("replicas", "pipeline") and at_16.chosen.threads == (1,) * len(at_16.chosen.threads), planned
     assert at_16.choice.metric == "req/s"
@@ -91,8 +94,12 @@ def test_the_choice_changes_with_concurrency(planned: PlanResult) -> None:
     # Every finalist was measured at each N in every round: req/s, p50 <= p99.
     finalists = [c for c in planned.candidates if c.loads]
     assert {c.kind for c in finalists} == {"session", "replicas", "pipeline"}
+    # The one multi-thread plan has a spinning variant, ranked with it and measured at N = 1 only; no 1-thread plan has one.
+    spinning = [c for c in finalists if c.spinning]
+    assert [(c.label, c.rank, set(c.loads)) for c in spinning] == [("1 session x 2t, spinning", "session", {1})]
+    assert not at_16.chosen.spinning
     for c in finalists:
-        for n in (1, 16):
+        for n in c.loads:
             m = c.loads[n]
             assert len(m.rounds) == len(m.p50_rounds) == len(m.p99_rounds) == 3
             assert m.throughput == statistics.median(m.rounds) > 0
@@ -118,12 +125,13 @@ def test_the_summary_lists_every_finalist_at_each_n_and_why(planned: PlanResult)
     assert header == ["plan", "N=1 req/s", "p50 ms", "p99 ms", "N=16 req/s", "p50 ms", "p99 ms", "chosen at"]
     assert sorted(r[0] for r in rows) == sorted(c.label for c in planned.candidates if c.loads)
     chosen_at = {r[0]: r[-1] for r in rows}
-    assert chosen_at["1 session x 2t"] == "N=1" and chosen_at[planned.loads[1].chosen.label] == "N=16"
+    assert next(r for r in rows if r[0] == "1 session x 2t, spinning")[4:7] == ["-", "-", "-"]  # measured at N = 1 only
+    assert chosen_at[planned.loads[0].chosen.label] == "N=1" and chosen_at[planned.loads[1].chosen.label] == "N=16"
     for row in rows:
         assert row[0] in text
     why_1 = next(line.strip() for line in text.splitlines() if line.strip().startswith("at N=1: "))
-    assert why_1.startswith("at N=1: 1 session x 2t: the lowest p99 of the one-session plans (") and "[3 round(s) of 40 requests]" in why_1, why_1
-    assert "no more complex plan was better in every round (the closest, " in why_1
+    assert why_1.startswith(f"at N=1: {planned.loads[0].chosen.label}: the lowest p99 of the one-session plans ("), why_1
+    assert "no more complex plan was better in every round (the closest, " in why_1 and "[3 round(s) of 120 requests]" in why_1, why_1
     why_16 = next(line.strip() for line in text.splitlines() if line.strip().startswith("at N=16: "))
     assert f"at N=16: {planned.loads[1].chosen.label}: " in why_16 and "'s req/s in every round (" in why_16, why_16
 
@@ -134,25 +142,27 @@ def test_each_n_plan_is_written_and_builds(planned: PlanResult, tmp_path: Path) 
     assert sorted(p.name for p in folder.iterdir()) == ["concurrency-1", "concurrency-16", "summary.json"]
     for load in planned.loads:
         config = PipelineConfig.load(folder / f"concurrency-{load.concurrency}")
-        settings = [(s.settings.intra_op_threads, s.settings.replicas, s.settings.max_batch) for s in config.stages]
-        assert settings == [(t, r, 1) for t, r in zip(load.chosen.threads, load.chosen.replicas, strict=True)]
+        settings = [(s.settings.intra_op_threads, s.settings.replicas, s.settings.max_batch, s.settings.spinning) for s in config.stages]
+        assert settings == [(t, r, 1, load.chosen.spinning) for t, r in zip(load.chosen.threads, load.chosen.replicas, strict=True)]
         assert build(config, tmp_path / f"built-{load.concurrency}").path.is_dir()
     # The two plans are their own: the one for N=16 did not overwrite N=1's settings.
     assert [s.settings.intra_op_threads for s in planned.loads[0].plan.config.stages] == [2]
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["concurrency"] == [1, 16] and summary["chosen"]["1"]["plan"] == "1 session x 2t"
+    assert summary["concurrency"] == [1, 16] and summary["chosen"]["1"]["plan"] == planned.loads[0].chosen.label
+    assert [f["plan"] for f in summary["finalists"] if f["spinning"]] == ["1 session x 2t, spinning"]
     assert {f["plan"] for f in summary["finalists"]} == {c.label for c in planned.candidates if c.loads}
-    assert all(set(f["loads"]) == {"1", "16"} and f["loads"]["16"]["req_s"] > 0 for f in summary["finalists"])
+    assert all(set(f["loads"]) == {"1", "16"} and f["loads"]["16"]["req_s"] > 0 for f in summary["finalists"] if not f["spinning"])
+    assert all(set(f["loads"]) == {"1"} for f in summary["finalists"] if f["spinning"])
 
 
 @two_cores
 def test_a_p99_bound_drops_the_plans_over_it(planned: PlanResult) -> None:
     pool = [c for c in planned.candidates if c.loads]
-    p99s = sorted(c.loads[16].p99_ms for c in pool)
+    p99s = sorted(c.loads[16].p99_ms for c in pool if 16 in c.loads)
     bound = (p99s[0] + p99s[-1]) / 2  # between the fastest tail and the slowest: some meet it, some do not
     notes: list[str] = []
     (_, at_1), (winner, at_16) = choose_loads(pool, (1, 16), 40, bound, notes)
-    over = [c for c in pool if c.loads[16].p99_ms > bound]
+    over = [c for c in pool if 16 in c.loads and c.loads[16].p99_ms > bound]
     assert over and winner.loads[16].p99_ms <= bound
     dropped = next(n for n in notes if n.startswith(f"at N=16, over --p99 {bound:g} ms: "))
     for c in over:
@@ -165,7 +175,7 @@ def test_a_p99_bound_drops_the_plans_over_it(planned: PlanResult) -> None:
 @two_cores
 def test_a_p99_bound_no_plan_meets_lists_every_p99(planned: PlanResult) -> None:
     pool = [c for c in planned.candidates if c.loads]
-    every = r"(.+ \d+\.\d\d ms, ){2}.+ \d+\.\d\d ms$"  # the three finalists' p99s
+    every = ", ".join(rf"{re.escape(c.label)} \d+\.\d\d ms" for c in pool) + "$"  # every finalist's p99
     with pytest.raises(SplitError, match=r"^no plan meets --p99 0\.001 ms at N=1: measured p99 \(median of the rounds\) " + every):
         choose_load(pool, 1, 40, 0.001)
 
@@ -204,6 +214,38 @@ def test_above_one_the_highest_req_s_and_batching_must_win_every_round() -> None
     # Within a p99 bound the replicas (60 ms) are dropped, not the batching variant (50 ms): it then only needs to beat the session.
     chosen, choice = choose_load([session, replicas, batched], 8, 20, p99_ms=55.0)
     assert chosen is batched and choice.dropped == (("1 session x 2t", 80.0), ("2 replicas x 1t", 60.0))
+
+
+def test_a_spinning_variant_competes_with_the_plan_it_varies_by_median() -> None:
+    """The same plan with one setting changed, as a thread count: no every-round test against it (Note: spinning)."""
+    session = _plan("1 session x 2t", "session", {1: (90.0, 90.0, 90.0)}, {1: (12.0, 12.0, 12.0)})
+    spins = replace(session, label="1 session x 2t, spinning", spinning=True, loads={})
+    spins.loads = {1: LoadMeasure(1, (130.0, 80.0, 130.0), (7.0, 13.0, 7.0), (8.0, 13.0, 8.0))}  # lower by median, higher in round 2
+    assert spins.rank == session.rank == "session"
+    chosen, choice = choose_load([session, spins], 1, 20)
+    assert chosen is spins and str(choice).startswith("at N=1: 1 session x 2t, spinning: the lowest p99 of the one-session plans (8.00 ms)")
+    # The same figures on a more complex plan do not replace the session: it must be better in every round.
+    replicas = _plan("2 replicas x 1t", "replicas", {1: (130.0, 80.0, 130.0)}, {1: (8.0, 13.0, 8.0)})
+    chosen, choice = choose_load([session, replicas], 1, 20)
+    assert chosen is session and "(the closest, 2 replicas x 1t, 0.67x its p99, 0.67-1.08: within the spread, kept the simpler plan)" in str(choice)
+
+
+def test_spinning_variants_only_where_a_stage_has_a_pool() -> None:
+    """One per rank, of its best-predicted plan with a stage of two threads or more; never of a plan of one-thread stages."""
+    plans = [PlanCandidate("1 session x 1t", "session", (1,), (1,), 120.0, (8.0,)),
+             PlanCandidate("1 session x 2t", "session", (2,), (1,), 100.0, (10.0,)),
+             PlanCandidate("2 replicas x 1t", "replicas", (1,), (2,), 150.0, (8.0,)),
+             PlanCandidate("pipeline 2 x (1t, 1t)", "pipeline", (1, 1), (1, 1), 140.0, (4.0, 4.0)),
+             PlanCandidate("pipeline 2 x (2t, 1t)", "pipeline", (2, 1), (1, 1), 130.0, (3.0, 4.0)),
+             PlanCandidate("pipeline 2 x (1t, 2t)", "pipeline", (1, 2), (1, 1), 135.0, (4.0, 3.0)),
+             PlanCandidate("1 session x 2t, max_batch 8", "session", (2,), (1,), 100.0, (10.0,), max_batch=8)]
+    variants = _spinning_variants(plans)
+    assert [(v.label, v.rank) for v in variants] == [
+        ("1 session x 2t, spinning", "session"),
+        ("pipeline 2 x (1t, 2t), spinning", "pipeline"),
+        ("1 session x 2t, max_batch 8, spinning", "session, batching"),
+    ]
+    assert all(v.spinning and not v.loads for v in variants) and not any(p.spinning for p in plans)
 
 
 def test_concurrency_and_the_bound_are_checked_before_any_profiling(tmp_path: Path) -> None:

@@ -238,3 +238,23 @@ def test_the_planner_measures_every_stage_on_every_target_and_sets_each_stages_t
     stages = result.plan.config.stages
     assert tuple(s.settings.target for s in stages) == result.chosen.targets
     assert any("share this host's cores" in n for n in result.notes)
+
+
+def test_the_served_workload_planner_measures_plans_on_every_target_under_each_n(tmp_path: Path) -> None:
+    """``--concurrency`` with ``--targets``: finalists on either target (and mixed pipelines) measured
+    under N in flight, and each N's plan sets each stage's target."""
+    from onnxpipe.splitter import plan_pipeline
+
+    model = tmp_path / "rec.onnx"
+    onnx.save(recognizer(), str(model))
+    result = plan_pipeline(model, 2, targets=("cpu", "openvino"), rounds=1, requests=8, measure=2, concurrency=(1, 4),
+                           dims={"p2o.DynamicDimension.1": 320, "x.2": 48})
+    finalists = [c for c in result.candidates if c.loads]
+    assert {t for c in finalists for t in c.targets} == {"cpu", "openvino"}, [c.label for c in finalists]
+    assert all(set(c.loads) == ({1} if c.spinning else {1, 4}) and c.loads[1].throughput > 0 for c in finalists)
+    for load in result.loads:
+        assert tuple(s.settings.target for s in load.plan.config.stages) == load.chosen.targets
+        assert all(s.settings.spinning == load.chosen.spinning for s in load.plan.config.stages)
+    folder = result.save(tmp_path / "plans")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert {tuple(f["targets"]) for f in summary["finalists"]} >= {tuple(c.targets) for c in finalists}
