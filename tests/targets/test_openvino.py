@@ -252,9 +252,9 @@ def test_the_served_workload_planner_measures_plans_on_every_target_under_each_n
     finalists = [c for c in result.candidates if c.loads]
     assert {t for c in finalists for t in c.targets} == {"cpu", "openvino"}, [c.label for c in finalists]
     assert all(set(c.loads) == ({1} if c.spinning else {1, 4}) and c.loads[1].throughput > 0 for c in finalists)
-    for load in result.loads:
-        assert tuple(s.settings.target for s in load.plan.config.stages) == load.chosen.targets
-        assert all(s.settings.spinning == load.chosen.spinning for s in load.plan.config.stages)
+    for planned in result.loads:
+        assert tuple(s.settings.target for s in planned.plan.config.stages) == planned.chosen.targets
+        assert all(s.settings.spinning == planned.chosen.spinning for s in planned.plan.config.stages)
     folder = result.save(tmp_path / "plans")
     summary = json.loads((folder / "summary.json").read_text())
     assert {tuple(f["targets"]) for f in summary["finalists"]} >= {tuple(c.targets) for c in finalists}
