@@ -126,9 +126,10 @@ Note: spinning.
     one-thread stage has no pool to spin), its label ending ``, spinning``, measured and chosen
     from **at N = 1 only**. With one request in flight the front door is idle while the model
     runs; with more, it decodes and answers other requests meanwhile, and a spinning pool takes
-    its cores, which the in-process loop does not show: planned at N = 8 and 16, the spinning
-    session led squeezenet's 2 replicas x 1t in process (0.95-1.26x them) and served at 0.81-0.94x
-    of the 2 x 1 pipeline, and resnet50's at N = 16 served at 0.93-0.96x PyTriton's best
+    its cores, which the in-process loop does not show: planned at N = 8 and 16 too, the spinning
+    session held squeezenet's choice in process (2 replicas x 1t, 0.95-1.26x its req/s, did not
+    beat it in every round) and served at 0.81-0.94x the 2 x 1 pipeline, and resnet50's at N = 16
+    served at 0.93-0.96x PyTriton's best
     (``benchmarks.serve --vs-triton``, docs/serving.md).
 
     A spinning variant ranks with the plan it varies: it is that plan with one setting changed, as
