@@ -234,11 +234,11 @@ def split(
     fixed_notes: list[str] = []
     input_specs = [tensor_spec(types[n]) for n in index.inputs]
     head_dims = genai_head_dims(input_specs, folder)  # onnxruntime-genai's kv_cache_dim, from its genai_config.json
+    sized = {**(getattr(policy, "dims", None) or {}), **(dims or {})}  # a profiling policy's dims size them too (split --auto --dim)
     if states is not None:
         pairs = pair_states(input_specs, [tensor_spec(types[n]) for n in index.outputs], states)
         state_inputs = {p.input for p in pairs}
         named = {d for t in input_specs if t.name not in state_inputs for d in (t.shape or ()) if isinstance(d, str)}
-        sized = {**(getattr(policy, "dims", None) or {}), **(dims or {})}  # a profiling policy's dims size them too (split --auto --dim)
         constants, fixed_notes = fixed_state_dims(pairs, input_specs, named, sized, head_dims)
         types = _with_dims_fixed(types, constants)  # see Note: a state's constant dims (_states)
     profiled = {**head_dims, **constants}
@@ -295,9 +295,8 @@ def split(
     config = PipelineConfig(proto.graph.name or "pipeline")
     config.metadata["source"] = Path(model).name if not isinstance(model, ModelProto) else proto.graph.name
     config.metadata.update(_model_metadata(proto).to_metadata())
-    given_dims = {**(getattr(policy, "dims", None) or {}), **(dims or {})}
-    if given_dims:  # the sizes the plan was made for: the build's batching probe runs at them (_batching, Note: the batching probe)
-        config.metadata[INPUT_DIMS_KEY] = format_dims(given_dims)
+    if sized:  # the sizes the plan was made for: the build's batching probe runs at them (_batching, Note: the batching probe)
+        config.metadata[INPUT_DIMS_KEY] = format_dims(sized)
     stages = []
     for i, m in enumerate(models):
         config.add_stage(m, f"stage{i}", source_dir=folder)

@@ -984,9 +984,9 @@ def _spinning_variants(plans: Sequence[PlanCandidate]) -> list[PlanCandidate]:
     more than one thread (a one-thread stage has no pool to spin)."""
     out = []
     for rank in _RANKS:
-        wide = sorted((c for c in plans if c.rank == rank and max(c.threads) > 1), key=lambda c: -c.predicted)
-        if wide:
-            out.append(replace(wide[0], label=f"{wide[0].label}, spinning", spinning=True, loads={}))
+        best = max((c for c in plans if c.rank == rank and max(c.threads) > 1), key=lambda c: c.predicted, default=None)
+        if best is not None:
+            out.append(replace(best, label=f"{best.label}, spinning", spinning=True, loads={}))
     return out
 
 

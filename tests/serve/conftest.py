@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +30,22 @@ SQUEEZE_CUT = [["r34", "r35"]]
 
 def squeeze_input(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, 3, 224, 224)).astype(np.float32)
+
+
+def assert_mlp_in_flight(http: Any, ids: list[np.ndarray]) -> None:
+    """Send every ``ids`` to the served ``mlp`` at once (binary HTTP, async: they can batch) and
+    check each answer against onnxruntime on the whole model (its embedding depends on the ids)."""
+    import onnxruntime as ort
+    import tritonclient.http as httpclient
+
+    session = ort.InferenceSession(models.embed_mlp().SerializeToString(), providers=["CPUExecutionProvider"])
+    pending = []
+    for x in ids:
+        tensor = httpclient.InferInput("ids", list(x.shape), "INT64")
+        tensor.set_data_from_numpy(x, binary_data=True)
+        pending.append(http.async_infer("mlp", [tensor]))
+    for x, p in zip(ids, pending, strict=True):
+        np.testing.assert_allclose(p.get_result().as_numpy("y"), session.run(None, {"ids": x})[0], rtol=1e-5, atol=1e-5)
 
 
 def _mlp() -> PipelineConfig:

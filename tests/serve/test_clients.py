@@ -14,8 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from onnxpipe import runtime
-from tests import models
-from tests.serve.conftest import squeeze_input
+from tests.serve.conftest import assert_mlp_in_flight, squeeze_input
 from tests.serve.process import ServerProcess
 
 
@@ -117,24 +116,14 @@ def test_a_model_that_batches_says_so_and_batches_concurrent_requests(server: Se
     """A stage with max_batch=8: the config reports max_batch_size 8 with dims past the batch dim
     and Triton's dynamic batcher; 8 requests sent at once by the HTTP client (Triton's async
     infer) come back each equal to the model alone."""
-    import onnxruntime as ort
-
     http, grpc = httpclient.InferenceServerClient(server.http, concurrency=8), grpcclient.InferenceServerClient(server.grpc)
     config = http.get_model_config("mlp")
     assert config["max_batch_size"] == 8 and config["dynamic_batching"] == {"max_queue_delay_microseconds": 2000}
     assert config["input"][0]["dims"] == [-1] and config["output"][0]["dims"] == [-1, 8]
     assert grpc.get_model_config("mlp").config.dynamic_batching.max_queue_delay_microseconds == 2000
     assert "oldest" not in http.get_model_config("rnn")["sequence_batching"]
-    session = ort.InferenceSession(models.embed_mlp().SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(5)
-    ids = [rng.integers(0, 16, (1, 4)).astype(np.int64) for _ in range(8)]
-    pending = []
-    for x in ids:
-        inp = httpclient.InferInput("ids", list(x.shape), "INT64")
-        inp.set_data_from_numpy(x, binary_data=True)
-        pending.append(http.async_infer("mlp", [inp]))
-    for x, p in zip(ids, pending, strict=True):
-        np.testing.assert_allclose(p.get_result().as_numpy("y"), session.run(None, {"ids": x})[0], rtol=1e-5, atol=1e-5)
+    assert_mlp_in_flight(http, [rng.integers(0, 16, (1, 4)).astype(np.int64) for _ in range(8)])
 
 
 def test_statistics_count_the_requests_each_client_sent(server: ServerProcess) -> None:

@@ -7,12 +7,10 @@ import os
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import tritonclient.http as httpclient
 
-from tests import models
 from tests.cli.helpers import assert_user_error, run
-from tests.serve.conftest import serve_args
+from tests.serve.conftest import assert_mlp_in_flight, serve_args
 from tests.serve.process import ServerProcess
 
 CORE = min(os.sched_getaffinity(0))
@@ -25,15 +23,7 @@ def test_a_server_runs_the_settings_it_was_given_and_says_so(bundles: dict[str, 
         proc.start(tmp_path / "serve.log")
         http = httpclient.InferenceServerClient(proc.http, concurrency=4)
         assert http.get_model_config("mlp")["max_batch_size"] == 4  # what the pipeline runs, not what the bundle says
-        session = ort.InferenceSession(models.embed_mlp().SerializeToString(), providers=["CPUExecutionProvider"])
-        ids = [np.random.default_rng(k).integers(0, 16, (1, 3)).astype(np.int64) for k in range(4)]
-        pending = []
-        for x in ids:
-            tensor = httpclient.InferInput("ids", list(x.shape), "INT64")
-            tensor.set_data_from_numpy(x, binary_data=True)
-            pending.append(http.async_infer("mlp", [tensor]))
-        for x, p in zip(ids, pending, strict=True):
-            np.testing.assert_allclose(p.get_result().as_numpy("y"), session.run(None, {"ids": x})[0], rtol=1e-5, atol=1e-5)
+        assert_mlp_in_flight(http, [np.random.default_rng(k).integers(0, 16, (1, 3)).astype(np.int64) for k in range(4)])
         assert proc.stop() == 0, proc.log()
     assert f"deploy-time settings: stage 'mlp': replicas 2, intra_op_threads 1, affinity {CORE}, max_batch 4, max_delay_ms 2" in proc.log()
 
