@@ -5,7 +5,12 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """The median of ``values`` (ratios paired by round, say) with their min and max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def median_seconds(fn: Callable[[], object], runs: int, warmup: int = 1, min_seconds: float = 0.0) -> float:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import onnx
 
+from benchmarks._timing import spread
 from onnxpipe.splitter import PlanCandidate, PlanResult, plan_pipeline
 from tests.models import matmuls_then_chain
 
@@ -41,10 +41,6 @@ SESSION_2T = "1 session x 2t"
 
 def _paired(mine: tuple[float, ...], theirs: tuple[float, ...]) -> list[float]:
     return [a / b for a, b in zip(mine, theirs, strict=True)]
-
-
-def _spread(ratios: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def judge(result: PlanResult) -> dict[str, Any]:
@@ -58,12 +54,12 @@ def judge(result: PlanResult) -> dict[str, Any]:
     return {
         "n1": {"chosen": at_1.chosen.label, "expected": at_1.chosen.kind == "session" and at_1.chosen.threads == (2,),
                "p99_ms": at_1.chosen.loads[1].p99_ms, "rival": rival.label,
-               "rival_p99_over_chosen": _spread(_paired(rival.loads[1].p99_rounds, at_1.chosen.loads[1].p99_rounds))},
+               "rival_p99_over_chosen": spread(_paired(rival.loads[1].p99_rounds, at_1.chosen.loads[1].p99_rounds))},
         "n16": {"chosen": chosen_16.label,
                 "expected": chosen_16.kind in ("replicas", "pipeline") and max(chosen_16.threads) == 1,
                 "req_s": chosen_16.loads[16].throughput,
-                "req_s_over_session_2t": _spread(_paired(chosen_16.loads[16].rounds, session.loads[16].rounds)),
-                "workers": workers.label, "workers_req_s_over_session_2t": _spread(_paired(workers.loads[16].rounds, session.loads[16].rounds))},
+                "req_s_over_session_2t": spread(_paired(chosen_16.loads[16].rounds, session.loads[16].rounds)),
+                "workers": workers.label, "workers_req_s_over_session_2t": spread(_paired(workers.loads[16].rounds, session.loads[16].rounds))},
     }
 
 
@@ -78,8 +74,8 @@ def run(runs: int = 5, rounds: int = 3, requests: int = 120, measure: int = 1) -
             "expected": {n: sum(j[n]["expected"] for j in judged) for n in ("n1", "n16")}}
 
 
-def _fmt(spread: dict[str, float]) -> str:
-    return f"{spread['median']:.2f}x ({spread['min']:.2f}-{spread['max']:.2f})"
+def _fmt(ratios: dict[str, float]) -> str:
+    return f"{ratios['median']:.2f}x ({ratios['min']:.2f}-{ratios['max']:.2f})"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -73,6 +73,7 @@ import numpy as np
 import onnxruntime as ort
 
 from benchmarks._models import light_copy
+from benchmarks._timing import spread
 from onnxpipe.builder import build, export
 from onnxpipe.runtime import interleaved_rounds, load
 from onnxpipe.splitter import MeasuredPolicy, split
@@ -287,8 +288,7 @@ def run(models: list[str], rounds: int, seconds: float, peer_python: str | None)
                 p.close()
             for peer in peers.values():
                 peer.stop()
-            if server.proc is not None and server.proc.poll() is None:
-                server.proc.kill()
+            server.kill()
     rows = []
     for key, values in samples.items():
         model, how, concurrency = key.split("|")
@@ -302,10 +302,10 @@ def run(models: list[str], rounds: int, seconds: float, peer_python: str | None)
         model, how, concurrency = key.split("|")
         if how.startswith("served"):
             r = measured.ratios(key, f"{model}|in process|{concurrency}")
-            ratios[key] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
+            ratios[key] = spread(r)
         if how.startswith("kserve"):
             r = measured.ratios(key, key.replace("kserve", "onnxpipe"))
-            ratios[key] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
+            ratios[key] = spread(r)
     return {"rounds": rounds, "seconds": seconds, "client": "perf_analyzer" if pa else "tritonclient closed loop", "cores": len(os.sched_getaffinity(0)),
             "rows": rows, "ratios": ratios}
 
@@ -580,8 +580,7 @@ def run_vs_triton(models: list[str], concurrencies: list[int], rounds: int, seco
         finally:
             for peer in peers.values():
                 peer.stop()
-            if server.proc is not None and server.proc.poll() is None:
-                server.proc.kill()
+            server.kill()
     points = []
     for m in models:
         for n in concurrencies:
@@ -597,7 +596,7 @@ def run_vs_triton(models: list[str], concurrencies: list[int], rounds: int, seco
                     "plan": _plan_line(plans[m], n),
                     "rows": {_how(v): _summary(s) for v, s in values.items()},
                     "pytriton_best": max(("plain", "batched"), key=lambda v: statistics.median(measured.values[f"{key}|{v}"])),
-                    "vs_pytriton": _spread(vs_triton), "vs_2x1": _spread(list(vs_pipeline)),
+                    "vs_pytriton": spread(vs_triton), "vs_2x1": spread(vs_pipeline),
                 })
     return {"mode": "vs-triton", "rounds": rounds, "seconds": seconds, "cores": len(os.sched_getaffinity(0)), "points": points,
             "planner_concurrency": with_concurrency, "planner_summaries": plans,
@@ -607,10 +606,6 @@ def run_vs_triton(models: list[str], concurrencies: list[int], rounds: int, seco
 def _summary(samples: list[Sample]) -> dict[str, float]:
     return {"rate": statistics.median(s.rate for s in samples), "rate_min": min(s.rate for s in samples), "rate_max": max(s.rate for s in samples),
             "p50_ms": statistics.median(s.p50 for s in samples), "p99_ms": statistics.median(s.p99 for s in samples)}
-
-
-def _spread(ratios: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def _plan_label(line: str) -> str:

@@ -120,10 +120,14 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def kill(self) -> None:
+        """Kill the server if it is still running (no drain), and reap it."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
 
 
 def read_head(sock: socket.socket) -> bytes:
