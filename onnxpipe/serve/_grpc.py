@@ -29,6 +29,26 @@ Note: one stream, one order.
     deadline or cancel ends the call, and its requests are withdrawn as a unary call's are
     (``_models``, Note: request timeouts). A message over ``--max-body-size`` ends the stream
     with RESOURCE_EXHAUSTED: grpc's core refuses it, as Triton's does.
+
+Note: a message's bytes.
+    grpc's core receives a call's message before any handler sees it, and would hold what a client
+    sends of it for as long as the client likes: a client announcing 60 MiB messages, sending part
+    of each and waiting, held 360 MB on an idle server, without a token (issue 36). Measured on
+    grpcio 1.85 with a raw HTTP/2 client: a call that nobody reads takes its stream's flow-control
+    window (8-32 MiB with grpc's default BDP probing, which grows the window to the link; 48 KiB a
+    connection with ``grpc.http2.bdp_probe`` off and a 16 KiB lookahead), and a call whose message
+    is being read takes all of it (up to ``grpc.max_receive_message_length``). So every method is
+    registered as one that reads its own messages (a unary call is a stream of one message on the
+    wire, so clients see no difference), and reads happen only in order: the token first (a call
+    without it is refused before its message is read), then a reservation of ``--max-body-size``
+    from the server's byte budget, shared with the HTTP door (``_budget``, Note: one budget, two
+    doors), then the read, within ``--body-timeout`` for a call (reservation and read together:
+    past it the call ends DEADLINE_EXCEEDED, or UNAVAILABLE when it never got room) and, for a
+    stream, its idle timeout. Once the message is in, the reservation shrinks to the message's
+    size, held until the request is answered. With BDP probing off and a 16 KiB lookahead, what
+    a call holds before it reads is its connection's window, at most
+    ``grpc.max_concurrent_streams`` (``--max-inflight``) calls a connection; a large message still
+    arrives at the link's speed, since the window opens to the message's size once it is read.
 """
 
 from __future__ import annotations
@@ -46,10 +66,11 @@ from google.protobuf.message import DecodeError, Message
 
 from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve import _logs as logs
+from onnxpipe.serve._budget import BodyBudget, Held, deadline
 from onnxpipe.serve._errors import RequestError, bad_request
 from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
 from onnxpipe.serve._proto import oip_pb2 as pb
-from onnxpipe.serve._state import Decoded, ServerState, Turn
+from onnxpipe.serve._state import OFF_LOOP, Decoded, ServerState, Turn
 from onnxpipe.serve._tensors import check_shape, from_binary, from_contents, to_binary
 
 __all__ = ["SERVICE", "make_server"]
@@ -57,10 +78,13 @@ __all__ = ["SERVICE", "make_server"]
 SERVICE = "inference.GRPCInferenceService"
 log = logging.getLogger("onnxpipe.serve")
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
+#: What grpc's core may take of a call's stream before the call reads (see Note: a message's bytes).
+_LOOKAHEAD = 16 << 10
 
 
-def make_server(state: ServerState, address: str, max_connections: int) -> tuple[grpc.aio.Server, int]:
-    """The asyncio gRPC server of ``state``'s models, bound (not started) to ``address``.
+def make_server(state: ServerState, address: str, max_connections: int, budget: BodyBudget) -> tuple[grpc.aio.Server, int]:
+    """The asyncio gRPC server of ``state``'s models, bound (not started) to ``address``; the
+    messages it reads are counted against ``budget`` (see Note: a message's bytes).
 
     Returns:
         The server and the port it bound.
@@ -76,27 +100,33 @@ def make_server(state: ServerState, address: str, max_connections: int) -> tuple
         # As the HTTP listener's (see Note: connections in _connections): more connections are closed at once, idle ones after the timeout.
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.max_connection_idle_ms", int(o.idle_timeout * 1000)),
+        # What a call may hold before it reads (see Note: a message's bytes).
+        ("grpc.max_concurrent_streams", o.max_inflight),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", _LOOKAHEAD),
     ])
+    receiver = _Receiver(budget, o.max_body_bytes, o.body_timeout)
 
     def method(fn: Callable[[Any], Awaitable[Message]], request: type[Message], response: type[Message], open_to_all: bool = False) -> grpc.RpcMethodHandler:
-        async def handle(message: Any, context: grpc.aio.ServicerContext) -> Message:
-            if isinstance(message, _Unparsable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the message is not a valid {request.__name__}: {message.why}")
-            try:
-                if not open_to_all:
-                    authorize(context)
-                return await fn(message)
-            except OnnxpipeError as e:  # a RequestError with its status; any other user error INVALID_ARGUMENT
-                await context.abort(*_status(e))
-            raise AssertionError("context.abort returned")
-
         rpc = "".join(part.title() for part in fn.__name__.split("_"))  # model_infer: ModelInfer
 
-        async def logged(message: Any, context: grpc.aio.ServicerContext) -> Message:
-            """``handle``, and the call's line where one is due (``_logs``, Note: one line per request)."""
+        async def handle(_: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Message:
+            """The call: its token, its message (see Note: a message's bytes), its answer, and its
+            line where one is due (``_logs``, Note: one line per request)."""
             started = time.perf_counter()
+            message: Any = None
+            held: Held | None = None
             try:
-                answer = await handle(message, context)
+                try:
+                    if not open_to_all:
+                        authorize(context)
+                    message, held = await receiver.message(context, request)
+                    answer = await fn(message)
+                except OnnxpipeError as e:  # a RequestError with its status; any other user error INVALID_ARGUMENT
+                    await context.abort(*_status(e))
+                finally:
+                    if held is not None:
+                        held.release()
             except grpc.aio.AbortError:
                 logs.grpc_answered(rpc, message, context, started, o.access_log, context.code(), context.details())
                 raise
@@ -111,7 +141,8 @@ def make_server(state: ServerState, address: str, max_connections: int) -> tuple
             logs.grpc_answered(rpc, message, context, started, o.access_log)
             return answer
 
-        return grpc.unary_unary_rpc_method_handler(logged, request_deserializer=_parser(request), response_serializer=response.SerializeToString)
+        # Read by the handler, not by grpc before it (see Note: a message's bytes): raw bytes, parsed by the receiver.
+        return grpc.stream_unary_rpc_method_handler(handle, response_serializer=response.SerializeToString)
 
     def authorize(context: grpc.aio.ServicerContext) -> None:
         state.authorize([value for key, value in context.invocation_metadata() or () if key == "authorization"], protocol="grpc")
@@ -145,14 +176,24 @@ def make_server(state: ServerState, address: str, max_connections: int) -> tuple
         size = sum(len(c) for c in r.raw_input_contents)
         return await state.infer(model, "grpc", lambda: _decode(model.ports, r), lambda d, o: _encode(model, d, o), size, turn)
 
-    async def model_stream_infer(_: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    async def model_stream_infer(_: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """The stream, and its line where one is due: each request has its own, and the stream
+        one more when it ends other than OK (its token refused, idle, drained, cancelled)."""
         started = time.perf_counter()
         try:
-            authorize(context)
-        except RequestError as e:
-            logs.grpc_answered("ModelStreamInfer", None, context, started, o.access_log, *_status(e))
-            await context.abort(*_status(e))
-        await _Stream(state, context, model_infer).run()
+            try:
+                authorize(context)
+            except RequestError as e:
+                await context.abort(*_status(e))
+            await _Stream(state, context, model_infer, receiver).run()
+        except grpc.aio.AbortError:
+            logs.grpc_answered("ModelStreamInfer", None, context, started, o.access_log, context.code(), context.details())
+            raise
+        except asyncio.CancelledError:
+            gone = "the stream was cancelled (by the client, or its deadline)"
+            logs.grpc_answered("ModelStreamInfer", None, context, started, o.access_log, grpc.StatusCode.CANCELLED, gone)
+            raise
+        logs.grpc_answered("ModelStreamInfer", None, context, started, o.access_log)
 
     handlers = {
         "ServerLive": method(server_live, pb.ServerLiveRequest, pb.ServerLiveResponse, open_to_all=True),
@@ -163,8 +204,7 @@ def make_server(state: ServerState, address: str, max_connections: int) -> tuple
         "ModelConfig": method(model_config, pb.ModelConfigRequest, pb.ModelConfigResponse),
         "ModelStatistics": method(model_statistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
         "ModelInfer": method(model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
-        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(model_stream_infer, request_deserializer=_parser(pb.ModelInferRequest),
-                                                                  response_serializer=pb.ModelStreamInferResponse.SerializeToString),
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(model_stream_infer, response_serializer=pb.ModelStreamInferResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     port = server.add_insecure_port(address)
@@ -173,24 +213,55 @@ def make_server(state: ServerState, address: str, max_connections: int) -> tuple
     return server, port
 
 
-class _Unparsable:
-    """A request message protobuf cannot parse, and why."""
+class _Receiver:
+    """How every call reads its messages: within the server's byte budget and a deadline (see
+    Note: a message's bytes).
 
-    def __init__(self, why: str) -> None:
-        self.why = why
+    Args:
+        budget: The server's byte budget, shared with the HTTP door.
+        most: The largest message (``--max-body-size``): what a read reserves.
+        timeout: Seconds a call's message may take to arrive, room included (``--body-timeout``).
+    """
 
+    def __init__(self, budget: BodyBudget, most: int, timeout: float) -> None:
+        self.budget, self.most, self.timeout = budget, most, timeout
 
-def _parser(request: type[Message]) -> Callable[[bytes], Any]:
-    """How a method's messages are read: a message protobuf cannot parse becomes an
-    :class:`_Unparsable`, answered INVALID_ARGUMENT by onnxpipe, not grpc's UNKNOWN naming protobuf's type."""
+    async def message(self, context: grpc.aio.ServicerContext, request: type[Message]) -> tuple[Message, Held]:
+        """A call's one message, parsed, and the bytes it holds (the caller releases them once answered).
 
-    def parse(data: bytes) -> Any:
+        Raises:
+            RequestError: 503 the budget had no room in time, 408 (DEADLINE_EXCEEDED) the message
+                did not arrive in time, 400 it is missing or cannot be parsed.
+        """
+        held = self.budget.hold()
         try:
-            return request.FromString(data)
-        except DecodeError as e:
-            return _Unparsable(" ".join(str(e).split())[:200] or "it cannot be parsed")
+            try:
+                async with deadline(self.timeout):
+                    await self.budget.reserve(held, self.most)
+                    data = await context.read()
+            except TimeoutError:
+                if not held.bytes:
+                    raise self.budget.refusal(f"{self.timeout:g} s (--body-timeout)") from None
+                raise RequestError(408, f"the message did not arrive within {self.timeout:g} s (--body-timeout)") from None
+            if not isinstance(data, bytes):  # the client half-closed without a message
+                raise bad_request(f"the call sent no {request.__name__}")
+            return await self.parsed(data, held, request), held
+        except BaseException:
+            held.release()
+            raise
 
-    return parse
+    async def parsed(self, data: bytes, held: Held, request: type[Message]) -> Message:
+        """``data`` as a ``request``, parsed on a thread when it is large (protobuf holds the
+        interpreter while it copies); ``held`` keeps the message's size from now on.
+
+        Raises:
+            RequestError: 400, protobuf cannot parse it.
+        """
+        held.keep(len(data))
+        try:
+            return await asyncio.to_thread(request.FromString, data) if len(data) >= OFF_LOOP else request.FromString(data)
+        except DecodeError as e:
+            raise bad_request(f"the message is not a valid {request.__name__}: {' '.join(str(e).split())[:200] or 'it cannot be parsed'}") from None
 
 
 def _status(error: OnnxpipeError) -> tuple[grpc.StatusCode, str]:
@@ -207,10 +278,13 @@ class _Stream:
         state: The server's.
         context: The call's.
         infer: ``ModelInfer``'s work: a request and its turn to its response.
+        receiver: How its messages are read (see Note: a message's bytes).
     """
 
-    def __init__(self, state: ServerState, context: grpc.aio.ServicerContext, infer: Callable[[Any, Turn], Awaitable[Message]]) -> None:
-        self.state, self.context, self.infer = state, context, infer
+    def __init__(self, state: ServerState, context: grpc.aio.ServicerContext, infer: Callable[[Any, Turn], Awaitable[Message]],
+                 receiver: _Receiver) -> None:
+        self.state, self.context, self.infer, self.receiver = state, context, infer, receiver
+        self.roomless = False  # waiting for room in the byte budget to read the next request
         self.answers: asyncio.Queue[asyncio.Task[Message] | None] = asyncio.Queue()  # in request order; None: no more
         self.room = asyncio.Semaphore(state.options.max_inflight)  # requests read and not yet answered
         self.tasks: set[asyncio.Task[Message]] = set()
@@ -237,6 +311,8 @@ class _Stream:
                     await writer
                     await self.context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: the stream's requests were answered, and it "
                                                                           "takes no more; send the rest to another server")
+                if not self.unanswered and time.monotonic() - self.last >= idle and self.roomless:
+                    await self.context.abort(grpc.StatusCode.UNAVAILABLE, str(self.receiver.budget.refusal(f"{idle:g} s (--idle-timeout)")))
                 if not self.unanswered and time.monotonic() - self.last >= idle:
                     await self.context.abort(grpc.StatusCode.UNAVAILABLE, f"the stream sent no request for {idle:g} s with none in flight "
                                                                           "(--idle-timeout); start a new stream")
@@ -247,15 +323,26 @@ class _Stream:
 
     async def _read(self) -> None:
         turn: Turn | None = None
+        budget = self.receiver.budget
         while True:
             await self.room.acquire()
-            message = await self.context.read()
-            if message is grpc.aio.EOF:
+            held = budget.hold()
+            try:  # room for the message first, then the read (see Note: a message's bytes)
+                self.roomless = True
+                await budget.reserve(held, self.receiver.most)
+                self.roomless = False
+                data = await self.context.read()
+            except BaseException:
+                held.release()
+                raise
+            if not isinstance(data, bytes):  # the client half-closed
+                held.release()
                 self.answers.put_nowait(None)
                 return
+            held.keep(len(data))
             self.last = time.monotonic()
             turn = Turn(turn)
-            task = asyncio.create_task(self._answer(message, turn))
+            task = asyncio.create_task(self._answer(data, held, turn))
             self.tasks.add(task)
             self.unanswered += 1
             self.answers.put_nowait(task)
@@ -269,13 +356,15 @@ class _Stream:
             self.last = time.monotonic()
             self.room.release()
 
-    async def _answer(self, message: Any, turn: Turn) -> Message:
-        """One request's answer: its response, or its error message (its ``id`` kept)."""
+    async def _answer(self, data: bytes, held: Held, turn: Turn) -> Message:
+        """One request's answer: its response, or its error message (its ``id`` kept); its bytes
+        are given back once it is answered."""
         started = time.perf_counter()
         code, text, bug = grpc.StatusCode.OK, None, None
+        message: Any = None
         try:
-            if isinstance(message, _Unparsable):
-                raise bad_request(f"the message is not a valid ModelInferRequest: {message.why}")
+            message = await self.receiver.parsed(data, held, pb.ModelInferRequest)
+            del data  # the parsed message holds the bytes now
             return pb.ModelStreamInferResponse(infer_response=await self.infer(message, turn))
         except OnnxpipeError as e:
             code, text = _status(e)
@@ -285,6 +374,7 @@ class _Stream:
         except Exception as e:  # a bug: logged with its traceback (its line), answered without it; the stream goes on
             code, text, bug = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}", e
         finally:
+            held.release()
             turn.passed()  # refused before its model saw it: the next may go
             logs.grpc_answered("ModelStreamInfer", message, self.context, started, self.state.options.access_log, code, text, bug)
         return pb.ModelStreamInferResponse(error_message=text, infer_response=pb.ModelInferResponse(id=getattr(message, "id", "")))

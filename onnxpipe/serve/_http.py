@@ -36,30 +36,28 @@ Note: why aiohttp.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import mmap
 import re
-import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 import orjson
-from aiohttp import StreamReader, web
+from aiohttp import web
 
 from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve import _logs as logs
+from onnxpipe.serve._budget import BodyBudget, Held, deadline
 from onnxpipe.serve._errors import RequestError, bad_request, shown
 from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
 from onnxpipe.serve._state import Decoded, ServerState
 from onnxpipe.serve._tensors import binary_view, check_shape, from_binary, from_json, to_json
 
-__all__ = ["BUDGET", "make_app"]
+__all__ = ["drain", "make_app"]
 
 #: A JSON header of this many bytes or more is decoded by a JSON worker (``_jsonwork``, which imports this module).
 JSON_FROM = 1 << 20
@@ -81,9 +79,10 @@ class JsonDecoders(Protocol):
     def decode(self, ports: ModelPorts, body: memoryview, header_length: int | None) -> Decoded: ...
 
 
-def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.Application:
-    """The aiohttp application of ``state``'s models (its :class:`BodyBudget` in ``app[BUDGET]``);
-    large JSON requests are decoded by ``workers`` once they run (``_jsonwork``, Note: a JSON worker)."""
+def make_app(state: ServerState, budget: BodyBudget, workers: JsonDecoders | None = None) -> web.Application:
+    """The aiohttp application of ``state``'s models, its bodies counted against ``budget`` (shared
+    with the gRPC door: ``_budget``, Note: one budget, two doors); large JSON requests are decoded
+    by ``workers`` once they run (``_jsonwork``, Note: a JSON worker)."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -168,9 +167,7 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
     async def metrics(request: web.Request) -> web.StreamResponse:
         return state.metrics.answer()
 
-    budget = BodyBudget(state.options.max_inflight * state.options.max_body_bytes)
     app = web.Application(middlewares=[logs.middleware(state.options.access_log), guard], client_max_size=state.options.max_body_bytes)
-    app[BUDGET] = budget
 
     async def server_header(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["Server"] = SERVER  # not aiohttp's "Python/3.11 aiohttp/3.x": what runs here is no client's business
@@ -229,62 +226,17 @@ def _model(state: ServerState, request: web.Request) -> ServedModel:
     return state.model(request.match_info["model"], request.match_info.get("version", ""))
 
 
-class BodyBudget:
-    """The bytes of request bodies the server holds at once, across every connection (see Note:
-    the body): each chunk is counted as it arrives, and given back when its request is answered.
-    Also the bodies being read, so that a drain can cut them short (:meth:`drain`).
-
-    Args:
-        limit: The most bytes held at once (``--max-inflight`` x ``--max-body-size``).
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self.reading: set[StreamReader] = set()  # the bodies being read (a web.Request is a mapping: not hashable)
-
-    def hold(self) -> _Held:
-        """A new request's share: what it takes is given back by :meth:`_Held.release`."""
-        return _Held(self)
-
-    def drain(self) -> None:
-        """End every body still arriving: its request is answered 503 (the server is shutting
-        down) at once, not after ``--body-timeout``."""
-        for content in list(self.reading):
-            content.set_exception(_Drained())
-
-
 class _Drained(TimeoutError):
     """The server began to drain while this request's body was arriving. A ``TimeoutError``:
     after the 503, aiohttp reads on what the client still sends (its lingering close) and stops
     quietly at a timeout, as it would at its own; any other exception it logs as unhandled."""
 
 
-#: Where :func:`make_app` keeps its :class:`BodyBudget`.
-BUDGET = web.AppKey("budget", BodyBudget)
-
-
-class _Held:
-    def __init__(self, budget: BodyBudget) -> None:
-        self.budget = budget
-        self.bytes = 0
-
-    def take(self, size: int) -> None:
-        """Count ``size`` more bytes of this request's body.
-
-        Raises:
-            RequestError: 503, the server holds as many body bytes as it may.
-        """
-        budget = self.budget
-        if budget.held + size > budget.limit:
-            raise RequestError(503, f"the server holds {budget.held} bytes of request bodies, the most it buffers at once "
-                                    f"({budget.limit}: --max-inflight x --max-body-size); retry later")
-        budget.held += size
-        self.bytes += size
-
-    def release(self) -> None:
-        self.budget.held -= self.bytes
-        self.bytes = 0
+def drain(budget: BodyBudget) -> None:
+    """End every body still arriving: its request is answered 503 (the server is shutting down)
+    at once, not after ``--body-timeout``."""
+    for content in list(budget.reading):
+        content.set_exception(_Drained())
 
 
 _DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only (str.isdigit takes '²' and other scripts' digits), below 10**19
@@ -304,7 +256,7 @@ def byte_count(value: str | None, what: str) -> int | None:
     return int(text)
 
 
-async def _body(request: web.Request, limit: int, timeout: float, header_length: int | None, held: _Held) -> memoryview:
+async def _body(request: web.Request, limit: int, timeout: float, header_length: int | None, held: Held) -> memoryview:
     """The whole body, within ``limit`` bytes and ``timeout`` seconds (see Note: the body).
 
     Raises:
@@ -341,7 +293,7 @@ async def _body(request: web.Request, limit: int, timeout: float, header_length:
     reading = held.budget.reading
     reading.add(request.content)
     try:
-        async with _deadline(timeout):
+        async with deadline(timeout):
             body = await read()
     except _Drained:
         raise RequestError(503, "the server is shutting down: it takes no new requests") from None
@@ -363,23 +315,6 @@ def _lazy(size: int, offset: int) -> memoryview:
     bytes received (see Note: the body), and goes back to the system when its last view does."""
     start = -offset % _ALIGN  # a mapping starts on a page
     return memoryview(mmap.mmap(-1, size + start))[start : start + size]
-
-
-if sys.version_info >= (3, 11):
-    _deadline = asyncio.timeout
-else:  # pragma: no cover - Python 3.10
-
-    @contextlib.asynccontextmanager
-    async def _deadline(seconds: float) -> AsyncIterator[None]:
-        task = asyncio.current_task()
-        assert task is not None
-        handle = asyncio.get_running_loop().call_later(seconds, task.cancel)
-        try:
-            yield
-        except asyncio.CancelledError:
-            raise TimeoutError from None
-        finally:
-            handle.cancel()
 
 
 def _inflate(body: memoryview, encoding: str, limit: int) -> memoryview:

@@ -33,9 +33,10 @@ from onnxpipe.runtime import load
 from onnxpipe.runtime._code import CodeNotAllowedError
 from onnxpipe.runtime._overrides import describe_settings
 from onnxpipe.serve import _logs as logs
+from onnxpipe.serve._budget import BodyBudget
 from onnxpipe.serve._connections import GatedSite, default_max_connections
 from onnxpipe.serve._grpc import make_server
-from onnxpipe.serve._http import BUDGET, BodyBudget, make_app
+from onnxpipe.serve._http import drain, make_app
 from onnxpipe.serve._jsonwork import JsonWorkers
 from onnxpipe.serve._metrics import metrics_app
 from onnxpipe.serve._models import ServedModel
@@ -106,8 +107,9 @@ class _Server:
         grpc_server = None
         workers = JsonWorkers(options.json_workers)
         cap = options.max_connections or default_max_connections()  # each listener's, HTTP's and gRPC's
+        budget = BodyBudget(options.max_inflight * options.max_body_bytes)  # both doors' (_budget, Note: one budget, two doors)
         runner = web.AppRunner(
-            make_app(state, workers),
+            make_app(state, budget, workers),
             handle_signals=False,
             access_log=None,  # each request's line is onnxpipe's (_logs, Note: one line per request)
             auto_decompress=False,  # inflated by onnxpipe, within --max-body-size
@@ -117,7 +119,7 @@ class _Server:
         try:
             if options.grpc_port:
                 try:
-                    grpc_server, _ = make_server(state, f"{_url_host(options.host)}:{options.grpc_port}", cap)
+                    grpc_server, _ = make_server(state, f"{_url_host(options.host)}:{options.grpc_port}", cap, budget)
                 except (OSError, RuntimeError) as e:
                     where = f"{options.host}:{options.grpc_port}"
                     raise ConfigError(f"cannot listen on {where} (gRPC): {e}; choose another --grpc-port, or 0 for no gRPC") from None
@@ -135,7 +137,7 @@ class _Server:
                 idle = asyncio.create_task(self._close_idle_sequences())
                 await self._stop.wait()
                 idle.cancel()
-                await self._drain(runner.app[BUDGET])
+                await self._drain(budget)
         finally:
             state.draining = True
             # The drain waited for the admitted requests; what is left (connections closing, reading on a refused body) gets
@@ -237,7 +239,7 @@ class _Server:
         """Refuse new requests and bodies still arriving, let the admitted ones finish (see Note: lifecycle)."""
         state = self.state
         state.draining = True
-        bodies.drain()  # a body still arriving is answered 503 now, not after --body-timeout
+        drain(bodies)  # a body still arriving is answered 503 now, not after --body-timeout
         waiting = sum(m.inflight for m in state.models.values())
         self.say(f"draining: {waiting} request(s) in flight, waiting up to {self.options.drain_timeout:g} s")
         self._deadline = time.monotonic() + self.options.drain_timeout
