@@ -1,39 +1,56 @@
-"""What one client's attack does to everyone else: a normal client's latency on ``onnxpipe serve``,
-idle and during each attack, side by side in one run (issue 28).
+"""What one client's attack does to everyone else: a normal client's latency and the server's memory
+on ``onnxpipe serve``, idle and during each attack (issues 28 and 36), this checkout beside an older
+one (``--against REV``) in one run.
 
-One server on loopback serves ``twoout`` (a small model, tests/models.py) and ``echo`` (``Y = X + 0``
-over a float vector of any length: a model whose tensors are as large as a request makes them). A
-prober thread, its own keep-alive connections, asks ``GET /v2/health/live`` and a small ``twoout``
-inference in turn, every 5 ms, for each phase:
+One server on loopback (``--max-body-size 80MiB --max-inflight 4 --body-timeout 5`` and a token)
+serves ``twoout`` (a small model, tests/models.py), ``echo`` (``Y = X + 0`` over a float vector of
+any length: a model whose tensors are as large as a request makes them) and ``grow`` (a model with
+state that grows by its input each step, as a KV cache does). A prober thread, its own keep-alive
+connection, asks ``GET /v2/health/live`` and a small ``twoout`` inference in turn, every 5 ms, for
+each phase:
 
 - **idle**: nothing else;
 - **slowloris**: 200 connections each sending one header line every 0.5 s;
 - **1,000 idle connections**: opened and left silent;
 - **20 preallocating connections**: each announces a body of ``--max-body-size`` and sends nothing;
-- **one 16 MiB JSON request**: a 16 MiB JSON tensor to ``echo``, answered as JSON, sent again as soon
-  as it is answered;
-- **one 64 MiB binary request**: the same with a 64 MiB binary tensor, answered binary.
+- **one 16 MiB JSON request** / **one 64 MiB binary request**: sent again as soon as answered;
+- **gRPC partial messages, no token**: 8 connections of one call and one of 16, each announcing a
+  60 MiB message and sending what flow control lets through, without the token (a raw HTTP/2
+  client);
+- **gRPC partial messages, token**: 24 calls with the token, each announcing 80 MiB and sending 60;
+- **gzip JSON**: 8 requests at once, each a 60 MiB JSON tensor of zeros gzipped to 60 KiB;
+- **deflate bombs**: 64 KiB deflate bodies inflating to 64 MiB, 4 at a time;
+- **growing sequences**: 8 sequences of ``grow`` stepping 1 MiB at a time;
+- **stuck JSON worker**: the JSON worker process stopped (SIGSTOP), while 1 MiB JSON and 1 MiB
+  binary requests are sent, each with a 25 s client timeout (it is continued at the phase's end).
 
-Printed per phase: the health check's and the inference's p50 / p99 / max latency in ms, the ratio
-of p99 to idle's, the server's RSS (MB) and open descriptors at the phase's end. Goals (issue 28):
-p99 under attack <= 3x idle, a health check never above 100 ms, RSS never above ``--max-inflight``
-x ``--max-body-size`` plus the models.
+Printed per phase and per server: the health check's and the inference's p99 / max latency in ms,
+the server's peak RSS (MB, its process and its children, sampled every 20 ms) and how the attack's
+own requests ended. Goals (issue 36): a health check never above 100 ms, RSS within
+``--max-inflight`` x ``--max-body-size`` plus the models, no request waiting past its deadline.
 
-    python -m benchmarks.serve_faults [--seconds 4] [--json]
+    python -m benchmarks.serve_faults [--seconds 4] [--against REV] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import gzip
 import http.client
 import json
 import os
+import signal
 import socket
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +61,14 @@ from onnx import TensorProto, helper
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.splitter import split
 from tests import models
-from tests.serve.process import ServerProcess
+from tests.serve.h2calls import PartialCalls
+from tests.serve.process import ROOT, ServerProcess
 
 MIB = 1 << 20
 MAX_BODY = "80MiB"
 MAX_INFLIGHT = 4
+TOKEN = "bench-token"
+ARGS = ("--max-body-size", MAX_BODY, "--max-inflight", str(MAX_INFLIGHT), "--max-connections", "4000", "--body-timeout", "5")
 
 
 def _echo() -> onnx.ModelProto:
@@ -59,12 +79,36 @@ def _echo() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def _grow() -> onnx.ModelProto:
+    """``state' = Concat(state, x)``, ``y = ReduceSum(state')``: a state that grows by each step's input."""
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["state", "x"], ["state_out"], axis=0), helper.make_node("ReduceSum", ["state_out"], ["y"], keepdims=1)],
+        "grow",
+        [helper.make_tensor_value_info("state", TensorProto.FLOAT, ["past"]), helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("state_out", TensorProto.FLOAT, ["total"]), helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
 def _bundles(root: Path) -> dict[str, Path]:
     echo = PipelineConfig("echo")
     stage = echo.add_stage(_echo(), "echo")
     echo.input("X").connect(stage.input("X"))
     stage.output("Y").connect(echo.output("Y"))
-    return {"twoout": models.bundle_of(split(models.two_outputs(), ["a", "M"]), root / "twoout"), "echo": models.bundle_of(echo, root / "echo")}
+    return {
+        "twoout": models.bundle_of(split(models.two_outputs(), ["a", "M"]), root / "twoout"),
+        "echo": models.bundle_of(echo, root / "echo"),
+        "grow": models.bundle_of(split(_grow(), ["state_out"], states={"state_out": "state"}), root / "grow"),
+    }
+
+
+@dataclass
+class Target:
+    """The server under attack."""
+
+    http_port: int
+    grpc_port: int
+    pid: int
 
 
 class _Prober:
@@ -88,11 +132,12 @@ class _Prober:
 
     def _run(self) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
         while not self._stop.is_set():
             for path, body, into in (("/v2/health/live", None, self.health), ("/v2/models/twoout/infer", self._body, self.infer)):
                 start = time.perf_counter()
                 try:
-                    conn.request("POST" if body else "GET", path, body=body)
+                    conn.request("POST" if body else "GET", path, body=body, headers=auth)
                     response = conn.getresponse()
                     response.read()
                     ok = response.status == 200
@@ -108,10 +153,32 @@ class _Prober:
         conn.close()
 
 
-def _slowloris(port: int, stop: threading.Event) -> None:
+Outcomes = collections.Counter[str]
+Attack = Callable[[Target, threading.Event, Outcomes], None]
+
+
+def _post(port: int, path: str, body: bytes, headers: dict[str, str], timeout: float = 120) -> tuple[str, float]:
+    """One request on its own connection: how it ended (its status, or the client's error) and its time."""
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {TOKEN}", **headers})
+        response = conn.getresponse()
+        response.read()
+        outcome = str(response.status)
+    except TimeoutError:
+        outcome = f"no answer in {timeout:g} s"
+    except (OSError, http.client.HTTPException) as e:
+        outcome = type(e).__name__
+    finally:
+        conn.close()
+    return outcome, time.perf_counter() - start
+
+
+def _slowloris(target: Target, stop: threading.Event, _: Outcomes) -> None:
     held = []
-    for _ in range(200):
-        s = socket.create_connection(("127.0.0.1", port))
+    for _i in range(200):
+        s = socket.create_connection(("127.0.0.1", target.http_port))
         s.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
         held.append(s)
     while not stop.wait(0.5):
@@ -120,36 +187,36 @@ def _slowloris(port: int, stop: threading.Event) -> None:
                 s.sendall(b"X-Slow: 1\r\n")
             except OSError:
                 held.remove(s)  # closed by the server: open another, as an attacker would
-                with _quiet():
-                    fresh = socket.create_connection(("127.0.0.1", port))
+                with contextlib.suppress(OSError):
+                    fresh = socket.create_connection(("127.0.0.1", target.http_port))
                     fresh.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
                     held.append(fresh)
     for s in held:
         s.close()
 
 
-def _idle(port: int, stop: threading.Event, count: int = 1000) -> None:
+def _idle(target: Target, stop: threading.Event, _: Outcomes) -> None:
     held = []
-    for _ in range(count):
-        with _quiet():
-            held.append(socket.create_connection(("127.0.0.1", port)))
+    for _i in range(1000):
+        with contextlib.suppress(OSError):
+            held.append(socket.create_connection(("127.0.0.1", target.http_port)))
     stop.wait()
     for s in held:
         s.close()
 
 
-def _preallocating(port: int, stop: threading.Event, size: int) -> None:
+def _preallocating(target: Target, stop: threading.Event, _: Outcomes) -> None:
     held = []
-    for _ in range(20):
-        s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+    for _i in range(20):
+        s = socket.create_connection(("127.0.0.1", target.http_port))
+        s.sendall(b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (80 * MIB))
         held.append(s)
     stop.wait()
     for s in held:
         s.close()
 
 
-def _big(port: int, stop: threading.Event, binary: bool) -> None:
+def _big(binary: bool) -> Attack:
     if binary:
         data = np.zeros(16 * MIB, np.float32)  # 64 MiB
         header = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [data.size], "parameters": {"binary_data_size": data.nbytes}}],
@@ -159,23 +226,164 @@ def _big(port: int, stop: threading.Event, binary: bool) -> None:
         count = 16 * MIB // 4  # "0.0," per value: 16 MiB of JSON
         body = b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [%d], "data": [' % count + b",".join([b"0.0"] * count) + b"]}]}"
         headers = {}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def attack(target: Target, stop: threading.Event, outcomes: Outcomes) -> None:
+        while not stop.is_set():
+            outcomes[_post(target.http_port, "/v2/models/echo/infer", body, headers)[0]] += 1
+
+    return attack
+
+
+def _grpc_partial(token: bool) -> Attack:
+    def attack(target: Target, stop: threading.Event, outcomes: Outcomes) -> None:
+        where = f"127.0.0.1:{target.grpc_port}"
+        if token:
+            calls = [PartialCalls(where, 1, 80 * MIB, 60 * MIB, (("authorization", f"Bearer {TOKEN}"),)) for _ in range(24)]
+        else:
+            calls = [PartialCalls(where, 1, 60 * MIB, 16 * MIB) for _ in range(8)] + [PartialCalls(where, 16, 60 * MIB, 8 * MIB)]
+        while not stop.is_set():
+            for c in calls:
+                c.pump(0.01)
+        for c in calls:
+            for status, _ in c.ended.values():
+                outcomes[f"grpc {status}" if status >= 0 else "reset"] += 1
+            if c.open_calls():
+                outcomes["still open"] += c.open_calls()
+            c.close()
+
+    return attack
+
+
+def _gzip_json(target: Target, stop: threading.Event, outcomes: Outcomes) -> None:
+    count = 30 * MIB  # "0," a value: 60 MiB of JSON once inflated, 120 MiB as float32
+    text = b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [%d], "data": [' % count + b",".join([b"0"] * count) + b"]}]}"
+    body = gzip.compress(text, 6)
     while not stop.is_set():
-        try:
-            conn.request("POST", "/v2/models/echo/infer", body=body, headers=headers)
-            conn.getresponse().read()
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.close()
+        _together(8, lambda: _post(target.http_port, "/v2/models/echo/infer", body, {"Content-Encoding": "gzip"}), outcomes)
 
 
-class _quiet:
-    def __enter__(self) -> None:
-        return None
+def _deflate_bombs(target: Target, stop: threading.Event, outcomes: Outcomes) -> None:
+    body = zlib.compress(b"\0" * (64 * MIB), 9)  # about 64 KiB
+    while not stop.is_set():
+        _together(4, lambda: _post(target.http_port, "/v2/models/echo/infer", body, {"Content-Encoding": "deflate"}), outcomes)
 
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)  # type: ignore[arg-type]
+
+def _growing_sequences(target: Target, stop: threading.Event, outcomes: Outcomes) -> None:
+    step = np.zeros(MIB // 4, np.float32)  # 1 MiB a step
+    header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [step.size], "parameters": {"binary_data_size": step.nbytes}}]})
+
+    def sequence(sid: int) -> None:
+        for i in range(24):
+            if stop.is_set():
+                return
+            params = {"sequence_id": sid, "sequence_start": i == 0, "sequence_end": i == 23}
+            head = json.dumps({**json.loads(header), "parameters": params}).encode()
+            outcome, _ = _post(target.http_port, "/v2/models/grow/infer", head + step.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
+            outcomes[outcome] += 1
+
+    sid = 1
+    while not stop.is_set():
+        threads = [threading.Thread(target=sequence, args=(sid + i,)) for i in range(8)]
+        sid += 8
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def _stuck_json_worker(target: Target, stop: threading.Event, outcomes: Outcomes) -> None:
+    workers = _children(target.pid)
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        values = MIB // 4
+        json_body = b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [%d], "data": [' % values + b",".join([b"0"] * values) + b"]}]}"
+        data = np.zeros(values, np.float32)
+        head = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [values], "parameters": {"binary_data_size": data.nbytes}}]}).encode()
+        binary = (head + data.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
+        times: dict[str, list[float]] = {"json": [], "binary": []}
+
+        def send(kind: str, body: bytes, headers: dict[str, str]) -> None:
+            while not stop.is_set():
+                outcome, took = _post(target.http_port, "/v2/models/echo/infer", body, headers, timeout=25)
+                outcomes[f"{kind} {outcome}"] += 1
+                times[kind].append(took)
+
+        threads = [threading.Thread(target=send, args=("json", json_body, {})), threading.Thread(target=send, args=("binary", *binary))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for kind, took in times.items():
+            if took:
+                outcomes[f"the slowest {kind} in {max(took):.1f} s"] = 1
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _together(count: int, send: Callable[[], tuple[str, float]], outcomes: Outcomes) -> None:
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(send()[0])) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    outcomes.update(results)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _rss_mb(pid: int) -> float:
+    """The RSS of ``pid`` and its children (the JSON worker), in MB."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        with contextlib.suppress(OSError, StopIteration):
+            total += next(int(line.split()[1]) for line in Path(f"/proc/{p}/status").read_text().splitlines() if line.startswith("VmRSS:")) / 1024
+    return total
+
+
+class _Peak:
+    """The highest RSS of a process tree, sampled every 20 ms on a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            with contextlib.suppress(OSError):
+                self.peak = max(self.peak, _rss_mb(self.pid))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+PHASES: list[tuple[str, Attack | None]] = [
+    ("idle", None),
+    ("slowloris (200 connections)", _slowloris),
+    ("1,000 idle connections", _idle),
+    ("20 preallocating connections", _preallocating),
+    ("one 16 MiB JSON request", _big(binary=False)),
+    ("one 64 MiB binary request", _big(binary=True)),
+    ("gRPC partial messages, no token", _grpc_partial(token=False)),
+    ("gRPC partial messages, token", _grpc_partial(token=True)),
+    ("gzip JSON (8 x 60 MiB as 60 KiB)", _gzip_json),
+    ("deflate bombs (64 KiB -> 64 MiB, 4 at once)", _deflate_bombs),
+    ("growing sequences (8 x 1 MiB a step)", _growing_sequences),
+    ("stuck JSON worker (1 MiB JSON and binary)", _stuck_json_worker),
+]
 
 
 def _stats(times: list[float]) -> dict[str, float]:
@@ -186,31 +394,23 @@ def _stats(times: list[float]) -> dict[str, float]:
             "max_ms": 1e3 * ordered[-1], "count": len(ordered)}
 
 
-def _proc_status(pid: int) -> tuple[float, int]:
-    rss = next(int(line.split()[1]) / 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS:"))
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def run(seconds: float) -> dict[str, Any]:
-    phases: list[tuple[str, Callable[[int, threading.Event], None] | None]] = [
-        ("idle", None),
-        ("slowloris (200 connections)", _slowloris),
-        ("1,000 idle connections", _idle),
-        ("20 preallocating connections", lambda port, stop: _preallocating(port, stop, 80 * MIB)),
-        ("one 16 MiB JSON request", lambda port, stop: _big(port, stop, binary=False)),
-        ("one 64 MiB binary request", lambda port, stop: _big(port, stop, binary=True)),
-    ]
+def run(seconds: float, root: Path = ROOT) -> dict[str, Any]:
+    """Every phase against a server of the checkout at ``root``."""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         bundles = _bundles(Path(tmp))
+        (Path(tmp) / "token").write_text(TOKEN)
         args = [f"{name}={path}" for name, path in bundles.items()]
-        with ServerProcess(*args, "--max-body-size", MAX_BODY, "--max-inflight", str(MAX_INFLIGHT), "--max-connections", "4000") as proc:
+        with ServerProcess(*args, *ARGS, "--auth-token-file", Path(tmp) / "token", root=root) as proc:
             proc.start(Path(tmp) / "serve.log")
             assert proc.proc is not None
-            base_rss, _ = _proc_status(proc.proc.pid)
-            for name, attack in phases:
+            target = Target(proc.http_port, proc.grpc_port, proc.proc.pid)
+            base_rss = _rss_mb(target.pid)
+            for name, attack in PHASES:
                 stop = threading.Event()
-                attacker = threading.Thread(target=attack, args=(proc.http_port, stop), daemon=True) if attack else None
+                outcomes: Outcomes = collections.Counter()
+                peak = _Peak(target.pid)
+                attacker = threading.Thread(target=attack, args=(target, stop, outcomes), daemon=True) if attack else None
                 if attacker:
                     attacker.start()
                     time.sleep(0.5)  # the attack in place
@@ -218,38 +418,55 @@ def run(seconds: float) -> dict[str, Any]:
                 prober.start()
                 time.sleep(seconds)
                 prober.stop()
-                rss, fds = _proc_status(proc.proc.pid)
                 stop.set()
                 if attacker:
                     attacker.join(60)
                 rows.append({"phase": name, "health": _stats(prober.health), "infer": _stats(prober.infer), "failed": prober.failed,
-                             "rss_mb": rss, "fds": fds})
+                             "rss_peak_mb": peak.stop(), "rss_after_mb": _rss_mb(target.pid), "outcomes": dict(outcomes)})
                 time.sleep(1.0)
             proc.stop()
-    idle = rows[0]
-    for row in rows:
-        for what in ("health", "infer"):
-            row[what]["p99_vs_idle"] = row[what]["p99_ms"] / idle[what]["p99_ms"]
-    return {"seconds": seconds, "max_body": MAX_BODY, "max_inflight": MAX_INFLIGHT, "base_rss_mb": base_rss, "rows": rows}
+    return {"seconds": seconds, "root": str(root), "base_rss_mb": base_rss, "rows": rows}
+
+
+@contextlib.contextmanager
+def _checkout(rev: str) -> Iterator[Path]:
+    """A detached worktree of ``rev`` (removed after)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp) / "checkout"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--quiet", "--detach", str(where), rev], check=True)
+        try:
+            yield where
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)], check=True)
+
+
+def _outcomes(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} x {what}" if n > 1 else what for what, n in sorted(counts.items())) or "-"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="the prober's time in each phase")
+    parser.add_argument("--against", metavar="REV", help="also run the phases against this git revision's server, printed beside")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = run(args.seconds)
+    results = {}
+    if args.against:
+        with _checkout(args.against) as old:
+            results[args.against] = run(args.seconds, old)
+    results["this checkout"] = run(args.seconds)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(results, indent=2))
         return
-    print(f"onnxpipe serve, loopback, --max-body-size {MAX_BODY} --max-inflight {MAX_INFLIGHT}; a prober alternating a health check and a small "
-          f"inference every 5 ms for {args.seconds:g} s per phase; RSS at start {result['base_rss_mb']:.0f} MB")
-    print(f"{'phase':32} {'health p50 / p99 / max ms':>27} {'p99 x idle':>10} {'infer p50 / p99 / max ms':>27} {'p99 x idle':>10} "
-          f"{'failed':>6} {'RSS MB':>7} {'fds':>5}")
-    for r in result["rows"]:
-        h, i = r["health"], r["infer"]
-        print(f"{r['phase']:32} {h['p50_ms']:8.2f} / {h['p99_ms']:7.2f} / {h['max_ms']:7.1f} {h['p99_vs_idle']:9.1f}x "
-              f"{i['p50_ms']:8.2f} / {i['p99_ms']:7.2f} / {i['max_ms']:7.1f} {i['p99_vs_idle']:9.1f}x {r['failed']:6d} {r['rss_mb']:7.0f} {r['fds']:5d}")
+    print(f"onnxpipe serve, loopback, {' '.join(ARGS)} and a token; a prober alternating a health check and a small inference every 5 ms for "
+          f"{args.seconds:g} s per phase; RSS: the server and its JSON worker")
+    for i, (name, _) in enumerate(PHASES):
+        print(f"\n{name}")
+        for label, result in results.items():
+            r = result["rows"][i]
+            h, inf = r["health"], r["infer"]
+            print(f"  {label:>14}: health p99 {h['p99_ms']:7.2f} max {h['max_ms']:7.1f} ms | infer p99 {inf['p99_ms']:7.2f} ms, {r['failed']} failed | "
+                  f"RSS peak {r['rss_peak_mb']:5.0f} after {r['rss_after_mb']:5.0f} MB | the attack's requests: {_outcomes(r['outcomes'])}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ Note: one budget, two doors.
     ``--max-inflight`` x ``--max-body-size``: what both doors hold at once stays within it. An
     HTTP chunk that does not fit is refused at once (503), as before; a gRPC read that does not fit
     waits for room (within ``--body-timeout`` for a call, the idle timeout for a stream), since a
-    call that has not begun to read holds no more than grpc's flow-control window.
+    call that has not begun to read holds no more than grpc's flow-control window. gRPC reads
+    leave one ``--max-body-size`` of the budget free (where it holds two or more): a reservation
+    costs a client nothing to make, so without that, 24 calls that announce large messages and
+    stall kept every HTTP request out (503) for ``--body-timeout`` at a time, where an HTTP
+    client must send the bytes it holds.
 
 Note: memory given back.
     What a request held is freed once it is answered, but freed memory stays the process's: grpc's
@@ -70,16 +74,16 @@ class BodyBudget:
         return RequestError(503, f"the server holds {self.held} bytes of requests, the most it buffers at once "
                                  f"({self.limit}: --max-inflight x --max-body-size); retry later")
 
-    async def reserve(self, held: Held, size: int) -> None:
-        """Take ``size`` bytes for ``held``, waiting for room first come, first served (cancel the
-        caller to stop waiting: nothing is taken then)."""
-        if not self._waiters and self.held + size <= self.limit:
+    async def reserve(self, held: Held, size: int, leave: int = 0) -> None:
+        """Take ``size`` bytes for ``held`` while ``leave`` more stay free, waiting for room first
+        come, first served (cancel the caller to stop waiting: nothing is taken then)."""
+        if not self._waiters and self.held + size + leave <= self.limit:
             held.take(size)
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            while self._waiters[0] is not waiter or self.held + size > self.limit:
+            while self._waiters[0] is not waiter or self.held + size + leave > self.limit:
                 await waiter
                 waiter = self._renewed(waiter)
             held.take(size)

@@ -225,6 +225,11 @@ class _Receiver:
 
     def __init__(self, budget: BodyBudget, most: int, timeout: float) -> None:
         self.budget, self.most, self.timeout = budget, most, timeout
+        self.leave = most if budget.limit >= 2 * most else 0  # for HTTP's bodies (``_budget``, Note: one budget, two doors)
+
+    async def reserve(self, held: Held) -> None:
+        """Room for one message (see Note: a message's bytes), waiting for it."""
+        await self.budget.reserve(held, self.most, self.leave)
 
     async def message(self, context: grpc.aio.ServicerContext, request: type[Message]) -> tuple[Message, Held]:
         """A call's one message, parsed, and the bytes it holds (the caller releases them once answered).
@@ -237,7 +242,7 @@ class _Receiver:
         try:
             try:
                 async with deadline(self.timeout):
-                    await self.budget.reserve(held, self.most)
+                    await self.reserve(held)
                     data = await context.read()
             except TimeoutError:
                 if not held.bytes:
@@ -329,7 +334,7 @@ class _Stream:
             held = budget.hold()
             try:  # room for the message first, then the read (see Note: a message's bytes)
                 self.roomless = True
-                await budget.reserve(held, self.receiver.most)
+                await self.receiver.reserve(held)
                 self.roomless = False
                 data = await self.context.read()
             except BaseException:

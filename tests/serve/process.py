@@ -36,9 +36,11 @@ class ServerProcess:
     Args:
         args: What follows ``onnxpipe serve`` (bundles, options); the ports are added unless given.
         env: Extra environment variables.
+        root: The checkout whose onnxpipe runs (``benchmarks.serve_faults --against`` runs an older one).
     """
 
-    def __init__(self, *args: object, env: dict[str, str] | None = None, grpc: bool = True) -> None:
+    def __init__(self, *args: object, env: dict[str, str] | None = None, grpc: bool = True, root: Path = ROOT) -> None:
+        self.root = root
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.args = [str(a) for a in args]
         if "--http-port" not in self.args:
@@ -68,7 +70,7 @@ class ServerProcess:
         self.log_path = log
         handle = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onnxpipe.cli", "serve", *self.args], cwd=ROOT, env=self.env, stdout=handle, stderr=subprocess.STDOUT, text=True
+            [sys.executable, "-m", "onnxpipe.cli", "serve", *self.args], cwd=self.root, env=self.env, stdout=handle, stderr=subprocess.STDOUT, text=True
         )
         handle.close()
         if wait:
