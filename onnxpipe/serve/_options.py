@@ -295,11 +295,11 @@ def _repository_entry(entry: Path, inner: list[tuple[Path, str]]) -> ModelSource
         OSError: the entry cannot be read.
     """
     if entry.is_file() and entry.name.endswith(ARCHIVE_SUFFIX):
-        source = ModelSource(entry.name[: -len(ARCHIVE_SUFFIX)], entry)
+        source = ModelSource(_model_name(entry), entry)
     elif linked_folder(entry) and (entry / MANIFEST_NAME).is_file():
         return _LINKED
     elif entry.is_dir() and (held := _model_folder(entry, inner)) is not None:
-        source = ModelSource(entry.name, *held)
+        source = ModelSource(_model_name(entry), *held)
     elif _versions(entry):
         return None
     else:
@@ -399,9 +399,14 @@ def _not_a_version(path: Path) -> str:
 
 
 def _name(path: Path) -> str:
-    name = path.name[: -len(ARCHIVE_SUFFIX)] if path.name.endswith(ARCHIVE_SUFFIX) else path.name
+    name = _model_name(path)
     _check_name(name, str(path))
     return name
+
+
+def _model_name(path: Path) -> str:
+    """The name of the model ``path`` holds: its file or folder name without ``.onnxpipe``."""
+    return path.name[: -len(ARCHIVE_SUFFIX)] if path.name.endswith(ARCHIVE_SUFFIX) else path.name
 
 
 def _check_name(name: str, where: str) -> None:

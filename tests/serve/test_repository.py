@@ -131,6 +131,7 @@ def test_odd_entries_are_skipped_with_why_and_the_rest_is_served(tmp_path: Path)
     _bundle(elsewhere / "resnet" / "1")
     repo = tmp_path / "repo"
     _bundle(repo / "good")
+    _bundle(repo / "folder.onnxpipe")  # a bundle folder named as an archive: named without the suffix
     (repo / "linked").symlink_to(elsewhere / "pair")  # a bundle folder through a link: the loader refuses it
     (repo / "squeeze.onnxpipe").symlink_to(elsewhere / "squeeze.onnxpipe")  # an archive through a link: read
     (repo / "resnet").symlink_to(elsewhere / "resnet")  # a model folder through a link: its bundle is no link, read
@@ -147,6 +148,7 @@ def test_odd_entries_are_skipped_with_why_and_the_rest_is_served(tmp_path: Path)
     (repo / "det" / "3" / "model.onnxpipe").symlink_to(elsewhere / "det")  # a version's model.onnxpipe linking to a folder
     found = model_sources(repository=repo)
     assert list(found) == [
+        ModelSource("folder", repo / "folder.onnxpipe"),
         ModelSource("good", repo / "good"),
         ModelSource("ocr", repo / "ocr" / "1", ("1",)),
         ModelSource("resnet", repo / "resnet" / "1", ("1",)),
@@ -363,14 +365,17 @@ def test_a_version_is_served_as_the_number_found_on_both_protocols(odd_repositor
     assert proc.get("/v2/models/resnet/versions/2/config")[0] == 200
     status, answer = proc.request("POST", "/v2/models/resnet/versions/2/infer", _infer_body("2"))
     assert status == 200 and json.loads(answer)["model_version"] == "2", answer
+    big = json.loads(_infer_body("2")) | {"id": "i" * (1 << 20)}  # 1 MiB of JSON: decoded by the JSON worker, which checks the version too
+    status, answer = proc.request("POST", "/v2/models/resnet/versions/2/infer", json.dumps(big).encode())
+    assert status == 200 and json.loads(answer)["model_version"] == "2", answer[:200]
     assert proc.request("POST", "/v2/models/resnet/versions/1/infer", _infer_body()) == (404, no_1)
     assert proc.request("POST", "/v2/models/resnet/infer", _infer_body("1")) == (
         400, b'{"error":"the request\'s model_version \'1\' is not the URL\'s (2); leave it out or give the same"}')
     stats = json.loads(proc.get("/v2/models/resnet/versions/2/stats")[1])["model_stats"]
-    assert [(s["version"], s["inference_stats"]["success"]["count"]) for s in stats] == [("2", 1)]
+    assert [(s["version"], s["inference_stats"]["success"]["count"]) for s in stats] == [("2", 2)]
     assert proc.get("/v2/models/resnet/versions/1/stats") == (404, no_1)
     metrics = proc.get("/metrics")[1].decode()
-    assert re.search(r'^nv_inference_count\{model="resnet",version="2"\} 1$', metrics, re.M), metrics
+    assert re.search(r'^nv_inference_count\{model="resnet",version="2"\} 2$', metrics, re.M), metrics
 
     client = grpcclient.InferenceServerClient(proc.grpc)
     assert client.is_model_ready("resnet", "2") is True and client.is_model_ready("resnet") is True
