@@ -135,7 +135,7 @@ def serve(
     .onnxpipe; NAME=BUNDLE names it.
 
     \b
-    HTTP (--http-port): GET /v2/health/live|ready, GET /v2, GET /v2/models/NAME[/versions/1]
+    HTTP (--http-port): GET /v2/health/live|ready, GET /v2, GET /v2/models/NAME[/versions/V]
       [/ready|/config|/stats], POST .../infer (JSON or binary tensors), GET /metrics (Prometheus).
     gRPC (--grpc-port): inference.GRPCInferenceService, with ModelConfig, ModelStatistics and
       ModelStreamInfer (Triton's stream: many requests in flight, answered in order).

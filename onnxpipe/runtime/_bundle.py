@@ -73,6 +73,7 @@ __all__ = [
     "check_caps",
     "check_relative",
     "is_bundle",
+    "linked_folder",
     "load_npz",
     "npz_layout",
     "read_bundle",
@@ -575,6 +576,13 @@ def is_bundle(path: object) -> bool:
     return (p.is_dir() and (p / MANIFEST_NAME).is_file()) or (p.is_file() and zipfile.is_zipfile(p))
 
 
+def linked_folder(path: str | os.PathLike[str]) -> bool:
+    """True for a symbolic link to a folder, which :func:`read_bundle` does not read as a bundle:
+    a bundle holds regular files only, its own folder included (a link to an archive file is read)."""
+    p = Path(path)
+    return p.is_symlink() and p.is_dir()
+
+
 def read_bundle(
     path: str | os.PathLike[str],
     limits: Limits | None = None,
@@ -615,7 +623,9 @@ def read_bundle(
     path = Path(path)
     if not path.exists():
         raise BundleError(f"bundle '{path}' does not exist")
-    if path.is_dir() and not path.is_symlink():
+    if linked_folder(path):
+        raise BundleError(f"bundle '{path}' is a symbolic link to a folder; bundles hold regular files only: give the folder itself")
+    if path.is_dir():
         bundle = _check_folder(path, limits, None, str(path), sessions=sessions, overrides=changes)
     elif not path.is_file():
         raise BundleError(f"bundle '{path}' is neither a folder nor an archive file")

@@ -13,6 +13,15 @@ Note: connections.
     aiohttp's parser refuses (a header over 8 KiB, a NUL in a header, a bad chunk size, TLS or
     HTTP/2 on the port) is answered ``400`` with the protocol's JSON error and logged as one line,
     no traceback.
+
+Note: the metrics port.
+    The metrics port takes few connections (a scraper holds one), so a handful of idle sockets
+    would fill it, and Prometheus would be refused until their idle deadline. There, a connection
+    over the cap is let in, and the oldest connection is closed instead, an idle one first (one
+    with no request in progress: a scrape is answered in milliseconds); the closings are logged as
+    the refusals are. A scrape sends its request as it connects, so its connections also have a
+    short head deadline (``_server``'s ``_METRICS_HEAD_S``): what holds the port without asking
+    is closed within seconds, not ``idle_timeout``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import logging
 import resource
 import socket
 import time
+from collections.abc import Collection
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -48,30 +58,49 @@ class Gate:
     Args:
         server: The aiohttp ``web.Server`` of the runner (``runner.server``).
         most: The most connections open at once.
+        evict: At the cap, close the oldest connection (idle ones first) to let the new one in,
+            rather than refuse it (see Note: the metrics port).
     """
 
-    def __init__(self, server: web.Server, most: int) -> None:
+    def __init__(self, server: web.Server, most: int, evict: bool = False) -> None:
         self.server = server
         self.most = most
+        self.evict = evict
         self._logged_at = 0.0
         self._unlogged = 0
 
-    @property
-    def open(self) -> int:
+    def _table(self) -> Collection[RequestHandler]:
+        """aiohttp's connections, oldest first: a closed one stays until its handler ends."""
         connections = getattr(self.server, "_connections", None)
-        return len(connections) if connections is not None else len(self.server.connections)
+        return connections if connections is not None else self.server.connections
 
     def __call__(self) -> asyncio.Protocol:
-        if self.open >= self.most:
-            self._refuse()
-            return _Refused(self.most)
+        table = self._table()
+        if len(table) >= self.most:
+            if not self.evict:
+                self._note("refused %d connection(s): %d are open, the most this server takes (--max-connections)")
+                return _Refused(self.most)
+            live = [h for h in table if h.transport is not None]  # past the ones closed already, which leave the table soon
+            if len(live) >= self.most:
+                self._close_oldest(live)
         return _JsonErrors(self.server, loop=self.server._loop, **self.server._kwargs)
 
-    def _refuse(self) -> None:
+    def _close_oldest(self, live: list[RequestHandler]) -> None:
+        """Close the oldest of ``live``, an idle one (no request in progress) first (see Note: the metrics port)."""
+        idle = [h for h in live if not getattr(h, "_request_in_progress", False)]
+        victim = (idle or live)[0]
+        transport = victim.transport
+        victim.force_close()
+        if transport is not None:
+            transport.abort()  # at once, its unsent answers dropped: a close would wait for a client that never reads, holding the fd
+        self._note("closed %d connection(s) of the metrics port, the oldest idle first, to let new ones in: it holds %d at once")
+
+    def _note(self, what: str) -> None:
+        """Log ``what`` (its count and the cap), at most once a second."""
         self._unlogged += 1
         now = time.monotonic()
         if now - self._logged_at >= 1.0:
-            log.warning("refused %d connection(s): %d are open, the most this server takes (--max-connections)", self._unlogged, self.most)
+            log.warning(what, self._unlogged, self.most)
             self._logged_at, self._unlogged = now, 0
 
 
@@ -111,16 +140,17 @@ class _JsonErrors(RequestHandler):
 
 
 class GatedSite(web.SockSite):
-    """aiohttp's site on a bound socket, its connections let in by a :class:`Gate`."""
+    """aiohttp's site on a bound socket, its connections let in by a :class:`Gate` (``evict``: see it)."""
 
-    def __init__(self, runner: web.BaseRunner, sock: socket.socket, most: int, backlog: int) -> None:
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, most: int, backlog: int, evict: bool = False) -> None:
         super().__init__(runner, sock, backlog=backlog)
         self.most = most
+        self.evict = evict
         self.gate: Gate | None = None
 
     async def start(self) -> None:
         self._runner._reg_site(self)
         server = self._runner.server
         assert server is not None
-        self.gate = Gate(server, self.most)
+        self.gate = Gate(server, self.most, self.evict)
         self._server = await asyncio.get_running_loop().create_server(self.gate, sock=self._sock, backlog=self._backlog)

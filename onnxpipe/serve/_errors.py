@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from onnxpipe._errors import OnnxpipeError, closest
 
-__all__ = ["RequestError"]
+__all__ = ["RequestError", "printable"]
 
 #: HTTP status -> the gRPC status code name Triton maps the same error to (grpc_utils.cc).
 _GRPC = {
@@ -87,6 +87,14 @@ def shown(value: object, most: int = SHOWN) -> str:
         return repr(value)
     text = repr(value[:most])
     return f"{text[:-1]}…{text[-1]} ({len(value)} characters)"
+
+
+def printable(text: str) -> str:
+    """``text`` as a log line or an error line shows what a client or the file system chose (a
+    path, a name, a message): as it is when every character is printable, else with Python's
+    escapes (``\\n``, ``\\x1b``, ``\\xe8``), so that it cannot end its line, begin another, or write a
+    terminal's control sequence."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def near(name: str, choices: Iterable[str]) -> str:

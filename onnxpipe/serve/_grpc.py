@@ -68,7 +68,7 @@ from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve import _logs as logs
 from onnxpipe.serve._budget import BodyBudget, Held, deadline
 from onnxpipe.serve._errors import RequestError, bad_request
-from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
+from onnxpipe.serve._models import ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
 from onnxpipe.serve._proto import oip_pb2 as pb
 from onnxpipe.serve._state import OFF_LOOP, Decoded, ServerState, Turn
 from onnxpipe.serve._tensors import check_shape, from_binary, from_contents, to_binary
@@ -155,8 +155,7 @@ def make_server(state: ServerState, address: str, max_connections: int, budget: 
 
     async def model_ready(r: Any) -> Message:
         # A model that is not served (unknown, loading, failed, another version) is not ready: an answer, not an error (as Triton).
-        ready = r.name in state.models and r.version in ("", VERSION) and not state.draining
-        return pb.ModelReadyResponse(ready=ready)
+        return pb.ModelReadyResponse(ready=state.takes(r.name, r.version))
 
     async def server_metadata(_: Any) -> Message:
         return json_format.ParseDict(state.metadata(), pb.ServerMetadataResponse())
@@ -425,7 +424,7 @@ def _decode(model: ModelPorts, r: Any) -> Decoded:
 
 def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> Message:
     names = [name for name, _ in decoded.outputs] or list(model.outputs)
-    response = pb.ModelInferResponse(model_name=model.name, model_version=VERSION, id=decoded.id)
+    response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=decoded.id)
     for name in names:
         port, array = model.outputs[name], outputs[name]
         response.outputs.add(name=name, datatype=port.datatype, shape=array.shape)

@@ -53,7 +53,7 @@ from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve import _logs as logs
 from onnxpipe.serve._budget import BodyBudget, Held, deadline
 from onnxpipe.serve._errors import RequestError, bad_request, shown
-from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
+from onnxpipe.serve._models import ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
 from onnxpipe.serve._state import Decoded, ServerState
 from onnxpipe.serve._tensors import binary_view, check_shape, from_binary, from_json, to_json
 
@@ -126,6 +126,7 @@ def make_app(state: ServerState, budget: BodyBudget, workers: JsonDecoders | Non
         model = _model(state, request)
         if state.draining:
             return _json({"name": model.name, "ready": False, "error": "Model version not ready: the server is shutting down"}, 400)
+        state.serving()  # ready exactly when its inference is admitted: not while the server still loads (see Note: lifecycle, _server)
         return _json({"name": model.name, "ready": True})
 
     async def model_config(request: web.Request) -> web.StreamResponse:
@@ -357,8 +358,8 @@ def _decode(model: ModelPorts, body: memoryview, header_length: int | None, note
         raise bad_request(f"unknown key(s) {', '.join(repr(k) for k in sorted(unknown))} in the request; valid: {', '.join(sorted(_REQUEST_KEYS))}")
     for key, want in (("model_name", model.name), ("model_version", None)):
         given = header.get(key)
-        if given is not None and (not isinstance(given, str) or (want is not None and given != want) or (want is None and given not in ("", VERSION))):
-            raise bad_request(f"the request's {key} {shown(given)} is not the URL's ({want or VERSION}); leave it out or give the same")
+        if given is not None and (not isinstance(given, str) or (want is not None and given != want) or (want is None and given not in ("", model.version))):
+            raise bad_request(f"the request's {key} {shown(given)} is not the URL's ({want or model.version}); leave it out or give the same")
     request_id = header.get("id", "")
     parameters = _object(header.get("parameters", {}), "the request's 'parameters'")
     if not isinstance(request_id, str):
@@ -449,7 +450,7 @@ def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> web.Respo
         else:
             tensor["data"] = to_json(port, array)
         tensors.append(tensor)
-    head: dict[str, Any] = {"model_name": model.name, "model_version": VERSION, "outputs": tensors}
+    head: dict[str, Any] = {"model_name": model.name, "model_version": model.version, "outputs": tensors}
     if decoded.id:
         head = {"id": decoded.id, **head}
     text = orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY)

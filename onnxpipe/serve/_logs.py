@@ -54,7 +54,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from onnxpipe.serve._errors import _GRPC
+from onnxpipe.serve._errors import _GRPC, printable
 from onnxpipe.serve._options import LOG_FORMATS
 
 __all__ = [
@@ -152,16 +152,12 @@ class Request:
         """The line's text, without the ``onnxpipe serve:`` prefix: on one line (a message's line
         breaks and runs of spaces are one space), what the client chose (path, model, id, message)
         with its control characters escaped, so that no request can write a line of its own."""
-        head = f"gRPC {self.method} {self.grpc_status}" if self.protocol == "grpc" else f"{self.method} {_printable(self.path)} {self.status}"
-        model = f" model={_printable(self.model)}" + (f" version={_printable(self.version)}" if self.version else "") if self.model else ""
-        line = f"{head} {self.duration_ms:.2f} ms{model} id={_printable(self.request_id)} peer={self.peer or '-'}"
-        return f"{line}: {_printable(' '.join(self.error.split()))}" if self.error else line
+        head = f"gRPC {self.method} {self.grpc_status}" if self.protocol == "grpc" else f"{self.method} {printable(self.path)} {self.status}"
+        model = f" model={printable(self.model)}" + (f" version={printable(self.version)}" if self.version else "") if self.model else ""
+        line = f"{head} {self.duration_ms:.2f} ms{model} id={printable(self.request_id)} peer={self.peer or '-'}"
+        return f"{line}: {printable(' '.join(self.error.split()))}" if self.error else line
 
     __str__ = text  # what another handler's formatter shows (an application's own logging)
-
-
-def _printable(text: str) -> str:
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def _bounded(request_id: str) -> str:

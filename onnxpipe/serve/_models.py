@@ -84,6 +84,8 @@ __all__ = ["PLATFORM", "Deadline", "Sequence", "ServedModel", "SequenceId", "tim
 
 #: What metadata and config call the platform (Triton's ``onnxruntime_onnx`` for one ONNX model).
 PLATFORM = "onnxpipe"
+#: The version of a model served from a bundle of its own; one from a model repository in Triton's layout has the number of
+#: the version folder it was found in (``_options``, Note: a model repository).
 VERSION = "1"
 #: Longest string sequence id (Triton's limit).
 _MAX_SEQUENCE_ID = 128
@@ -236,12 +238,14 @@ class ModelPorts:
         outputs: Its output ports by name, in order.
         max_batch_size: The ``max_batch_size`` its config reports (``ServedModel.batching``): a
             request holds at most that many rows (dim 0), as Triton refuses more; 0: any.
+        version: The version served (a request's ``model_version``, if given, must be it).
     """
 
     name: str
     inputs: dict[str, Port]
     outputs: dict[str, Port]
     max_batch_size: int = 0
+    version: str = VERSION
 
     def input_port(self, name: str, given: Mapping[str, object]) -> Port:
         """The port of a request's input ``name``, not given before (``given``: the inputs so far).
@@ -306,11 +310,14 @@ class ServedModel:
         path: The bundle it was loaded from.
         pipe: The started pipeline.
         max_inflight: Requests admitted at once; more are refused with 503.
+        version: The version it is served as: :data:`VERSION`, or in Triton's layout the number
+            of its version folder. It is the only one: a request naming another gets 404.
     """
 
-    def __init__(self, name: str, path: os.PathLike[str] | str, pipe: Pipeline, max_inflight: int) -> None:
+    def __init__(self, name: str, path: os.PathLike[str] | str, pipe: Pipeline, max_inflight: int, version: str = VERSION) -> None:
         self.name = name
         self.path = str(path)
+        self.version = version
         self.pipe = pipe
         self.max_inflight = max_inflight
         self.inflight = 0
@@ -319,7 +326,7 @@ class ServedModel:
         self.outputs = {t.name: port_of(t, f"model '{name}': output") for t in spec.outputs}
         self.stateful = bool(spec.states)
         #: What decoding a request checks it against; max_batch_size the config's, enforced as Triton does.
-        self.ports = ModelPorts(name, self.inputs, self.outputs, self.batching()[0])
+        self.ports = ModelPorts(name, self.inputs, self.outputs, self.batching()[0], version)
         self.counters = _Counters()
         #: The stage whose calls are the model's executions (see Note: executions).
         self.executing = next((i for i, s in enumerate(spec.stages) if s.batching is not None and s.settings.max_batch > 1), 0)
@@ -515,7 +522,7 @@ class ServedModel:
         """Model metadata (``GET /v2/models/{name}``), in the protocol's JSON form."""
         return {
             "name": self.name,
-            "versions": [VERSION],
+            "versions": [self.version],
             "platform": PLATFORM,
             "inputs": [_tensor_metadata(p) for p in self.inputs.values()],
             "outputs": [_tensor_metadata(p) for p in self.outputs.values()],
@@ -585,7 +592,7 @@ class ServedModel:
 
         return {
             "name": self.name,
-            "version": VERSION,
+            "version": self.version,
             "last_inference": c.last_inference_ms,
             "inference_count": c.inferences,
             "execution_count": _executions(executing),

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from onnxpipe._errors import ConfigError
 from onnxpipe.runtime import ARCHIVE_SUFFIX, DEFAULT_MAX_STREAMS, ENGINES, StageOverrides, is_bundle
-from onnxpipe.runtime._bundle import CONFIG_NAME, MANIFEST_NAME
+from onnxpipe.runtime._bundle import CONFIG_NAME, MANIFEST_NAME, linked_folder
+from onnxpipe.serve._errors import printable
 
 __all__ = ["ModelSource", "ModelSources", "ServeOptions", "model_sources"]
 
@@ -22,6 +23,11 @@ _VERSION_BUNDLE = f"model{ARCHIVE_SUFFIX}"
 LOG_FORMATS = ("text", "json")
 #: Skipped entries an error lists (a repository may hold many).
 _SHOWN = 5
+#: What a name clients can use is (:data:`_NAME`), said where one is not.
+_NAME_RULE = "letters, digits, '_', '.' and '-', starting with a letter or digit"
+#: Why a symbolic link to a folder is not served (``runtime.read_bundle`` does not read one: see ``linked_folder``), worded as :func:`_not_servable`.
+_LINKED = ("a symbolic link to a folder, which onnxpipe does not load as a bundle (a bundle holds regular files only): "
+           f"put the folder itself here, or link a {ARCHIVE_SUFFIX} archive of it")
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,9 @@ class ModelSource:
     Attributes:
         name: The model's name.
         path: Its bundle (folder or archive).
-        versions: The versions found in Triton's ``NAME/VERSION/`` layout, lowest first; the last
-            is the one served (see Note: a model repository). Empty: a bundle of its own.
+        versions: The versions found in Triton's ``NAME/VERSION/`` layout, by number (``007``
+            is ``7``), lowest first; the last is the one served, as that version (see Note: a
+            model repository). Empty: a bundle of its own, served as version 1.
     """
 
     name: str
@@ -184,20 +191,29 @@ def model_sources(bundles: Sequence[str | os.PathLike[str]] = (), repository: st
         Each entry of the folder is a bundle folder (a ``manifest.json``), a ``NAME.onnxpipe``
         archive, or a model folder in Triton's layout, ``NAME/VERSION/`` (VERSION a number), each
         version a bundle folder itself or holding ``model.onnxpipe``. Of a model's versions the
-        highest is served (the others are listed in :attr:`ModelSource.versions`). Every other
-        entry, and every entry of a model folder that is not a version holding a bundle, is listed
-        in :attr:`ModelSources.skipped` with why (the server says each at start); hidden entries
-        (dot files) are passed over. A ``NAME.onnxpipe`` file is taken by its name, so that one
-        damaged or truncated fails as it loads, naming the file (and ``allow_partial`` applies).
-        A model folder in Triton's layout may be given by itself too.
+        highest is served, under its number (the others are listed in
+        :attr:`ModelSource.versions`). Every other entry, and every entry of a model folder that
+        is not a version holding a bundle, is listed in :attr:`ModelSources.skipped` with why
+        (the server says each at start); hidden entries (dot files) are passed over. So is every
+        entry the server could not serve after all, up front: one whose name clients cannot use
+        in a URL, two of one name (both), one that cannot be read, and a bundle folder reached by
+        a symbolic link (the repository's entry, a version folder, or its ``model.onnxpipe``),
+        which the loader refuses (``runtime.read_bundle``: a bundle holds regular files only; a
+        link to an archive, or to a model folder, is followed). What is listed, the loader
+        accepts; what is wrong inside a bundle is found as it loads: a ``NAME.onnxpipe`` file is
+        taken by its name, so that one damaged or truncated fails as it loads, naming the file
+        (and ``allow_partial`` applies). A model folder in Triton's layout may be given by itself
+        too. A bundle given by its path is the user's choice: a name that cannot be used, or a
+        link to a folder, is an error instead.
 
     Returns:
         The models, with :attr:`ModelSources.skipped`.
 
     Raises:
-        ConfigError: no model at all, a path given that is no bundle (saying what it is), a
-            repository that is no folder or holds no model, a name clients could not use, or two
-            models of one name.
+        ConfigError: no model at all, a path given that is no bundle (saying what it is) or a
+            link to a folder, a name given clients could not use, a repository that is no
+            folder or holds no model, or two models of one name (a bundle given and one of the
+            repository; two in the repository are skipped).
     """
     skipped: list[tuple[Path, str]] = []
     sources = [_source(str(item), skipped) for item in bundles]
@@ -210,7 +226,7 @@ def model_sources(bundles: Sequence[str | os.PathLike[str]] = (), repository: st
     seen: dict[str, Path] = {}
     for s in sources:
         if s.name in seen:
-            raise ConfigError(f"two models are named '{s.name}': '{seen[s.name]}' and '{s.path}'; name one with NAME=PATH")
+            raise ConfigError(f"two models are named '{s.name}': '{printable(str(seen[s.name]))}' and '{printable(str(s.path))}'; name one with NAME=PATH")
         seen[s.name] = s.path
     return ModelSources(sources, skipped)
 
@@ -223,37 +239,89 @@ def _source(item: str, skipped: list[tuple[Path, str]]) -> ModelSource:
     else:
         path, name = Path(item), _name(Path(item))
     if not path.exists():
-        raise ConfigError(f"bundle '{path}' does not exist")
+        raise ConfigError(f"bundle '{printable(str(path))}' does not exist")
+    if linked_folder(path) and (path / MANIFEST_NAME).is_file():
+        raise ConfigError(f"'{printable(str(path))}' is {_LINKED}")
     # A file named as an archive is taken as one: damaged, it fails as it loads, naming what is wrong.
     if is_bundle(path) or (path.is_file() and path.name.endswith(ARCHIVE_SUFFIX)):
         return ModelSource(name, path)
     held = _model_folder(path, skipped) if path.is_dir() else None
     if held is None:
-        raise ConfigError(f"'{path}' is {_not_servable(path)}")
+        raise ConfigError(f"'{printable(str(path))}' is {_not_servable(path)}")
     return ModelSource(name, *held)
 
 
 def _repository(root: Path) -> tuple[list[ModelSource], list[tuple[Path, str]]]:
     """The models in the repository folder ``root`` (see Note: a model repository), and its entries not taken, with why."""
     if not root.is_dir():
-        raise ConfigError(f"model repository '{root}' is not a folder")
-    found: list[ModelSource] = []
+        raise ConfigError(f"model repository '{printable(str(root))}' is not a folder")
+    found: list[tuple[Path, ModelSource]] = []
     skipped: list[tuple[Path, str]] = []
-    for entry in _entries(root):
-        if entry.is_file() and entry.name.endswith(ARCHIVE_SUFFIX):
-            found.append(ModelSource(_name(entry), entry))
-        elif entry.is_dir() and (held := _model_folder(entry, skipped)) is not None:
-            found.append(ModelSource(_name(entry), *held))
-        elif not _versions(entry):  # a model folder's own entries said why
-            skipped.append((entry, _not_servable(entry)))
-    if not found:
-        listed = "; ".join(f"'{p.relative_to(root)}' is {why}" for p, why in skipped[:_SHOWN])
+    try:
+        entries = _entries(root)
+    except OSError as e:
+        raise ConfigError(f"model repository '{printable(str(root))}' cannot be read: {e.strerror or e}") from None
+    for entry in entries:
+        inner: list[tuple[Path, str]] = []  # a model folder's entries not taken: said unless the folder itself is skipped
+        try:
+            source = _repository_entry(entry, inner)
+        except OSError as e:  # a folder without the permission to list it, a file system error
+            skipped.append((entry, f"not readable: {e.strerror or e}"))
+            continue
+        if isinstance(source, str):
+            skipped.append((entry, source))
+        else:
+            skipped += inner
+            if source is not None:
+                found.append((entry, source))
+    served = _one_each(found, skipped)
+    if not served:
+        listed = "; ".join(f"'{printable(str(p.relative_to(root)))}' is {why}" for p, why in skipped[:_SHOWN])
         more = f"; and {len(skipped) - _SHOWN} more" if len(skipped) > _SHOWN else ""
         raise ConfigError(
-            f"model repository '{root}' holds no bundle (folders with a manifest.json, {ARCHIVE_SUFFIX} archives, or NAME/VERSION/ folders "
-            f"holding one){': ' + listed + more if listed else ''}"
+            f"model repository '{printable(str(root))}' holds no bundle (folders with a manifest.json, {ARCHIVE_SUFFIX} archives, or "
+            f"NAME/VERSION/ folders holding one){': ' + listed + more if listed else ''}"
         )
-    return found, skipped
+    skipped.sort(key=lambda s: s[0])
+    return served, skipped
+
+
+def _repository_entry(entry: Path, inner: list[tuple[Path, str]]) -> ModelSource | str | None:
+    """What one entry of a model repository is (see Note: a model repository): a model to serve,
+    why it is not one (worded to follow "'PATH' is"), or ``None`` for a model folder whose
+    versions all said why in ``inner``.
+
+    Raises:
+        OSError: the entry cannot be read.
+    """
+    if entry.is_file() and entry.name.endswith(ARCHIVE_SUFFIX):
+        source = ModelSource(_model_name(entry), entry)
+    elif linked_folder(entry) and (entry / MANIFEST_NAME).is_file():
+        return _LINKED
+    elif entry.is_dir() and (held := _model_folder(entry, inner)) is not None:
+        source = ModelSource(_model_name(entry), *held)
+    elif _versions(entry):
+        return None
+    else:
+        return _not_servable(entry)
+    if not _NAME.fullmatch(source.name):
+        return f"named so that clients cannot call it: a model's name is {_NAME_RULE}; rename it"
+    return source
+
+
+def _one_each(found: list[tuple[Path, ModelSource]], skipped: list[tuple[Path, str]]) -> list[ModelSource]:
+    """The models of ``found`` (each with its repository entry) whose name no other has; the
+    entries of a name that several have go to ``skipped``, each naming the others (which one a
+    client means, the server cannot know)."""
+    by_name: dict[str, list[Path]] = {}
+    for entry, source in found:
+        by_name.setdefault(source.name, []).append(entry)
+    for name, entries in by_name.items():
+        if len(entries) > 1:
+            for entry in entries:
+                others = ", ".join(f"'{o.name}'" for o in entries if o != entry)
+                skipped.append((entry, f"one of {len(entries)} entries that would be model '{name}' (also {others}): rename or remove all but one"))
+    return [source for _, source in found if len(by_name[source.name]) == 1]
 
 
 def _model_folder(folder: Path, skipped: list[tuple[Path, str]]) -> tuple[Path, tuple[str, ...]] | None:
@@ -265,8 +333,10 @@ def _model_folder(folder: Path, skipped: list[tuple[Path, str]]) -> tuple[Path, 
     versions = _versions(folder)
     if not versions:
         return None
-    held = {v.name: bundle for v in versions if (bundle := _version_bundle(v)) is not None}  # lowest first, as versions
-    skipped += [(p, _not_a_version(p)) for p in _entries(folder) if p.name not in held]
+    # By number, lowest first: the version clients name is the folder's number (Triton reads 007 as 7).
+    held = {str(int(v.name)): bundle for v in versions if (bundle := _version_bundle(v)) is not None and not linked_folder(bundle)}
+    taken = set(held.values())
+    skipped += [(p, _not_a_version(p)) for p in _entries(folder) if p not in taken and p / _VERSION_BUNDLE not in taken]
     if not held:
         return None
     return list(held.values())[-1], tuple(held)
@@ -307,6 +377,8 @@ def _not_servable(path: Path) -> str:
         return f"a zip archive not named NAME{ARCHIVE_SUFFIX}: rename it to serve it"
     if path.is_file():
         return f"not a bundle (a folder with a {MANIFEST_NAME}, or a {ARCHIVE_SUFFIX} archive)"
+    if path.is_symlink():
+        return f"a symbolic link to nothing ('{printable(os.readlink(path))}' does not exist)"
     return "neither a file nor a folder"
 
 
@@ -316,6 +388,9 @@ def _not_a_version(path: Path) -> str:
         return "Triton's model configuration, not read: a bundle carries its own settings"
     if not (path.is_dir() and _VERSION.fullmatch(path.name)):
         return f"not a version folder (Triton's layout: NAME/VERSION/{_VERSION_BUNDLE}, VERSION a number)"
+    bundle = _version_bundle(path)
+    if bundle is not None and linked_folder(bundle):
+        return _LINKED if bundle == path else f"a version folder whose {_VERSION_BUNDLE} is {_LINKED}"
     if any(p.suffix == ".onnx" for p in _entries(path)):
         return "a version folder holding an ONNX model, not a bundle: make one with onnxpipe split/build/export"
     if (path / CONFIG_NAME).is_file():
@@ -324,14 +399,16 @@ def _not_a_version(path: Path) -> str:
 
 
 def _name(path: Path) -> str:
-    name = path.name[: -len(ARCHIVE_SUFFIX)] if path.name.endswith(ARCHIVE_SUFFIX) else path.name
+    name = _model_name(path)
     _check_name(name, str(path))
     return name
 
 
+def _model_name(path: Path) -> str:
+    """The name of the model ``path`` holds: its file or folder name without ``.onnxpipe``."""
+    return path.name[: -len(ARCHIVE_SUFFIX)] if path.name.endswith(ARCHIVE_SUFFIX) else path.name
+
+
 def _check_name(name: str, where: str) -> None:
     if not _NAME.fullmatch(name):
-        raise ConfigError(
-            f"model name {name!r} (from '{where}') cannot be used in URLs: a name is letters, digits, '_', '.' and '-', "
-            "starting with a letter or digit; name it with NAME=PATH"
-        )
+        raise ConfigError(f"model name {name!r} (from '{printable(where)}') cannot be used in URLs: a name is {_NAME_RULE}; name it with NAME=PATH")

@@ -3,7 +3,11 @@
 Note: lifecycle.
     The HTTP, gRPC and metrics ports are bound first (a port in use is one error, before any model loads),
     so ``/v2/health/live`` answers while the models load; ``/v2/health/ready`` turns true only once
-    every model is loaded and, where its bundle carries reference samples, verified. A model that
+    every model is loaded and, where its bundle carries reference samples, verified, and the JSON
+    workers have started: the moment the server admits inference requests. A model's readiness
+    (``.../ready``, gRPC's ModelReady) turns true then too, not as the model itself is loaded: a
+    model is ready exactly when an inference request for it is admitted, by the same checks
+    (``ServerState.takes``), so a client that waits for it is never refused for loading. A model that
     fails to load stops the server with one error naming it, unless ``allow_partial``. On SIGTERM
     or SIGINT the server drains: ready goes false, new inference requests get 503 (and so do
     those whose body is still arriving, at once), the requests already admitted finish and are
@@ -35,11 +39,12 @@ from onnxpipe.runtime._overrides import describe_settings
 from onnxpipe.serve import _logs as logs
 from onnxpipe.serve._budget import BodyBudget
 from onnxpipe.serve._connections import GatedSite, default_max_connections
+from onnxpipe.serve._errors import printable
 from onnxpipe.serve._grpc import make_server
 from onnxpipe.serve._http import drain, make_app
 from onnxpipe.serve._jsonwork import JsonWorkers
 from onnxpipe.serve._metrics import metrics_app
-from onnxpipe.serve._models import ServedModel
+from onnxpipe.serve._models import VERSION, ServedModel
 from onnxpipe.serve._options import ModelSource, ModelSources, ServeOptions
 from onnxpipe.serve._state import ServerState
 
@@ -47,8 +52,12 @@ __all__ = ["serve"]
 
 Say = Callable[[str], None]
 _BACKLOG = 2048
-#: Connections the metrics port takes at once (a scraper holds one); its fds come from the reserve ``_connections`` keeps.
+#: Connections the metrics port takes at once (a scraper holds one; one more closes the oldest, idle first); its fds come
+#: from the reserve ``_connections`` keeps.
 _METRICS_CONNECTIONS = 16
+#: Seconds a metrics port's connection may take to send a request's head (from connecting or its previous answer), when
+#: ``idle_timeout`` is longer: a scrape sends its request at once (``_connections``, Note: the metrics port).
+_METRICS_HEAD_S = 5.0
 
 
 def serve(models: Sequence[ModelSource], options: ServeOptions | None = None, say: Say = logs.progress) -> None:
@@ -83,12 +92,17 @@ class _Server:
         self.sources = sources
         self.skipped = skipped
         self.options = options
-        self.say = say
+        self._say = say
         self.state = ServerState(options, [s.name for s in sources])
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._deadline = 0.0  # when the drain's wait ends (its time is then up for the listener too)
+
+    def say(self, line: str) -> None:
+        """One progress line, on one line: what it says of the file system (a path, a load error) has its control characters
+        escaped, so that no file's name writes a line of its own."""
+        self._say(printable(line))
 
     def _signal(self) -> None:
         """SIGTERM or SIGINT (on the loop): start the drain, or end its wait."""
@@ -128,7 +142,7 @@ class _Server:
             await GatedSite(runner, http_socket, cap, _BACKLOG).start()
             if metrics_runner is not None and metrics_socket is not None:
                 await metrics_runner.setup()
-                await GatedSite(metrics_runner, metrics_socket, _METRICS_CONNECTIONS, _BACKLOG).start()
+                await GatedSite(metrics_runner, metrics_socket, _METRICS_CONNECTIONS, _BACKLOG, evict=True).start()
             await self._load_all()
             await asyncio.to_thread(workers.start)
             if not self._signals:
@@ -170,7 +184,8 @@ class _Server:
             raise
         app = metrics_app(self.state.metrics)
         app.middlewares.append(logs.middleware(o.access_log))  # its scrapes are requests too (_logs, Note: one line per request)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0, keepalive_timeout=o.idle_timeout)
+        head_s = min(o.idle_timeout, _METRICS_HEAD_S)  # see Note: the metrics port (_connections)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0, keepalive_timeout=head_s)
         return sock, runner
 
     async def _load_all(self) -> None:
@@ -186,7 +201,8 @@ class _Server:
                 model, note = await asyncio.to_thread(self._load, source)
             except OnnxpipeError as e:
                 e = e.for_command("onnxpipe serve", "--allow-code") if isinstance(e, CodeNotAllowedError) else e  # its flag (Note in runtime/_code.py)
-                message = f"model '{source.name}' ({source.path}): {e}"
+                # One line, as the CLI's error line (a load error may quote onnxruntime's lines), escaped as every progress line is.
+                message = printable(" ".join(f"model '{source.name}' ({source.path}): {e}".split("\n")))
                 if not self.options.allow_partial:
                     raise type(e)(message) from None
                 state.failed[source.name] = str(e)
@@ -213,7 +229,7 @@ class _Server:
             **extra,
         )
         try:
-            model = ServedModel(source.name, source.path, pipe, o.max_inflight)
+            model = ServedModel(source.name, source.path, pipe, o.max_inflight, source.version or VERSION)
             note = self._verify(pipe) if o.verify else "not verified (--no-verify)"
             if o.overrides:  # what --set made of the bundle's settings, said once per model
                 note += "; deploy-time settings: " + "; ".join(f"stage '{s.name}': {describe_settings(s)}" for s in pipe.spec.stages)

@@ -34,7 +34,7 @@ import numpy as np
 from onnxpipe import __version__
 from onnxpipe.serve._errors import RequestError, bad_request, near, shown
 from onnxpipe.serve._metrics import Metrics
-from onnxpipe.serve._models import VERSION, Deadline, Outputs, Sequence, ServedModel
+from onnxpipe.serve._models import Deadline, Outputs, Sequence, ServedModel
 from onnxpipe.serve._options import ServeOptions
 
 __all__ = ["EXTENSIONS", "Decoded", "ServerState", "Turn"]
@@ -168,11 +168,11 @@ class ServerState:
             raise RequestError(401, "the bearer token is not valid")
 
     def model(self, name: str, version: str = "") -> ServedModel:
-        """The served model ``name`` at ``version`` ("" or "1").
+        """The served model ``name`` at ``version`` ("": the one it has; ``ServedModel.version``).
 
         Raises:
             RequestError: 404 for an unknown model (as Triton 2.51 and KServe), 503 for one loading or failed to
-                load, 404 for an unknown version.
+                load, 404 for a version it is not served as (as Triton's for a version not loaded).
         """
         model = self.models.get(name)
         if model is None:
@@ -181,9 +181,21 @@ class ServerState:
             if name in self.names:
                 raise RequestError(503, f"model '{name}' is not ready yet: it is loading")
             raise RequestError(404, f"unknown model {shown(name)}; {near(name, self.names)}")  # as Triton 2.51 and KServe answer
-        if version not in ("", VERSION):
-            raise RequestError(404, f"model '{name}' has no version {shown(version)}; versions: {VERSION}")
+        if version not in ("", model.version):
+            raise RequestError(404, f"model '{name}' has no version {shown(version)}; versions: {model.version}")
         return model
+
+    def takes(self, name: str, version: str = "") -> bool:
+        """Whether model ``name`` is ready (at ``version``; "": the one it has): whether an inference
+        request for it would be admitted now, by the same checks (:meth:`model`, :meth:`serving`).
+        A model loaded while the server is not ready yet (other models loading, its JSON workers
+        starting) is not (see Note: lifecycle, ``_server``)."""
+        try:
+            self.model(name, version)
+            self.serving()
+        except RequestError:
+            return False
+        return True
 
     def serving(self) -> None:
         """Raises:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -22,7 +23,7 @@ from onnxpipe import BundleError
 from onnxpipe.builder import build, export
 from onnxpipe.builder._export import _write_archive
 from onnxpipe.runtime import Limits, SequentialPipeline, load, read_bundle
-from onnxpipe.runtime._bundle import MANIFEST_NAME, Manifest, write_manifest
+from onnxpipe.runtime._bundle import MANIFEST_NAME, Manifest, linked_folder, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
 from onnxpipe.runtime._session import maps_archive_data
 from tests import models
@@ -134,6 +135,19 @@ def test_folder_links_are_refused(bundle: Path, tmp_path: Path) -> None:
     os.link(bundle / "stages" / "head.onnx", tmp_path / "hard")
     with pytest.raises(BundleError, match="bundle entry 'stages/head.onnx' is a hard link"):
         load(bundle)
+
+
+def test_a_link_to_a_bundle_folder_is_refused_and_a_link_to_an_archive_is_read(bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
+    """A bundle holds regular files only, its own folder included (a model repository skips such a link up front: ``linked_folder``)."""
+    os.symlink(bundle, tmp_path / "linked")
+    assert linked_folder(tmp_path / "linked") and not linked_folder(bundle)
+    refused = f"bundle '{tmp_path / 'linked'}' is a symbolic link to a folder; bundles hold regular files only: give the folder itself"
+    with pytest.raises(BundleError, match=f"^{re.escape(refused)}$"):
+        load(tmp_path / "linked")
+    archive = _zip_of(bundle, tmp_path / "b.onnxpipe")
+    os.symlink(archive, tmp_path / "a.onnxpipe")
+    assert not linked_folder(tmp_path / "a.onnxpipe")
+    load(tmp_path / "a.onnxpipe").close()
 
 
 def test_config_naming_a_module_outside_is_refused(bundle: Path, tmp_path: Path) -> None:

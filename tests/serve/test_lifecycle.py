@@ -249,3 +249,48 @@ def test_a_second_signal_cuts_the_drain_short_and_a_third_after_it_is_ignored(bu
     assert took < 15, f"a second signal still waited {took:.1f} s"
     assert "after the drain (a second signal)" in proc.log(), proc.log()
     assert any(not isinstance(r, np.ndarray) for r in results.values()), "nothing was cut off: the test did not test the second signal"
+
+
+def test_a_model_is_ready_exactly_when_its_inference_is_accepted(bundles: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 36 item 20: polled from the moment the process starts, a model's readiness (HTTP and
+    gRPC's ModelReady) turns true only when the server takes its requests: ``twoout`` loads first,
+    then squeezenet loads and is verified while ``twoout`` is loaded but not yet ready (the window
+    where it answered 200 and its inference 503), and at the first ready answer an inference is
+    accepted at once, on each protocol."""
+    x = np.array([[0.5, -1.0, 2.0, 3.5]], np.float32)
+    body = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": x.ravel().tolist()}]}).encode()
+    with ServerProcess(*serve_args(bundles, "twoout", "squeeze")) as proc:
+        proc.start(tmp_path / "serve.log", wait=False)
+        g = grpcclient.InferenceServerClient(proc.grpc)
+        http_answer: tuple[int, bytes] | None = None
+        grpc_answer: object = None
+        loaded_not_ready: set[str] = set()  # the protocols that answered not ready while twoout was loaded (the window tested)
+        deadline = time.monotonic() + 90
+        while (http_answer is None or grpc_answer is None) and time.monotonic() < deadline:
+            assert proc.proc.poll() is None, proc.log()  # type: ignore[union-attr]
+            loaded = "onnxpipe serve: model 'twoout': " in proc.log()  # read before asking: twoout was loaded by then
+            if http_answer is None:
+                status, answer = proc.get("/v2/models/twoout/ready")
+                if status == 200:
+                    http_answer = proc.request("POST", "/v2/models/twoout/infer", body)
+                elif loaded:
+                    assert (status, answer) == (503, b'{"error":"the server is not ready: its models are loading"}')
+                    loaded_not_ready.add("http")
+            if grpc_answer is None:
+                try:
+                    ready = g.is_model_ready("twoout")
+                except InferenceServerException:  # nothing listens yet
+                    ready = False
+                if ready:
+                    tensor = grpcclient.InferInput("X", [1, 4], "FP32")
+                    tensor.set_data_from_numpy(x)
+                    try:
+                        grpc_answer = g.infer("twoout", [tensor]).as_numpy("Y")
+                    except InferenceServerException as e:
+                        grpc_answer = e
+                elif loaded:
+                    loaded_not_ready.add("grpc")
+        assert http_answer is not None and http_answer[0] == 200, (http_answer, proc.log())
+        assert isinstance(grpc_answer, np.ndarray), grpc_answer
+        assert loaded_not_ready == {"http", "grpc"}, f"no poll fell between twoout's load and the server's readiness: {loaded_not_ready}"
+        assert proc.stop() == 0, proc.log()

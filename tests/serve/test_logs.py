@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from onnxpipe.serve._logs import KEYS, REQUEST_KEYS, Request, configured, log_re
 from onnxpipe.splitter import split
 from tests import models
 from tests.serve.conftest import _mlp
-from tests.serve.process import ROOT, ServerProcess, read_head
+from tests.serve.process import ROOT, ServerProcess, free_ports, read_head
 
 pytestmark = pytest.mark.xdist_group("serve-logs")  # one worker: the module's three servers start once
 
@@ -331,6 +332,36 @@ def test_a_request_cannot_write_a_line_of_its_own(servers: dict[str, ServerProce
     assert "id=" + forged.encode("unicode_escape").decode() + " peer=" in line and ANSI not in log, line
     assert proc.get("/v2/models/a%0Ab%1B")[0] == 404
     assert "GET /v2/models/a\\nb\\x1b 404 " in _settled(proc)
+
+
+def test_a_file_of_the_repository_cannot_write_a_line_of_its_own(made: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 36 item 11: the names of a repository's entries reach the "skipped" lines (and the error
+    of a repository with no model) with their control characters escaped: no forged line, no colour."""
+    evil = "notes\nonnxpipe serve: ready: http:evil:1\x1b[31m.txt"
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / evil).write_text("not a bundle")
+    escaped = str(repo / evil).encode("unicode_escape").decode()
+    http = str(free_ports(1)[0])
+    done = subprocess.run([sys.executable, "-m", "onnxpipe.cli", "serve", "--model-repository", repo, "--http-port", http, "--grpc-port", "0",
+                           "--metrics-port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and ANSI not in done.stderr, done.stderr
+    assert done.stderr.splitlines() == [f"error: model repository '{repo}' holds no bundle (folders with a manifest.json, .onnxpipe archives, or "
+                                        f"NAME/VERSION/ folders holding one): '{evil.encode('unicode_escape').decode()}' is not a bundle (a folder "
+                                        "with a manifest.json, or a .onnxpipe archive)"], done.stderr
+    shutil.copytree(made["twoout"], repo / "pair")
+    shutil.copytree(made["twoout"], repo / "m\x1b[2J")  # a bundle named so that clients cannot call it: its line is escaped too
+    with ServerProcess("--model-repository", repo, grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.stop() == 0
+    log = proc.log()
+    assert ANSI not in log and "\x1b" not in log, log
+    (ready,) = [line for line in log.splitlines() if line.startswith("onnxpipe serve: ready: ")]
+    assert ready.startswith(f"onnxpipe serve: ready: http://127.0.0.1:{proc.http_port}, ") and ready.endswith(" (pair)"), log
+    skipped = [line for line in log.splitlines() if "skipped" in line]
+    assert skipped == [f"onnxpipe serve: skipped {str(repo / 'm') + chr(92) + 'x1b[2J'}: named so that clients cannot call it: a model's name is letters, "
+                       "digits, '_', '.' and '-', starting with a letter or digit; rename it",
+                       f"onnxpipe serve: skipped {escaped}: not a bundle (a folder with a manifest.json, or a .onnxpipe archive)"], log
 
 
 def test_json_lines_in_process_carry_a_bugs_traceback_and_pythons_warnings() -> None:

@@ -6,11 +6,13 @@ metrics port of its own; batch_stats count the batches a stage ran."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +230,64 @@ def test_without_allow_metrics_no_metrics_are_served(bundles: dict[str, Path], t
         assert proc.request("GET", "/metrics", port=proc.metrics_port)[0] == 0  # nothing listens there
         assert [line for line in proc.log().splitlines() if "ready: " in line and "metrics" not in line], proc.log()  # the start line names no metrics port
         assert proc.stop() == 0
+
+
+def _stalled_scrapes(port: int) -> socket.socket:
+    """A connection to ``port`` that sends scrapes back to back (pipelined, until its send buffer is
+    full) and never reads an answer: once the answers fill the socket buffers, its handler waits to
+    write, a request in progress for good."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setblocking(False)
+    request = b"GET /metrics HTTP/1.1\r\nHost: scraper\r\n\r\n" * 1024
+    try:
+        for _ in range(64):
+            sock.send(request)
+    except BlockingIOError:
+        pass
+    return sock
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_idle_and_stalled_connections_do_not_lock_prometheus_out_of_the_metrics_port(bundles: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 36 item 13: with 24 idle sockets and 48 that pipeline scrapes and never read on the
+    metrics port (16 connections at once), a scrape still gets its 200 at once, well before
+    --idle-timeout; the server holds no more descriptors than the port's 16 connections (a
+    connection closed to let another in is gone, its unread answers dropped); below the cap, idle
+    sockets are closed by the port's short head deadline (5 s), not --idle-timeout."""
+    with ServerProcess(*serve_args(bundles, "twoout"), "--idle-timeout", "120") as proc:
+        proc.start(tmp_path / "serve.log")
+        pid = proc.proc.pid  # type: ignore[union-attr]
+        assert proc.request("GET", "/metrics", port=proc.metrics_port)[0] == 200
+        before = _fds(pid)
+        idle = [socket.create_connection(("127.0.0.1", proc.metrics_port)) for _ in range(24)]
+        stalled = [_stalled_scrapes(proc.metrics_port) for _ in range(48)]
+        try:
+            for _ in range(5):
+                started = time.monotonic()
+                status, body = proc.request("GET", "/metrics", port=proc.metrics_port, timeout=60)
+                took = time.monotonic() - started
+                assert status == 200 and b"nv_inference_count" in body, (status, body[:300])
+                assert took < 10, f"a scrape took {took:.1f} s"  # at once; before: 503 until --idle-timeout (120 s)
+            held = _fds(pid) - before
+            assert held <= 16 + 4, f"the server holds {held} more descriptors under the attack"
+            for sock in idle:
+                sock.settimeout(60)
+                assert sock.recv(1) == b""  # closed by the server (to let the later ones in)
+        finally:
+            for sock in idle + stalled:
+                sock.close()
+        # Below the cap, an idle socket is closed by the head deadline: 5 s, not --idle-timeout's 120.
+        opened = time.monotonic()
+        quiet = [socket.create_connection(("127.0.0.1", proc.metrics_port)) for _ in range(4)]
+        for sock in quiet:
+            sock.settimeout(60)
+            assert sock.recv(1) == b""
+            sock.close()
+        closed_after = time.monotonic() - opened
+        assert 4 < closed_after < 30, f"idle sockets on the metrics port were closed {closed_after:.1f} s after they connected"
+        assert proc.get("/v2/health/ready")[0] == 200
+        assert "connection(s) of the metrics port, the oldest idle first, to let new ones in: it holds 16 at once" in proc.log(), proc.log()
+        assert proc.stop() == 0, proc.log()
