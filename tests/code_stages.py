@@ -58,6 +58,18 @@ class Holder:
         return {"y": (inputs["h"] + inputs["g"]) * 2}
 
 
+class Scaled:
+    """A callable object: ``tests.code_stages:doubled`` names an instance of a class this module defines."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = np.float32(factor)
+
+    def __call__(self, inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
+        return {"y": (inputs["h"] + inputs["g"]) * self.factor}
+
+
+doubled = Scaled(2)
+
 #: Set to let :func:`gated` return; cleared by whoever closes it.
 GATE = threading.Event()
 

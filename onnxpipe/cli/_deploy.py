@@ -79,8 +79,9 @@ def build(
       inter-threads=N            inter-op threads, used with mode=parallel
       mode=sequential|parallel   execution mode
       spinning=on|off            let idle threads spin (off by default)
-      affinity=0|0-3|0+2+5|none  cores to pin the stage to; '+' joins cores
-                                 since ',' separates keys
+      affinity=0|0-3|0+2+5|none  cores to pin the stage to, 0 to 8191; '+' joins
+                                 cores since ',' separates keys; where the stage
+                                 loads, every core must be one it may use
       opt=disable|basic|extended|all   graph optimization level
       ep.OPTION=VALUE            one option of the provider (ep.precision=FP32,
                                  ep.device_type=CPU for openvino); added to the
@@ -103,6 +104,8 @@ def build(
     inter_op_threads, execution_mode, spinning, affinity, optimization,
     session_config, replicas, max_batch, max_delay_ms, batch_pad, ep_package, ep_device). Order of application, later wins: the file's "*"
     entry, its other entries in file order, then each --stage in command-line order.
+    session_config takes no key a setting makes (session.intra_op.allow_spinning: use
+    spinning), none of onnxpipe's own and none naming a host file (docs/bundle-format.md).
 
     \b
     Examples:

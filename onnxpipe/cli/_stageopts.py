@@ -38,6 +38,8 @@ def _text(value: str) -> str:
 
 def _count(value: str) -> int:
     try:
+        if not value.isascii():  # int() reads '٣' as 3
+            raise ValueError
         return int(value)
     except ValueError:
         raise ValueError(f"must be an integer, got {value!r}") from None
@@ -64,24 +66,40 @@ def _switch(value: str) -> bool:
 def parse_cores(value: str) -> tuple[int, ...] | None:
     """``0`` -> (0,); ``0-3`` -> (0, 1, 2, 3); ``0+2+5`` -> (0, 2, 5); ``1-2+6``; ``none`` -> None.
 
+    Every number is checked against the largest core number (``MAX_CORES``) before a range is
+    expanded, and repeats are found in one pass: ``0-1000000`` is refused at once.
+
     Raises:
-        ValueError: a malformed list, a range going down, or a core given twice.
+        ValueError: a malformed list (digits are ASCII 0-9), a core past the largest, a range going
+            down, or a core given twice.
     """
+    from onnxpipe.runtime._settings import MAX_CORES, listed_cores  # the runtime's bound, for build's --stage and deploy's --set alike
+
     if value.lower() == "none":
         return None
     cores: list[int] = []
+    seen: set[int] = set()
+    repeated: set[int] = set()
     for item in value.split("+"):
         first, dash, last = item.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
-            raise ValueError(f"{value!r} is not a core list: give cores as 0, 0-3 or 0+2+5 (or none)")
+        if not _ascii_digits(first) or (dash and not _ascii_digits(last)):
+            raise ValueError(f"{value!r} is not a core list: give cores as 0, 0-3 or 0+2+5 (or none), in the digits 0-9")
         low, high = int(first), int(last) if dash else int(first)
+        if high >= MAX_CORES:
+            raise ValueError(f"core {high} in {value!r} is past the largest core number, {MAX_CORES - 1} (Linux's most CPUs)")
         if high < low:
             raise ValueError(f"range {item!r} goes down; write {high}-{low}")
-        cores.extend(range(low, high + 1))
-    repeated = sorted({c for c in cores if cores.count(c) > 1})
+        for core in range(low, high + 1):
+            (repeated if core in seen else seen).add(core)
+            cores.append(core)
     if repeated:
-        raise ValueError(f"{value!r} names core(s) {repeated} more than once")
+        raise ValueError(f"{value!r} names core(s) {listed_cores(sorted(repeated))} more than once")
     return tuple(cores)
+
+
+def _ascii_digits(text: str) -> bool:
+    """Digits as a core number is written: ``str.isdigit`` takes '²' and '٣' too, which ``int`` refuses or misreads."""
+    return text.isascii() and text.isdigit()
 
 
 def format_cores(cores: Iterable[int] | None) -> str:

@@ -12,6 +12,20 @@ Note: code is data only by name.
     library refused, so the bundle cannot make the host import a module it did not allow -- not
     even to learn that it exists.
 
+Note: what an entry point may name.
+    The allow-list matches an entry point's text (``"tests.code_stages:*"``), so the text alone
+    must not reach past the module it names: ``mod:threading._os.kill`` (a module ``mod``
+    imports, and one that module imports) or ``mod:decode.__globals__.get`` would match the
+    pattern and call what the module's author never offered. :func:`resolve_entry` follows the
+    qualname one attribute at a time and takes each step only to what the module defines: a
+    function or class whose own ``__module__`` is the module and whose ``__qualname__`` is the
+    path walked (``Decoder.run``: a class, then its method), or, for the last step, an object
+    (a callable instance) of a class the module defines. No name starting with ``__`` is
+    followed (dunders and name-mangled privates), and only classes are walked through: never a
+    module, a function's attributes, or something imported from elsewhere (``from os import
+    kill`` in the module is os's ``kill``, refused). A function wrapped by a decorator that
+    keeps its name (``functools.wraps``) still says where it was defined.
+
 Note: saying how to allow code.
     Only the caller knows how its user spells the allow-list: ``allow_code=[...]`` to a Python
     caller, ``--allow-code`` to a command (``onnxpipe serve``'s, ``onnxpipe export``'s). So the
@@ -35,6 +49,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import shlex
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -148,7 +163,8 @@ def resolve_entry(stage: StageSpec) -> CodeFunction:
 
     Raises:
         BundleError: one message naming the stage and the entry point: the module is not installed,
-            importing it failed, the attribute is missing, or it is not callable.
+            importing it failed, the attribute is missing, it is not callable, or it is not what
+            the module defines (see Note: what an entry point may name).
     """
     assert stage.code is not None
     entry = stage.code.entry
@@ -162,16 +178,44 @@ def resolve_entry(stage: StageSpec) -> CodeFunction:
         raise BundleError(f"{where}: importing '{module_name}' failed: {e}") from e
     except Exception as e:  # anything the module's own top level raises
         raise BundleError(f"{where}: importing '{module_name}' failed: {type(e).__name__}: {e}") from e
-    path = module_name
-    for part in qualname.split("."):
+    path, parts = module_name, qualname.split(".")
+    hidden = next((part for part in parts if part.startswith("__")), None)
+    if hidden is not None:
+        raise BundleError(f"{where}: '{hidden}' is a name Python gives an object (or a private one); an entry point names a function or class "
+                          f"that '{module_name}' defines, through classes it defines (see Note: what an entry point may name)")
+    for i, part in enumerate(parts):
         if not hasattr(target, part):
             choices = sorted(n for n in dir(target) if not n.startswith("_"))
             raise BundleError(f"{where}: '{path}' has no attribute '{part}'; {closest(part, choices)}")
         target = getattr(target, part)
-        path = f"{path}.{part}"
-    if not callable(target):
-        raise BundleError(f"{where}: '{qualname}' is a {type(target).__name__}, not a callable")
+        path, walked, last = f"{path}.{part}", ".".join(parts[: i + 1]), i == len(parts) - 1
+        if last and not callable(target):
+            raise BundleError(f"{where}: '{qualname}' is a {type(target).__name__}, not a callable")
+        if not _defined_in(target, module_name, walked):
+            raise BundleError(f"{where}: '{walked}' is {_describe(target)}, not a function or class '{module_name}' defines under that name; an entry "
+                              "point names what its module defines, through classes it defines (see Note: what an entry point may name)")
+        if not last and not isinstance(target, type):
+            raise BundleError(f"{where}: '{walked}' is {_describe(target)}, not a class; an entry point walks only through classes its module "
+                              "defines ('mypkg.ocr:Decoder.run'), never into a function's or an object's attributes")
     return target
+
+
+def _defined_in(obj: object, module: str, qualname: str) -> bool:
+    """Whether ``module`` defines ``obj`` as ``qualname`` (see Note: what an entry point may name)."""
+    own = getattr(obj, "__qualname__", None)
+    if isinstance(own, str):  # a function, class or method says where it was defined
+        return getattr(obj, "__module__", None) == module and own == qualname
+    return type(obj).__module__ == module  # an object (a callable instance) of a class the module defines
+
+
+def _describe(obj: object) -> str:
+    """What an entry point reached that its module does not define, for the refusal."""
+    if isinstance(obj, types.ModuleType):
+        return f"the module '{obj.__name__}'"
+    own = getattr(obj, "__qualname__", None)
+    if isinstance(own, str):
+        return f"{'the class' if isinstance(obj, type) else 'the function'} '{getattr(obj, '__module__', None)}.{own}'"
+    return f"an object of class '{type(obj).__module__}.{type(obj).__qualname__}'"
 
 
 def custom_ops_library(stage: str, package: str) -> str:

@@ -43,7 +43,7 @@ __all__ = ["dim_names", "dim_notes", "dim_size", "input_dims"]
 
 _MAX_LENGTH = 4096  # longer text is no dim formula worth parsing
 _MAX_POWER = 64
-_MAX_BITS = 1024  # a power's result at most: far past any size, far short of a tower's gigabytes
+_MAX_BITS = 1024  # any value along the way at most: far past any size, far short of a tower's gigabytes
 _SHOWN_INTERNAL = 3  # internal dims named in the note that counts them
 _TOKEN = re.compile(
     r"\s*(?:(?P<number>\d+(?:\.\d+)?(?![A-Za-z_.]))"
@@ -76,7 +76,7 @@ class _Shaped(Protocol):
 
 
 class _NotADim(Exception):
-    """The text holds something no dim formula holds."""
+    """The text holds something no dim formula holds, or a value no dim has (the message says which)."""
 
 
 def dim_names(dim: str) -> frozenset[str] | None:
@@ -234,7 +234,14 @@ def _check(node: ast.expr, count: int) -> None:
 
 def _evaluate(node: ast.expr, values: list[Fraction]) -> Fraction:
     """The value of a tree :func:`_check` accepted, with placeholder ``_k`` worth ``values[k]``."""
+    return _bounded(_value(node, values))
+
+
+def _value(node: ast.expr, values: list[Fraction]) -> Fraction:
+    """One node's value, its operands evaluated (and bounded) by :func:`_evaluate`."""
     if isinstance(node, ast.Constant):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise _NotADim(f"the constant {ast.unparse(node)!r} is too large for a float")  # 400 nines and a fraction: inf
         return Fraction(str(node.value))
     if isinstance(node, ast.Name):
         return values[int(node.id[1:])]
@@ -246,9 +253,17 @@ def _evaluate(node: ast.expr, values: list[Fraction]) -> Fraction:
         if isinstance(node.op, ast.Pow):
             bits = max(left.numerator.bit_length(), left.denominator.bit_length())
             if right.denominator != 1 or not 0 <= right <= _MAX_POWER or bits * right > _MAX_BITS:
-                raise _NotADim  # a dim is never a root, nor a tower of powers (whose size would be the attack)
+                # a dim is never a root, nor a tower of powers (whose size would be the attack)
+                raise _NotADim(f"a dim's power is a whole number from 0 to {_MAX_POWER} whose result holds at most {_MAX_BITS} bits")
             return left ** int(right)
         return _BINARY[type(node.op)](left, right)
     assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
     _, function = _FUNCTIONS[node.func.id]
     return function(*(_evaluate(arg, values) for arg in node.args))
+
+
+def _bounded(value: Fraction) -> Fraction:
+    """``value``, or :class:`_NotADim` when it holds more than ``_MAX_BITS`` bits (see Note: expression dims)."""
+    if max(value.numerator.bit_length(), value.denominator.bit_length()) > _MAX_BITS:
+        raise _NotADim(f"a value along the way holds over {_MAX_BITS} bits; no dim is that large")
+    return value

@@ -205,7 +205,7 @@ def check_stream_batching(spec: PipelineSpec) -> None:
 
 
 def describe_settings(stage: StageSpec) -> str:
-    """A stage's deploy-time settings in one phrase: ``replicas 2, intra_op_threads 1, affinity 0,1``."""
+    """A stage's deploy-time settings in one phrase: ``replicas 2, intra_op_threads 1, affinity 0,1, spinning off``."""
     s = stage.settings
     parts = [f"replicas {s.replicas}", f"intra_op_threads {s.intra_op_threads}"]
     if s.execution_mode == "parallel":
@@ -213,4 +213,5 @@ def describe_settings(stage: StageSpec) -> str:
     parts.append("affinity " + (",".join(map(str, s.affinity)) if s.affinity is not None else "none"))
     if s.max_batch > 1:
         parts.append(f"max_batch {s.max_batch}, max_delay_ms {s.max_delay_ms:g}")
+    parts.append("spinning " + ("on" if s.spinning else "off"))  # what the sessions run: no session_config key overrules it
     return ", ".join(parts)

@@ -9,6 +9,25 @@ Note: threads and affinity.
     core ``c`` is written ``c + 1``). With fewer cores than threads, every thread may run on any of
     the listed cores. Spinning is off by default: a spinning pool steals cores from the other stages
     of a pipeline.
+
+Note: what session_config may hold.
+    ``session_config`` passes extra ``add_session_config_entry`` keys to onnxruntime, which takes
+    the last value given for a key. A key that a typed setting makes (``spinning`` writes
+    ``session.intra_op.allow_spinning``, ``affinity`` writes ``session.intra_op_thread_affinities``,
+    ...) would let the bundle's text overrule the setting: ``spinning=False`` with
+    ``{"session.intra_op.allow_spinning": "1"}`` spun, ``--set spinning=off`` could not stop it while
+    the start line said spinning off, and ``{"session.intra_op_thread_affinities": "99999"}``
+    pinned threads past the core check. So such keys are refused wherever settings are made
+    (:data:`OWNED_SESSION_CONFIG` names the setting to use instead): at build, where
+    ``StageSettings`` is made, and at load, where ``pipeline.json`` is read (a ``BundleError``
+    naming the stage); the settings onnxpipe checks, shows and lets a host override are then the
+    ones the session runs with. Refused too: the keys onnxpipe sets itself (where a session
+    records its nodes' providers, where a module read from an archive finds its weights) and any
+    key that names a file or folder of the host, or makes onnxruntime write one
+    (:func:`host_file_key`): ``session.collect_node_memory_stats_to_file`` overwrites the file it
+    names as the session starts, ``session.node_partition_config_file`` reads one. A bundle is
+    data; it names no file outside itself. Every other key (``session.set_denormal_as_zero``,
+    ``session.use_device_allocator_for_initializers``, ...) is passed as given.
 """
 
 from __future__ import annotations
@@ -24,7 +43,20 @@ import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, closest
 
-__all__ = ["EP_DEVICES", "EP_THREAD_OPTIONS", "MAX_BATCH", "OPTIMIZATION_LEVELS", "PROVIDER_ALIASES", "StageSettings", "host_cores", "resolve_provider"]
+__all__ = [
+    "EP_DEVICES",
+    "EP_THREAD_OPTIONS",
+    "MAX_BATCH",
+    "MAX_CORES",
+    "OPTIMIZATION_LEVELS",
+    "OWNED_SESSION_CONFIG",
+    "PROVIDER_ALIASES",
+    "StageSettings",
+    "host_cores",
+    "host_file_key",
+    "listed_cores",
+    "resolve_provider",
+]
 
 #: Short names for execution providers; any full name onnxruntime knows is accepted too.
 PROVIDER_ALIASES: dict[str, str] = {
@@ -67,6 +99,30 @@ EP_DEVICES = ("cpu", "gpu", "npu")
 #: Providers that run a node on threads of their own, and the option that sizes them: the stage's
 #: ``intra_op_threads`` is given to it unless its provider options set it (docs/building.md).
 EP_THREAD_OPTIONS: dict[str, str] = {"OpenVINOExecutionProvider": "num_of_threads"}
+#: Session config keys a typed setting makes -> (the setting, how the command line gives it): refused in
+#: ``session_config`` (see Note: what session_config may hold).
+OWNED_SESSION_CONFIG: dict[str, tuple[str, str]] = {
+    "session.intra_op.allow_spinning": ("spinning", "spinning=on|off"),
+    "session.inter_op.allow_spinning": ("spinning", "spinning=on|off"),
+    "session.intra_op_thread_affinities": ("affinity", "affinity=CORES"),
+    "session.intra_op_num_threads": ("intra_op_threads", "threads=N"),
+    "session.inter_op_num_threads": ("inter_op_threads", "inter-threads=N"),
+    "session.execution_mode": ("execution_mode", "mode=sequential|parallel"),
+    "session.graph_optimization_level": ("optimization", "opt=LEVEL"),
+    "session.disable_cpu_ep_fallback": ("fallback", "fallback=on|off"),
+}
+#: Session config keys onnxpipe sets itself, and why.
+_ONNXPIPE_SESSION_CONFIG = {
+    "session.record_ep_graph_assignment_info": "onnxpipe asks every session which provider took each node",
+    "session.model_external_initializers_file_folder_path": "onnxpipe points a module read from an archive at its weights",
+}
+#: The most core numbers a refusal lists (``affinity=0-4095`` on a 2-core host lacks 4,094 of them).
+_SHOWN_CORES = 8
+#: The largest core number a setting may name, plus one: Linux's most CPUs (``NR_CPUS``, 8192 at most);
+#: a number past it is a typo, and ``affinity=0-1000000`` is refused before a million are listed.
+MAX_CORES = 8192
+#: Words of a session config key that names a file or folder of the host.
+_FILE_WORDS = frozenset({"file", "filepath", "path", "dir", "folder", "root"})
 _PROVIDERS_WITH_DEVICE = {"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider", "MIGraphXExecutionProvider",
                           "DmlExecutionProvider", "CANNExecutionProvider"}
 
@@ -95,6 +151,26 @@ def resolve_provider(name: str, plugin: bool = False) -> tuple[str, int | None]:
     return full, device_id
 
 
+def host_file_key(key: str) -> bool:
+    """Whether a session config key names a file or folder of the host, or makes onnxruntime write one
+    (``ep.context_*`` writes a compiled model beside the module, profiling a trace into the working folder)."""
+    return bool(_FILE_WORDS & set(re.split(r"[._]", key.lower()))) or key.startswith("ep.context_") or key == "session.enable_profiling"
+
+
+def _check_session_config(config: Mapping[str, str]) -> None:
+    """Refuse the session config keys a bundle may not set (see Note: what session_config may hold)."""
+    for key in config:
+        if key in OWNED_SESSION_CONFIG:
+            setting, given = OWNED_SESSION_CONFIG[key]
+            raise ConfigError(f"session_config key '{key}' is what the setting '{setting}' makes: set {setting} instead (StageSettings({setting}=...), "
+                              f"or SEL:{given} in --stage / --set), so the session runs as its settings say")
+        if key in _ONNXPIPE_SESSION_CONFIG:
+            raise ConfigError(f"session_config key '{key}' is onnxpipe's own ({_ONNXPIPE_SESSION_CONFIG[key]}); remove it")
+        if host_file_key(key):
+            raise ConfigError(f"session_config key '{key}' names a file or folder of the host, or makes onnxruntime write one; a bundle is data "
+                              "and names no file outside itself: remove it")
+
+
 @dataclass(frozen=True)
 class StageSettings:
     """How one stage's session is made.
@@ -112,7 +188,9 @@ class StageSettings:
         spinning: Let idle onnxruntime threads spin (off: they would steal the other stages' cores).
         affinity: Cores (0-based) to pin the stage's worker and intra-op threads to; see the note above.
         optimization: Graph optimization level: ``disable``, ``basic``, ``extended``, ``all``.
-        session_config: Extra ``add_session_config_entry`` keys and values.
+        session_config: Extra ``add_session_config_entry`` keys and values; never a key a typed
+            setting makes, onnxpipe's own, or one naming a host file (see Note: what
+            session_config may hold).
         replicas: Workers running this stage, each with its own session.
         custom_ops: Custom-op libraries the session registers, each named by the Python package
             that ships it (e.g. ``onnxruntime_extensions``); the host resolves the library by
@@ -206,6 +284,8 @@ class StageSettings:
             cores = tuple(self.affinity)
             if not cores or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores):
                 raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
+            if max(cores) >= MAX_CORES:
+                raise ConfigError(f"affinity names core {max(cores)}; core numbers go from 0 to {MAX_CORES - 1} (Linux's most CPUs)")
             object.__setattr__(self, "affinity", cores)
         if isinstance(self.custom_ops, str) or not isinstance(self.custom_ops, (list, tuple)) or not all(
             isinstance(p, str) and p and all(part.isidentifier() for part in p.split(".")) for p in self.custom_ops
@@ -218,6 +298,7 @@ class StageSettings:
         for key, value in (*self.provider_options.items(), *self.session_config.items()):
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ConfigError(f"provider options and session config take string keys and values, got {key!r}: {value!r}")
+        _check_session_config(self.session_config)
 
     @property
     def provider(self) -> str:
@@ -356,13 +437,21 @@ def host_cores() -> int:
 
 
 def check_cores(cores: Sequence[int]) -> None:
-    """Refuse cores this process may not run on, naming the ones it may.
+    """Refuse cores this process may not run on, naming the ones it may (each core given is checked,
+    in one pass over the list).
 
     Raises:
         ConfigError: a core is outside the process's allowed set.
     """
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     bad = [c for c in cores if c not in allowed]
     if bad:
-        raise ConfigError(f"affinity names core(s) {bad} this process may not use; allowed cores: {allowed}; "
+        raise ConfigError(f"affinity names core(s) {listed_cores(bad)} this process may not use; allowed cores: {sorted(allowed)}; "
                           "choose others at load: load(..., overrides=...), or --set SEL:affinity=CORES (onnxpipe serve/run/bench)")
+
+
+def listed_cores(cores: Sequence[int]) -> str:
+    """Cores for a message, the first few of a long list and its length: ``[2, 3, ..., 9, ...] (4094 in all)``."""
+    if len(cores) <= _SHOWN_CORES:
+        return str(list(cores))
+    return f"[{', '.join(map(str, cores[:_SHOWN_CORES]))}, ...] ({len(cores)} in all)"

@@ -55,12 +55,13 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import InputError, StageError
+from onnxpipe._errors import ConfigError, InputError, StageError
 from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
+from onnxpipe.runtime._settings import check_cores
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_rows, pad_stack, take_rows
 
@@ -681,10 +682,16 @@ def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | Non
     Raises:
         BundleError: the session could not be created (provider missing, module refused), the
             stage names Python the bundle's ``allow_code`` does not allow, or its entry point or
-            custom-op package cannot be found on this host.
+            custom-op package cannot be found on this host (or is not what its module defines).
+        ConfigError: the stage's affinity names a core this process may not use (every core
+            listed, not only the replica's).
     """
     stage = plan.stage
     check_allowed([stage], bundle.allow_code)
+    try:  # every core the stage names, though a replica with one thread uses only the first of its slice
+        check_cores(stage.settings.affinity or ())
+    except ConfigError as e:
+        raise ConfigError(f"stage '{stage.name}': {e}") from None
     if stage.code is not None:
         return CodeRunner(plan, resolve_entry(stage))
     return StageRunner(plan, _stage_session(bundle, stage, replica, target))

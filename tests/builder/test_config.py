@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 
 from onnxpipe import ConfigError
 from onnxpipe.builder import PipelineConfig
-from onnxpipe.runtime import SequentialPipeline, TensorSpec
+from onnxpipe.runtime import SequentialPipeline, StageSettings, TensorSpec
+from onnxpipe.runtime._settings import OWNED_SESSION_CONFIG
 from tests import models
 
 HEAD = models.stage_head()
@@ -131,3 +133,49 @@ def test_add_split_wires_the_pieces_and_leaves_the_models_own_ports(tmp_path: Pa
         out = pipe({"x": np.ones((2, 4), np.float32), "X": X})
     np.testing.assert_allclose(out["Y"], whole, rtol=1e-6)
     assert all(s.settings.intra_op_threads == 1 for s in pieces.stages)
+
+
+# -- session_config may not overrule the typed settings (issue 36, item 7) ---------------------------
+
+
+@pytest.mark.parametrize(("key", "setting"), [(key, setting) for key, (setting, _) in OWNED_SESSION_CONFIG.items()])
+def test_a_session_config_key_that_a_setting_makes_is_refused_naming_the_setting(key: str, setting: str) -> None:
+    message = rf"session_config key '{re.escape(key)}' is what the setting '{setting}' makes: set {setting} instead \(StageSettings\({setting}=\.\.\.\)"
+    with pytest.raises(ConfigError, match="^" + message):
+        StageSettings(spinning=False, session_config={key: "1"})
+    config = models.hand_wired()
+    with pytest.raises(ConfigError, match=rf"^stage 'head': {message}"):
+        config.stage("head").configure(session_config={key: "1"})
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "session.collect_node_memory_stats_to_file",  # onnxruntime 1.32 overwrites the file it names as the session starts
+        "session.node_partition_config_file",
+        "session.optimized_model_filepath",
+        "session.moe.offload.derived_cache_dir",
+        "ep.context_enable",
+        "ep.context_file_path",
+        "session.enable_profiling",
+    ],
+)
+def test_a_session_config_key_naming_a_host_file_is_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^session_config key '{re.escape(key)}' names a file or folder of the host, or makes onnxruntime write one"):
+        StageSettings(session_config={key: "/tmp/x"})
+
+
+def test_onnxpipes_own_session_config_keys_are_refused_and_the_others_pass() -> None:
+    with pytest.raises(ConfigError, match=r"^session_config key 'session\.record_ep_graph_assignment_info' is onnxpipe's own"):
+        StageSettings(session_config={"session.record_ep_graph_assignment_info": "0"})
+    given = {"session.set_denormal_as_zero": "1", "session.use_device_allocator_for_initializers": "1", "session.use_ort_model_bytes_directly": "1"}
+    options = StageSettings(session_config=given).session_options()
+    assert {key: options.get_session_config_entry(key) for key in given} == given
+
+
+@pytest.mark.parametrize("spinning", [False, True])
+def test_the_typed_spinning_setting_is_what_the_session_gets(spinning: bool) -> None:
+    options = StageSettings(spinning=spinning, intra_op_threads=2).session_options()
+    expected = "1" if spinning else "0"
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == expected
+    assert options.get_session_config_entry("session.inter_op.allow_spinning") == expected

@@ -340,6 +340,11 @@ def test_bad_settings_files(split_dir: Path, tmp_path: Path, content: str | None
         ("0:affinity=0-x", "'0-x' is not a core list: give cores as 0, 0-3 or 0+2+5"),
         ("0:affinity=3-1", "range '3-1' goes down"),
         ("0:affinity=1+0-2", "names core(s) [1] more than once"),
+        ("0:affinity=0-1000000", "core 1000000 in '0-1000000' is past the largest core number, 8191 (Linux's most CPUs)"),  # issue 36, item 12
+        ("0:affinity=0-8191+0-8191", "names core(s) [0, 1, 2, 3, 4, 5, 6, 7, ...] (8192 in all) more than once"),
+        ("0:affinity=²", "'²' is not a core list: give cores as 0, 0-3 or 0+2+5 (or none), in the digits 0-9"),
+        ("0:affinity=0-٣", "'0-٣' is not a core list"),
+        ("0:threads=٣", "threads=٣ in '0:threads=٣': must be an integer"),
         ("threads=2", "is not SEL:key=value"),
         ("0:threads=two", "threads=two in '0:threads=two': must be an integer"),
         ("0:spinning=maybe", "must be on or off"),

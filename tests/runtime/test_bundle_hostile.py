@@ -308,6 +308,32 @@ def test_pipeline_json_fields_of_the_wrong_type_are_refused(bundle: Path, change
         read_bundle(bundle)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("session.intra_op.allow_spinning", "1", "is what the setting 'spinning' makes: set spinning instead"),
+        ("session.intra_op_thread_affinities", "99999", "is what the setting 'affinity' makes: set affinity instead"),
+        ("session.collect_node_memory_stats_to_file", "{victim}", "names a file or folder of the host, or makes onnxruntime write one"),
+    ],
+)
+def test_a_session_config_that_overrules_the_settings_or_names_a_host_file_is_refused(bundle: Path, tmp_path: Path, key: str, value: str,
+                                                                                      why: str) -> None:
+    # Issue 36, item 7: spinning=false with allow_spinning=1 spun, --set spinning=off could not stop it, an
+    # affinity in session_config skipped the core check, and onnxruntime overwrote the file a bundle named.
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    data = json.loads((bundle / "pipeline.json").read_text())
+    data["stages"][0]["settings"].update(spinning=False, session_config={key: value.format(victim=victim)})
+    (bundle / "pipeline.json").write_text(json.dumps(data))
+    _rehash(bundle)
+    message = rf"^pipeline.json: pipeline spec: stages\[0\] \('head'\): settings: session_config key '{re.escape(key)}' {why}"
+    with pytest.raises(BundleError, match=message):
+        load(bundle, overrides={"*": {"spinning": False}})
+    with pytest.raises(BundleError, match=message):
+        read_bundle(bundle)
+    assert victim.read_text() == "precious"
+
+
 # -- property: random damage gives a BundleError or a bundle, never another exception ---------------
 #
 # read_bundle raises only BundleError (a ConfigError from pipeline.json is wrapped into one); what it

@@ -5,6 +5,7 @@ changing within symbolic dims, and custom-op libraries named by package."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -94,11 +95,42 @@ def test_unknown_entry_point_is_one_error(tmp_path: Path, entry: str, message: s
         runtime.load(bundle, allow_code=["tests.*"])
 
 
-def test_dotted_qualname_resolves(tmp_path: Path) -> None:
-    bundle = bundle_of(code_stages.config("tests.code_stages:Holder.double"), tmp_path)
-    with runtime.load(bundle, allow_code=["tests.code_stages:Holder.*"]) as pipe:
+@pytest.mark.parametrize("entry", ["tests.code_stages:Holder.double", "tests.code_stages:doubled"])
+def test_dotted_qualname_resolves(tmp_path: Path, entry: str) -> None:
+    # A method through the class that defines it, and an object of a class the module defines.
+    bundle = bundle_of(code_stages.config(entry), tmp_path)
+    with runtime.load(bundle, allow_code=["tests.code_stages:*"]) as pipe:
         x = _x()
         np.testing.assert_allclose(pipe({"x": x})["y"], (np.maximum(x, 0) - x) * 2)
+
+
+#: Entry points that the allow-list 'tests.code_stages:*' matches but that walk out of the module
+#: (issue 36, item 8), and how each is refused.
+WALKING = [
+    ("tests.code_stages:threading._os.kill", r"'threading' is the module 'threading', not a function or class 'tests\.code_stages' defines under that name"),
+    ("tests.code_stages:decode_png.__globals__.get", r"'__globals__' is a name Python gives an object \(or a private one\)"),
+    ("tests.code_stages:np.save", r"'np' is the module 'numpy', not a function or class"),
+    ("tests.code_stages:Any", r"'Any' is the class 'typing\.Any', not a function or class 'tests\.code_stages' defines under that name"),
+    ("tests.code_stages:GATE.set", r"'GATE' is an object of class 'threading\.Event', not a function or class 'tests\.code_stages' defines"),
+    ("tests.code_stages:doubled.factor.__class__", r"'__class__' is a name Python gives an object"),
+    ("tests.code_stages:combine.__call__", r"'__call__' is a name Python gives an object"),
+    ("tests.code_stages:Holder.__init__", r"'__init__' is a name Python gives an object"),
+]
+
+
+@pytest.mark.parametrize(("entry", "message"), WALKING)
+def test_an_entry_point_resolves_only_to_what_its_module_defines(tmp_path: Path, entry: str, message: str) -> None:
+    bundle = bundle_of(code_stages.config(entry), tmp_path)
+    with pytest.raises(BundleError, match=rf"^stage 'combine': entry point '{re.escape(entry)}': {message}"):
+        runtime.load(bundle, allow_code=["tests.code_stages:*"])
+
+
+def test_an_entry_point_walks_only_through_classes(tmp_path: Path) -> None:
+    # doubled is the module's own object, and its factor a numpy scalar it made: still not what the module defines as 'doubled.factor'.
+    bundle = bundle_of(code_stages.config("tests.code_stages:doubled.factor"), tmp_path)
+    with pytest.raises(BundleError, match=r"'doubled' is an object of class 'tests\.code_stages\.Scaled', not a class; an entry point walks only "
+                                          r"through classes its module defines"):
+        runtime.load(bundle, allow_code=["tests.code_stages:*"])
 
 
 @pytest.mark.parametrize(

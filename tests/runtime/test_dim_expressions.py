@@ -57,12 +57,28 @@ def test_names_not_given_take_the_default() -> None:
         ("a**b", {"a": 2, "b": 1000}),
         ("a**0.5", {"a": 4}),
         ("(((((a**64)**64)**64)**64)**64)**64", {"a": 2}),  # gigabytes of integer, if computed
+        ("a*" + "9" * 400 + ".5", {"a": 2}),  # issue 36, item 18: the constant reads as inf
+        ("*".join(["a**16"] * 500), {"a": 1000}),  # each power small, their product 80,000 bits: str() refuses it
+        ("a*" + "9" * 400, {"a": 1}),  # a 1,329-bit constant
+        ("(a**64)/(a**64 + 1) + 1", {"a": 2**20}),  # a fraction of 1,281 bits on the way
     ],
 )
 def test_formulas_that_are_no_size_take_the_default(dim: str, sizes: dict[str, int]) -> None:
-    # Negative, fractional, a division by zero, a power no dim is: not a size, so counted as the default.
+    # Negative, fractional, a division by zero, a power no dim is, a value larger than any size
+    # along the way: not a size, so counted as the default.
+    assert dim_names(dim) == frozenset(sizes)  # still a formula of its names
     assert dim_size(dim, sizes, default=1) == 1
     assert dim_size(dim, sizes) is None
+
+
+def test_every_value_along_the_way_is_bounded_not_only_the_result() -> None:
+    # Within the bound (1,024 bits) a long product is computed exactly; one bit more is no size.
+    product = "*".join(["a**16"] * 63)
+    assert dim_size(product, {"a": 2}) == 2 ** (16 * 63)
+    assert dim_size(product + "*a**15", {"a": 2}) == 2**1023
+    assert dim_size(product + "*a**16", {"a": 2}, default=1) == 1
+    # A product that overflows only on the way, and comes back down, is refused as well.
+    assert dim_size("(a**64*a**64)/(a**64*a**64)", {"a": 2**10}, default=1) == 1
 
 
 @pytest.mark.parametrize(

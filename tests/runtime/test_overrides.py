@@ -81,6 +81,24 @@ def test_an_affinity_this_host_lacks_is_refused_as_the_bundles_own_is(hand: Path
         load(hand, overrides={"head": {"affinity": [core]}})
 
 
+def test_every_core_an_affinity_names_is_checked_not_only_the_first(hand: Path) -> None:
+    # Issue 36, item 12: with one thread a replica uses only the first core of its list, and only
+    # that one was checked; 0-20000 then loaded on a 2-core host. A long list is named in short.
+    core, lacking = min(os.sched_getaffinity(0)), _lacking_core()
+    with pytest.raises(ConfigError, match=rf"^stage 'head': affinity names core\(s\) \[{lacking}\] this process may not use"):
+        load(hand, overrides={"head": {"affinity": [core, lacking], "intra_op_threads": 1}})
+    many = [core, *range(lacking, lacking + 4000)]
+    shown = re.escape(f"[{', '.join(str(c) for c in range(lacking, lacking + 8))}, ...] (4000 in all)")
+    with pytest.raises(ConfigError, match=rf"^stage 'head': affinity names core\(s\) {shown} this process may not use; allowed cores: "):
+        load(hand, overrides={"*": {"affinity": many}})
+
+
+def test_a_core_number_past_the_largest_is_refused_at_once() -> None:
+    with pytest.raises(ConfigError, match=r"^affinity names core 8192; core numbers go from 0 to 8191 \(Linux's most CPUs\)$"):
+        StageSettings(affinity=(0, 8192))
+    assert StageSettings(affinity=(8191,)).affinity == (8191,)  # a number only: whether this host has it is checked at load
+
+
 def test_a_bad_value_gets_the_message_the_build_gives(hand: Path) -> None:
     config = models.hand_wired()
     with pytest.raises(ConfigError) as built:
