@@ -21,7 +21,7 @@ each phase:
 - **gzip JSON**: 8 requests at once, each a 60 MiB JSON tensor of zeros gzipped to 60 KiB;
 - **deflate bombs**: 64 KiB deflate bodies inflating to 64 MiB, 4 at a time;
 - **growing sequences**: 8 sequences of ``grow`` stepping 1 MiB at a time;
-- **stuck JSON worker**: the JSON worker process stopped (SIGSTOP), while 1 MiB JSON and 1 MiB
+- **stuck JSON worker**: the JSON worker process stopped (SIGSTOP), while 2 MiB JSON and 1 MiB
   binary requests are sent, each with a 25 s client timeout (it is continued at the phase's end).
 
 Printed per phase and per server: the health check's and the inference's p99 / max latency in ms,
@@ -296,8 +296,8 @@ def _stuck_json_worker(target: Target, stop: threading.Event, outcomes: Outcomes
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
     try:
-        values = MIB // 4
-        json_body = b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [%d], "data": [' % values + b",".join([b"0"] * values) + b"]}]}"
+        values = MIB // 4  # 1 MiB as binary FP32, 2 MiB as JSON ("0," a value): both past what is decoded on the loop
+        json_body = b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [%d], "data": [' % (4 * values) + b",".join([b"0"] * (4 * values)) + b"]}]}"
         data = np.zeros(values, np.float32)
         head = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [values], "parameters": {"binary_data_size": data.nbytes}}]}).encode()
         binary = (head + data.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
@@ -382,7 +382,7 @@ PHASES: list[tuple[str, Attack | None]] = [
     ("gzip JSON (8 x 60 MiB as 60 KiB)", _gzip_json),
     ("deflate bombs (64 KiB -> 64 MiB, 4 at once)", _deflate_bombs),
     ("growing sequences (8 x 1 MiB a step)", _growing_sequences),
-    ("stuck JSON worker (1 MiB JSON and binary)", _stuck_json_worker),
+    ("stuck JSON worker (2 MiB JSON, 1 MiB binary)", _stuck_json_worker),
 ]
 
 
