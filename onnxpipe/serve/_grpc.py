@@ -57,7 +57,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import numpy as np
@@ -117,19 +117,14 @@ def make_server(state: ServerState, address: str, max_connections: int, budget: 
             message: Any = None
             held: Held | None = None
             try:
-                try:
-                    if not open_to_all:
-                        authorize(context)
-                    message, held = await receiver.message(context, request)
-                    answer = await fn(message)
-                except OnnxpipeError as e:  # a RequestError with its status; any other user error INVALID_ARGUMENT
-                    await context.abort(*_status(e))
-                finally:
-                    if held is not None:
-                        held.release()
-            except grpc.aio.AbortError:
-                logs.grpc_answered(rpc, message, context, started, o.access_log, context.code(), context.details())
-                raise
+                if not open_to_all:
+                    authorize(context)
+                message, held = await receiver.message(context, request)
+                answer = await fn(message)
+            except OnnxpipeError as e:  # a RequestError with its status; any other user error INVALID_ARGUMENT
+                code, text = _status(e)
+                logs.grpc_answered(rpc, message, context, started, o.access_log, code, text)  # before the client can see the answer
+                await context.abort(code, text)
             except asyncio.CancelledError:
                 gone = "the call was cancelled (by the client, or its deadline)"
                 logs.grpc_answered(rpc, message, context, started, o.access_log, grpc.StatusCode.CANCELLED, gone)
@@ -138,6 +133,9 @@ def make_server(state: ServerState, address: str, max_connections: int, budget: 
                 text = f"internal error: {type(e).__name__}: {e}"
                 logs.grpc_answered(rpc, message, context, started, o.access_log, grpc.StatusCode.INTERNAL, text, e)
                 await context.abort(grpc.StatusCode.INTERNAL, text)
+            finally:
+                if held is not None:
+                    held.release()
             logs.grpc_answered(rpc, message, context, started, o.access_log)
             return answer
 
@@ -179,15 +177,18 @@ def make_server(state: ServerState, address: str, max_connections: int, budget: 
         """The stream, and its line where one is due: each request has its own, and the stream
         one more when it ends other than OK (its token refused, idle, drained, cancelled)."""
         started = time.perf_counter()
+
+        async def end(code: grpc.StatusCode, text: str) -> NoReturn:
+            logs.grpc_answered("ModelStreamInfer", None, context, started, o.access_log, code, text)  # before the client can see it
+            await context.abort(code, text)
+            raise AssertionError("context.abort returned")
+
         try:
             try:
                 authorize(context)
             except RequestError as e:
-                await context.abort(*_status(e))
-            await _Stream(state, context, model_infer, receiver).run()
-        except grpc.aio.AbortError:
-            logs.grpc_answered("ModelStreamInfer", None, context, started, o.access_log, context.code(), context.details())
-            raise
+                await end(*_status(e))
+            await _Stream(state, context, model_infer, receiver, end).run()
         except asyncio.CancelledError:
             gone = "the stream was cancelled (by the client, or its deadline)"
             logs.grpc_answered("ModelStreamInfer", None, context, started, o.access_log, grpc.StatusCode.CANCELLED, gone)
@@ -283,11 +284,12 @@ class _Stream:
         context: The call's.
         infer: ``ModelInfer``'s work: a request and its turn to its response.
         receiver: How its messages are read (see Note: a message's bytes).
+        end: Ends the call with a status other than OK, its line logged first.
     """
 
     def __init__(self, state: ServerState, context: grpc.aio.ServicerContext, infer: Callable[[Any, Turn], Awaitable[Message]],
-                 receiver: _Receiver) -> None:
-        self.state, self.context, self.infer, self.receiver = state, context, infer, receiver
+                 receiver: _Receiver, end: Callable[[grpc.StatusCode, str], Awaitable[NoReturn]]) -> None:
+        self.state, self.context, self.infer, self.receiver, self.end = state, context, infer, receiver, end
         self.roomless = False  # waiting for room in the byte budget to read the next request
         self.answers: asyncio.Queue[asyncio.Task[Message] | None] = asyncio.Queue()  # in request order; None: no more
         self.room = asyncio.Semaphore(state.options.max_inflight)  # requests read and not yet answered
@@ -313,12 +315,12 @@ class _Stream:
                     reader.cancel()  # no more requests: those read are answered first
                     self.answers.put_nowait(None)
                     await writer
-                    await self.context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: the stream's requests were answered, and it "
+                    await self.end(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: the stream's requests were answered, and it "
                                                                           "takes no more; send the rest to another server")
                 if not self.unanswered and time.monotonic() - self.last >= idle and self.roomless:
-                    await self.context.abort(grpc.StatusCode.UNAVAILABLE, str(self.receiver.budget.refusal(f"{idle:g} s (--idle-timeout)")))
+                    await self.end(grpc.StatusCode.UNAVAILABLE, str(self.receiver.budget.refusal(f"{idle:g} s (--idle-timeout)")))
                 if not self.unanswered and time.monotonic() - self.last >= idle:
-                    await self.context.abort(grpc.StatusCode.UNAVAILABLE, f"the stream sent no request for {idle:g} s with none in flight "
+                    await self.end(grpc.StatusCode.UNAVAILABLE, f"the stream sent no request for {idle:g} s with none in flight "
                                                                           "(--idle-timeout); start a new stream")
         finally:
             for task in (reader, writer, drained, *self.tasks):
