@@ -107,7 +107,7 @@ import numpy as np
 from onnxpipe import __version__
 from onnxpipe._errors import BusyError, InputError, StageError, StreamError
 from onnxpipe.runtime import UNKNOWN_DIM_NAMES, Pipeline, PipelineStats, StageStats, Stream
-from onnxpipe.serve._errors import RequestError, bad_request, near, shown
+from onnxpipe.serve._errors import MESSAGE_MOST, RequestError, bad_request, near, shown
 from onnxpipe.serve._options import MAX_SEQUENCE_STATE, SEQUENCE_STATE_BUDGET
 from onnxpipe.serve._tensors import Port, port_of
 
@@ -134,12 +134,19 @@ _TERMS = (
 )
 
 #: onnxruntime's C++ source in its messages (see Note: what a failure shows): a source file and line,
-#: the function (``__PRETTY_FUNCTION__``, return type and qualified name with its arguments, or a
-#: bare name), and an ORT_ENFORCE's condition when a message follows it; also a path left alone.
-_SOURCE_FILE = r"(?:[\w.+-]*/)*[\w.+-]+\.(?:h|hh|hpp|hxx|inc|c|cc|cpp|cxx|cu|cuh)"
-_PRETTY = r"(?:[\w:<>,*&~]+ )*?[\w<>~,]*(?:::[\w<>~,]+)+\((?:[^()]|\([^()]*\))*\)(?: const)?(?: \[with [^\]]*\])?"
-_ORT_WHERE = re.compile(rf"{_SOURCE_FILE}:\d+ (?:{_PRETTY} |\w+ )(?:[^\n]+? was false\. (?=\S))?")
-_ORT_PATH = re.compile(rf"/{_SOURCE_FILE}(?::\d+)?")
+#: then the function (``__PRETTY_FUNCTION__``: a return type and a qualified name with its
+#: arguments; or ``__FUNCTION__``, a bare name), and an ORT_ENFORCE's condition when a message
+#: follows it; and a source file in a folder found elsewhere. Every repetition is bounded and a file
+#: begins a word, so that the time taken grows with the text's length (a megabyte of the worst text
+#: found took 0.2-0.5 s), and no more than :data:`_CLEANED` characters are looked at (a code stage's
+#: message may hold what a request sent; the answer shows at most ``MESSAGE_MOST`` of them anyway).
+_CLEANED = 4 * MESSAGE_MOST
+_FOLDER = r"[\w.+-]{1,128}/"
+_FILE = r"[\w.+-]{1,128}\.(?:h|hh|hpp|hxx|inc|c|cc|cpp|cxx|cu|cuh)(?![\w+-])"
+_PRETTY = (r"(?:[\w:<>,*&~]{1,256} ){0,8}?[\w<>~,]{0,256}(?:::[\w<>~,]{1,256}){1,16}"  # [return type] qualified::name
+           r"\((?:[^()\n]|\([^()\n]{0,256}\)){0,1024}\)(?: const)?(?: \[with [^\]\n]{0,1024}\])?")  # (arguments) const [with T = float]
+_ORT_WHERE = re.compile(rf"(?<![\w.+/-])/?(?:{_FOLDER}){{0,32}}{_FILE}:\d{{1,9}} (?:{_PRETTY} |\w{{1,256}} )(?:[^\n]{{1,1024}}? was false\. (?=\S))?")
+_ORT_PATH = re.compile(rf"(?<![\w.+/-])/?(?:{_FOLDER}){{1,32}}{_FILE}(?::\d{{1,9}})?")
 
 SequenceId = int | str
 Outputs = dict[str, np.ndarray]
@@ -808,8 +815,9 @@ def _request_error(error: InputError | StageError, text: str) -> RequestError:
 def client_text(text: str) -> str:
     """A stage's failure as a client is answered (see Note: what a failure shows): without
     onnxruntime's source files, functions and failed checks, on one line."""
-    text = " ".join(_ORT_PATH.sub("", _ORT_WHERE.sub("", text)).split())
-    return text.replace(" ; ", "; ")  # onnxruntime's text ends in a line break: the runtime's words after it follow a space
+    more = f"… ({len(text)} characters)" if len(text) > _CLEANED else ""
+    text = " ".join(_ORT_PATH.sub("", _ORT_WHERE.sub("", text[:_CLEANED])).split())
+    return text.replace(" ; ", "; ") + more  # onnxruntime's text ends in a line break: the runtime's words after it follow a space
 
 
 def _size(n: int) -> str:

@@ -196,6 +196,36 @@ def test_a_failure_inside_onnxruntime_is_answered_without_its_source_and_logged_
         assert proc.stop() == 0
 
 
+@pytest.mark.parametrize(("text", "shown"), [
+    # ORT_ENFORCE: file and line, __PRETTY_FUNCTION__, the check, then the message; a stream's words after onnxruntime's line break
+    ("Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/tensor/reshape_helper.h:84 onnxruntime::ReshapeHelper::ReshapeHelper("
+     "const onnxruntime::TensorShape&, onnxruntime::TensorShapeVector&, bool) size != 0 && (input_shape_size % size) == 0 was false. "
+     "The input tensor cannot be reshaped to the requested shape. Input shape:{6}, requested shape:{4,-1}\n; the stream's state is unchanged",
+     "Status Message: The input tensor cannot be reshaped to the requested shape. Input shape:{6}, requested shape:{4,-1}; the stream's state is unchanged"),
+    # a return type, and a check with pointers in it
+    ("x: /onnxruntime_src/onnxruntime/core/framework/execution_frame.cc:12 onnxruntime::common::Status onnxruntime::IExecutionFrame::"
+     "GetOrCreateNodeOutputMLValue(int, int, const onnxruntime::TensorShape*, OrtValue*&, const onnxruntime::Node&) shape && "
+     "tensor.Shape() == *shape was false. OrtValue shape verification failed.", "x: OrtValue shape verification failed."),
+    # __FUNCTION__ after a bare file name
+    ("Status Message: matmul_helper.h:59 Compute MatMul dimension mismatch", "Status Message: MatMul dimension mismatch"),
+    # no source: as it was
+    ("Status Message: indices element out of data bounds, idx=7 must be within the inclusive range [-2,1]",
+     "Status Message: indices element out of data bounds, idx=7 must be within the inclusive range [-2,1]"),
+    # a path elsewhere (CUDA's), and file names that are no source
+    ("out of memory ; file=/onnxruntime_src/onnxruntime/core/providers/cuda/cuda_allocator.cc ; line=47", "out of memory; file=; line=47"),
+    ("model.onnx, x.h and y.cc: left", "model.onnx, x.h and y.cc: left"),
+])
+def test_a_stages_failure_is_shown_without_onnxruntimes_source(text: str, shown: str) -> None:
+    assert client_text(text) == shown
+
+
+def test_a_long_failure_is_cleaned_in_its_first_16_kib() -> None:
+    """A code stage's message may hold what a request sent: the regular expressions see the first
+    16 KiB (the answer shows 4,096 characters of it), and the count says how long it was."""
+    text = "a.cc:1 f " + "x " * 500_000
+    assert client_text(text) == " ".join(["x"] * ((16384 - 9 + 1) // 2)) + "… (1000009 characters)"  # the x's of its first 16384 characters
+
+
 # -- the token -----------------------------------------------------------------------------------
 
 
