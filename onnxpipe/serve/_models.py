@@ -395,11 +395,12 @@ class ServedModel:
         path: The bundle it was loaded from.
         pipe: The started pipeline.
         max_inflight: Requests admitted at once; more are refused with 503.
-        state: The server's bounds of sequence state (see Note: sequence state); ``None``: the
-            defaults, for this model alone.
+        sequence_state: The server's bounds of sequence state (see Note: sequence state);
+            ``None``: the defaults, for this model alone.
     """
 
-    def __init__(self, name: str, path: os.PathLike[str] | str, pipe: Pipeline, max_inflight: int, state: SequenceState | None = None) -> None:
+    def __init__(self, name: str, path: os.PathLike[str] | str, pipe: Pipeline, max_inflight: int,
+                 sequence_state: SequenceState | None = None) -> None:
         self.name = name
         self.path = str(path)
         self.pipe = pipe
@@ -415,9 +416,9 @@ class ServedModel:
         #: The stage whose calls are the model's executions (see Note: executions).
         self.executing = next((i for i, s in enumerate(spec.stages) if s.batching is not None and s.settings.max_batch > 1), 0)
         self.sequences: dict[SequenceId, Stream] = {}
-        self.state = state or SequenceState()
+        self.sequence_state = sequence_state or SequenceState()
         if self.stateful:
-            self.state.join(pipe)
+            self.sequence_state.join(pipe)
         self._ended: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()  # the last _ENDED, and why
         # Submissions that may wait, and every stream operation, in arrival order (see Note: the event loop never waits).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"onnxpipe-serve-{name}")
@@ -450,9 +451,11 @@ class ServedModel:
             deadline: When the pipeline must have started it, if ever (see Note: request timeouts).
 
         Raises:
-            RequestError: 400 for inputs or sequence parameters that do not fit the model, 503 when
-                a stream cannot be opened or the request's time ran out before it started, 500
-                when a stage fails on the request.
+            RequestError: 400 for inputs or sequence parameters that do not fit the model, or a
+                step that leaves its sequence's state past ``--max-sequence-state``; 503 when a
+                stream cannot be opened, a step leaves the server's sequences past
+                ``--sequence-state-budget``, or the request's time ran out before it started; 500
+                when a stage fails on the request (see Notes: sequence state, what a failure shows).
         """
         future: Future[Outputs] | None
         try:
@@ -567,7 +570,7 @@ class ServedModel:
         and the sequence's end on the worker thread (see Note: sequence state)."""
         try:
             error = done.exception()
-            refusal = None if error is not None or stream.closed else self.state.refusal(self.name, sid, stream)  # closed: its state is on its way out
+            refusal = None if error is not None or stream.closed else self.sequence_state.refusal(self.name, sid, stream)  # closed: its state is on its way out
             if refusal is not None:
                 why = f"its state passed {'--max-sequence-state' if refusal.status == 400 else '--sequence-state-budget'}, and was freed"
                 with contextlib.suppress(RuntimeError):  # the server is closing: the pipeline frees every state
