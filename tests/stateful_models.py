@@ -2,6 +2,9 @@
 
 - :func:`recurrent`: two recurrent layers, each with its own state (``state1`` -> ``state1N``,
   ``state2`` -> ``state2N``); cut at ``state1N`` for two stages with one state each.
+- :func:`growing`: a state that grows by each step's input (``stateN = Concat(state, x)``, as a
+  KV cache does), ``y`` its sum; optionally a second stage that reshapes the sum to ``shape``, which
+  onnxruntime refuses for any shape but ``[1, 1]`` (a later stage failing on a step).
 - :func:`gpt_decoder`: a GPT-style decoder with optimum's names (``input_ids``, ``attention_mask``,
   ``position_ids``, ``past_key_values.N.key|value`` -> ``logits``, ``present.N.key|value``), random
   weights; the residual stream after layer ``n`` is ``layer{n}.out``, the place to cut between layers.
@@ -19,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "generate", "gpt_decoder", "recurrent", "session_generate", "whole_generate",
+__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "generate", "gpt_decoder", "growing", "recurrent", "session_generate", "whole_generate",
            "whole_recurrent"]
 
 F = TensorProto.FLOAT
@@ -69,6 +72,25 @@ def whole_recurrent(model: ModelProto, xs: list[np.ndarray], hidden: int = 8) ->
         y, s1, s2 = session.run(["y", "state1N", "state2N"], {"x": x, "state1": s1, "state2": s2})
         ys.append(y)
     return ys
+
+
+def growing(reshaped: bool = False) -> ModelProto:
+    """``stateN = Concat(state, x)`` along axis 1 (``x`` ``[1, n]``, the state ``[1, past]`` and
+    empty at first: it holds every value the stream was sent) and ``y = ReduceSum(stateN)``
+    ``[1, 1]``; ``reshaped``: then ``y = Reshape(sum, shape)`` with ``shape`` an int64[2] input,
+    for a split at ``sum`` whose second stage fails (inside onnxruntime) for any ``shape`` but
+    ``[1, 1]`` after the first has taken the step."""
+    nodes = [
+        helper.make_node("Concat", ["state", "x"], ["stateN"], axis=1, name="grow"),
+        helper.make_node("ReduceSum", ["stateN"], ["sum" if reshaped else "y"], keepdims=1, name="total"),
+    ]
+    inputs = [helper.make_tensor_value_info("x", F, [1, "n"]), helper.make_tensor_value_info("state", F, [1, "past"])]
+    if reshaped:
+        nodes.append(helper.make_node("Reshape", ["sum", "shape"], ["y"], name="shaped"))
+        inputs.append(helper.make_tensor_value_info("shape", I64, [2]))
+    outputs = [helper.make_tensor_value_info("y", F, None if reshaped else [1, 1]), helper.make_tensor_value_info("stateN", F, [1, "total"])]
+    graph = helper.make_graph(nodes, "growing", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def gpt_decoder(layers: int = 4, hidden: int = 32, heads: int = 2, vocab: int = 64, positions: int = 128, seed: int = 0) -> ModelProto:

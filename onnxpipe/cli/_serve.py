@@ -24,6 +24,8 @@ _MAX_BODY = "64MiB"
 _BODY_TIMEOUT = 30.0
 _MAX_STREAMS = 64
 _STREAM_TIMEOUT = 60.0
+_MAX_SEQUENCE_STATE = "256MiB"
+_SEQUENCE_STATE_BUDGET = "2GiB"
 _DRAIN_TIMEOUT = 30.0
 _IDLE_TIMEOUT = 30.0
 
@@ -78,6 +80,10 @@ _IDLE_TIMEOUT = 30.0
               help="Sequences open at once per model with state; more are refused with 503.")
 @click.option("--stream-timeout", default=_STREAM_TIMEOUT, show_default=True, type=click.FloatRange(min=0), metavar="S",
               help="Seconds a sequence may stay idle before its state is freed (0: never).")
+@click.option("--max-sequence-state", default=_MAX_SEQUENCE_STATE, show_default=True, type=SizeType(),
+              help="Bytes one sequence's state may hold; a step that leaves it larger is answered 400 and its sequence ended.")
+@click.option("--sequence-state-budget", default=_SEQUENCE_STATE_BUDGET, show_default=True, type=SizeType(),
+              help="Bytes the sequences of every model may hold together; a step that leaves them larger is answered 503 and its sequence ended.")
 @click.option("--drain-timeout", default=_DRAIN_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), metavar="S",
               help="On SIGTERM or SIGINT: seconds to let admitted requests finish before the pipelines close.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
@@ -118,6 +124,8 @@ def serve(
     body_timeout: float,
     max_streams: int,
     stream_timeout: float,
+    max_sequence_state: int,
+    sequence_state_budget: int,
     drain_timeout: float,
     request_timeout: float | None,
     idle_timeout: float,
@@ -182,6 +190,8 @@ def serve(
         body_timeout=body_timeout,
         max_streams=max_streams,
         stream_timeout=stream_timeout or None,
+        max_sequence_state_bytes=max_sequence_state,
+        sequence_state_budget_bytes=sequence_state_budget,
         drain_timeout=drain_timeout,
         request_timeout=request_timeout,
         idle_timeout=idle_timeout,

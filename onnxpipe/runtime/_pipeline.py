@@ -136,6 +136,8 @@ class Pipeline(InferenceSessionAPI):
         self._streams: dict[int, Stream] = {}
         self._closing_streams: dict[int, Stream] = {}
         self._idle = IdleStreams()  # the open streams with no step in flight, longest idle first
+        self._state_held = 0  # bytes of the open streams' state (Note: a stream's state bytes, _stream.py)
+        self._held_lock = threading.Lock()  # taken last (inside a stream's lock), never while taking another
         self._next_stream = 0
         self._state_dims = state_dims(bundle.spec)
         self._checker = InputCheck(bundle.spec.inputs)
@@ -532,7 +534,7 @@ class Pipeline(InferenceSessionAPI):
             if not isinstance(error, CancelledError):  # a withdrawn request neither completed nor failed
                 self._requests.finished(request.submitted, time.perf_counter(), error is None)
             if request.stream is not None:
-                error = self._stream_finished(request.stream, request.step, request.error)
+                error = self._stream_finished(request.stream, request.step, request.error, _held_of(request).get(request.stream))
                 if self._scheduler is not None:
                     self._scheduler.done(request.stream)
         with self._lock:
@@ -558,7 +560,9 @@ class Pipeline(InferenceSessionAPI):
         self._requests.finished_many([(submitted, error is None) for _, _, _, submitted, _, error in ended], now)
         with self._lock:
             streams = [self._streams.get(stream) or self._closing_streams.get(stream) for _, stream, _, _, _, _ in ended]
-        results = [(rid, outs, self._stream_ended(held, stream, step, error)) for held, (rid, stream, step, _, outs, error) in zip(streams, ended, strict=True)]
+        reported = _held_of(request)
+        results = [(rid, outs, self._stream_ended(held, stream, step, error, reported.get(stream)))
+                   for held, (rid, stream, step, _, outs, error) in zip(streams, ended, strict=True)]
         if self._scheduler is not None:
             self._scheduler.done_many([stream for _, stream, _, _, _, _ in ended])
         with self._lock:
@@ -568,19 +572,21 @@ class Pipeline(InferenceSessionAPI):
             if future is not None:
                 _settle(future, outs, error)
 
-    def _stream_finished(self, stream_id: int, step: int, error: BaseException | None) -> BaseException | None:
-        """Tell the step's stream how it ended; the error its future raises (see Note: a failed step, _stream.py)."""
+    def _stream_finished(self, stream_id: int, step: int, error: BaseException | None, held: Mapping[str, int] | None = None) -> BaseException | None:
+        """Tell the step's stream how it ended, and what its stages now hold of its state; the
+        error its future raises (see Notes: a failed step, a stream's state bytes, _stream.py)."""
         with self._lock:
             stream = self._streams.get(stream_id) or self._closing_streams.get(stream_id)
-        return self._stream_ended(stream, stream_id, step, error)
+        return self._stream_ended(stream, stream_id, step, error, held)
 
-    def _stream_ended(self, stream: Stream | None, stream_id: int, step: int, error: BaseException | None) -> BaseException | None:
+    def _stream_ended(self, stream: Stream | None, stream_id: int, step: int, error: BaseException | None,
+                      held: Mapping[str, int] | None = None) -> BaseException | None:
         if stream is None:
             return error
         failed_at = getattr(error, "stage", None)
         last = self._order.get(failed_at, -1) if failed_at else -1
         advanced = [s for s in self._state_stages if self._order[s] < last]
-        raised = stream._finished(step, error, advanced)
+        raised = stream._finished(step, error, advanced, held)
         if self._scheduler is not None and isinstance(raised, StreamError) and raised.state_valid is False:
             self._scheduler.retire(stream_id)  # its group no longer waits for it
         return raised
@@ -650,6 +656,17 @@ class Pipeline(InferenceSessionAPI):
         """The ids of the streams open now."""
         with self._lock:
             return sorted(self._streams)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the open streams' state in the stages, each as its last finished step left it
+        (the sum of their :attr:`Stream.state_bytes`, kept as they change: reading it costs
+        nothing). See Note: a stream's state bytes, ``_stream.py``."""
+        return self._state_held
+
+    def _state_changed(self, delta: int) -> None:
+        with self._held_lock:
+            self._state_held += delta
 
     def _close_stream(self, stream: Stream, wait: bool = True) -> None:
         """Free a stream's state in every stage: a close request follows its steps through the
@@ -819,6 +836,15 @@ class Pipeline(InferenceSessionAPI):
 
     def __repr__(self) -> str:
         return f"Pipeline(stages={[s.name for s in self.spec.stages]}, inputs={[t.name for t in self.spec.inputs]})"
+
+
+def _held_of(request: Request) -> dict[int, dict[str, int]]:
+    """What the stages with state reported holding for each of the request's streams, by stage
+    (Note: a stream's state bytes, _stream.py); the last report of a stage counts."""
+    held: dict[int, dict[str, int]] = {}
+    for stream, stage, size in request.held:
+        held.setdefault(stream, {})[stage] = size
+    return held
 
 
 def _settle(future: Future[Outputs], outputs: Outputs | None, error: BaseException | None) -> None:

@@ -254,6 +254,8 @@ class _StageActor:
                     if member.step == CLOSE:
                         continue
                     timings[j].update(start=self._wall(call.start), end=self._wall(call.end), call=n)
+                    if member.held:  # what this stage now holds of each stream's state (Note: a stream's state bytes, _stream.py)
+                        timings[j]["held"] = member.held
                     if error is not None:
                         timings[j]["error"] = str(error)
                     elif member.batch is not None:
@@ -834,6 +836,7 @@ class RayEngine:
                     gone[at[rid]] = (StreamError(why, stage=name, request=rid, state_valid=False) if lost
                                      else StageError(why, stage=name, request=rid))
             request.batch = request.batch.without(gone)
+        request.held.extend(timing.get("held", ()))
         if timing.get("state_lost") and request.error is None:
             request.error = StreamError(timing["error"], stage=name, request=request.id, state_valid=False)
         if timing["error"] is not None and request.error is None:

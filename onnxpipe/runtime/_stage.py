@@ -97,6 +97,9 @@ class Request:
             members and layout; ``stream`` is then ``None``.
         claim: Asked by the first stage that takes the request, before it runs it: ``False``
             when its owner withdrew it meanwhile (see :func:`claimed`); ``None``: nothing to ask.
+        held: ``(stream, stage, bytes)`` for each state a stage with state committed for one of
+            the request's steps: the bytes it holds for that stream now (Note: a stream's state
+            bytes, ``_stream``).
     """
 
     id: int
@@ -111,6 +114,7 @@ class Request:
     queued_at: float = 0.0
     batch: StepBatch | None = None
     claim: Callable[[], bool] | None = field(default=None, repr=False)
+    held: list[tuple[int, str, int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.queued_at = self.queued_at or self.submitted
@@ -282,7 +286,7 @@ class StageRunner:
         results = self.session.run(self.plan.outputs, self._feeds(request), self.run_options)
         if self._state_at:
             assert request.stream is not None
-            self.states[request.stream] = (request.step + 1, {name: results[at] for name, at in self._state_at})
+            self._commit(request, request.stream, request.step, {name: results[at] for name, at in self._state_at})
         for at, key in self._kept:
             values[key] = results[at]
         for key in self._dropped:
@@ -304,6 +308,11 @@ class StageRunner:
         return feeds
 
     # -- state ----------------------------------------------------------------------------------
+
+    def _commit(self, request: Request, stream: int, step: int, state: dict[str, np.ndarray]) -> None:
+        """A stream's state after ``step``, its own arrays, and its bytes told to the request (Note: a stream's state bytes, ``_stream``)."""
+        self.states[stream] = (step + 1, state)
+        request.held.append((stream, self.name, sum(a.nbytes for a in state.values())))
 
     def _held(self, stream: int | None, step: int, dims: Mapping[str, int]) -> dict[str, np.ndarray] | _InBlock:
         """The state this step of its stream runs on (the initial one at step 0), as held.
@@ -400,8 +409,10 @@ class StageRunner:
         if self._state_at:
             made = _Block(batch.streams, batch.rows, batch.shifts, {name: results[at] for name, at in self._state_at})
             states = self.states
+            size, rows = sum(a.nbytes for a in made.arrays.values()), max(batch.rows[-1], 1)
             for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
                 states[stream] = (step + 1, _InBlock(made, j))
+                request.held.append((stream, self.name, size * (batch.rows[j + 1] - batch.rows[j]) // rows))  # its rows' share, padding in
         for at, key in self._kept:
             values[key] = results[at]
         for key in self._dropped:
@@ -427,7 +438,7 @@ class StageRunner:
                 gone[j] = StageError(f"stage '{self.name}' failed on request {batch.ids[j]}: {e}", stage=self.name, request=batch.ids[j])
                 continue
             if self._state_at:
-                self.states[stream] = (step + 1, {name: results[at] for name, at in self._state_at})
+                self._commit(request, stream, step, {name: results[at] for name, at in self._state_at})
             done.append((j, results))
         for key in self._dropped:
             values.pop(key, None)

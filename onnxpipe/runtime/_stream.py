@@ -28,6 +28,19 @@ Note: expiring idle streams.
     looks at one stream, plus the ones it closes. Its lock is taken last (inside a stream's lock or
     the pipeline's) and never held while taking another. An ``OrderedDict``, not a ``dict``: after
     many deletions at its front, a dict's first item is found by walking over their holes.
+
+Note: a stream's state bytes.
+    A state can grow with every step (a KV cache: ``Concat(past, new)``), so what a stream holds
+    is a fact its owner needs (a server caps it per sequence and over all of them). Each stage with
+    state that commits a step's state tells the step's request how many bytes it now holds for
+    that stream (``Request.held``: for a batch of steps, a member's share of the block is its rows'
+    share, padding included); the request carries that back, on any engine, and when the step
+    leaves the pipeline its stream takes the figures, per stage, before its future is settled:
+    whoever waits on a step's outputs reads :attr:`Stream.state_bytes` as of that step. A failed
+    step's stages that had committed report too (their state did move on). The pipeline keeps the
+    sum over its open streams (:attr:`Pipeline.state_bytes`) as streams report and close: reading
+    it costs nothing, whatever the number of streams. A stream's bytes leave the sum when it is
+    closed (its state is then on its way out, behind its steps in flight, which report no more).
 """
 
 from __future__ import annotations
@@ -85,6 +98,8 @@ class StreamHost(Protocol):
     def _close_stream(self, stream: Stream, wait: bool = True) -> None: ...
 
     def _expire_idle(self) -> list[int]: ...
+
+    def _state_changed(self, delta: int) -> None: ...
 
 
 class IdleStreams:
@@ -156,6 +171,7 @@ class Stream:
         self.last_used = time.monotonic()
         self._closed: str | None = None  # why, once closed
         self._invalid: str | None = None  # why its state is no longer valid
+        self._held: dict[str, int] = {}  # stage -> bytes of the stream's state there (Note: a stream's state bytes)
 
     @property
     def steps(self) -> int:
@@ -171,6 +187,13 @@ class Stream:
     def closed_because(self) -> str | None:
         """Why the stream was closed (``"closed by its owner"``, its idle timeout, ...), or ``None`` while open."""
         return self._closed
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the stream's state in its stages, as its last finished step left them (0
+        before its first step, and once closed). See Note: a stream's state bytes."""
+        with self._lock:
+            return sum(self._held.values())
 
     def idle_for(self, now: float) -> float:
         """Seconds since its last step was submitted or finished; 0 while a step is in flight."""
@@ -252,7 +275,7 @@ class Stream:
         """The sizes of the symbolic dims of the stream's state, as its first step bound them."""
         return dict(self._dims)
 
-    def _finished(self, step: int, error: BaseException | None, advanced: Sequence[str]) -> BaseException | None:
+    def _finished(self, step: int, error: BaseException | None, advanced: Sequence[str], held: Mapping[str, int] | None = None) -> BaseException | None:
         """Called when a step leaves the pipeline; returns the error its future should raise.
 
         Args:
@@ -260,8 +283,14 @@ class Stream:
             error: Its error, if it failed.
             advanced: For a failed step: the stages with state that took the step before the
                 failing one (see Note: a failed step).
+            held: The bytes of the stream's state in each stage that committed the step (Note: a
+                stream's state bytes).
         """
         with self._lock:
+            if held and self._closed is None:
+                before = sum(self._held.values())
+                self._held.update(held)
+                self._pipeline._state_changed(sum(self._held.values()) - before)
             self._pending -= 1
             if self._pending == 0 and self._closed is None:
                 self._pipeline._idle.add(self)  # stamps last_used (Note: expiring idle streams)
@@ -303,18 +332,23 @@ class Stream:
             wait: Return once the state is freed everywhere; when false, return once the close is
                 on its way (a server ending a sequence does not wait for it).
         """
-        with self._lock:
-            if self._closed is not None:
-                return
-            self._closed = "closed by its owner"
-        self._pipeline._close_stream(self, wait)
+        if self._shut("closed by its owner"):
+            self._pipeline._close_stream(self, wait)
 
     def _expire(self, reason: str) -> bool:
         """Close on behalf of the pipeline (idle timeout); ``False`` if it was already closed."""
+        return self._shut(reason)
+
+    def _shut(self, reason: str) -> bool:
+        """Mark the stream closed for ``reason``, its state bytes out of its pipeline's sum (Note: a
+        stream's state bytes); ``False`` if it was closed already."""
         with self._lock:
             if self._closed is not None:
                 return False
             self._closed = reason
+            held, self._held = sum(self._held.values()), {}
+            if held:
+                self._pipeline._state_changed(-held)
         return True
 
     def __enter__(self) -> Stream:

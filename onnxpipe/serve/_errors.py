@@ -48,14 +48,18 @@ class RequestError(OnnxpipeError):
     Attributes:
         status: The HTTP status (400 bad request, 401 no or wrong token, 404 unknown version, 408
             body too slow, 413 body too large, 500 a stage failed, 503 busy or shutting down).
+        detail: The whole text the server's log keeps, where the answer says less (a stage's
+            failure without onnxruntime's source paths: ``_models``, Note: what a failure
+            shows); ``None``: the message is all.
     """
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, detail: str | None = None) -> None:
         super().__init__(_cut(message, MESSAGE_MOST))
         self.status = status
+        self.detail = detail
 
-    def __reduce__(self) -> tuple[type[RequestError], tuple[int, str]]:
-        return RequestError, (self.status, str(self))  # from a JSON worker process (_jsonwork), whole
+    def __reduce__(self) -> tuple[type[RequestError], tuple[int, str, str | None]]:
+        return RequestError, (self.status, str(self), self.detail)  # from a JSON worker process (_jsonwork), whole
 
     @property
     def grpc_code(self) -> str:

@@ -31,11 +31,23 @@ Note: one format per run.
     JSON ``status`` is always the HTTP status (for gRPC, the one Triton maps its code from), so a
     typed store (Elasticsearch, BigQuery) keeps one type per key; gRPC's code name is
     ``grpc_status``.
+
+Note: a failure's whole text.
+    A stage's failure inside onnxruntime carries onnxruntime's source paths and C++ symbols; its
+    answer leaves them out (``_models``, Note: what a failure shows) and the server's log keeps
+    them, on the request's one line: the answer's ``RequestError.detail``. The front door that
+    writes the line knows the answer's message, not the error, so the one inference path
+    (``ServerState.infer``) hands the detail to :func:`keep_detail`, which binds it to the
+    request's context (a ``ContextVar``: each HTTP request, gRPC call and request of a gRPC stream
+    runs in a task of its own, and its line is written in that task); :func:`log_request` writes
+    it in the line's ``error`` instead of the answer's message.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import itertools
 import json
 import logging
@@ -70,6 +82,7 @@ __all__ = [
     "grpc_answered",
     "grpc_status_of",
     "http_answered",
+    "keep_detail",
     "log_request",
     "middleware",
     "new_id",
@@ -99,6 +112,8 @@ _ID_MOST = 128
 #: What the ids the server makes begin with (this process's), and their count.
 _RUN = os.urandom(4).hex()
 _COUNT = itertools.count(1)
+#: The whole text of the running request's failure, where its answer says less (see Note: a failure's whole text).
+_DETAIL: contextvars.ContextVar[str | None] = contextvars.ContextVar("onnxpipe_serve_failure_detail", default=None)
 #: A 499's message: the client went away before its request was read (no answer is sent).
 _GONE = "the client went away before its request was read"
 #: gRPC status code name -> the HTTP status Triton answers the same error with (grpc_utils.cc), and
@@ -183,9 +198,18 @@ def new_id() -> str:
     return f"{_RUN}{next(_COUNT) & 0xFFFFFFFF:08x}"
 
 
+def keep_detail(text: str | None) -> None:
+    """The running request's failure, whole, for its line (see Note: a failure's whole text);
+    ``None``: its answer says it all."""
+    _DETAIL.set(text)
+
+
 def log_request(line: Request, exc: BaseException | None = None) -> None:
     """Log one request's line (call it for every failure, and for every request with ``--access-log``)."""
     level = logging.INFO if line.error is None else level_of(line.status)  # an answer, even a 400 (not ready), is no failure
+    detail = _DETAIL.get()
+    if detail is not None and line.error is not None:
+        line = dataclasses.replace(line, error=detail)
     access.log(level, "%s", line, exc_info=exc, extra={"event": "request", "request": line})
 
 

@@ -8,8 +8,8 @@ Note: nothing is counted twice.
     families (``nv_inference_*``) from each model's :meth:`~ServedModel.statistics` (the numbers
     ``GET .../stats`` answers, so the two always agree), the stage families (``onnxpipe_stage_*``)
     from the same scrape's ``Pipeline.stats()`` (one call per model and scrape serves both), and
-    in-flight requests and open streams from the model. ``onnxpipe bench`` and ``stats()`` show the
-    same numbers.
+    in-flight requests, open streams and the bytes of their state from the model and its
+    pipeline. ``onnxpipe bench`` and ``stats()`` show the same numbers.
 
 Note: Triton's names.
     Triton's counters are named without Prometheus's ``_total`` (``nv_inference_request_success``,
@@ -176,6 +176,7 @@ def _pipeline_families(scraped: Iterable[_Scraped]) -> Iterator[Metric]:
     """Per model and stage, what the pipelines' own statistics say."""
     inflight = GaugeMetricFamily("onnxpipe_inflight_requests", "Requests admitted and not answered yet.", labels=["model"])
     streams = GaugeMetricFamily("onnxpipe_open_streams", "Sequences (streams) open now.", labels=["model"])
+    state = GaugeMetricFamily("onnxpipe_sequence_state_bytes", "Bytes of state the open sequences hold, as their last steps left it.", labels=["model"])
     runs = CounterMetricFamily("onnxpipe_stage_runs", "Runs of each stage, failed ones included.", labels=["model", "stage"])
     failed = CounterMetricFamily("onnxpipe_stage_failures", "Runs of each stage that failed.", labels=["model", "stage"])
     compute = CounterMetricFamily("onnxpipe_stage_compute_seconds", "Time each stage spent running, over its replicas.", labels=["model", "stage"])
@@ -184,13 +185,14 @@ def _pipeline_families(scraped: Iterable[_Scraped]) -> Iterator[Metric]:
     for one in scraped:
         inflight.add_metric([one.name], one.model.inflight)
         streams.add_metric([one.name], len(one.model.pipe.open_streams))
+        state.add_metric([one.name], one.model.pipe.state_bytes)
         for s in one.stats.stages:
             runs.add_metric([one.name, s.stage], s.count)
             failed.add_metric([one.name, s.stage], s.failed)
             compute.add_metric([one.name, s.stage], s.busy_s)
             queued.add_metric([one.name, s.stage], s.queued_s)
             depth.add_metric([one.name, s.stage], s.queue_depth)
-    yield from (inflight, streams, runs, failed, compute, queued, depth)
+    yield from (inflight, streams, state, runs, failed, compute, queued, depth)
 
 
 def _triton_text(scraped: list[_Scraped]) -> str:

@@ -18,9 +18,28 @@ Note: sequences are streams.
     Triton's sequence extension (``sequence_id``, ``sequence_start``, ``sequence_end``) maps onto
     ``Pipeline.stream()``: a start opens a stream for the id (closing the id's earlier stream, as
     Triton ends an active sequence that starts again), later steps go to it, an end closes it once
-    the step is on its way. The pipeline's ``max_streams`` and ``stream_timeout`` stay the only
-    limits: a refused stream is a 503 with the reason, a step of an unknown, ended or expired
-    sequence a 400 naming ``sequence_id``.
+    the step is on its way. An end always ends the sequence: when its step is refused (its inputs
+    do not fit, or an earlier step's failure left the state invalid), the sequence is ended all
+    the same and its state freed, and the 400 says so. A refused stream (``max_streams``) is a 503
+    with the reason, a step of an unknown, ended or expired sequence a 400 naming ``sequence_id``.
+    A sequence id is a name any client may use: there is no owner (see Note: sequence state).
+
+Note: sequence state.
+    A sequence's state lives as long as the sequence, and may grow with every step (a KV cache),
+    so it is bounded twice, after each step: a sequence may hold ``--max-sequence-state`` bytes,
+    and the server's sequences together ``--sequence-state-budget`` (what each holds is the
+    runtime's ``Stream.state_bytes``, kept per step: runtime ``_stream``, Note: a stream's state
+    bytes). A step that leaves its sequence over its own limit is answered 400 (the sequence's
+    own doing: the same steps again would fail again; gRPC's INVALID_ARGUMENT), one that leaves
+    the server over its budget 503 (room may come as other sequences end: retry later; gRPC's
+    UNAVAILABLE); either way the step's outputs are dropped and its sequence is ended and its
+    state freed. The verdict is made as the step leaves the pipeline (on the pipeline's thread,
+    before the request's future is settled: :meth:`ServedModel._stepped`), whether or not its
+    client still waits, and the end goes to the model's worker thread, behind what is queued
+    there. Sequences are shared names, as in Triton: any client that may infer (holds the token)
+    can start, step or end any ``sequence_id``, and a start on an id in use ends the sequence
+    there; clients that must not meet choose random 64-bit or long string ids (docs/serving.md,
+    security).
 
 Note: a client's terms.
     A client knows its ``sequence_id``s and the server's flags, not the pipeline's stream numbers
@@ -47,6 +66,15 @@ Note: executions.
     ``inference_stats``'s). Counting costs the runtime one dict update per batched call
     (``StageRecorder.batch_busy``).
 
+Note: what a failure shows.
+    A stage that fails inside onnxruntime fails with onnxruntime's text, which names its C++
+    source (``/onnxruntime_src/.../reshape_helper.h:91``), the function
+    (``onnxruntime::ReshapeHelper::ReshapeHelper(const onnxruntime::TensorShape&, ...)``) and the
+    check that failed (``input_shape_size == requested_shape_size was false.``) before what
+    went wrong. A client is answered without them (:func:`client_text`: what is left names the
+    stage, the node and the shapes); the server's log keeps the whole text, on the request's one
+    line (``RequestError.detail``; ``_logs``, Note: a failure's whole text).
+
 Note: request timeouts.
     As Triton's queue policy does, a timeout bounds a request's wait until its model starts it,
     not its run: a request whose ``timeout`` parameter (microseconds, Triton's) or the server's
@@ -65,7 +93,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,10 +107,11 @@ import numpy as np
 from onnxpipe import __version__
 from onnxpipe._errors import BusyError, InputError, StageError, StreamError
 from onnxpipe.runtime import UNKNOWN_DIM_NAMES, Pipeline, PipelineStats, StageStats, Stream
-from onnxpipe.serve._errors import RequestError, bad_request, near, shown
+from onnxpipe.serve._errors import MESSAGE_MOST, RequestError, bad_request, near, shown
+from onnxpipe.serve._options import MAX_SEQUENCE_STATE, SEQUENCE_STATE_BUDGET
 from onnxpipe.serve._tensors import Port, port_of
 
-__all__ = ["PLATFORM", "Deadline", "Sequence", "ServedModel", "SequenceId", "timeout_of"]
+__all__ = ["PLATFORM", "Deadline", "Sequence", "SequenceState", "ServedModel", "SequenceId", "client_text", "timeout_of"]
 
 #: What metadata and config call the platform (Triton's ``onnxruntime_onnx`` for one ONNX model).
 PLATFORM = "onnxpipe"
@@ -103,6 +134,21 @@ _TERMS = (
     ("the stream's state", "the sequence's state"),
     ("stream_timeout=", "--stream-timeout "),
 )
+
+#: onnxruntime's C++ source in its messages (see Note: what a failure shows): a source file and line,
+#: then the function (``__PRETTY_FUNCTION__``: a return type and a qualified name with its
+#: arguments; or ``__FUNCTION__``, a bare name), and an ORT_ENFORCE's condition when a message
+#: follows it; and a source file in a folder found elsewhere. Every repetition is bounded and a file
+#: begins a word, so that the time taken grows with the text's length (a megabyte of the worst text
+#: found took 0.2-0.5 s), and no more than :data:`_CLEANED` characters are looked at (a code stage's
+#: message may hold what a request sent; the answer shows at most ``MESSAGE_MOST`` of them anyway).
+_CLEANED = 4 * MESSAGE_MOST
+_FOLDER = r"[\w.+-]{1,128}/"
+_FILE = r"[\w.+-]{1,128}\.(?:h|hh|hpp|hxx|inc|c|cc|cpp|cxx|cu|cuh)(?![\w+-])"
+_PRETTY = (r"(?:[\w:<>,*&~]{1,256} ){0,8}?[\w<>~,]{0,256}(?:::[\w<>~,]{1,256}){1,16}"  # [return type] qualified::name
+           r"\((?:[^()\n]|\([^()\n]{0,256}\)){0,1024}\)(?: const)?(?: \[with [^\]\n]{0,1024}\])?")  # (arguments) const [with T = float]
+_ORT_WHERE = re.compile(rf"(?<![\w.+/-])/?(?:{_FOLDER}){{0,32}}{_FILE}:\d{{1,9}} (?:{_PRETTY} |\w{{1,256}} )(?:[^\n]{{1,1024}}? was false\. (?=\S))?")
+_ORT_PATH = re.compile(rf"(?<![\w.+/-])/?(?:{_FOLDER}){{1,32}}{_FILE}(?::\d{{1,9}})?")
 
 SequenceId = int | str
 Outputs = dict[str, np.ndarray]
@@ -302,6 +348,49 @@ class ModelPorts:
                                       "the model names that dim in both, so they must agree")
 
 
+class SequenceState:
+    """The bounds of the server's sequence state, and what its models' sequences hold (see Note:
+    sequence state): one for the server, shared by its models with state.
+
+    Args:
+        per_sequence: The bytes one sequence's state may hold (``--max-sequence-state``).
+        budget: The bytes the sequences of every model may hold together (``--sequence-state-budget``).
+    """
+
+    def __init__(self, per_sequence: int = MAX_SEQUENCE_STATE, budget: int = SEQUENCE_STATE_BUDGET) -> None:
+        self.per_sequence = per_sequence
+        self.budget = budget
+        self._pipes: list[Pipeline] = []
+
+    def join(self, pipe: Pipeline) -> None:
+        """Count ``pipe``'s streams in :meth:`held`."""
+        self._pipes.append(pipe)
+
+    def held(self) -> int:
+        """Bytes the sequences of every model hold now (each pipeline keeps its sum: a few reads)."""
+        return sum(p.state_bytes for p in self._pipes)
+
+    def refusal(self, model: str, sid: SequenceId, stream: Stream) -> RequestError | None:
+        """The answer to a step that left its sequence (``stream``), or the server, over its bound;
+        ``None``: within both."""
+        held = stream.state_bytes
+        if held > self.per_sequence:
+            return bad_request(
+                f"sequence_id {sid!r} of model '{model}' holds {_size(held)} of state after this step, over the {_size(self.per_sequence)} "
+                "a sequence may hold (--max-sequence-state): the sequence was ended and its state freed; start it again ('sequence_start': true) "
+                "and end it sooner, send less in each step, or restart the server with a larger --max-sequence-state"
+            )
+        total = self.held()
+        if total > self.budget:
+            return RequestError(
+                503,
+                f"the server's sequences hold {_size(total)} of state after this step, over its {_size(self.budget)} (--sequence-state-budget): "
+                f"sequence_id {sid!r} of model '{model}' ({_size(held)} of it) was ended and its state freed; end the sequences you no longer "
+                "need ('sequence_end': true) and start it again ('sequence_start': true), or restart the server with a larger --sequence-state-budget",
+            )
+        return None
+
+
 class ServedModel:
     """One bundle behind the protocol: its pipeline, ports, admission and sequences.
 
@@ -312,9 +401,12 @@ class ServedModel:
         max_inflight: Requests admitted at once; more are refused with 503.
         version: The version it is served as: :data:`VERSION`, or in Triton's layout the number
             of its version folder. It is the only one: a request naming another gets 404.
+        sequence_state: The server's bounds of sequence state (see Note: sequence state);
+            ``None``: the defaults, for this model alone.
     """
 
-    def __init__(self, name: str, path: os.PathLike[str] | str, pipe: Pipeline, max_inflight: int, version: str = VERSION) -> None:
+    def __init__(self, name: str, path: os.PathLike[str] | str, pipe: Pipeline, max_inflight: int, version: str = VERSION,
+                 sequence_state: SequenceState | None = None) -> None:
         self.name = name
         self.path = str(path)
         self.version = version
@@ -331,6 +423,9 @@ class ServedModel:
         #: The stage whose calls are the model's executions (see Note: executions).
         self.executing = next((i for i, s in enumerate(spec.stages) if s.batching is not None and s.settings.max_batch > 1), 0)
         self.sequences: dict[SequenceId, Stream] = {}
+        self.sequence_state = sequence_state or SequenceState()
+        if self.stateful:
+            self.sequence_state.join(pipe)
         self._ended: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()  # the last _ENDED, and why
         # Submissions that may wait, and every stream operation, in arrival order (see Note: the event loop never waits).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"onnxpipe-serve-{name}")
@@ -363,9 +458,11 @@ class ServedModel:
             deadline: When the pipeline must have started it, if ever (see Note: request timeouts).
 
         Raises:
-            RequestError: 400 for inputs or sequence parameters that do not fit the model, 503 when
-                a stream cannot be opened or the request's time ran out before it started, 500
-                when a stage fails on the request.
+            RequestError: 400 for inputs or sequence parameters that do not fit the model, or a
+                step that leaves its sequence's state past ``--max-sequence-state``; 503 when a
+                stream cannot be opened, a step leaves the server's sequences past
+                ``--sequence-state-budget``, or the request's time ran out before it started; 500
+                when a stage fails on the request (see Notes: sequence state, what a failure shows).
         """
         future: Future[Outputs] | None
         try:
@@ -462,11 +559,43 @@ class ServedModel:
         except (StreamError, InputError) as e:
             if stream.closed:  # it expired since the look above
                 raise self._not_open(sequence.id, stream) from None
-            raise bad_request(_sequence_terms(str(e), stream, sequence.id)) from None
+            text = _sequence_terms(str(e), stream, sequence.id)
+            if sequence.end:  # an end always ends the sequence (see Note: sequences are streams)
+                self._end(sequence.id, stream, "it ended with sequence_end")
+                text += "; the step did not run, and the sequence was ended ('sequence_end': true) and its state freed"
+            raise bad_request(text) from None
         if sequence.end:
-            self._forget(sequence.id, "it ended with sequence_end")
-            stream.close(wait=False)  # follows the step; frees the state behind it
-        return future
+            self._end(sequence.id, stream, "it ended with sequence_end")  # the close follows the step; frees the state behind it
+        answer: Future[Outputs] = Future()
+        answer.set_running_or_notify_cancel()  # never withdrawn, as the step's own future (Note: request timeouts)
+        future.add_done_callback(lambda done: self._stepped(done, answer, sequence.id, stream))
+        return answer
+
+    def _stepped(self, done: Future[Outputs], answer: Future[Outputs], sid: SequenceId, stream: Stream) -> None:
+        """A step left the pipeline (on the pipeline's thread, before its client is told): its
+        answer, or, when it left its sequence or the server over its bound of state, the refusal,
+        and the sequence's end on the worker thread (see Note: sequence state)."""
+        try:
+            error = done.exception()
+            refusal = None if error is not None or stream.closed else self.sequence_state.refusal(self.name, sid, stream)  # closed: its state is on its way out
+            if refusal is not None:
+                why = f"its state passed {'--max-sequence-state' if refusal.status == 400 else '--sequence-state-budget'}, and was freed"
+                with contextlib.suppress(RuntimeError):  # the server is closing: the pipeline frees every state
+                    self._worker.submit(self._end, sid, stream, why)
+            if error is not None or refusal is not None:
+                answer.set_exception(error or refusal)
+            else:
+                answer.set_result(done.result())
+        except Exception as e:  # a bug: the request fails with it (a future's callback that raises is only logged), never hangs
+            if not answer.done():
+                answer.set_exception(e)
+
+    def _end(self, sid: SequenceId, stream: Stream, why: str) -> None:
+        """End the sequence ``sid`` held in ``stream`` (on the worker thread): forget it, unless the
+        id was started again meanwhile, and free its state behind its steps in flight."""
+        if self.sequences.get(sid) is stream:
+            self._forget(sid, why)
+        stream.close(wait=False)
 
     def _not_open(self, sid: SequenceId, stream: Stream | None) -> RequestError:
         """The 400 for a step of a sequence that is not open (never started, ended, or expired)."""
@@ -681,14 +810,32 @@ def _config_type(port: Port) -> str:
 
 def _request_error(error: InputError | StageError, text: str) -> RequestError:
     """The status of a runtime error: the request's fault (400) or a stage's failure (500);
-    ``text`` says it."""
+    ``text`` says it (a stage's failure without onnxruntime's source: see Note: what a failure
+    shows)."""
     if isinstance(error, InputError):
         return bad_request(text)
     if isinstance(error, StreamError) and error.stage is None:
         return bad_request(f"{text} (parameter 'sequence_id')")
     if error.stage is None:  # the pipeline closed under the request: the server is stopping
         return RequestError(503, text)
-    return RequestError(500, text)
+    shown = client_text(text)
+    return RequestError(500, shown, None if shown == text else text)
+
+
+def client_text(text: str) -> str:
+    """A stage's failure as a client is answered (see Note: what a failure shows): without
+    onnxruntime's source files, functions and failed checks, on one line."""
+    more = f"… ({len(text)} characters)" if len(text) > _CLEANED else ""
+    text = " ".join(_ORT_PATH.sub("", _ORT_WHERE.sub("", text[:_CLEANED])).split())
+    return text.replace(" ; ", "; ") + more  # onnxruntime's text ends in a line break: the runtime's words after it follow a space
+
+
+def _size(n: int) -> str:
+    """Bytes as a message gives them (``24.0 MiB``), exact below a KiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _sequence_terms(text: str, stream: Stream | None = None, sid: SequenceId | None = None) -> str:

@@ -28,6 +28,10 @@ _NAME_RULE = "letters, digits, '_', '.' and '-', starting with a letter or digit
 #: Why a symbolic link to a folder is not served (``runtime.read_bundle`` does not read one: see ``linked_folder``), worded as :func:`_not_servable`.
 _LINKED = ("a symbolic link to a folder, which onnxpipe does not load as a bundle (a bundle holds regular files only): "
            f"put the folder itself here, or link a {ARCHIVE_SUFFIX} archive of it")
+#: The bytes a sequence's state may hold, and the sequences of every model together, unless told
+#: (``--max-sequence-state``, ``--sequence-state-budget``; ``_models``, Note: sequence state).
+MAX_SEQUENCE_STATE = 256 << 20
+SEQUENCE_STATE_BUDGET = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class ServeOptions:
         body_timeout: Seconds a request's body may take to arrive; slower ones get 408.
         max_streams: Sequences open at once per model (a stateful model's streams).
         stream_timeout: Seconds a sequence may stay idle before it is closed (``None``: never).
+        max_sequence_state_bytes: Bytes one sequence's state may hold; a step that leaves it
+            larger is answered 400 and its sequence ended (``_models``, Note: sequence state).
+        sequence_state_budget_bytes: Bytes the sequences of every model may hold together; a
+            step that leaves them larger is answered 503 and its sequence ended.
         drain_timeout: Seconds to wait, on SIGTERM, for admitted requests to finish.
         request_timeout: Seconds every inference request may wait for its model to start it
             (Triton's queue policy ``default_timeout_microseconds``); past it, one still waiting
@@ -136,6 +144,8 @@ class ServeOptions:
     body_timeout: float = 30.0
     max_streams: int = DEFAULT_MAX_STREAMS
     stream_timeout: float | None = 60.0
+    max_sequence_state_bytes: int = MAX_SEQUENCE_STATE
+    sequence_state_budget_bytes: int = SEQUENCE_STATE_BUDGET
     drain_timeout: float = 30.0
     request_timeout: float | None = None
     allow_partial: bool = False
@@ -164,9 +174,14 @@ class ServeOptions:
         for name in ("http_port", "grpc_port"):
             if self.allow_metrics and self.metrics_port and self.metrics_port == getattr(self, name):
                 raise ConfigError(f"{name} and metrics_port are both {self.metrics_port}; give them different ports, or 0 for no metrics port")
-        for name in ("max_inflight", "max_body_bytes", "max_streams", "queue_depth", "max_connections"):
+        for name in ("max_inflight", "max_body_bytes", "max_streams", "queue_depth", "max_connections", "max_sequence_state_bytes",
+                     "sequence_state_budget_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.sequence_state_budget_bytes < self.max_sequence_state_bytes:
+            raise ConfigError(f"sequence_state_budget_bytes (--sequence-state-budget) is {self.sequence_state_budget_bytes}, less than "
+                              f"max_sequence_state_bytes (--max-sequence-state), {self.max_sequence_state_bytes}: one sequence would pass the "
+                              "budget alone; give a budget at least as large")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ConfigError(f"request_timeout must be a positive number of seconds or None, got {self.request_timeout}")
         for name in ("body_timeout", "drain_timeout", "idle_timeout"):

@@ -229,7 +229,7 @@ class _Server:
             **extra,
         )
         try:
-            model = ServedModel(source.name, source.path, pipe, o.max_inflight, source.version or VERSION)
+            model = ServedModel(source.name, source.path, pipe, o.max_inflight, source.version or VERSION, self.state.sequence_state)
             note = self._verify(pipe) if o.verify else "not verified (--no-verify)"
             if o.overrides:  # what --set made of the bundle's settings, said once per model
                 note += "; deploy-time settings: " + "; ".join(f"stage '{s.name}': {describe_settings(s)}" for s in pipe.spec.stages)

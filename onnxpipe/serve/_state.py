@@ -32,9 +32,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from onnxpipe import __version__
+from onnxpipe.serve import _logs as logs
 from onnxpipe.serve._errors import RequestError, bad_request, near, shown
 from onnxpipe.serve._metrics import Metrics
-from onnxpipe.serve._models import Deadline, Outputs, Sequence, ServedModel
+from onnxpipe.serve._models import Deadline, Outputs, Sequence, SequenceState, ServedModel
 from onnxpipe.serve._options import ServeOptions
 
 __all__ = ["EXTENSIONS", "Decoded", "ServerState", "Turn"]
@@ -109,6 +110,8 @@ class ServerState:
         self.ready = False
         self._draining = asyncio.Event()  # streams wait on it to end (_grpc); asyncio binds it to the loop on first use
         self.metrics = Metrics(lambda: dict(self.models))
+        #: The bounds of sequence state, shared by the models with state (``_models``, Note: sequence state).
+        self.sequence_state = SequenceState(options.max_sequence_state_bytes, options.sequence_state_budget_bytes)
         self._token = options.auth_token.strip().encode() if options.auth_token else None
 
     # -- what may be asked --------------------------------------------------------------------
@@ -266,6 +269,8 @@ class ServerState:
                 model.release()
         except RequestError as e:
             status = e.status
+            if e.detail is not None:
+                logs.keep_detail(e.detail)  # the request's line keeps the whole text (_logs, Note: a failure's whole text)
             raise
         finally:
             if turn is not None:

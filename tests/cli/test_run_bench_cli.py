@@ -217,7 +217,8 @@ def test_bench_caller_cores(hand: Path) -> None:
     data = json.loads(ok("bench", hand, "--requests", 5, "--standalone-runs", 2, "--dim", "N=2", "--caller-cores", "auto", "--json").stdout)
     assert data["caller_cores"] is None and data["notes"] == ["the calling thread was left unpinned: no stage is pinned to cores"]
     for bad in ("x", "-1", "0,1"):
-        assert_usage_error(run("bench", hand, "--caller-cores", bad), f"'{bad}' is not a core list: give cores as 0, 0-3 or 0+2+5 (or none), in the digits 0-9; or auto")
+        assert_usage_error(run("bench", hand, "--caller-cores", bad),
+                           f"'{bad}' is not a core list: give cores as 0, 0-3 or 0+2+5 (or none), in the digits 0-9; or auto")
     assert_usage_error(run("bench", hand, "--caller-cores", "1-0"), "range '1-0' goes down; write 0-1; or auto")
     refused = "cannot pin the calling thread to cores [4096]: Invalid argument; this process may use cores"
     assert_user_error(run("bench", hand, "--caller-cores", "4096"), refused)

@@ -23,6 +23,8 @@ def test_the_cli_defaults_are_the_servers() -> None:
         o.max_inflight, o.body_timeout, o.max_streams, o.stream_timeout, o.drain_timeout, o.idle_timeout)
     assert o.max_connections is None  # half the open-file limit, less 64
     assert _serve._MAX_BODY == "64MiB" and o.max_body_bytes == 64 << 20
+    assert (_serve._MAX_SEQUENCE_STATE, _serve._SEQUENCE_STATE_BUDGET) == ("256MiB", "2GiB")
+    assert (o.max_sequence_state_bytes, o.sequence_state_budget_bytes) == (256 << 20, 2 << 30)
     assert (o.host, o.http_port, o.grpc_port) == ("127.0.0.1", 8000, 8001)  # loopback unless told otherwise
     assert o.queue_depth is None  # as deep as --max-inflight
 

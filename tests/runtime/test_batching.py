@@ -95,6 +95,30 @@ def test_streams_joining_and_leaving_batch_to_the_tokens_each_makes_alone(stages
         assert stats.stages[0].batch_wait_ms > 0.0  # batches waited at the entry for their groups (max_delay_ms)
 
 
+def test_a_batched_streams_state_bytes_are_its_rows_of_each_stages_block(decoder_bundles: dict[int, Path]) -> None:
+    """4 streams stepped together (one micro-batch): their prompts (3, 1, 2 and 4 tokens) run
+    alone, each holding its own KV cache (1 KiB a position: 4 layers, key and value, 2 heads, 16
+    dims, float32); from then on they run as one batch whose block is padded to the longest
+    past, and each holds its rows of it, padding in. The pipeline's sum is what the stages hold."""
+    prompts = [[1, 2, 3], [5], [7, 8], [9, 9, 9, 9]]
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)
+    with load(decoder_bundles[2], max_streams=16, micro_batches=1) as pipe:
+        streams = [pipe.stream() for _ in prompts]
+        held = []
+        for _ in range(3):
+            futures = pipe.submit_steps({s: decoder_feeds(tokens[k], done[k]) for k, s in enumerate(streams)})
+            for k, s in enumerate(streams):
+                done[k] = len(tokens[k])
+                tokens[k].append(int(np.argmax(futures[s].result(timeout=60)["logits"][0, -1])))
+            held.append([s.state_bytes for s in streams])
+            assert pipe.state_bytes == sum(r.state_bytes() for r in pipe.idle_runners())
+        assert [s.batch_sizes for s in pipe.stats().stages] == [{1: 4, 4: 2}] * 2
+        streams[1].close()
+        assert pipe.state_bytes == 3 * 6 * 1024
+    assert held == [[3072, 1024, 2048, 4096], [5 * 1024] * 4, [6 * 1024] * 4]
+
+
 def test_one_driver_steps_many_streams_as_one_request_per_group(decoder_bundles: dict[int, Path], decoder: ModelProto) -> None:
     """One thread steps 8 streams with ``submit_steps``: the streams are spread over 2 groups
     (micro-batches) of 4, and each round is two requests of 4 steps through every stage (the

@@ -202,7 +202,8 @@ def _stateful(model: Any, cuts: list[str], folder: Path, hosts: list[str | None]
 def test_interleaved_streams_keep_their_state_on_their_actors(tmp_path: Path, ray_pids: set[int]) -> None:
     """A recurrent model in 2 stages on nodes a and b, 2 replicas each: 5 streams stepped round-robin
     without waiting each equal the whole model alone, step for step (rtol/atol 1e-5); each stream's
-    state sits on replica stream % 2 of each stage, and closing frees it on every actor."""
+    state sits on replica stream % 2 of each stage, its bytes are told back to the driver
+    (``Stream.state_bytes``), and closing frees it on every actor."""
     from tests.stateful_models import recurrent, whole_recurrent
 
     plan = split(recurrent(), ["state1N"], states="auto")
@@ -221,9 +222,12 @@ def test_interleaved_streams_keep_their_state_on_their_actors(tmp_path: Path, ra
             np.testing.assert_allclose(got, np.stack(whole_recurrent(recurrent(), xs)), rtol=1e-5, atol=1e-5, err_msg=f"stream {k}")
         engine: Any = pipe._engine
         assert engine.held_streams() == [[[0, 2, 4], [1, 3]]] * 2
+        # what each stream holds came back from the actors: state1 and state2, [1, 8] float32 each
+        assert [s.state_bytes for s in streams] == [2 * 8 * 4] * 5 and pipe.state_bytes == 5 * 2 * 8 * 4
         for s in streams:
             s.close()
         assert engine.held_streams() == [[[], []]] * 2
+        assert pipe.state_bytes == 0
 
 
 def test_greedy_decoding_through_ray_equals_the_whole_decoder(tmp_path: Path, ray_pids: set[int]) -> None:

@@ -24,7 +24,7 @@ from onnxpipe import ConfigError, InputError, StreamError
 from onnxpipe.runtime import Pipeline, load
 from onnxpipe.splitter import split
 from tests.models import bundle_of
-from tests.stateful_models import decoder_feeds, generate, gpt_decoder, recurrent, whole_generate, whole_recurrent
+from tests.stateful_models import decoder_feeds, generate, gpt_decoder, growing, recurrent, whole_generate, whole_recurrent
 
 PROMPTS = ([1, 2, 3], [5], [7, 8, 9, 10, 11], [40, 41])
 DECODER_CUTS = {2: ["layer1.out"], 3: ["layer0.out", "layer2.out"]}
@@ -166,12 +166,33 @@ def test_closing_a_stream_frees_its_state_in_every_stage(decoder_bundles: dict[i
         assert all(s.id in r.states for r in runners)
         held = [weakref.ref(a) for r in runners for a in r.states[s.id][1].values()]
         # layers, k/v, heads, 6 positions fed (3 + 3), head dim, float32
-        assert len(held) == 8 and sum(r.state_bytes() for r in runners) == 4 * 2 * 2 * 6 * 16 * 4
+        assert len(held) == 8 and sum(r.state_bytes() for r in runners) == 4 * 2 * 2 * 6 * 16 * 4 == s.state_bytes == pipe.state_bytes
         s.close()
         gc.collect()
-        assert all(not r.states for r in runners) and sum(r.state_bytes() for r in runners) == 0
+        assert all(not r.states for r in runners) and sum(r.state_bytes() for r in runners) == 0 == s.state_bytes == pipe.state_bytes
         assert all(ref() is None for ref in held), "state arrays still referenced after close"
         assert pipe.open_streams == []
+
+
+def test_a_streams_state_bytes_follow_its_steps_and_its_pipeline_sums_the_open_ones(tmp_path: Path) -> None:
+    """``growing`` (stage0: state = Concat(state, x); stage1 reshapes its sum to the step's
+    ``shape``): each step adds x's bytes, told as the step's outputs are; a step failing in stage1
+    counts stage0's state, which took it; the pipeline's sum follows its open streams."""
+    x = np.ones((1, 4), np.float32)
+    with load(bundle_of(split(growing(reshaped=True), ["sum"], states="auto"), tmp_path)) as pipe:
+        a, b = pipe.stream(), pipe.stream()
+        assert (a.state_bytes, pipe.state_bytes) == (0, 0)
+        for k in range(1, 4):
+            a.step({"x": x, "shape": np.array([1, 1])})
+            assert a.state_bytes == 16 * k
+        b.step({"x": np.ones((1, 100), np.float32), "shape": np.array([1, 1])})
+        assert (b.state_bytes, pipe.state_bytes) == (400, 448)
+        with pytest.raises(StreamError, match="state is no longer valid"):
+            a.step({"x": x, "shape": np.array([2, 2])})
+        assert (a.state_bytes, pipe.state_bytes) == (64, 464)  # stage0 took the step
+        a.close()
+        assert (a.state_bytes, pipe.state_bytes) == (0, 400)
+    assert (b.state_bytes, pipe.state_bytes) == (0, 0)  # closed with its pipeline
 
 
 def test_a_close_that_does_not_wait_frees_the_state_behind_the_steps_in_flight(rnn: Pipeline) -> None:

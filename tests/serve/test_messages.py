@@ -8,6 +8,7 @@ advice is then followed, and works."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,8 @@ from tritonclient.utils import InferenceServerException
 
 from onnxpipe import runtime
 from onnxpipe.serve import RequestError
-from onnxpipe.serve._models import Sequence, ServedModel
+from onnxpipe.serve._models import Sequence, ServedModel, client_text
+from tests import models
 from tests.serve.conftest import serve_args
 from tests.serve.process import ServerProcess
 
@@ -159,6 +161,69 @@ def test_a_sequence_whose_state_is_lost_says_to_start_it_again(bundles: dict[str
             asyncio.run(step(start=True, end=True))  # as it says
         finally:
             model._worker.shutdown(wait=True)
+
+
+# -- a stage's failure ---------------------------------------------------------------------------
+
+
+def test_a_failure_inside_onnxruntime_is_answered_without_its_source_and_logged_whole(tmp_path: Path) -> None:
+    """``failing``: its stage 'reshape' reshapes x [N, 4] to [2, 4], which onnxruntime refuses for
+    N = 3 (issue 36, item 17). Over HTTP and gRPC the 500 names the stage, the node and the shapes,
+    without onnxruntime's source file, function and failed check; the request's one log line has
+    them."""
+    bundle = models.bundle_of(models.failing_config("failing"), tmp_path / "failing")
+    with ServerProcess(f"failing={bundle}") as proc:
+        proc.start(tmp_path / "serve.log")
+        answered = {}
+        for module, url, status in ((httpclient, proc.http, "500"), (grpcclient, proc.grpc, "StatusCode.INTERNAL")):
+            tensor = module.InferInput("x", [3, 4], "FP32")
+            tensor.set_data_from_numpy(np.zeros((3, 4), np.float32))
+            rid = f"failing-{module.__name__.rsplit('.', 1)[-1]}"
+            refused = _refused(module.InferenceServerClient(url).infer, "failing", [tensor], request_id=rid)
+            assert refused.status() == status
+            assert re.fullmatch(r"stage 'reshape' failed on request \d+: \[ONNXRuntimeError\] : 1 : FAIL : Non-zero status code returned while "
+                                r"running Reshape node\. Name:'' Status Message: The input tensor cannot be reshaped to the requested shape\. "
+                                r"Input shape:\{3,4\}, requested shape:\{2,4\}", refused.message()), refused.message()
+            answered[rid] = refused.message()
+        deadline = time.monotonic() + 10
+        while not all(f"id={rid} " in proc.log() for rid in answered) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for rid, message in answered.items():
+            (line,) = [line for line in proc.log().splitlines() if f"id={rid} " in line]
+            logged = line.split(": ", 2)[2]
+            assert "/onnxruntime_src/onnxruntime/core/providers/cpu/tensor/reshape_helper.h:" in logged and "onnxruntime::ReshapeHelper::" in logged
+            assert client_text(logged) == message, line  # the log's text is the answer's with onnxruntime's source, on one line
+        assert proc.stop() == 0
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    # ORT_ENFORCE: file and line, __PRETTY_FUNCTION__, the check, then the message; a stream's words after onnxruntime's line break
+    ("Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/tensor/reshape_helper.h:84 onnxruntime::ReshapeHelper::ReshapeHelper("
+     "const onnxruntime::TensorShape&, onnxruntime::TensorShapeVector&, bool) size != 0 && (input_shape_size % size) == 0 was false. "
+     "The input tensor cannot be reshaped to the requested shape. Input shape:{6}, requested shape:{4,-1}\n; the stream's state is unchanged",
+     "Status Message: The input tensor cannot be reshaped to the requested shape. Input shape:{6}, requested shape:{4,-1}; the stream's state is unchanged"),
+    # a return type, and a check with pointers in it
+    ("x: /onnxruntime_src/onnxruntime/core/framework/execution_frame.cc:12 onnxruntime::common::Status onnxruntime::IExecutionFrame::"
+     "GetOrCreateNodeOutputMLValue(int, int, const onnxruntime::TensorShape*, OrtValue*&, const onnxruntime::Node&) shape && "
+     "tensor.Shape() == *shape was false. OrtValue shape verification failed.", "x: OrtValue shape verification failed."),
+    # __FUNCTION__ after a bare file name
+    ("Status Message: matmul_helper.h:59 Compute MatMul dimension mismatch", "Status Message: MatMul dimension mismatch"),
+    # no source: as it was
+    ("Status Message: indices element out of data bounds, idx=7 must be within the inclusive range [-2,1]",
+     "Status Message: indices element out of data bounds, idx=7 must be within the inclusive range [-2,1]"),
+    # a path elsewhere (CUDA's), and file names that are no source
+    ("out of memory ; file=/onnxruntime_src/onnxruntime/core/providers/cuda/cuda_allocator.cc ; line=47", "out of memory; file=; line=47"),
+    ("model.onnx, x.h and y.cc: left", "model.onnx, x.h and y.cc: left"),
+])
+def test_a_stages_failure_is_shown_without_onnxruntimes_source(text: str, shown: str) -> None:
+    assert client_text(text) == shown
+
+
+def test_a_long_failure_is_cleaned_in_its_first_16_kib() -> None:
+    """A code stage's message may hold what a request sent: the regular expressions see the first
+    16 KiB (the answer shows 4,096 characters of it), and the count says how long it was."""
+    text = "a.cc:1 f " + "x " * 500_000
+    assert client_text(text) == " ".join(["x"] * ((16384 - 9 + 1) // 2)) + "… (1000009 characters)"  # the x's of its first 16384 characters
 
 
 # -- the token -----------------------------------------------------------------------------------
