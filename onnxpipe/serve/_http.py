@@ -2,20 +2,47 @@
 tensor data, model configuration, statistics and sequence extensions, as an aiohttp application.
 
 Note: the body.
-    A request's body is read chunk by chunk against ``max_body_bytes`` (a ``Content-Length`` over
-    it is refused before anything is read: 413) and ``body_timeout`` (408); a client that goes away
-    mid-body gets no answer and costs nothing more. Memory follows the bytes received, never a
-    declared size: each chunk is counted as it arrives against the server's :class:`BodyBudget`
-    (``max_inflight`` x ``max_body_bytes`` across every connection: past it, 503), and given back
-    when the request is answered. A large body with a ``Content-Length`` is copied once, as it
-    arrives, into an anonymous mapping of that length whose pages the system makes only as they
-    are written, so a client announcing 64 MiB and sending nothing holds nothing (smaller bodies
-    are joined from their chunks). The mapping is placed so that the binary data after the JSON
-    header (``Inference-Header-Content-Length`` bytes) starts on a 64-byte boundary: raw tensors
-    are then views that onnxruntime reads in place. A compressed body (``Content-Encoding: gzip`` or
-    ``deflate``, as ``tritonclient`` sends with ``request_compression_algorithm``) is inflated
-    against the same limit. The JSON header is parsed; binary tensors are then taken, in the order
-    of the inputs that declare ``binary_data_size``, as views over the rest.
+    Before a byte of a request's body is read, its head must be one the server would take: the
+    token, a served model, a server serving, a ``Content-Length`` within ``max_body_bytes``, a
+    ``Content-Encoding`` it can inflate (:func:`_admissible`; so is ``Expect: 100-continue``
+    answered, before the client sends the body). The body is then read chunk by chunk against
+    ``max_body_bytes`` (413) and ``body_timeout`` (408); a client that goes away mid-body gets no
+    answer and costs nothing more. Memory follows the bytes received, never a declared size: each
+    chunk is counted as it arrives against the server's :class:`BodyBudget` (see Note: what a
+    request holds), and given back when the request is answered. A large body with a
+    ``Content-Length`` is copied once, as it arrives, into an anonymous mapping of that length whose
+    pages the system makes only as they are written, so a client announcing 64 MiB and sending
+    nothing holds nothing (smaller bodies are joined from their chunks). The mapping is placed so
+    that the binary data after the JSON header (``Inference-Header-Content-Length`` bytes) starts on
+    a 64-byte boundary: raw tensors are then views that onnxruntime reads in place. The JSON header
+    is parsed; binary tensors are then taken, in the order of the inputs that declare
+    ``binary_data_size``, as views over the rest.
+
+Note: compressed bodies.
+    A ``gzip`` or ``deflate`` body (as ``tritonclient`` sends with ``request_compression_algorithm``)
+    is read as it came, then inflated only once the request is admitted (its model's
+    ``max_inflight`` place taken), on the server's one inflating thread (zlib lets go of the
+    interpreter while it inflates: the event loop keeps answering), 64 KiB of input and at most
+    1 MiB of output at a time, into a mapping placed as above: every MiB it makes is counted against
+    the budget as it is made and against ``max_body_bytes``, so a 64 KiB body that would inflate to
+    64 GiB is refused 413 once it passes the limit, having held at most that. One thread, so that
+    bodies inflate one after another: with 4 deflate bombs (64 KiB inflating past 64 MiB) at a time
+    on the 2-core VM, a health check's p99 / max was 22-27 / 53-62 ms with them inflating on 4
+    threads at once and 8-9 / 15-41 ms one at a time, and the server's RSS grew 250 MB against
+    68 MB (the same 20 bombs took as long either way).
+
+Note: what a request holds.
+    One budget, ``max_inflight`` x ``max_body_bytes`` bytes (:class:`BodyBudget`), bounds what the
+    server holds for the requests in its hands, across every connection, and past it a request is
+    refused: 503 when others hold the rest, 413 when this one alone needs more than all of it. Each
+    request counts, as it makes them: its body as it arrives, its inflated body (Note: compressed
+    bodies), the tensors decoding makes that are not views of the body (JSON values as arrays, a
+    misaligned tensor's copy, BYTES elements; a JSON worker says what its arrays will take before
+    the server reads them: ``_jsonwork``, Note: what a worker's answer holds), and its answer, at
+    the most it can take, before it is built (:func:`_answer_bytes`: a binary output its bytes, a
+    JSON value the longest it can be written: 25 bytes a float). All of it is given back when the
+    answer is handed to aiohttp. Not counted: the outputs the model makes (its memory, with the
+    model's), and a JSON worker's own process, which holds one request at a time.
 
 Note: JSON.
     JSON answers are written by orjson: 4 M floats in 0.026 s against the standard library's
@@ -23,9 +50,10 @@ Note: JSON.
     16 MiB JSON tensor against orjson's 0.14 s, because orjson turns an integer past 64 bits into
     a float, silently (``18446744073709551616`` comes back ``1.8446744073709552e+19``), where
     integers must stay exact to be refused or taken as they are. Either parser holds the
-    interpreter while it runs, so the event loop both front doors share waits for it; a large
-    request's decoding and its answer's encoding run on a thread (``ServerState.infer``), so that
-    what still stalls the loop is that one call, not the rest of the work.
+    interpreter while it runs, so the event loop both front doors share waits for it: a JSON
+    request of :data:`JSON_FROM` bytes or more is parsed in a JSON worker process (``_jsonwork``),
+    and other large requests' decoding and large answers' encoding run on a thread
+    (:func:`_decoded`, ``ServerState.infer``).
 
 Note: why aiohttp.
     Measured on the 2-core VM, server CPU per request of a bare handler that reads the body
@@ -42,11 +70,13 @@ import json
 import mmap
 import re
 import sys
+import threading
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import orjson
@@ -55,9 +85,10 @@ from aiohttp import StreamReader, web
 from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve import _logs as logs
 from onnxpipe.serve._errors import RequestError, bad_request, shown
-from onnxpipe.serve._models import VERSION, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
-from onnxpipe.serve._state import Decoded, ServerState
-from onnxpipe.serve._tensors import binary_view, check_shape, from_binary, from_json, to_json
+from onnxpipe.serve._models import VERSION, Deadline, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
+from onnxpipe.serve._options import ServeOptions
+from onnxpipe.serve._state import OFF_LOOP, Decoded, ServerState
+from onnxpipe.serve._tensors import Port, binary_view, check_shape, from_binary, from_json, to_json
 
 __all__ = ["BUDGET", "make_app"]
 
@@ -78,7 +109,8 @@ class JsonDecoders(Protocol):
     @property
     def running(self) -> bool: ...
 
-    def decode(self, ports: ModelPorts, body: memoryview, header_length: int | None) -> Decoded: ...
+    async def decode(self, ports: ModelPorts, body: memoryview, header_length: int | None, reserve: Callable[[int], None],
+                     deadline: Deadline | None = None) -> Decoded: ...
 
 
 def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.Application:
@@ -136,30 +168,31 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
         return _json(state.statistics(request.match_info.get("model", ""), request.match_info.get("version", "")))
 
     async def infer(request: web.Request) -> web.StreamResponse:
-        model = _model(state, request)
-        state.serving()
-        header_length = byte_count(request.headers.get(HEADER_LENGTH), HEADER_LENGTH)
+        head = _admissible(state, request)
         held = budget.hold()
         try:
-            body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, header_length, held)
+            body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, head, held)
             note = partial(request.__setitem__, logs.REQUEST_ID)  # the protocol's id, for the request's line (_logs)
-            if workers is not None and workers.running and (header_length or len(body)) >= JSON_FROM:
-                decode = _noting(note, partial(workers.decode, model.ports, body, header_length))
-            else:
-                decode = partial(_decode, model.ports, body, header_length, note)
-            response = await state.infer(model, "http", decode, lambda d, o: _encode(model, d, o), len(body))
+            decode = partial(_decoded, head, body, held, note, workers, state.options, inflater)
+            response = await state.infer(head.model, "http", decode, partial(_encode, head.model, held=held), len(body))
         finally:
-            held.release()  # the body's bytes (the response no longer needs them)
+            held.release()  # the body's bytes, what decoding made, the answer's (see Note: what a request holds)
         if "Accept-Encoding" in request.headers:
             response.enable_compression()  # gzip or deflate, as the client accepts
         return response
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: a body the server would refuse is refused before the client
-        sends it (aiohttp calls this outside the middleware: it answers errors itself, and logs them)."""
+        sends it (see Note: the body; aiohttp calls this outside the middleware: it answers errors
+        itself, and logs them)."""
         started = time.perf_counter()
-        refused = _refused_early(request, state.options.max_body_bytes)
-        if refused is not None:
+        try:
+            if request.headers.get("Expect", "").lower() != "100-continue":
+                raise RequestError(417, f"Expect {shown(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
+            state.authorize(request.headers.getall("Authorization", []))
+            _admissible(state, request)
+        except RequestError as e:
+            refused = error(e.status, str(e), {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
             logs.http_answered(request, refused, started, state.options.access_log)
             return refused
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -169,8 +202,13 @@ def make_app(state: ServerState, workers: JsonDecoders | None = None) -> web.App
         return state.metrics.answer()
 
     budget = BodyBudget(state.options.max_inflight * state.options.max_body_bytes)
+    inflater = ThreadPoolExecutor(1, thread_name_prefix="onnxpipe-inflate")  # see Note: compressed bodies
     app = web.Application(middlewares=[logs.middleware(state.options.access_log), guard], client_max_size=state.options.max_body_bytes)
     app[BUDGET] = budget
+
+    async def stop_inflating(app: web.Application) -> None:
+        inflater.shutdown(wait=False, cancel_futures=True)
+    app.on_cleanup.append(stop_inflating)
 
     async def server_header(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["Server"] = SERVER  # not aiohttp's "Python/3.11 aiohttp/3.x": what runs here is no client's business
@@ -197,28 +235,39 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> w
     return response
 
 
-def _refused_early(request: web.Request, limit: int) -> web.Response | None:
-    """The answer to a request with ``Expect`` whose body would be refused (417, 400, 413), or ``None``: let it send."""
-    if request.headers.get("Expect", "").lower() != "100-continue":
-        return error(417, f"Expect {shown(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
-    try:
-        length = byte_count(request.headers.get("Content-Length"), "Content-Length")
-    except RequestError as e:
-        return error(e.status, str(e))
+class _Head(NamedTuple):
+    """What an inference request's head says, once checked (:func:`_admissible`)."""
+
+    model: ServedModel
+    header_length: int | None  # Inference-Header-Content-Length
+    length: int | None  # Content-Length
+    encoding: str | None  # gzip or deflate; None: as it is
+
+
+#: zlib's window bits for each Content-Encoding it inflates.
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _admissible(state: ServerState, request: web.Request) -> _Head:
+    """The head of an inference request whose body the server would read (see Note: the body); the
+    token is the caller's to check.
+
+    Raises:
+        RequestError: 404 or 503 for the model (``ServerState.model``), 503 while not serving, 400
+            for a malformed length or an encoding not supported, 413 for a ``Content-Length`` over
+            ``max_body_bytes``.
+    """
+    model = _model(state, request)
+    state.serving()
+    header_length = byte_count(request.headers.get(HEADER_LENGTH), HEADER_LENGTH)
+    length = byte_count(request.headers.get("Content-Length"), "Content-Length")
+    limit = state.options.max_body_bytes
     if length is not None and length > limit:
-        return error(413, f"the body has {length} bytes; this server takes at most {limit} (--max-body-size)")
-    return None
-
-
-def _noting(note: Callable[[str], None], decode: Callable[[], Decoded]) -> Callable[[], Decoded]:
-    """``decode``, telling ``note`` the request's ``id`` (a JSON worker's: its failures have the line's other id)."""
-
-    def run() -> Decoded:
-        decoded = decode()
-        note(decoded.id)
-        return decoded
-
-    return run
+        raise RequestError(413, f"the body has {length} bytes; this server takes at most {limit} (--max-body-size)")
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity", *_WBITS):
+        raise bad_request(f"Content-Encoding {shown(encoding)} is not supported; valid: gzip, deflate, identity")
+    return _Head(model, header_length, length, encoding if encoding in _WBITS else None)
 
 
 def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -230,9 +279,11 @@ def _model(state: ServerState, request: web.Request) -> ServedModel:
 
 
 class BodyBudget:
-    """The bytes of request bodies the server holds at once, across every connection (see Note:
-    the body): each chunk is counted as it arrives, and given back when its request is answered.
-    Also the bodies being read, so that a drain can cut them short (:meth:`drain`).
+    """The bytes the server holds for requests at once, across every connection (see Note: what a
+    request holds): each request's share (:meth:`hold`) counts what it holds as it makes it, and
+    gives it all back when its request is answered. Shares may take from any thread (inflating,
+    decoding and encoding run on threads). Also the bodies being read, so that a drain can cut them
+    short (:meth:`drain`).
 
     Args:
         limit: The most bytes held at once (``--max-inflight`` x ``--max-body-size``).
@@ -241,6 +292,7 @@ class BodyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self.lock = threading.Lock()
         self.reading: set[StreamReader] = set()  # the bodies being read (a web.Request is a mapping: not hashable)
 
     def hold(self) -> _Held:
@@ -265,26 +317,45 @@ BUDGET = web.AppKey("budget", BodyBudget)
 
 
 class _Held:
+    """One request's share of a :class:`BodyBudget`."""
+
     def __init__(self, budget: BodyBudget) -> None:
         self.budget = budget
         self.bytes = 0
+        self.released = False
 
-    def take(self, size: int) -> None:
-        """Count ``size`` more bytes of this request's body.
+    def take(self, size: int, what: str = "its body") -> None:
+        """Count ``size`` more bytes this request holds (from any thread).
+
+        Args:
+            size: The bytes.
+            what: What they are, for the refusal (``"its answer"``).
 
         Raises:
-            RequestError: 503, the server holds as many body bytes as it may.
+            RequestError: 503, the server holds as many bytes as it may, or the request was
+                answered already (a thread still working for it takes nothing more); 413, this
+                request alone would need more than that.
         """
         budget = self.budget
-        if budget.held + size > budget.limit:
-            raise RequestError(503, f"the server holds {budget.held} bytes of request bodies, the most it buffers at once "
-                                    f"({budget.limit}: --max-inflight x --max-body-size); retry later")
-        budget.held += size
-        self.bytes += size
+        with budget.lock:
+            if self.released:
+                raise RequestError(503, "the request was answered already")
+            if self.bytes + size > budget.limit:
+                raise RequestError(413, f"this request would hold {self.bytes + size} bytes of the server's memory ({size} for {what}), "
+                                        f"more than it holds for all requests at once ({budget.limit}: --max-inflight x --max-body-size); "
+                                        "send it in smaller requests, its tensors as binary data, or ask for binary outputs")
+            if budget.held + size > budget.limit:
+                raise RequestError(503, f"the server holds {budget.held} bytes for requests (bodies, their tensors, answers), the most it "
+                                        f"buffers at once ({budget.limit}: --max-inflight x --max-body-size); retry later")
+            budget.held += size
+            self.bytes += size
 
     def release(self) -> None:
-        self.budget.held -= self.bytes
-        self.bytes = 0
+        """Give back all this request holds, for good: what takes more after it is refused (idempotent)."""
+        with self.budget.lock:
+            self.budget.held -= self.bytes
+            self.bytes = 0
+            self.released = True
 
 
 _DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only (str.isdigit takes '²' and other scripts' digits), below 10**19
@@ -304,22 +375,18 @@ def byte_count(value: str | None, what: str) -> int | None:
     return int(text)
 
 
-async def _body(request: web.Request, limit: int, timeout: float, header_length: int | None, held: _Held) -> memoryview:
-    """The whole body, within ``limit`` bytes and ``timeout`` seconds (see Note: the body).
+async def _body(request: web.Request, limit: int, timeout: float, head: _Head, held: _Held) -> memoryview:
+    """The whole body as it came (compressed or not), within ``limit`` bytes and ``timeout``
+    seconds (see Note: the body).
 
     Raises:
-        RequestError: 400 for a malformed length, 413 past the limit, 408 past the timeout, 503
-            when the server holds all the body bytes it may (``held`` counts this one's).
+        RequestError: 413 past the limit, 408 past the timeout, 503 when the server holds all the
+            bytes it may (``held`` counts this one's).
         ConnectionError: the client went away.
     """
-    length = byte_count(request.headers.get("Content-Length"), "Content-Length")
-    if length is not None and length > limit:
-        raise RequestError(413, f"the body has {length} bytes; this server takes at most {limit} (--max-body-size)")
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    plain = encoding in ("", "identity")
-
+    length, header_length = head.length, head.header_length
     offset = header_length if header_length is not None and length is not None and header_length <= length else 0
-    buffer = _lazy(length, offset) if plain and length is not None and length >= _ALIGN_FROM else None
+    buffer = _lazy(length, offset) if head.encoding is None and length is not None and length >= _ALIGN_FROM else None
 
     async def read() -> memoryview:
         chunks: list[bytes] = []
@@ -349,7 +416,7 @@ async def _body(request: web.Request, limit: int, timeout: float, header_length:
         raise RequestError(408, f"the body did not arrive within {timeout:g} s (--body-timeout)") from None
     finally:
         reading.discard(request.content)
-    return body if plain else _inflate(body, encoding, limit)
+    return body
 
 
 _ALIGN = 64
@@ -382,23 +449,92 @@ else:  # pragma: no cover - Python 3.10
             handle.cancel()
 
 
-def _inflate(body: memoryview, encoding: str, limit: int) -> memoryview:
-    """A ``gzip`` or ``deflate`` body, inflated to at most ``limit`` bytes."""
-    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
-    if wbits is None:
-        raise RequestError(400, f"Content-Encoding {encoding!r} is not supported; valid: gzip, deflate, identity")
-    inflater = zlib.decompressobj(wbits)
+#: What zlib is given at a time (what it leaves unread is copied at each step), and the most it makes at a time.
+_INFLATE_IN = 64 << 10
+_INFLATE_OUT = 1 << 20
+
+
+def _inflate(body: memoryview, encoding: str, limit: int, header_length: int | None, held: _Held) -> memoryview:
+    """A ``gzip`` or ``deflate`` body inflated, within ``limit`` bytes, each MiB counted in ``held``
+    as it is made (see Note: compressed bodies; on a thread).
+
+    Raises:
+        RequestError: 400 for a body that is not the encoding's (broken, truncated, or with bytes
+            after its end), 413 past the limit, 503 or 413 from ``held``.
+    """
+    buffer = _lazy(limit, header_length if header_length is not None and header_length <= limit else 0)
     try:
-        plain = inflater.decompress(body, limit + 1)
+        return buffer[: _inflate_into(buffer, body, encoding, held)]
+    except BaseException:
+        buffer.release()  # unmapped here, on the thread, not where the refusal is answered
+        raise
+
+
+def _inflate_into(buffer: memoryview, body: memoryview, encoding: str, held: _Held) -> int:
+    """Inflate ``body`` into ``buffer`` (:func:`_inflate`); the bytes made."""
+    inflater = zlib.decompressobj(_WBITS[encoding])
+    size = 0
+    start = 0
+    try:
+        while start < len(body) and not inflater.eof:
+            data: bytes | memoryview = body[start : start + _INFLATE_IN]
+            start += len(data)
+            while True:
+                chunk = inflater.decompress(data, _INFLATE_OUT)
+                data = inflater.unconsumed_tail
+                if size + len(chunk) > len(buffer):
+                    raise RequestError(413, f"the {encoding} body inflates to over {len(buffer)} bytes, the most this server takes (--max-body-size)")
+                held.take(len(chunk), f"its inflated {encoding} body")
+                buffer[size : size + len(chunk)] = chunk
+                size += len(chunk)
+                if inflater.eof or (not data and len(chunk) < _INFLATE_OUT):
+                    break  # the slice is read and nothing is left to make of it
     except zlib.error as e:
         raise bad_request(f"the {encoding} body cannot be inflated: {e}") from None
-    if len(plain) > limit or inflater.unconsumed_tail:
-        raise RequestError(413, f"the {encoding} body inflates to over {limit} bytes, the most this server takes (--max-body-size)")
     if not inflater.eof:
         raise bad_request(f"the {encoding} body is truncated")
-    if inflater.unused_data:
-        raise bad_request(f"{len(inflater.unused_data)} byte(s) follow the end of the {encoding} stream; send one stream, nothing after it")
-    return memoryview(plain)
+    after = len(inflater.unused_data) + len(body) - start
+    if after:
+        raise bad_request(f"{after} byte(s) follow the end of the {encoding} stream; send one stream, nothing after it")
+    return size
+
+
+async def _decoded(head: _Head, body: memoryview, held: _Held, note: Callable[[str], None], workers: JsonDecoders | None,
+                   options: ServeOptions, inflater: Executor) -> Decoded:
+    """A request's :class:`Decoded`, once admitted: its body inflated on ``inflater``'s thread (see
+    Note: compressed bodies), then decoded by a JSON worker (a JSON header of :data:`JSON_FROM`
+    bytes or more), on a thread (a body of ``OFF_LOOP`` bytes or more) or here; what that makes is
+    counted in ``held`` (see Note: what a request holds), and ``note`` told the request's ``id``.
+    """
+    if head.encoding is not None:
+        body = await asyncio.get_running_loop().run_in_executor(inflater, _inflate, body, head.encoding, options.max_body_bytes, head.header_length, held)
+    ports = head.model.ports
+    if workers is not None and workers.running and (head.header_length or len(body)) >= JSON_FROM:
+        deadline = Deadline.of(time.perf_counter(), None, options.request_timeout)  # a wait for a free worker is a wait to start
+        decoded = await workers.decode(ports, body, head.header_length, partial(held.take, what="its decoded tensors"), deadline)
+        note(decoded.id)  # the worker's failures have the line's other id
+        return decoded
+    if len(body) >= OFF_LOOP:
+        decoded = await asyncio.to_thread(_decode, ports, body, head.header_length, note)
+    else:
+        decoded = _decode(ports, body, head.header_length, note)
+    held.take(_made(decoded.arrays), "its decoded tensors")
+    return decoded
+
+
+def _made(arrays: dict[str, np.ndarray]) -> int:
+    """The bytes decoding made for ``arrays``: those of each array that is not a view of the body,
+    and the elements of a BYTES one."""
+    made = 0
+    for array in arrays.values():
+        base = array
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        if base.base is None:  # its own memory, not the body's
+            made += array.nbytes
+        if array.dtype.kind == "O":
+            made += sum(map(sys.getsizeof, array.flat))
+    return made
 
 
 def _decode(model: ModelPorts, body: memoryview, header_length: int | None, note: Callable[[str], None] | None = None) -> Decoded:
@@ -499,9 +635,16 @@ def _object(value: object, what: str) -> dict[str, Any]:
     return value
 
 
-def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> web.Response:
-    """The response: a JSON header, then the binary outputs in its order."""
+def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs, held: _Held | None = None) -> web.Response:
+    """The response: a JSON header, then the binary outputs in its order; counted in ``held`` at
+    the most it can take before it is built (see Note: what a request holds).
+
+    Raises:
+        RequestError: 503 or 413 from ``held``; 400 for an output JSON cannot carry (``to_json``).
+    """
     asked = decoded.outputs or [(name, decoded.binary) for name in model.outputs]
+    if held is not None:
+        held.take(_answer_bytes([(model.outputs[name], outputs[name], binary) for name, binary in asked], len(decoded.id)), "its answer")
     tensors = []
     chunks = []
     for name, binary in asked:
@@ -521,3 +664,32 @@ def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> web.Respo
     if not chunks:
         return web.Response(body=text, content_type="application/json")
     return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream", headers={HEADER_LENGTH: str(len(text))})
+
+
+#: The most bytes one value of each numpy kind takes in a JSON answer, its separator included: a
+#: float is written as the double it is (``to_json``), at most 24 characters, from a float64 copy (8 bytes).
+_JSON_VALUE = {"b": 6, "f": 25 + 8}
+#: A JSON answer's bytes besides its values: keys, names, shapes (each output's, and the answer's own).
+_JSON_OVERHEAD = 1024
+
+
+def _answer_bytes(outputs: list[tuple[Port, np.ndarray, bool]], id_length: int) -> int:
+    """The most bytes the answer of ``outputs`` (port, array, as binary) can take while it is built
+    (see Note: what a request holds): the JSON header, and with binary data the one buffer joining
+    the header to the data."""
+    text = _JSON_OVERHEAD * (len(outputs) + 1) + 6 * id_length
+    data = 0
+    for port, array, binary in outputs:
+        if port.is_bytes:
+            if binary:  # 4 bytes of length, then the element: bytes, or characters of at most 4 bytes in UTF-8
+                data += sum(4 + len(item) * (1 if isinstance(item, bytes) else 4) for item in array.flat)
+            else:  # a string of at most 6 bytes a character (a \u00XX escape), quotes and a separator
+                text += sum(6 * len(item) + 3 for item in array.flat)
+        elif binary:
+            data += array.size * port.dtype.itemsize
+        elif port.dtype.kind in "iu":
+            info = np.iinfo(port.dtype)
+            text += array.size * (len(str(info.min if port.dtype.kind == "i" else info.max)) + 1)
+        else:
+            text += array.size * _JSON_VALUE.get(port.dtype.kind, 25)
+    return text + (text + data if data else 0)

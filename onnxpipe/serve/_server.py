@@ -104,7 +104,7 @@ class _Server:
         http_socket = _bind(options.host, options.http_port)
         metrics_socket, metrics_runner = self._metrics_listener(http_socket)
         grpc_server = None
-        workers = JsonWorkers(options.json_workers)
+        workers = JsonWorkers(options.json_workers, options.json_timeout)
         cap = options.max_connections or default_max_connections()  # each listener's, HTTP's and gRPC's
         runner = web.AppRunner(
             make_app(state, workers),

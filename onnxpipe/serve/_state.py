@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -204,17 +205,20 @@ class ServerState:
 
     # -- inference ----------------------------------------------------------------------------
 
-    async def infer(self, model: ServedModel, protocol: str, decode: Callable[[], Decoded], encode: Callable[[Decoded, Outputs], T],
-                    size: int = 0, turn: Turn | None = None) -> T:
+    async def infer(self, model: ServedModel, protocol: str, decode: Callable[[], Decoded] | Callable[[], Awaitable[Decoded]],
+                    encode: Callable[[Decoded, Outputs], T], size: int = 0, turn: Turn | None = None) -> T:
         """Run one request through ``model`` (see Note: one inference path).
 
         Args:
             model: The model asked for.
             protocol: ``"http"`` or ``"grpc"``, for the metrics.
-            decode: Makes the request's :class:`Decoded` (timed as its compute input).
+            decode: Makes the request's :class:`Decoded` (timed as its compute input), once the
+                request is admitted: a coroutine function is awaited (it takes its work off the
+                loop itself), a plain function is called (on a thread from ``size``).
             encode: Makes the response from it and the outputs (timed as its compute output).
-            size: The request's bytes: from :data:`OFF_LOOP` on, it is decoded on a thread, and so
-                is an answer whose outputs hold that many (see Note: work off the loop).
+            size: The request's bytes: from :data:`OFF_LOOP` on, a plain ``decode`` runs on a
+                thread; an answer whose outputs hold that many is encoded on one (see Note: work
+                off the loop).
             turn: For a request of a gRPC stream, its place in the stream: it is handed to the
                 model in that order (``_grpc``, Note: one stream, one order).
 
@@ -230,7 +234,7 @@ class ServerState:
             self.serving()
             model.admit()
             try:
-                decoded = await asyncio.to_thread(decode) if size >= OFF_LOOP else decode()
+                decoded = await _decoded(decode, size)
                 decoded_at = time.perf_counter()
                 deadline = Deadline.of(started, decoded.timeout, self.options.request_timeout)
                 if turn is not None:
@@ -259,3 +263,11 @@ class ServerState:
             if turn is not None:
                 turn.passed()  # refused or failed before it was handed on: the stream's next request goes
             self.metrics.answered(model.name, protocol, status, time.perf_counter() - started)
+
+
+async def _decoded(decode: Callable[[], Decoded] | Callable[[], Awaitable[Decoded]], size: int) -> Decoded:
+    """What ``decode`` makes (see :meth:`ServerState.infer`)."""
+    if inspect.iscoroutinefunction(decode):
+        return await decode()
+    plain = cast(Callable[[], Decoded], decode)
+    return await asyncio.to_thread(plain) if size >= OFF_LOOP else plain()
