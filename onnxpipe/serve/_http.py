@@ -38,11 +38,14 @@ Note: what a request holds.
     request counts, as it makes them: its body as it arrives, its inflated body (Note: compressed
     bodies), the tensors decoding makes that are not views of the body (JSON values as arrays, a
     misaligned tensor's copy, BYTES elements; a JSON worker says what its arrays will take before
-    the server reads them: ``_jsonwork``, Note: what a worker's answer holds), and its answer, at
-    the most it can take, before it is built (:func:`_answer_bytes`: a binary output its bytes, a
-    JSON value the longest it can be written: 25 bytes a float). All of it is given back when the
-    answer is handed to aiohttp. Not counted: the outputs the model makes (its memory, with the
-    model's), and a JSON worker's own process, which holds one request at a time.
+    the server reads them: ``_jsonwork``, Note: what a worker's answer holds), the outputs its model
+    made (counted once they are made: a request that then finds the budget spent has held them for
+    that long), and its answer, at the most it can take, before it is built (:func:`_answer_bytes`:
+    a binary output its bytes, a JSON value the longest it can be written: 25 bytes a float). All
+    of it is given back when the answer is handed to aiohttp. Not counted: what the model holds
+    while it runs (with the models), the Python objects the parser makes of a JSON request parsed
+    in the server (under ``JSON_FROM``, or all of them with ``--json-workers 0``), and a JSON
+    worker's own process, which holds one request at a time.
 
 Note: JSON.
     JSON answers are written by orjson: 4 M floats in 0.026 s against the standard library's
@@ -522,15 +525,15 @@ async def _decoded(head: _Head, body: memoryview, held: _Held, note: Callable[[s
     return decoded
 
 
-def _made(arrays: dict[str, np.ndarray]) -> int:
-    """The bytes decoding made for ``arrays``: those of each array that is not a view of the body,
-    and the elements of a BYTES one."""
+def _made(arrays: dict[str, np.ndarray], views: bool = False) -> int:
+    """The bytes held by ``arrays``: each array's and a BYTES one's elements; with ``views`` false,
+    not those of an array that is a view of something else than an array (the body)."""
     made = 0
     for array in arrays.values():
         base = array
         while isinstance(base.base, np.ndarray):
             base = base.base
-        if base.base is None:  # its own memory, not the body's
+        if views or base.base is None:  # its own memory, not the body's
             made += array.nbytes
         if array.dtype.kind == "O":
             made += sum(map(sys.getsizeof, array.flat))
@@ -644,6 +647,7 @@ def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs, held: _Held 
     """
     asked = decoded.outputs or [(name, decoded.binary) for name in model.outputs]
     if held is not None:
+        held.take(_made(outputs, views=True), "its outputs")  # made already: counted as soon as they are here
         held.take(_answer_bytes([(model.outputs[name], outputs[name], binary) for name, binary in asked], len(decoded.id)), "its answer")
     tensors = []
     chunks = []
