@@ -75,7 +75,7 @@ class JsonWorkers:
 
     Args:
         count: How many; 0 for none (every request is decoded in the server's process).
-        timeout: The most seconds a request may hold a worker, its wait for one included
+        timeout: The most seconds a request may wait for a free worker, and then hold one
             (``--json-timeout``; see Note: a worker's deadline).
     """
 
@@ -112,7 +112,8 @@ class JsonWorkers:
             header_length: Its ``Inference-Header-Content-Length``.
             reserve: Counts the bytes the worker's answer will take, before it is read; raises
                 :class:`RequestError` to refuse it (see Note: what a worker's answer holds).
-            deadline: The request's ``--request-timeout``, for its wait for a free worker.
+            deadline: The request's ``--request-timeout``: it waits for a worker, and for its
+                answer, no longer (a worker it leaves finishes, within ``--json-timeout``).
 
         Raises:
             RequestError: as ``_decode`` and ``reserve``; 503 when no worker was free within

@@ -7,9 +7,11 @@ Note: work off the loop.
     joining binary data) run on a thread instead: the loop goes on answering between the
     thread's steps. What a thread cannot free the loop from is one call that holds the
     interpreter throughout (the JSON parser's, numpy's conversion of a large list): a limit of
-    the interpreter, measured in ``benchmarks.serve_faults``; binary tensors avoid it. Smaller
-    requests stay on the loop, where a thread's hand-over (about 50 us) would cost more than the
-    work.
+    the interpreter, measured in ``benchmarks.serve_faults``; binary tensors avoid it, and the HTTP
+    door sends a large JSON request to a worker process (``_jsonwork``). Smaller requests stay on
+    the loop, where a thread's hand-over (about 50 us) would cost more than the work. A door that
+    arranges its decoding itself (the HTTP door's: inflating, a JSON worker) gives a coroutine
+    function, awaited once the request is admitted.
 
 Note: one inference path.
     HTTP and gRPC differ in how a request's tensors are laid out and how the answer is written;

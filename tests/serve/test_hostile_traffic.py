@@ -547,13 +547,13 @@ def test_a_stuck_json_worker_holds_only_its_requests_and_is_replaced_past_json_t
 
 
 def _answered_again(proc: ServerProcess, body: bytes, within: float = 60) -> None:
-    """A large JSON request is answered 200 once the new worker has started (until then, 503 naming --json-timeout)."""
+    """A large JSON request is answered 200 once the new worker has started (until then, 503 naming the time it may wait)."""
     deadline = time.monotonic() + within
     while True:
         status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
         if status == 200 or time.monotonic() > deadline:
             break
-        assert status == 503 and b"(--json-timeout" in answer, answer
+        assert status == 503 and (b"(--json-timeout" in answer or b"(--request-timeout)" in answer), answer
     assert status == 200, answer
 
 
@@ -572,5 +572,33 @@ def test_a_json_worker_that_died_while_idle_costs_no_request(tmp_path: Path) -> 
         np.testing.assert_array_equal(np.array(json.loads(answer)["outputs"][0]["data"], np.float32), values)
         assert "a JSON worker process had ended while idle; starting another" in proc.log()
         assert _json_worker(proc.proc.pid) != worker
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def test_request_timeout_bounds_a_json_requests_wait_on_a_stuck_worker(tmp_path: Path) -> None:
+    """The issue's JSON requests hung 25 s even with --request-timeout 5. With --request-timeout 1,
+    a JSON request on a stopped worker is answered 503 naming it after a second; the worker, left
+    to finish, is killed at --json-timeout all the same, and another takes the next request."""
+    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB", "--request-timeout", "1", "--json-timeout", "3",
+                       grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        stuck = _json_worker(proc.proc.pid)
+        os.kill(stuck, signal.SIGSTOP)
+        try:
+            body, _ = _large_json()
+            started = time.monotonic()
+            status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
+            seconds = time.monotonic() - started
+            assert (status, json.loads(answer)) == (503, {"error": "Request timeout expired: model 'echo' had not started the request 1 s after it "
+                                                                    "came in (--request-timeout); retry later, or give it more time"})
+            assert seconds < 1 + 10, f"answered after {seconds:.1f} s"
+            _gone(stuck)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGCONT)
+        assert "a JSON worker process took over 3 s (--json-timeout) on a request: killed; starting another" in proc.log()
+        _answered_again(proc, body)
         assert proc.stop() == 0
     assert "Traceback" not in proc.log(), proc.log()
