@@ -24,9 +24,9 @@ Note: a worker's deadline.
     the large binary requests' decoding and large answers' encoding use: a stuck worker holds its
     own thread and nothing else (it held every default thread, and with them every request of
     1 MiB or more, for as long as it was stuck). A worker found ended when a request takes it
-    (killed, or dead of its own while idle) is replaced, and the request waits for another; one
-    that ends after it took a request is replaced, and that request answered 503, not sent again:
-    it may be what ended it.
+    (killed, or dead of its own while idle), or that ends before it has read the whole request, is
+    replaced, and the request waits for another (once); one that ends after it had the request is
+    replaced, and that request answered 503, not sent again: it may be what ended it.
 
 Note: what a worker's answer holds.
     Before it sends a request's arrays, a worker says how many bytes they will take in the server
@@ -259,7 +259,7 @@ class JsonWorkers:
 
 
 class _Ended(Exception):
-    """The worker's process ended: before it took the request (``taken`` false) or after."""
+    """The worker's process ended: before it had read the whole request (``taken`` false) or after."""
 
     def __init__(self, taken: bool) -> None:
         super().__init__("the JSON worker ended")
@@ -301,16 +301,16 @@ class _Worker:
         """The request decoded by the worker (on a thread of the workers': it waits for it).
 
         Raises:
-            _Ended: the worker ended (``taken``: after it had the request).
+            _Ended: the worker ended (``taken``: after it had the whole request).
             RequestError: the request's mistake, or ``reserve``'s refusal.
         """
         try:
             _send(self.sock, (ports, header_length, len(body)))
-        except OSError:
+            self.sock.sendall(body)
+        except OSError:  # a process killed is alive, its socket open, until its last thread ends
             self.sock.close()
             raise _Ended(taken=False) from None
         try:
-            self.sock.sendall(body)
             kind, value = _receive(self.sock)
             if kind == "cost":
                 try:

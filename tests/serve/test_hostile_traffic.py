@@ -472,13 +472,14 @@ def _json_worker(pid: int) -> int:
 
 
 def _gone(pid: int, within: float = 30) -> None:
-    """Wait until ``pid`` has ended (a zombie, or reaped)."""
+    """Wait until ``pid`` has ended, every thread of it (its first thread is a zombie before the others end)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                return
-        except OSError:
+            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:  # reaped, or a thread ended as it was read
+            states = ["X"] if not Path(f"/proc/{pid}").exists() else ["?"]
+        if all(state in ("Z", "X") for state in states):
             return
         time.sleep(0.01)
     raise AssertionError(f"process {pid} did not end within {within:g} s")
