@@ -18,12 +18,14 @@ Note: a worker's deadline.
     ``parameters`` keys took one 10.7 s). A request waits at most ``--json-timeout`` seconds for a
     free worker (and, as it has not started, no longer than ``--request-timeout``), and holds one at
     most ``--json-timeout`` seconds more; past either it is answered 503 naming the flag, and a
-    worker that took too long is killed and another started (a request that waited does not kill
-    the worker it waited for: that one answers someone else). What waits for a worker's answer is a thread of the workers' own
-    (one a worker, and one to start replacements), never one of asyncio's default executor, which
-    the large binary requests' decoding and large answers' encoding use: a stuck worker holds its
-    own thread and nothing else (it held every default thread, and with them every request of
-    1 MiB or more, for as long as it was stuck). A worker found ended when a request takes it
+    worker that took too long is killed and another started (a request that only waited kills
+    nothing: the worker it waited for is someone else's). A request whose ``--request-timeout``
+    ends while a worker decodes it is answered, and leaves the worker to finish (or to be killed at
+    its ``--json-timeout``). What waits for a worker's answer is a thread of the workers' own (one
+    a worker, more to start replacements), never one of asyncio's default executor, which the
+    large binary requests' decoding and large answers' encoding use: a stuck worker holds its own
+    thread and nothing else (it held every default thread, and with them every request of 1 MiB
+    or more, for as long as it was stuck). A worker found ended when a request takes it
     (killed, or dead of its own while idle), or that ends before it has read the whole request, is
     replaced, and the request waits for another (once); one that ends after it had the request is
     replaced, and that request answered 503, not sent again: it may be what ended it.
@@ -33,9 +35,10 @@ Note: what a worker's answer holds.
     (the arrays, BYTES elements, the rest of the request), and the server counts them against its
     request budget (``_http``, Note: what a request holds) first: a refusal (503, 413) reads nothing
     more, and the worker drops what it made. The worker's own memory is its process's: it holds one
-    request at a time (the body, the parser's objects, the arrays), bounded by ``--max-body-size``
-    times what JSON's values take as Python objects (a list of floats: about 16 bytes of the
-    server's for each of its 2-byte values, ``0,``).
+    request at a time (the body, the parser's objects, the arrays), at most ``--max-body-size``
+    times what a JSON byte takes as Python objects and arrays (``0,``, 2 bytes, is a list's 8-byte
+    reference and an int64's 8 bytes before it is a float32's 4: 800-900 MB at its peak for 60 MiB
+    of zeros).
 """
 
 from __future__ import annotations
