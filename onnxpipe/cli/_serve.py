@@ -28,6 +28,7 @@ _MAX_SEQUENCE_STATE = "256MiB"
 _SEQUENCE_STATE_BUDGET = "2GiB"
 _DRAIN_TIMEOUT = 30.0
 _IDLE_TIMEOUT = 30.0
+_JSON_TIMEOUT = 30.0
 
 
 @click.command(short_help="Serve bundles over HTTP and gRPC (KServe v2 / Triton's protocol).")
@@ -95,6 +96,9 @@ _IDLE_TIMEOUT = 30.0
               help="HTTP connections open at once; more are answered 503 and closed [default: half the open-file limit, less 64].")
 @click.option("--json-workers", default=1, show_default=True, type=click.IntRange(min=0), metavar="N",
               help="Processes that decode JSON requests of 1 MiB or more, so the event loop never waits on them (0: a thread).")
+@click.option("--json-timeout", default=_JSON_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="Seconds a JSON request of 1 MiB or more may wait for a free JSON worker, and then hold one; past either it is "
+                   "answered 503, and a worker that took too long is killed and replaced.")
 @click.option("--allow-partial", is_flag=True, help="Serve the models that load even if some fail (each failure is printed; those models answer 503).")
 @click.option("--strict-readiness", is_flag=True,
               help="With --allow-partial: /v2/health/ready (and gRPC ServerReady) answer not ready while a model failed to load (Triton's flag).")
@@ -131,6 +135,7 @@ def serve(
     idle_timeout: float,
     max_connections: int | None,
     json_workers: int,
+    json_timeout: float,
     allow_partial: bool,
     strict_readiness: bool,
     no_verify: bool,
@@ -197,6 +202,7 @@ def serve(
         idle_timeout=idle_timeout,
         max_connections=max_connections,
         json_workers=json_workers,
+        json_timeout=json_timeout,
         allow_partial=allow_partial,
         strict_readiness=strict_readiness,
         overrides=deploy_overrides(settings),

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import ctypes
 import sys
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -38,17 +39,19 @@ from aiohttp import StreamReader
 
 from onnxpipe.serve._errors import RequestError
 
-__all__ = ["BodyBudget", "Held", "deadline"]
+__all__ = ["BodyBudget", "Held", "time_limit"]
 
 #: Bytes given back after which an empty budget has the allocator return its free pages (see Note: memory given back).
 TRIM_AFTER = 64 << 20
 
 
 class BodyBudget:
-    """The bytes of request bodies (HTTP) and messages (gRPC) the server holds at once (see Note:
-    one budget, two doors): each is counted as it arrives or reserved before it is read, and given
-    back when its request is answered. Also the HTTP bodies being read, so that a drain can cut
-    them short (``_http``).
+    """The bytes the server holds for requests at once, across both doors and every connection
+    (see Note: one budget, two doors; ``_http``, Note: what a request holds): each request's share
+    (:meth:`hold`) counts what it holds as it makes it, or reserves it before a read, and gives it
+    all back when its request is answered. Shares may take from any thread (inflating, decoding and
+    encoding run on threads); waiting for room (:meth:`reserve`) and giving back happen on the
+    event loop. Also the HTTP bodies being read, so that a drain can cut them short (``_http.drain``).
 
     Args:
         limit: The most bytes held at once (``--max-inflight`` x ``--max-body-size``).
@@ -57,6 +60,7 @@ class BodyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self.lock = threading.Lock()
         self.reading: set[StreamReader] = set()  # the bodies being read (a web.Request is a mapping: not hashable)
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._untrimmed = 0  # bytes given back since the allocator last returned its free pages
@@ -71,8 +75,8 @@ class BodyBudget:
         if waited is not None:
             return RequestError(503, f"no room to read the request in {waited}: the server buffers at most {self.limit} bytes of requests "
                                      "at once (--max-inflight x --max-body-size), and held them all; retry later")
-        return RequestError(503, f"the server holds {self.held} bytes of requests, the most it buffers at once "
-                                 f"({self.limit}: --max-inflight x --max-body-size); retry later")
+        return RequestError(503, f"the server holds {self.held} bytes for requests (bodies, their tensors, answers), the most it "
+                                 f"buffers at once ({self.limit}: --max-inflight x --max-body-size); retry later")
 
     async def reserve(self, held: Held, size: int, leave: int = 0) -> None:
         """Take ``size`` bytes for ``held`` while ``leave`` more stay free, waiting for room first
@@ -102,15 +106,14 @@ class BodyBudget:
         if self._waiters and not self._waiters[0].done():
             self._waiters[0].set_result(None)
 
-    def _give_back(self, size: int) -> None:
-        self.held -= size
-        if not size:
-            return
+    def _given_back(self, size: int) -> None:
+        """``size`` bytes were given back (on the loop): the first waiter looks again, and the
+        allocator may return its free pages (see Note: memory given back)."""
         self._wake()
         self._untrimmed += size
         if not self.held and self._untrimmed >= TRIM_AFTER and _malloc_trim is not None:
             self._untrimmed = 0
-            asyncio.get_running_loop().run_in_executor(None, _malloc_trim, 0)  # see Note: memory given back
+            asyncio.get_running_loop().run_in_executor(None, _malloc_trim, 0)
 
 
 class Held:
@@ -119,26 +122,47 @@ class Held:
     def __init__(self, budget: BodyBudget) -> None:
         self.budget = budget
         self.bytes = 0
+        self.released = False
 
-    def take(self, size: int) -> None:
-        """Count ``size`` more bytes of this request.
+    def take(self, size: int, what: str = "its body") -> None:
+        """Count ``size`` more bytes this request holds (from any thread).
+
+        Args:
+            size: The bytes.
+            what: What they are, for the refusal (``"its answer"``).
 
         Raises:
-            RequestError: 503, the server holds as many bytes as it may.
+            RequestError: 503, the server holds as many bytes as it may, or the request was
+                answered already (a thread still working for it takes nothing more); 413, this
+                request alone would need more than that.
         """
         budget = self.budget
-        if budget.held + size > budget.limit:
-            raise budget.refusal()
-        budget.held += size
-        self.bytes += size
+        with budget.lock:
+            if self.released:
+                raise RequestError(503, "the request was answered already")
+            if self.bytes + size > budget.limit:
+                raise RequestError(413, f"this request would hold {self.bytes + size} bytes of the server's memory ({size} for {what}), "
+                                        f"more than it holds for all requests at once ({budget.limit}: --max-inflight x --max-body-size); "
+                                        "send it in smaller requests, its tensors as binary data, or ask for binary outputs")
+            if budget.held + size > budget.limit:
+                raise budget.refusal()
+            budget.held += size
+            self.bytes += size
 
     def keep(self, size: int) -> None:
-        """Hold ``size`` bytes from now on (less than taken: the rest is given back)."""
-        extra = max(0, self.bytes - size)
-        self.bytes -= extra
-        self.budget._give_back(extra)
+        """Hold ``size`` bytes from now on, less than taken: the rest is given back (on the loop)."""
+        with self.budget.lock:
+            extra = max(0, self.bytes - size)
+            self.bytes -= extra
+            self.budget.held -= extra
+        if extra:
+            self.budget._given_back(extra)
 
     def release(self) -> None:
+        """Give back all this request holds, for good: what takes more after it is refused
+        (idempotent; on the loop)."""
+        with self.budget.lock:
+            self.released = True
         self.keep(0)
 
 
@@ -153,11 +177,11 @@ def _libc_trim() -> Callable[[int], int] | None:
 _malloc_trim = _libc_trim()
 
 if sys.version_info >= (3, 11):
-    deadline = asyncio.timeout  # a deadline for an await: TimeoutError past it
+    time_limit = asyncio.timeout  # a time limit for an await: TimeoutError past it
 else:  # pragma: no cover - Python 3.10
 
     @contextlib.asynccontextmanager
-    async def deadline(seconds: float) -> AsyncIterator[None]:
+    async def time_limit(seconds: float) -> AsyncIterator[None]:
         task = asyncio.current_task()
         assert task is not None
         handle = asyncio.get_running_loop().call_later(seconds, task.cancel)

@@ -66,7 +66,7 @@ from google.protobuf.message import DecodeError, Message
 
 from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve import _logs as logs
-from onnxpipe.serve._budget import BodyBudget, Held, deadline
+from onnxpipe.serve._budget import BodyBudget, Held, time_limit
 from onnxpipe.serve._errors import RequestError, bad_request
 from onnxpipe.serve._models import ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
 from onnxpipe.serve._proto import oip_pb2 as pb
@@ -241,7 +241,7 @@ class _Receiver:
         held = self.budget.hold()
         try:
             try:
-                async with deadline(self.timeout):
+                async with time_limit(self.timeout):
                     await self.reserve(held)
                     data = await context.read()
             except TimeoutError:

@@ -2,20 +2,50 @@
 tensor data, model configuration, statistics and sequence extensions, as an aiohttp application.
 
 Note: the body.
-    A request's body is read chunk by chunk against ``max_body_bytes`` (a ``Content-Length`` over
-    it is refused before anything is read: 413) and ``body_timeout`` (408); a client that goes away
-    mid-body gets no answer and costs nothing more. Memory follows the bytes received, never a
-    declared size: each chunk is counted as it arrives against the server's :class:`BodyBudget`
-    (``max_inflight`` x ``max_body_bytes`` across every connection: past it, 503), and given back
-    when the request is answered. A large body with a ``Content-Length`` is copied once, as it
-    arrives, into an anonymous mapping of that length whose pages the system makes only as they
-    are written, so a client announcing 64 MiB and sending nothing holds nothing (smaller bodies
-    are joined from their chunks). The mapping is placed so that the binary data after the JSON
-    header (``Inference-Header-Content-Length`` bytes) starts on a 64-byte boundary: raw tensors
-    are then views that onnxruntime reads in place. A compressed body (``Content-Encoding: gzip`` or
-    ``deflate``, as ``tritonclient`` sends with ``request_compression_algorithm``) is inflated
-    against the same limit. The JSON header is parsed; binary tensors are then taken, in the order
-    of the inputs that declare ``binary_data_size``, as views over the rest.
+    Before a byte of a request's body is read, its head must be one the server would take: the
+    token, a served model, a server serving, a ``Content-Length`` within ``max_body_bytes``, a
+    ``Content-Encoding`` it can inflate (:func:`_admissible`; so is ``Expect: 100-continue``
+    answered, before the client sends the body). The body is then read chunk by chunk against
+    ``max_body_bytes`` (413) and ``body_timeout`` (408); a client that goes away mid-body gets no
+    answer and costs nothing more. Memory follows the bytes received, never a declared size: each
+    chunk is counted as it arrives against the server's :class:`BodyBudget` (see Note: what a
+    request holds), and given back when the request is answered. A large body with a
+    ``Content-Length`` is copied once, as it arrives, into an anonymous mapping of that length whose
+    pages the system makes only as they are written, so a client announcing 64 MiB and sending
+    nothing holds nothing (smaller bodies are joined from their chunks). The mapping is placed so
+    that the binary data after the JSON header (``Inference-Header-Content-Length`` bytes) starts on
+    a 64-byte boundary: raw tensors are then views that onnxruntime reads in place. The JSON header
+    is parsed; binary tensors are then taken, in the order of the inputs that declare
+    ``binary_data_size``, as views over the rest.
+
+Note: compressed bodies.
+    A ``gzip`` or ``deflate`` body (as ``tritonclient`` sends with ``request_compression_algorithm``)
+    is read as it came, then inflated only once the request is admitted (its model's
+    ``max_inflight`` place taken), on the server's one inflating thread (zlib lets go of the
+    interpreter while it inflates: the event loop keeps answering), 64 KiB of input and at most
+    1 MiB of output at a time, into a mapping placed as above: every MiB it makes is counted against
+    the budget as it is made and against ``max_body_bytes``, so a 64 KiB body that would inflate to
+    64 GiB is refused 413 once it passes the limit, having held at most that. One thread, so that
+    bodies inflate one after another: with 4 deflate bombs (64 KiB inflating past 64 MiB) at a time
+    on the 2-core VM, a health check's p99 / max was 22-27 / 53-62 ms with them inflating on 4
+    threads at once and 8-9 / 15-41 ms one at a time, and the server's RSS grew 250 MB against
+    68 MB (the same 20 bombs took as long either way).
+
+Note: what a request holds.
+    One budget, ``max_inflight`` x ``max_body_bytes`` bytes (:class:`BodyBudget`), bounds what the
+    server holds for the requests in its hands, across every connection, and past it a request is
+    refused: 503 when others hold the rest, 413 when this one alone needs more than all of it. Each
+    request counts, as it makes them: its body as it arrives, its inflated body (Note: compressed
+    bodies), the tensors decoding makes that are not views of the body (JSON values as arrays, a
+    misaligned tensor's copy, BYTES elements; a JSON worker says what its arrays will take before
+    the server reads them: ``_jsonwork``, Note: what a worker's answer holds), the outputs its model
+    made (counted once they are made: a request that then finds the budget spent has held them for
+    that long), and its answer, at the most it can take, before it is built (:func:`_answer_bytes`:
+    a binary output its bytes, a JSON value the longest it can be written: 25 bytes a float). All
+    of it is given back when the answer is handed to aiohttp. Not counted: what the model holds
+    while it runs (with the models), the Python objects the parser makes of a JSON request parsed
+    in the server (under ``JSON_FROM``, or all of them with ``--json-workers 0``), and a JSON
+    worker's own process, which holds one request at a time.
 
 Note: JSON.
     JSON answers are written by orjson: 4 M floats in 0.026 s against the standard library's
@@ -23,9 +53,10 @@ Note: JSON.
     16 MiB JSON tensor against orjson's 0.14 s, because orjson turns an integer past 64 bits into
     a float, silently (``18446744073709551616`` comes back ``1.8446744073709552e+19``), where
     integers must stay exact to be refused or taken as they are. Either parser holds the
-    interpreter while it runs, so the event loop both front doors share waits for it; a large
-    request's decoding and its answer's encoding run on a thread (``ServerState.infer``), so that
-    what still stalls the loop is that one call, not the rest of the work.
+    interpreter while it runs, so the event loop both front doors share waits for it: a JSON
+    request of :data:`JSON_FROM` bytes or more is parsed in a JSON worker process (``_jsonwork``),
+    and other large requests' decoding and large answers' encoding run on a thread
+    (:func:`_decoded`, ``ServerState.infer``).
 
 Note: why aiohttp.
     Measured on the 2-core VM, server CPU per request of a bare handler that reads the body
@@ -36,14 +67,17 @@ Note: why aiohttp.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import mmap
 import re
+import sys
 import time
 import zlib
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import orjson
@@ -51,11 +85,12 @@ from aiohttp import web
 
 from onnxpipe._errors import OnnxpipeError
 from onnxpipe.serve import _logs as logs
-from onnxpipe.serve._budget import BodyBudget, Held, deadline
+from onnxpipe.serve._budget import BodyBudget, Held, time_limit
 from onnxpipe.serve._errors import RequestError, bad_request, shown
-from onnxpipe.serve._models import ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
-from onnxpipe.serve._state import Decoded, ServerState
-from onnxpipe.serve._tensors import binary_view, check_shape, from_binary, from_json, to_json
+from onnxpipe.serve._models import Deadline, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
+from onnxpipe.serve._options import ServeOptions
+from onnxpipe.serve._state import OFF_LOOP, Decoded, ServerState
+from onnxpipe.serve._tensors import Port, binary_view, check_shape, from_binary, from_json, to_json
 
 __all__ = ["drain", "make_app"]
 
@@ -76,7 +111,8 @@ class JsonDecoders(Protocol):
     @property
     def running(self) -> bool: ...
 
-    def decode(self, ports: ModelPorts, body: memoryview, header_length: int | None) -> Decoded: ...
+    async def decode(self, ports: ModelPorts, body: memoryview, header_length: int | None, reserve: Callable[[int], None],
+                     deadline: Deadline | None = None) -> Decoded: ...
 
 
 def make_app(state: ServerState, budget: BodyBudget, workers: JsonDecoders | None = None) -> web.Application:
@@ -136,30 +172,31 @@ def make_app(state: ServerState, budget: BodyBudget, workers: JsonDecoders | Non
         return _json(state.statistics(request.match_info.get("model", ""), request.match_info.get("version", "")))
 
     async def infer(request: web.Request) -> web.StreamResponse:
-        model = _model(state, request)
-        state.serving()
-        header_length = byte_count(request.headers.get(HEADER_LENGTH), HEADER_LENGTH)
+        head = _admissible(state, request)
         held = budget.hold()
         try:
-            body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, header_length, held)
+            body = await _body(request, state.options.max_body_bytes, state.options.body_timeout, head, held)
             note = partial(request.__setitem__, logs.REQUEST_ID)  # the protocol's id, for the request's line (_logs)
-            if workers is not None and workers.running and (header_length or len(body)) >= JSON_FROM:
-                decode = _noting(note, partial(workers.decode, model.ports, body, header_length))
-            else:
-                decode = partial(_decode, model.ports, body, header_length, note)
-            response = await state.infer(model, "http", decode, lambda d, o: _encode(model, d, o), len(body))
+            decode = partial(_decoded, head, body, held, note, workers, state.options, inflater)
+            response = await state.infer(head.model, "http", decode, partial(_encode, head.model, held=held), len(body))
         finally:
-            held.release()  # the body's bytes (the response no longer needs them)
+            held.release()  # the body's bytes, what decoding made, the answer's (see Note: what a request holds)
         if "Accept-Encoding" in request.headers:
             response.enable_compression()  # gzip or deflate, as the client accepts
         return response
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: a body the server would refuse is refused before the client
-        sends it (aiohttp calls this outside the middleware: it answers errors itself, and logs them)."""
+        sends it (see Note: the body; aiohttp calls this outside the middleware: it answers errors
+        itself, and logs them)."""
         started = time.perf_counter()
-        refused = _refused_early(request, state.options.max_body_bytes)
-        if refused is not None:
+        try:
+            if request.headers.get("Expect", "").lower() != "100-continue":
+                raise RequestError(417, f"Expect {shown(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
+            state.authorize(request.headers.getall("Authorization", []))
+            _admissible(state, request)
+        except RequestError as e:
+            refused = error(e.status, str(e), {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
             logs.http_answered(request, refused, started, state.options.access_log)
             return refused
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -168,7 +205,12 @@ def make_app(state: ServerState, budget: BodyBudget, workers: JsonDecoders | Non
     async def metrics(request: web.Request) -> web.StreamResponse:
         return state.metrics.answer()
 
+    inflater = ThreadPoolExecutor(1, thread_name_prefix="onnxpipe-inflate")  # see Note: compressed bodies
     app = web.Application(middlewares=[logs.middleware(state.options.access_log), guard], client_max_size=state.options.max_body_bytes)
+
+    async def stop_inflating(app: web.Application) -> None:
+        inflater.shutdown(wait=False, cancel_futures=True)
+    app.on_cleanup.append(stop_inflating)
 
     async def server_header(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["Server"] = SERVER  # not aiohttp's "Python/3.11 aiohttp/3.x": what runs here is no client's business
@@ -195,28 +237,39 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> w
     return response
 
 
-def _refused_early(request: web.Request, limit: int) -> web.Response | None:
-    """The answer to a request with ``Expect`` whose body would be refused (417, 400, 413), or ``None``: let it send."""
-    if request.headers.get("Expect", "").lower() != "100-continue":
-        return error(417, f"Expect {shown(request.headers.get('Expect', ''))} is not supported; valid: 100-continue")
-    try:
-        length = byte_count(request.headers.get("Content-Length"), "Content-Length")
-    except RequestError as e:
-        return error(e.status, str(e))
+class _Head(NamedTuple):
+    """What an inference request's head says, once checked (:func:`_admissible`)."""
+
+    model: ServedModel
+    header_length: int | None  # Inference-Header-Content-Length
+    length: int | None  # Content-Length
+    encoding: str | None  # gzip or deflate; None: as it is
+
+
+#: zlib's window bits for each Content-Encoding it inflates.
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _admissible(state: ServerState, request: web.Request) -> _Head:
+    """The head of an inference request whose body the server would read (see Note: the body); the
+    token is the caller's to check.
+
+    Raises:
+        RequestError: 404 or 503 for the model (``ServerState.model``), 503 while not serving, 400
+            for a malformed length or an encoding not supported, 413 for a ``Content-Length`` over
+            ``max_body_bytes``.
+    """
+    model = _model(state, request)
+    state.serving()
+    header_length = byte_count(request.headers.get(HEADER_LENGTH), HEADER_LENGTH)
+    length = byte_count(request.headers.get("Content-Length"), "Content-Length")
+    limit = state.options.max_body_bytes
     if length is not None and length > limit:
-        return error(413, f"the body has {length} bytes; this server takes at most {limit} (--max-body-size)")
-    return None
-
-
-def _noting(note: Callable[[str], None], decode: Callable[[], Decoded]) -> Callable[[], Decoded]:
-    """``decode``, telling ``note`` the request's ``id`` (a JSON worker's: its failures have the line's other id)."""
-
-    def run() -> Decoded:
-        decoded = decode()
-        note(decoded.id)
-        return decoded
-
-    return run
+        raise RequestError(413, f"the body has {length} bytes; this server takes at most {limit} (--max-body-size)")
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity", *_WBITS):
+        raise bad_request(f"Content-Encoding {shown(encoding)} is not supported; valid: gzip, deflate, identity")
+    return _Head(model, header_length, length, encoding if encoding in _WBITS else None)
 
 
 def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -257,22 +310,18 @@ def byte_count(value: str | None, what: str) -> int | None:
     return int(text)
 
 
-async def _body(request: web.Request, limit: int, timeout: float, header_length: int | None, held: Held) -> memoryview:
-    """The whole body, within ``limit`` bytes and ``timeout`` seconds (see Note: the body).
+async def _body(request: web.Request, limit: int, timeout: float, head: _Head, held: Held) -> memoryview:
+    """The whole body as it came (compressed or not), within ``limit`` bytes and ``timeout``
+    seconds (see Note: the body).
 
     Raises:
-        RequestError: 400 for a malformed length, 413 past the limit, 408 past the timeout, 503
-            when the server holds all the body bytes it may (``held`` counts this one's).
+        RequestError: 413 past the limit, 408 past the timeout, 503 when the server holds all the
+            bytes it may (``held`` counts this one's).
         ConnectionError: the client went away.
     """
-    length = byte_count(request.headers.get("Content-Length"), "Content-Length")
-    if length is not None and length > limit:
-        raise RequestError(413, f"the body has {length} bytes; this server takes at most {limit} (--max-body-size)")
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    plain = encoding in ("", "identity")
-
+    length, header_length = head.length, head.header_length
     offset = header_length if header_length is not None and length is not None and header_length <= length else 0
-    buffer = _lazy(length, offset) if plain and length is not None and length >= _ALIGN_FROM else None
+    buffer = _lazy(length, offset) if head.encoding is None and length is not None and length >= _ALIGN_FROM else None
 
     async def read() -> memoryview:
         chunks: list[bytes] = []
@@ -294,7 +343,7 @@ async def _body(request: web.Request, limit: int, timeout: float, header_length:
     reading = held.budget.reading
     reading.add(request.content)
     try:
-        async with deadline(timeout):
+        async with time_limit(timeout):
             body = await read()
     except _Drained:
         raise RequestError(503, "the server is shutting down: it takes no new requests") from None
@@ -302,7 +351,7 @@ async def _body(request: web.Request, limit: int, timeout: float, header_length:
         raise RequestError(408, f"the body did not arrive within {timeout:g} s (--body-timeout)") from None
     finally:
         reading.discard(request.content)
-    return body if plain else _inflate(body, encoding, limit)
+    return body
 
 
 _ALIGN = 64
@@ -318,23 +367,92 @@ def _lazy(size: int, offset: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size + start))[start : start + size]
 
 
-def _inflate(body: memoryview, encoding: str, limit: int) -> memoryview:
-    """A ``gzip`` or ``deflate`` body, inflated to at most ``limit`` bytes."""
-    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
-    if wbits is None:
-        raise RequestError(400, f"Content-Encoding {encoding!r} is not supported; valid: gzip, deflate, identity")
-    inflater = zlib.decompressobj(wbits)
+#: What zlib is given at a time (what it leaves unread is copied at each step), and the most it makes at a time.
+_INFLATE_IN = 64 << 10
+_INFLATE_OUT = 1 << 20
+
+
+def _inflate(body: memoryview, encoding: str, limit: int, header_length: int | None, held: Held) -> memoryview:
+    """A ``gzip`` or ``deflate`` body inflated, within ``limit`` bytes, each MiB counted in ``held``
+    as it is made (see Note: compressed bodies; on a thread).
+
+    Raises:
+        RequestError: 400 for a body that is not the encoding's (broken, truncated, or with bytes
+            after its end), 413 past the limit, 503 or 413 from ``held``.
+    """
+    buffer = _lazy(limit, header_length if header_length is not None and header_length <= limit else 0)
     try:
-        plain = inflater.decompress(body, limit + 1)
+        return buffer[: _inflate_into(buffer, body, encoding, held)]
+    except BaseException:
+        buffer.release()  # unmapped here, on the thread, not where the refusal is answered
+        raise
+
+
+def _inflate_into(buffer: memoryview, body: memoryview, encoding: str, held: Held) -> int:
+    """Inflate ``body`` into ``buffer`` (:func:`_inflate`); the bytes made."""
+    inflater = zlib.decompressobj(_WBITS[encoding])
+    size = 0
+    start = 0
+    try:
+        while start < len(body) and not inflater.eof:
+            data: bytes | memoryview = body[start : start + _INFLATE_IN]
+            start += len(data)
+            while True:
+                chunk = inflater.decompress(data, _INFLATE_OUT)
+                data = inflater.unconsumed_tail
+                if size + len(chunk) > len(buffer):
+                    raise RequestError(413, f"the {encoding} body inflates to over {len(buffer)} bytes, the most this server takes (--max-body-size)")
+                held.take(len(chunk), f"its inflated {encoding} body")
+                buffer[size : size + len(chunk)] = chunk
+                size += len(chunk)
+                if inflater.eof or (not data and len(chunk) < _INFLATE_OUT):
+                    break  # the slice is read and nothing is left to make of it
     except zlib.error as e:
         raise bad_request(f"the {encoding} body cannot be inflated: {e}") from None
-    if len(plain) > limit or inflater.unconsumed_tail:
-        raise RequestError(413, f"the {encoding} body inflates to over {limit} bytes, the most this server takes (--max-body-size)")
     if not inflater.eof:
         raise bad_request(f"the {encoding} body is truncated")
-    if inflater.unused_data:
-        raise bad_request(f"{len(inflater.unused_data)} byte(s) follow the end of the {encoding} stream; send one stream, nothing after it")
-    return memoryview(plain)
+    after = len(inflater.unused_data) + len(body) - start
+    if after:
+        raise bad_request(f"{after} byte(s) follow the end of the {encoding} stream; send one stream, nothing after it")
+    return size
+
+
+async def _decoded(head: _Head, body: memoryview, held: Held, note: Callable[[str], None], workers: JsonDecoders | None,
+                   options: ServeOptions, inflater: Executor) -> Decoded:
+    """A request's :class:`Decoded`, once admitted: its body inflated on ``inflater``'s thread (see
+    Note: compressed bodies), then decoded by a JSON worker (a JSON header of :data:`JSON_FROM`
+    bytes or more), on a thread (a body of ``OFF_LOOP`` bytes or more) or here; what that makes is
+    counted in ``held`` (see Note: what a request holds), and ``note`` told the request's ``id``.
+    """
+    if head.encoding is not None:
+        body = await asyncio.get_running_loop().run_in_executor(inflater, _inflate, body, head.encoding, options.max_body_bytes, head.header_length, held)
+    ports = head.model.ports
+    if workers is not None and workers.running and (head.header_length or len(body)) >= JSON_FROM:
+        deadline = Deadline.of(time.perf_counter(), None, options.request_timeout)  # a wait for a free worker is a wait to start
+        decoded = await workers.decode(ports, body, head.header_length, partial(held.take, what="its decoded tensors"), deadline)
+        note(decoded.id)  # the worker's failures have the line's other id
+        return decoded
+    if len(body) >= OFF_LOOP:
+        decoded = await asyncio.to_thread(_decode, ports, body, head.header_length, note)
+    else:
+        decoded = _decode(ports, body, head.header_length, note)
+    held.take(_made(decoded.arrays), "its decoded tensors")
+    return decoded
+
+
+def _made(arrays: dict[str, np.ndarray], views: bool = False) -> int:
+    """The bytes held by ``arrays``: each array's and a BYTES one's elements; with ``views`` false,
+    not those of an array that is a view of something else than an array (the body)."""
+    made = 0
+    for array in arrays.values():
+        base = array
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        if views or base.base is None:  # its own memory, not the body's
+            made += array.nbytes
+        if array.dtype.kind == "O":
+            made += sum(map(sys.getsizeof, array.flat))
+    return made
 
 
 def _decode(model: ModelPorts, body: memoryview, header_length: int | None, note: Callable[[str], None] | None = None) -> Decoded:
@@ -435,9 +553,17 @@ def _object(value: object, what: str) -> dict[str, Any]:
     return value
 
 
-def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> web.Response:
-    """The response: a JSON header, then the binary outputs in its order."""
+def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs, held: Held | None = None) -> web.Response:
+    """The response: a JSON header, then the binary outputs in its order; counted in ``held`` at
+    the most it can take before it is built (see Note: what a request holds).
+
+    Raises:
+        RequestError: 503 or 413 from ``held``; 400 for an output JSON cannot carry (``to_json``).
+    """
     asked = decoded.outputs or [(name, decoded.binary) for name in model.outputs]
+    if held is not None:
+        held.take(_made(outputs, views=True), "its outputs")  # made already: counted as soon as they are here
+        held.take(_answer_bytes([(model.outputs[name], outputs[name], binary) for name, binary in asked], len(decoded.id)), "its answer")
     tensors = []
     chunks = []
     for name, binary in asked:
@@ -457,3 +583,32 @@ def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> web.Respo
     if not chunks:
         return web.Response(body=text, content_type="application/json")
     return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream", headers={HEADER_LENGTH: str(len(text))})
+
+
+#: The most bytes one value of each numpy kind takes in a JSON answer, its separator included: a
+#: float is written as the double it is (``to_json``), at most 24 characters, from a float64 copy (8 bytes).
+_JSON_VALUE = {"b": 6, "f": 25 + 8}
+#: A JSON answer's bytes besides its values: keys, names, shapes (each output's, and the answer's own).
+_JSON_OVERHEAD = 1024
+
+
+def _answer_bytes(outputs: list[tuple[Port, np.ndarray, bool]], id_length: int) -> int:
+    """The most bytes the answer of ``outputs`` (port, array, as binary) can take while it is built
+    (see Note: what a request holds): the JSON header, and with binary data the one buffer joining
+    the header to the data."""
+    text = _JSON_OVERHEAD * (len(outputs) + 1) + 6 * id_length
+    data = 0
+    for port, array, binary in outputs:
+        if port.is_bytes:
+            if binary:  # 4 bytes of length, then the element: bytes, or characters of at most 4 bytes in UTF-8
+                data += sum(4 + len(item) * (1 if isinstance(item, bytes) else 4) for item in array.flat)
+            else:  # a string of at most 6 bytes a character (a \u00XX escape), quotes and a separator
+                text += sum(6 * len(item) + 3 for item in array.flat)
+        elif binary:
+            data += array.size * port.dtype.itemsize
+        elif port.dtype.kind in "iu":
+            info = np.iinfo(port.dtype)
+            text += array.size * (len(str(info.min if port.dtype.kind == "i" else info.max)) + 1)
+        else:
+            text += array.size * _JSON_VALUE.get(port.dtype.kind, 25)
+    return text + (text + data if data else 0)

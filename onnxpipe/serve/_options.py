@@ -120,6 +120,9 @@ class ServeOptions:
             ``None``: half the file descriptors the process may open, less 64.
         json_workers: Processes that decode JSON requests of 1 MiB or more, off the event loop
             (``_jsonwork``, Note: a JSON worker); 0: decode them on a thread of the server.
+        json_timeout: Seconds a request may wait for a free JSON worker, and then hold one; past
+            either it is answered 503, and a worker that took too long is killed and replaced
+            (``_jsonwork``, Note: a worker's deadline).
         strict_readiness: With ``allow_partial``, answer not ready while a model failed to load
             (Triton's ``--strict-readiness``): the server serves what loaded, and an orchestrator
             sees that something is wrong.
@@ -155,6 +158,7 @@ class ServeOptions:
     idle_timeout: float = 30.0
     max_connections: int | None = None
     json_workers: int = 1
+    json_timeout: float = 30.0
     strict_readiness: bool = False
     overrides: tuple[StageOverrides, ...] = ()
 
@@ -184,7 +188,7 @@ class ServeOptions:
                               "budget alone; give a budget at least as large")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ConfigError(f"request_timeout must be a positive number of seconds or None, got {self.request_timeout}")
-        for name in ("body_timeout", "drain_timeout", "idle_timeout"):
+        for name in ("body_timeout", "drain_timeout", "idle_timeout", "json_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.log_format not in LOG_FORMATS:

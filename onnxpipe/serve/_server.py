@@ -119,7 +119,7 @@ class _Server:
         http_socket = _bind(options.host, options.http_port)
         metrics_socket, metrics_runner = self._metrics_listener(http_socket)
         grpc_server = None
-        workers = JsonWorkers(options.json_workers)
+        workers = JsonWorkers(options.json_workers, options.json_timeout)
         cap = options.max_connections or default_max_connections()  # each listener's, HTTP's and gRPC's
         budget = BodyBudget(options.max_inflight * options.max_body_bytes)  # both doors' (_budget, Note: one budget, two doors)
         runner = web.AppRunner(

@@ -7,9 +7,11 @@ Note: work off the loop.
     joining binary data) run on a thread instead: the loop goes on answering between the
     thread's steps. What a thread cannot free the loop from is one call that holds the
     interpreter throughout (the JSON parser's, numpy's conversion of a large list): a limit of
-    the interpreter, measured in ``benchmarks.serve_faults``; binary tensors avoid it. Smaller
-    requests stay on the loop, where a thread's hand-over (about 50 us) would cost more than the
-    work.
+    the interpreter, measured in ``benchmarks.serve_faults``; binary tensors avoid it, and the HTTP
+    door sends a large JSON request to a worker process (``_jsonwork``). Smaller requests stay on
+    the loop, where a thread's hand-over (about 50 us) would cost more than the work. A door that
+    arranges its decoding itself (the HTTP door's: inflating, a JSON worker) gives a coroutine
+    function, awaited once the request is admitted.
 
 Note: one inference path.
     HTTP and gRPC differ in how a request's tensors are laid out and how the answer is written;
@@ -24,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -219,17 +222,20 @@ class ServerState:
 
     # -- inference ----------------------------------------------------------------------------
 
-    async def infer(self, model: ServedModel, protocol: str, decode: Callable[[], Decoded], encode: Callable[[Decoded, Outputs], T],
-                    size: int = 0, turn: Turn | None = None) -> T:
+    async def infer(self, model: ServedModel, protocol: str, decode: Callable[[], Decoded] | Callable[[], Awaitable[Decoded]],
+                    encode: Callable[[Decoded, Outputs], T], size: int = 0, turn: Turn | None = None) -> T:
         """Run one request through ``model`` (see Note: one inference path).
 
         Args:
             model: The model asked for.
             protocol: ``"http"`` or ``"grpc"``, for the metrics.
-            decode: Makes the request's :class:`Decoded` (timed as its compute input).
+            decode: Makes the request's :class:`Decoded` (timed as its compute input), once the
+                request is admitted: a coroutine function is awaited (it takes its work off the
+                loop itself), a plain function is called (on a thread from ``size``).
             encode: Makes the response from it and the outputs (timed as its compute output).
-            size: The request's bytes: from :data:`OFF_LOOP` on, it is decoded on a thread, and so
-                is an answer whose outputs hold that many (see Note: work off the loop).
+            size: The request's bytes: from :data:`OFF_LOOP` on, a plain ``decode`` runs on a
+                thread; an answer whose outputs hold that many is encoded on one (see Note: work
+                off the loop).
             turn: For a request of a gRPC stream, its place in the stream: it is handed to the
                 model in that order (``_grpc``, Note: one stream, one order).
 
@@ -245,7 +251,7 @@ class ServerState:
             self.serving()
             model.admit()
             try:
-                decoded = await asyncio.to_thread(decode) if size >= OFF_LOOP else decode()
+                decoded = await _decoded(decode, size)
                 decoded_at = time.perf_counter()
                 deadline = Deadline.of(started, decoded.timeout, self.options.request_timeout)
                 if turn is not None:
@@ -276,3 +282,11 @@ class ServerState:
             if turn is not None:
                 turn.passed()  # refused or failed before it was handed on: the stream's next request goes
             self.metrics.answered(model.name, protocol, status, time.perf_counter() - started)
+
+
+async def _decoded(decode: Callable[[], Decoded] | Callable[[], Awaitable[Decoded]], size: int) -> Decoded:
+    """What ``decode`` makes (see :meth:`ServerState.infer`)."""
+    if inspect.iscoroutinefunction(decode):
+        return await decode()
+    plain = cast(Callable[[], Decoded], decode)
+    return await asyncio.to_thread(plain) if size >= OFF_LOOP else plain()

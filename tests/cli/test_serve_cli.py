@@ -19,8 +19,8 @@ def test_the_cli_defaults_are_the_servers() -> None:
     from onnxpipe.serve import ServeOptions
 
     o = ServeOptions()
-    assert (_serve._MAX_INFLIGHT, _serve._BODY_TIMEOUT, _serve._MAX_STREAMS, _serve._STREAM_TIMEOUT, _serve._DRAIN_TIMEOUT, _serve._IDLE_TIMEOUT) == (
-        o.max_inflight, o.body_timeout, o.max_streams, o.stream_timeout, o.drain_timeout, o.idle_timeout)
+    assert (_serve._MAX_INFLIGHT, _serve._BODY_TIMEOUT, _serve._MAX_STREAMS, _serve._STREAM_TIMEOUT, _serve._DRAIN_TIMEOUT, _serve._IDLE_TIMEOUT,
+            _serve._JSON_TIMEOUT) == (o.max_inflight, o.body_timeout, o.max_streams, o.stream_timeout, o.drain_timeout, o.idle_timeout, o.json_timeout)
     assert o.max_connections is None  # half the open-file limit, less 64
     assert _serve._MAX_BODY == "64MiB" and o.max_body_bytes == 64 << 20
     assert (_serve._MAX_SEQUENCE_STATE, _serve._SEQUENCE_STATE_BUDGET) == ("256MiB", "2GiB")

@@ -3,11 +3,15 @@ traceback, never a 500), nothing is allocated from a declared size, and the serv
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import os
+import signal
 import socket
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +251,80 @@ def test_a_request_over_the_configs_max_batch_size_is_refused_as_triton_refuses_
     status, answer = server.request("POST", "/v2/models/mlp/infer", ids(9))
     assert status == 400 and json.loads(answer) == {
         "error": "input 'ids' has 9 rows (dim 0); model 'mlp' takes at most 8 (its config's max_batch_size): send them in requests of that many"}
+
+
+def _expecting(proc: ServerProcess, path: str, length: int, *headers: str, expect: str = "100-continue") -> tuple[int, bytes, bytes]:
+    """Send only the head of a request with ``Expect: 100-continue``: the answer's status, head and body."""
+    lines = [f"POST {path} HTTP/1.1", "Host: x", f"Content-Length: {length}", f"Expect: {expect}", *headers]
+    with socket.create_connection(("127.0.0.1", proc.http_port), timeout=30) as s:
+        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _length(answer):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head, body
+
+
+def test_expect_continue_is_answered_only_once_the_head_is_one_the_server_takes(bundles: dict[str, Path], tmp_path: Path) -> None:
+    """The issue: ``Expect: 100-continue`` got ``100 Continue`` before the token, the model and the
+    encoding were checked. Each refusal is now the final answer to the head, with its message, and
+    the client never sends the body: no token or a wrong one (401), an unknown model (404), an
+    encoding the server cannot inflate (400), a body over --max-body-size (413), an Expect it does
+    not know (417), and a server draining (503); a head it takes gets 100 Continue, then its answer."""
+    from tests.serve.test_hostile_traffic import _echo_bundle, _json_worker, _large_json, _post
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    auth = "Authorization: Bearer s3cret"
+    with ServerProcess(*serve_args(bundles, "twoout"), f"echo={_echo_bundle(tmp_path)}", "--auth-token-file", token, "--max-body-size", "8MiB",
+                       grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        path = "/v2/models/twoout/infer"
+        for headers, status, message in [
+            ((), 401, "this server needs a bearer token: send the header 'Authorization: Bearer <token>'"),
+            (("Authorization: Bearer nope",), 401, "the bearer token is not valid"),
+            ((auth, "Content-Encoding: br"), 400, "Content-Encoding 'br' is not supported; valid: gzip, deflate, identity"),
+        ]:
+            got, head, body = _expecting(proc, path, 100, *headers)
+            assert (got, json.loads(body)) == (status, {"error": message}), head
+            assert (b"WWW-Authenticate: Bearer" in head) == (status == 401), head
+        got, _, body = _expecting(proc, "/v2/models/nope/infer", 100, auth)
+        assert (got, json.loads(body)) == (404, {"error": "unknown model 'nope'; valid: 'echo', 'twoout'"})
+        got, _, body = _expecting(proc, path, 9 << 20, auth)
+        assert (got, json.loads(body)) == (413, {"error": f"the body has {9 << 20} bytes; this server takes at most {8 << 20} (--max-body-size)"})
+        got, _, body = _expecting(proc, path, 100, auth, expect="200-ok")
+        assert (got, json.loads(body)) == (417, {"error": "Expect '200-ok' is not supported; valid: 100-continue"})
+        request = _infer({**X[0], "data": [0, 1, 2, 3]})
+        with socket.create_connection(("127.0.0.1", proc.http_port), timeout=30) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\nContent-Length: {len(request)}\r\nExpect: 100-continue\r\n\r\n".encode())
+            assert s.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            s.sendall(request)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 OK")
+        # Draining: a request held in flight by a stopped JSON worker keeps the server draining.
+        worker = _json_worker(proc.proc.pid)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            body, _ = _large_json()
+            with ThreadPoolExecutor(1) as pool:
+                held = pool.submit(_post, proc.http_port, "/v2/models/echo/infer", body, {"Authorization": "Bearer s3cret"})
+                deadline = time.monotonic() + 30
+                while b'onnxpipe_inflight_requests{model="echo"} 1.0' not in proc.request("GET", "/metrics", port=proc.metrics_port)[1]:
+                    assert time.monotonic() < deadline, "the request was not admitted"
+                    time.sleep(0.01)
+                proc.proc.send_signal(signal.SIGTERM)
+                while proc.get("/v2/health/ready")[0] != 400:
+                    assert time.monotonic() < deadline, "the server did not begin to drain"
+                    time.sleep(0.01)
+                got, _, answer = _expecting(proc, path, 100, auth)
+                assert (got, json.loads(answer)) == (503, {"error": "the server is shutting down: it takes no new requests"})
+                os.kill(worker, signal.SIGCONT)
+                assert held.result()[0] == 200
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log(), proc.log()

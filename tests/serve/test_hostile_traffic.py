@@ -1,19 +1,26 @@
-"""What one client can do to everyone else (issue 28), driven against a real ``onnxpipe serve`` on
-loopback with raw sockets and Triton's clients: the answer's size is bounded before it is built,
-memory follows the bytes received (never a declared ``Content-Length``), connections are capped and
-timed out, and what aiohttp's parser refuses is one JSON 400 and one log line. Each attack ends with
-the server ready, a normal request answered, RSS and open descriptors back within a bound, and no
-traceback in the log."""
+"""What one client can do to everyone else (issues 28 and 36), driven against a real ``onnxpipe
+serve`` on loopback with raw sockets and Triton's clients: the answer's size is bounded before it is
+built, memory follows the bytes received (never a declared ``Content-Length``) and stays within
+``--max-inflight`` x ``--max-body-size`` for compressed and JSON bodies too, compressed bodies
+inflate off the event loop, a stuck JSON worker holds only the requests it has, connections are
+capped and timed out, and what aiohttp's parser refuses is one JSON 400 and one log line. Each
+attack ends with the server ready, a normal request answered, RSS and open descriptors back within
+a bound, and no traceback in the log."""
 
 from __future__ import annotations
 
 import contextlib
 import gzip
+import http.client
 import json
 import os
+import signal
 import socket
+import threading
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +47,62 @@ def _rss_mb(pid: int) -> float:
 
 def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _peak_from_now(pid: int) -> Callable[[], float]:
+    """The process's peak RSS (MB) from now on, as a function to call later (the kernel's high-water
+    mark, reset now: no spike between two samples is missed)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+    def peak() -> float:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmHWM")
+
+    return peak
+
+
+def _post(port: int, path: str, body: bytes, headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, bytes]:
+    """``POST`` on a connection of its own: (status, body); status 0 when nothing answered in time."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    except (OSError, http.client.HTTPException):
+        return 0, b""
+    finally:
+        conn.close()
+
+
+class _Prober:
+    """A client's health checks on a keep-alive connection of its own, one after another, with their
+    latencies (s), for as long as it runs."""
+
+    def __init__(self, port: int) -> None:
+        self.latencies: list[float] = []
+        self._port = port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self._port, timeout=30)
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            conn.request("GET", "/v2/health/live")
+            assert conn.getresponse().read() == b'{"live":true}'
+            self.latencies.append(time.perf_counter() - started)
+            self._stop.wait(0.002)
+        conn.close()
+
+    def __enter__(self) -> _Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -308,3 +371,235 @@ def test_inputs_giving_one_named_dim_two_sizes_are_a_400_not_a_stage_failure(ser
     with pytest.raises(InferenceServerException, match="give dim 'N' the sizes 3 and 2") as e:
         client.infer("labelled", [x, prefix])
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def _zeros_json(count: int, **request: object) -> bytes:
+    """A JSON request of ``count`` FP32 zeros for ``echo`` (``0,`` each: 2 bytes a value, 4 as an array)."""
+    head = json.dumps({"parameters": {}, **request})[:-1].encode()
+    return head + b', "inputs": [{"name": "X", "datatype": "FP32", "shape": [%d], "data": [' % count + b"0," * (count - 1) + b"0]}]}"
+
+
+BUDGET = "(134217728: --max-inflight x --max-body-size)"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", None])
+def test_compressed_and_json_bodies_are_held_within_the_budget(encoding: str | None, tmp_path: Path) -> None:
+    """The issue's 8 gzip'd JSON tensors of zeros (60 KiB on the wire for 60 MiB): all answered, and
+    the server's peak RSS grew 2.1 GB. --max-inflight 4 x --max-body-size 32 MiB: 8 clients at once
+    each send a JSON tensor of 8 M zeros (16 MiB, 16 KiB gzip'd; 32 MiB as an array, as the model's
+    output and as the answer), as it comes and compressed: each is answered or refused 503 naming a
+    limit, some are answered right, and the server's peak RSS stays within the 128 MiB budget plus
+    one request's outputs (counted once the model made them) and 16 MB for the allocator (before:
+    +250 and +292 MB); a request whose JSON answer cannot fit the budget at all is a 413 naming it."""
+    count = 8 << 20
+    body = _zeros_json(count, parameters={"binary_data_output": True})
+    headers = {"Content-Type": "application/json"}
+    if encoding is not None:
+        body = gzip.compress(body)
+        headers["Content-Encoding"] = encoding
+        assert len(body) < 64 << 10
+    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB", "--max-inflight", "4", grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        before = _rss_mb(proc.proc.pid)
+        peak = _peak_from_now(proc.proc.pid)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: _post(proc.http_port, "/v2/models/echo/infer", body, headers), range(8)))
+        grown = peak() - before
+        refusals = {json.loads(a)["error"] for status, a in answers if status == 503}
+        assert all(status in (200, 503) for status, _ in answers), answers
+        assert all(BUDGET in r or "its limit (--max-inflight)" in r for r in refusals), refusals
+        ok = [a for status, a in answers if status == 200]
+        assert ok, refusals
+        for answer in ok:
+            length = len(answer) - count * 4
+            assert json.loads(answer[:length])["outputs"][0]["parameters"] == {"binary_data_size": count * 4}
+            assert not np.frombuffer(answer[length:], np.float32).any()
+        assert grown < 128 + 32 + 16, f"the server's RSS grew {grown:.0f} MB, past the 128 MiB budget, one request's outputs and a margin"
+        # Its answer as JSON may take 33 bytes a value (a double's 24 characters, its comma, the float64 copy): never in 128 MiB.
+        status, answer = _post(proc.http_port, "/v2/models/echo/infer", _zeros_json(count), headers={"Content-Type": "application/json"})
+        assert status == 413, answer
+        error = json.loads(answer)["error"]
+        assert error.startswith("this request would hold ") and "for its answer), more than it holds for all requests at once " + BUDGET in error
+        _works_echo(proc)
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def _works_echo(proc: ServerProcess, size: int = 4) -> None:
+    """``echo`` answers a JSON request of ``size`` values right."""
+    values = np.arange(size, dtype=np.float32)
+    body = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [size], "data": values.tolist()}]}).encode()
+    status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
+    assert status == 200, answer
+    np.testing.assert_array_equal(np.array(json.loads(answer)["outputs"][0]["data"], np.float32), values)
+
+
+def test_deflate_bombs_inflate_off_the_loop_after_admission_within_the_limit(bundles: dict[str, Path], tmp_path: Path) -> None:
+    """The issue's 20 deflate bombs (64 KiB inflating to 64 MiB), 4 at a time, held a health check
+    2.7 s: inflated on the event loop. Now each is inflated after admission, off the loop, and
+    refused 413 at --max-body-size; a health check on its own connection stays under 100 ms
+    throughout, and the server's RSS within --max-inflight x --max-body-size."""
+    bomb = zlib.compress(b"\0" * (65 * MIB), 9)
+    assert len(bomb) < 80 << 10
+    with ServerProcess(*serve_args(bundles, "twoout"), "--max-body-size", "64MiB", "--max-inflight", "5", grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        before = _rss_mb(proc.proc.pid)
+        peak = _peak_from_now(proc.proc.pid)
+        # Not admitted, not inflated: an unknown model's bomb is its 404.
+        status, answer = _post(proc.http_port, "/v2/models/nope/infer", bomb, {"Content-Encoding": "deflate"})
+        assert status == 404 and json.loads(answer) == {"error": "unknown model 'nope'; valid: 'twoout'"}
+        with _Prober(proc.http_port) as prober, ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: _post(proc.http_port, "/v2/models/twoout/infer", bomb, {"Content-Encoding": "deflate"}), range(20)))
+        worst = max(prober.latencies)
+        grown = peak() - before
+        refused = {"error": "the deflate body inflates to over 67108864 bytes, the most this server takes (--max-body-size)"}
+        assert all(status == 413 and json.loads(a) == refused for status, a in answers), answers
+        assert len(prober.latencies) > 20  # it was probing throughout
+        assert worst < 0.1, f"a health check waited {worst * 1000:.0f} ms during the bombs"
+        assert grown < 5 * 64 + 64, f"the server's RSS grew {grown:.0f} MB, past --max-inflight 5 x --max-body-size 64 MiB and a margin"
+        _works(proc)
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def _json_worker(pid: int) -> int:
+    """The server's one JSON worker process (not spawn's resource tracker, its other child)."""
+    workers = [child for child in _children(pid) if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
+def _gone(pid: int, within: float = 30) -> None:
+    """Wait until ``pid`` has ended, every thread of it (its first thread is a zombie before the others end)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:  # reaped, or a thread ended as it was read
+            states = ["X"] if not Path(f"/proc/{pid}").exists() else ["?"]
+        if all(state in ("Z", "X") for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not end within {within:g} s")
+
+
+def _large_json(size: int = 300_000) -> tuple[bytes, np.ndarray]:
+    values = np.random.default_rng(size).standard_normal(size).astype(np.float32)
+    body = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [size], "data": values.tolist()}]}).encode()
+    assert len(body) > 2 * MIB  # the worker's (1 MiB or more)
+    return body, values
+
+
+def test_a_stuck_json_worker_holds_only_its_requests_and_is_replaced_past_json_timeout(tmp_path: Path) -> None:
+    """The issue: with the JSON worker stuck (SIGSTOP), every JSON and binary request of 1 MiB or
+    more hung for the client's whole 25 s: the JSON requests' waits held every thread of asyncio's
+    default executor, which large binary requests use too. Now 8 JSON requests wait on the stopped
+    worker while a 8 MiB binary request is answered, before any of them; each is answered 503
+    naming --json-timeout within its two deadlines (the wait for a worker, then its hold), the
+    stopped worker is killed and another started, and JSON requests are answered again."""
+    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB", "--json-timeout", "3", grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        stuck = _json_worker(proc.proc.pid)
+        os.kill(stuck, signal.SIGSTOP)
+        try:
+            body, _ = _large_json()
+            x = np.random.default_rng(1).standard_normal(2 * MIB).astype(np.float32)
+            head = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [x.size], "parameters": {"binary_data_size": x.nbytes}}],
+                               "parameters": {"binary_data_output": True}}).encode()
+            answered: list[str] = []
+            with ThreadPoolExecutor(9) as pool:
+                started = time.monotonic()
+
+                def send_json(_: int) -> tuple[int, bytes, float]:
+                    status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
+                    answered.append("json")
+                    return status, answer, time.monotonic() - started
+
+                waiting = [pool.submit(send_json, k) for k in range(8)]
+                time.sleep(0.5)  # let them reach the worker's queue (the order asserted below does not depend on it)
+                binary = _post(proc.http_port, "/v2/models/echo/infer", head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
+                answered.append("binary")
+                refused = [f.result() for f in waiting]
+            assert binary[0] == 200, binary
+            length = int(len(binary[1]) - x.nbytes)
+            np.testing.assert_array_equal(np.frombuffer(binary[1][length:], np.float32), x)
+            assert answered[0] == "binary", answered
+            for status, answer, seconds in refused:
+                assert status == 503, answer
+                assert json.loads(answer)["error"] in (
+                    "the request's JSON was not decoded within 3 s (--json-timeout); retry later, or send large tensors as binary data",
+                    "no JSON worker was free to decode the request within 3 s (--json-timeout; --json-workers 1); retry later, or send large "
+                    "tensors as binary data",
+                ), answer
+                assert seconds < 2 * 3 + 10, f"a JSON request was answered after {seconds:.1f} s"
+            _gone(stuck)  # killed, stopped as it was
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGCONT)
+        assert "a JSON worker process took over 3 s (--json-timeout) on a request: killed; starting another" in proc.log()
+        _answered_again(proc, body)
+        assert _json_worker(proc.proc.pid) != stuck
+        assert proc.get("/v2/health/ready")[0] == 200
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def _answered_again(proc: ServerProcess, body: bytes, within: float = 60) -> None:
+    """A large JSON request is answered 200 once the new worker has started (until then, 503 naming the time it may wait)."""
+    deadline = time.monotonic() + within
+    while True:
+        status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
+        if status == 200 or time.monotonic() > deadline:
+            break
+        assert status == 503 and (b"(--json-timeout" in answer or b"(--request-timeout)" in answer), answer
+    assert status == 200, answer
+
+
+def test_a_json_worker_that_died_while_idle_costs_no_request(tmp_path: Path) -> None:
+    """The issue: a worker killed while idle cost the next request a 503. Now the request finds it
+    ended, and waits for its replacement: the first request after the kill is answered."""
+    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB", grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        body, values = _large_json()
+        worker = _json_worker(proc.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        _gone(worker)
+        status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
+        assert status == 200, answer
+        np.testing.assert_array_equal(np.array(json.loads(answer)["outputs"][0]["data"], np.float32), values)
+        assert "a JSON worker process had ended while idle; starting another" in proc.log()
+        assert _json_worker(proc.proc.pid) != worker
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log(), proc.log()
+
+
+def test_request_timeout_bounds_a_json_requests_wait_on_a_stuck_worker(tmp_path: Path) -> None:
+    """The issue's JSON requests hung 25 s even with --request-timeout 5. With --request-timeout 1,
+    a JSON request on a stopped worker is answered 503 naming it after a second; the worker, left
+    to finish, is killed at --json-timeout all the same, and another takes the next request."""
+    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB", "--request-timeout", "1", "--json-timeout", "3",
+                       grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        stuck = _json_worker(proc.proc.pid)
+        os.kill(stuck, signal.SIGSTOP)
+        try:
+            body, _ = _large_json()
+            started = time.monotonic()
+            status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
+            seconds = time.monotonic() - started
+            assert (status, json.loads(answer)) == (503, {"error": "Request timeout expired: model 'echo' had not started the request 1 s after it "
+                                                                    "came in (--request-timeout); retry later, or give it more time"})
+            assert seconds < 1 + 10, f"answered after {seconds:.1f} s"
+            _gone(stuck)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGCONT)
+        assert "a JSON worker process took over 3 s (--json-timeout) on a request: killed; starting another" in proc.log()
+        _answered_again(proc, body)
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log(), proc.log()
