@@ -2,10 +2,11 @@
 on ``onnxpipe serve``, idle and during each attack (issues 28 and 36), this checkout beside an older
 one (``--against REV``) in one run.
 
-One server on loopback (``--max-body-size 80MiB --max-inflight 4 --body-timeout 5`` and a token)
-serves ``twoout`` (a small model, tests/models.py), ``echo`` (``Y = X + 0`` over a float vector of
-any length: a model whose tensors are as large as a request makes them) and ``grow`` (a model with
-state that grows by its input each step, as a KV cache does). A prober thread, its own keep-alive
+One server on loopback (``--max-body-size 80MiB --max-inflight 4 --body-timeout 5 --request-timeout 5``
+and a token; this checkout's with a sequence state budget of 64 MiB too) serves ``twoout`` (a small
+model, tests/models.py), ``echo`` (``Y = X + 0`` over a float vector of any length: a model whose
+tensors are as large as a request makes them) and ``grow`` (a model with state that grows by its
+input each step, as a KV cache does). A prober thread, its own keep-alive
 connection, asks ``GET /v2/health/live`` and a small ``twoout`` inference in turn, every 5 ms, for
 each phase:
 
@@ -20,12 +21,14 @@ each phase:
 - **gRPC partial messages, token**: 24 calls with the token, each announcing 80 MiB and sending 60;
 - **gzip JSON**: 8 requests at once, each a 60 MiB JSON tensor of zeros gzipped to 60 KiB;
 - **deflate bombs**: 64 KiB deflate bodies inflating to 64 MiB, 4 at a time;
-- **growing sequences**: 8 sequences of ``grow`` stepping 1 MiB at a time;
-- **stuck JSON worker**: the JSON worker process stopped (SIGSTOP), while 2 MiB JSON and 1 MiB
-  binary requests are sent, each with a 25 s client timeout (it is continued at the phase's end).
+- **growing sequences**: 8 sequences of ``grow`` stepped in turn, 1 MiB a step, 24 steps each;
+- **stuck JSON worker**: the JSON worker process stopped (SIGSTOP), while 8 clients send 2 MiB JSON
+  requests (to two copies of ``echo``: 4 places each) and one a 1 MiB binary request, each with a
+  25 s client timeout (the worker is continued at the phase's end).
 
 Printed per phase and per server: the health check's and the inference's p99 / max latency in ms,
-the server's peak RSS (MB, its process and its children, sampled every 20 ms) and how the attack's
+the server's RSS at the phase's start, its peak and after (MB, its process and its children, the
+peak sampled every 20 ms) and how the attack's
 own requests ended. Goals (issue 36): a health check never above 100 ms, RSS within
 ``--max-inflight`` x ``--max-body-size`` plus the models, no request waiting past its deadline.
 
@@ -68,7 +71,9 @@ MIB = 1 << 20
 MAX_BODY = "80MiB"
 MAX_INFLIGHT = 4
 TOKEN = "bench-token"
-ARGS = ("--max-body-size", MAX_BODY, "--max-inflight", str(MAX_INFLIGHT), "--max-connections", "4000", "--body-timeout", "5")
+ARGS = ("--max-body-size", MAX_BODY, "--max-inflight", str(MAX_INFLIGHT), "--max-connections", "4000", "--body-timeout", "5", "--request-timeout", "5")
+#: This checkout's server only (an older one has no such flags): a sequence state budget small enough to see.
+NEW_ARGS = ("--max-sequence-state", "16MiB", "--sequence-state-budget", "64MiB")
 
 
 def _echo() -> onnx.ModelProto:
@@ -90,14 +95,19 @@ def _grow() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def _bundles(root: Path) -> dict[str, Path]:
+def echo_bundle(root: Path) -> Path:
+    """The ``echo`` bundle, in ``root / "echo"`` (tests/serve use it too)."""
     echo = PipelineConfig("echo")
     stage = echo.add_stage(_echo(), "echo")
     echo.input("X").connect(stage.input("X"))
     stage.output("Y").connect(echo.output("Y"))
+    return models.bundle_of(echo, root / "echo")
+
+
+def _bundles(root: Path) -> dict[str, Path]:
     return {
         "twoout": models.bundle_of(split(models.two_outputs(), ["a", "M"]), root / "twoout"),
-        "echo": models.bundle_of(echo, root / "echo"),
+        "echo": echo_bundle(root),
         "grow": models.bundle_of(split(_grow(), ["state_out"], states={"state_out": "state"}), root / "grow"),
     }
 
@@ -269,26 +279,17 @@ def _deflate_bombs(target: Target, stop: threading.Event, outcomes: Outcomes) ->
 
 
 def _growing_sequences(target: Target, stop: threading.Event, outcomes: Outcomes) -> None:
-    step = np.zeros(MIB // 4, np.float32)  # 1 MiB a step
-    header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [step.size], "parameters": {"binary_data_size": step.nbytes}}]})
-
-    def sequence(sid: int) -> None:
-        for i in range(24):
-            if stop.is_set():
-                return
-            params = {"sequence_id": sid, "sequence_start": i == 0, "sequence_end": i == 23}
-            head = json.dumps({**json.loads(header), "parameters": params}).encode()
-            outcome, _ = _post(target.http_port, "/v2/models/grow/infer", head + step.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
-            outcomes[outcome] += 1
-
-    sid = 1
+    """8 sequences stepped in turn, 1 MiB a step, 24 steps each; one refused is started again at once."""
+    step = np.zeros(MIB // 4, np.float32).tobytes()
+    steps = dict.fromkeys(range(1, 9), 0)  # sequence id -> its steps so far
     while not stop.is_set():
-        threads = [threading.Thread(target=sequence, args=(sid + i,)) for i in range(8)]
-        sid += 8
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for sid in list(steps):
+            params = {"sequence_id": sid, "sequence_start": steps[sid] == 0, "sequence_end": steps[sid] == 23}
+            head = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [len(step) // 4], "parameters": {"binary_data_size": len(step)}}],
+                               "parameters": params}).encode()
+            outcome, _ = _post(target.http_port, "/v2/models/grow/infer", head + step, {"Inference-Header-Content-Length": str(len(head))})
+            outcomes[outcome] += 1
+            steps[sid] = (steps[sid] + 1) % 24 if outcome == "200" else 0
 
 
 def _stuck_json_worker(target: Target, stop: threading.Event, outcomes: Outcomes) -> None:
@@ -303,13 +304,15 @@ def _stuck_json_worker(target: Target, stop: threading.Event, outcomes: Outcomes
         binary = (head + data.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
         times: dict[str, list[float]] = {"json": [], "binary": []}
 
-        def send(kind: str, body: bytes, headers: dict[str, str]) -> None:
+        def send(kind: str, model: str, body: bytes, headers: dict[str, str]) -> None:
             while not stop.is_set():
-                outcome, took = _post(target.http_port, "/v2/models/echo/infer", body, headers, timeout=25)
+                outcome, took = _post(target.http_port, f"/v2/models/{model}/infer", body, headers, timeout=25)
                 outcomes[f"{kind} {outcome}"] += 1
                 times[kind].append(took)
 
-        threads = [threading.Thread(target=send, args=("json", json_body, {})), threading.Thread(target=send, args=("binary", *binary))]
+        # 8 JSON requests waiting (two models of 4 places each), as the issue's; a binary one beside them.
+        threads = [threading.Thread(target=send, args=("json", model, json_body, {})) for model in ("echo2", "echo3") for _ in range(4)]
+        threads.append(threading.Thread(target=send, args=("binary", "echo", *binary)))
         for t in threads:
             t.start()
         for t in threads:
@@ -400,8 +403,9 @@ def run(seconds: float, root: Path = ROOT) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         bundles = _bundles(Path(tmp))
         (Path(tmp) / "token").write_text(TOKEN)
-        args = [f"{name}={path}" for name, path in bundles.items()]
-        with ServerProcess(*args, *ARGS, "--auth-token-file", Path(tmp) / "token", root=root) as proc:
+        args = [f"{name}={path}" for name, path in bundles.items()] + [f"echo2={bundles['echo']}", f"echo3={bundles['echo']}"]
+        new = NEW_ARGS if root == ROOT else ()
+        with ServerProcess(*args, *ARGS, *new, "--auth-token-file", Path(tmp) / "token", root=root) as proc:
             proc.start(Path(tmp) / "serve.log")
             assert proc.proc is not None
             target = Target(proc.http_port, proc.grpc_port, proc.proc.pid)
@@ -409,6 +413,7 @@ def run(seconds: float, root: Path = ROOT) -> dict[str, Any]:
             for name, attack in PHASES:
                 stop = threading.Event()
                 outcomes: Outcomes = collections.Counter()
+                start_rss = _rss_mb(target.pid)
                 peak = _Peak(target.pid)
                 attacker = threading.Thread(target=attack, args=(target, stop, outcomes), daemon=True) if attack else None
                 if attacker:
@@ -422,7 +427,8 @@ def run(seconds: float, root: Path = ROOT) -> dict[str, Any]:
                 if attacker:
                     attacker.join(60)
                 rows.append({"phase": name, "health": _stats(prober.health), "infer": _stats(prober.infer), "failed": prober.failed,
-                             "rss_peak_mb": peak.stop(), "rss_after_mb": _rss_mb(target.pid), "outcomes": dict(outcomes)})
+                             "rss_start_mb": start_rss, "rss_peak_mb": peak.stop(), "rss_after_mb": _rss_mb(target.pid),
+                             "outcomes": dict(outcomes)})
                 time.sleep(1.0)
             proc.stop()
     return {"seconds": seconds, "root": str(root), "base_rss_mb": base_rss, "rows": rows}
@@ -458,15 +464,16 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"onnxpipe serve, loopback, {' '.join(ARGS)} and a token; a prober alternating a health check and a small inference every 5 ms for "
-          f"{args.seconds:g} s per phase; RSS: the server and its JSON worker")
+    print(f"onnxpipe serve, loopback, {' '.join(ARGS)} and a token ({' '.join(NEW_ARGS)} on this checkout's); a prober alternating "
+          f"a health check and a small inference every 5 ms for {args.seconds:g} s per phase; RSS: the server and its JSON worker")
     for i, (name, _) in enumerate(PHASES):
         print(f"\n{name}")
         for label, result in results.items():
             r = result["rows"][i]
             h, inf = r["health"], r["infer"]
             print(f"  {label:>14}: health p99 {h['p99_ms']:7.2f} max {h['max_ms']:7.1f} ms | infer p99 {inf['p99_ms']:7.2f} ms, {r['failed']} failed | "
-                  f"RSS peak {r['rss_peak_mb']:5.0f} after {r['rss_after_mb']:5.0f} MB | the attack's requests: {_outcomes(r['outcomes'])}")
+                  f"RSS {r['rss_start_mb']:5.0f} -> peak {r['rss_peak_mb']:5.0f}, after {r['rss_after_mb']:5.0f} MB | "
+                  f"the attack's requests: {_outcomes(r['outcomes'])}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ from onnxpipe.serve._errors import RequestError, bad_request
 from onnxpipe.serve._models import ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
 from onnxpipe.serve._proto import oip_pb2 as pb
 from onnxpipe.serve._state import OFF_LOOP, Decoded, ServerState, Turn
-from onnxpipe.serve._tensors import check_shape, from_binary, from_contents, to_binary
+from onnxpipe.serve._tensors import answer_bytes, check_shape, from_binary, from_contents, held_bytes, to_binary
 
 __all__ = ["SERVICE", "make_server"]
 
@@ -107,7 +107,8 @@ def make_server(state: ServerState, address: str, max_connections: int, budget: 
     ])
     receiver = _Receiver(budget, o.max_body_bytes, o.body_timeout)
 
-    def method(fn: Callable[[Any], Awaitable[Message]], request: type[Message], response: type[Message], open_to_all: bool = False) -> grpc.RpcMethodHandler:
+    def method(fn: Callable[[Any, Held], Awaitable[Message]], request: type[Message], response: type[Message],
+               open_to_all: bool = False) -> grpc.RpcMethodHandler:
         rpc = "".join(part.title() for part in fn.__name__.split("_"))  # model_infer: ModelInfer
 
         async def handle(_: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Message:
@@ -120,7 +121,7 @@ def make_server(state: ServerState, address: str, max_connections: int, budget: 
                 if not open_to_all:
                     authorize(context)
                 message, held = await receiver.message(context, request)
-                answer = await fn(message)
+                answer = await fn(message, held)
             except OnnxpipeError as e:  # a RequestError with its status; any other user error INVALID_ARGUMENT
                 code, text = _status(e)
                 logs.grpc_answered(rpc, message, context, started, o.access_log, code, text)  # before the client can see the answer
@@ -145,33 +146,33 @@ def make_server(state: ServerState, address: str, max_connections: int, budget: 
     def authorize(context: grpc.aio.ServicerContext) -> None:
         state.authorize([value for key, value in context.invocation_metadata() or () if key == "authorization"], protocol="grpc")
 
-    async def server_live(_: Any) -> Message:
+    async def server_live(_: Any, _held: Held) -> Message:
         return pb.ServerLiveResponse(live=state.live)
 
-    async def server_ready(_: Any) -> Message:
+    async def server_ready(_: Any, _held: Held) -> Message:
         return pb.ServerReadyResponse(ready=state.serves)
 
-    async def model_ready(r: Any) -> Message:
+    async def model_ready(r: Any, _held: Held) -> Message:
         # A model that is not served (unknown, loading, failed, another version) is not ready: an answer, not an error (as Triton).
         return pb.ModelReadyResponse(ready=state.takes(r.name, r.version))
 
-    async def server_metadata(_: Any) -> Message:
+    async def server_metadata(_: Any, _held: Held) -> Message:
         return json_format.ParseDict(state.metadata(), pb.ServerMetadataResponse())
 
-    async def model_metadata(r: Any) -> Message:
+    async def model_metadata(r: Any, _held: Held) -> Message:
         return json_format.ParseDict(state.model(r.name, r.version).metadata(), pb.ModelMetadataResponse())
 
-    async def model_config(r: Any) -> Message:
+    async def model_config(r: Any, _held: Held) -> Message:
         config = state.model(r.name, r.version).config(state.options.stream_timeout)
         return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
 
-    async def model_statistics(r: Any) -> Message:
+    async def model_statistics(r: Any, _held: Held) -> Message:
         return json_format.ParseDict(state.statistics(r.name, r.version), pb.ModelStatisticsResponse())
 
-    async def model_infer(r: Any, turn: Turn | None = None) -> Message:
+    async def model_infer(r: Any, held: Held, turn: Turn | None = None) -> Message:
         model = state.model(r.model_name, r.model_version)
-        size = sum(len(c) for c in r.raw_input_contents)
-        return await state.infer(model, "grpc", lambda: _decode(model.ports, r), lambda d, o: _encode(model, d, o), size, turn)
+        # ByteSize: reading raw_input_contents to measure would copy each of them (protobuf's Python API copies bytes fields).
+        return await state.infer(model, "grpc", lambda: _decode(model.ports, r), lambda d, o: _encode(model, d, o, held), r.ByteSize(), turn)
 
     async def model_stream_infer(_: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """The stream, and its line where one is due: each request has its own, and the stream
@@ -282,12 +283,12 @@ class _Stream:
     Args:
         state: The server's.
         context: The call's.
-        infer: ``ModelInfer``'s work: a request and its turn to its response.
+        infer: ``ModelInfer``'s work: a request, what it holds and its turn to its response.
         receiver: How its messages are read (see Note: a message's bytes).
         end: Ends the call with a status other than OK, its line logged first.
     """
 
-    def __init__(self, state: ServerState, context: grpc.aio.ServicerContext, infer: Callable[[Any, Turn], Awaitable[Message]],
+    def __init__(self, state: ServerState, context: grpc.aio.ServicerContext, infer: Callable[[Any, Held, Turn], Awaitable[Message]],
                  receiver: _Receiver, end: Callable[[grpc.StatusCode, str], Awaitable[NoReturn]]) -> None:
         self.state, self.context, self.infer, self.receiver, self.end = state, context, infer, receiver, end
         self.roomless = False  # waiting for room in the byte budget to read the next request
@@ -371,7 +372,7 @@ class _Stream:
         try:
             message = await self.receiver.parsed(data, held, pb.ModelInferRequest)
             del data  # the parsed message holds the bytes now
-            return pb.ModelStreamInferResponse(infer_response=await self.infer(message, turn))
+            return pb.ModelStreamInferResponse(infer_response=await self.infer(message, held, turn))
         except OnnxpipeError as e:
             code, text = _status(e)
         except asyncio.CancelledError:
@@ -412,6 +413,7 @@ def _decode(model: ModelPorts, r: Any) -> Decoded:
         else:
             raise bad_request(f"input '{tensor.name}' has no data: fill raw_input_contents or its contents")
     model.check_complete(arrays)
+    r.ClearField("raw_input_contents")  # the arrays hold their own copies (protobuf copies a bytes field as it is read): the message's go
     outputs = []
     seen: set[str] = set()
     for out in r.outputs:
@@ -424,8 +426,18 @@ def _decode(model: ModelPorts, r: Any) -> Decoded:
     return Decoded(arrays, sequence_of(parameters), r.id, outputs, True, timeout_of(parameters))
 
 
-def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs) -> Message:
+def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs, held: Held | None = None) -> Message:
+    """The response, its raw outputs in order; counted in ``held`` before it is built, as HTTP's
+    answers are (``_http``, Note: what a request holds): the outputs, and the answer twice (its
+    message, and the bytes grpc serializes it to).
+
+    Raises:
+        RequestError: 503 or 413 from ``held``.
+    """
     names = [name for name, _ in decoded.outputs] or list(model.outputs)
+    if held is not None:
+        held.take(held_bytes(outputs, views=True), "its outputs")
+        held.take(2 * answer_bytes([(model.outputs[name], outputs[name], True) for name in names], len(decoded.id)), "its answer")
     response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=decoded.id)
     for name in names:
         port, array = model.outputs[name], outputs[name]

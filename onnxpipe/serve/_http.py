@@ -40,7 +40,7 @@ Note: what a request holds.
     misaligned tensor's copy, BYTES elements; a JSON worker says what its arrays will take before
     the server reads them: ``_jsonwork``, Note: what a worker's answer holds), the outputs its model
     made (counted once they are made: a request that then finds the budget spent has held them for
-    that long), and its answer, at the most it can take, before it is built (:func:`_answer_bytes`:
+    that long), and its answer, at the most it can take, before it is built (:func:`~onnxpipe.serve._tensors.answer_bytes`:
     a binary output its bytes, a JSON value the longest it can be written: 25 bytes a float). All
     of it is given back when the answer is handed to aiohttp. Not counted: what the model holds
     while it runs (with the models), the Python objects the parser makes of a JSON request parsed
@@ -71,7 +71,6 @@ import asyncio
 import json
 import mmap
 import re
-import sys
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -90,7 +89,7 @@ from onnxpipe.serve._errors import RequestError, bad_request, shown
 from onnxpipe.serve._models import Deadline, ModelPorts, Outputs, ServedModel, sequence_of, timeout_of
 from onnxpipe.serve._options import ServeOptions
 from onnxpipe.serve._state import OFF_LOOP, Decoded, ServerState
-from onnxpipe.serve._tensors import Port, binary_view, check_shape, from_binary, from_json, to_json
+from onnxpipe.serve._tensors import answer_bytes, binary_view, check_shape, from_binary, from_json, held_bytes, to_json
 
 __all__ = ["drain", "make_app"]
 
@@ -436,23 +435,8 @@ async def _decoded(head: _Head, body: memoryview, held: Held, note: Callable[[st
         decoded = await asyncio.to_thread(_decode, ports, body, head.header_length, note)
     else:
         decoded = _decode(ports, body, head.header_length, note)
-    held.take(_made(decoded.arrays), "its decoded tensors")
+    held.take(held_bytes(decoded.arrays), "its decoded tensors")
     return decoded
-
-
-def _made(arrays: dict[str, np.ndarray], views: bool = False) -> int:
-    """The bytes held by ``arrays``: each array's and a BYTES one's elements; with ``views`` false,
-    not those of an array that is a view of something else than an array (the body)."""
-    made = 0
-    for array in arrays.values():
-        base = array
-        while isinstance(base.base, np.ndarray):
-            base = base.base
-        if views or base.base is None:  # its own memory, not the body's
-            made += array.nbytes
-        if array.dtype.kind == "O":
-            made += sum(map(sys.getsizeof, array.flat))
-    return made
 
 
 def _decode(model: ModelPorts, body: memoryview, header_length: int | None, note: Callable[[str], None] | None = None) -> Decoded:
@@ -562,8 +546,8 @@ def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs, held: Held |
     """
     asked = decoded.outputs or [(name, decoded.binary) for name in model.outputs]
     if held is not None:
-        held.take(_made(outputs, views=True), "its outputs")  # made already: counted as soon as they are here
-        held.take(_answer_bytes([(model.outputs[name], outputs[name], binary) for name, binary in asked], len(decoded.id)), "its answer")
+        held.take(held_bytes(outputs, views=True), "its outputs")  # made already: counted as soon as they are here
+        held.take(answer_bytes([(model.outputs[name], outputs[name], binary) for name, binary in asked], len(decoded.id)), "its answer")
     tensors = []
     chunks = []
     for name, binary in asked:
@@ -585,30 +569,3 @@ def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs, held: Held |
     return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream", headers={HEADER_LENGTH: str(len(text))})
 
 
-#: The most bytes one value of each numpy kind takes in a JSON answer, its separator included: a
-#: float is written as the double it is (``to_json``), at most 24 characters, from a float64 copy (8 bytes).
-_JSON_VALUE = {"b": 6, "f": 25 + 8}
-#: A JSON answer's bytes besides its values: keys, names, shapes (each output's, and the answer's own).
-_JSON_OVERHEAD = 1024
-
-
-def _answer_bytes(outputs: list[tuple[Port, np.ndarray, bool]], id_length: int) -> int:
-    """The most bytes the answer of ``outputs`` (port, array, as binary) can take while it is built
-    (see Note: what a request holds): the JSON header, and with binary data the one buffer joining
-    the header to the data."""
-    text = _JSON_OVERHEAD * (len(outputs) + 1) + 6 * id_length
-    data = 0
-    for port, array, binary in outputs:
-        if port.is_bytes:
-            if binary:  # 4 bytes of length, then the element: bytes, or characters of at most 4 bytes in UTF-8
-                data += sum(4 + len(item) * (1 if isinstance(item, bytes) else 4) for item in array.flat)
-            else:  # a string of at most 6 bytes a character (a \u00XX escape), quotes and a separator
-                text += sum(6 * len(item) + 3 for item in array.flat)
-        elif binary:
-            data += array.size * port.dtype.itemsize
-        elif port.dtype.kind in "iu":
-            info = np.iinfo(port.dtype)
-            text += array.size * (len(str(info.min if port.dtype.kind == "i" else info.max)) + 1)
-        else:
-            text += array.size * _JSON_VALUE.get(port.dtype.kind, 25)
-    return text + (text + data if data else 0)

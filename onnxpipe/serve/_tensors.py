@@ -38,6 +38,7 @@ import itertools
 import math
 import re
 import struct
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from onnxpipe._errors import ConfigError
 from onnxpipe.runtime import TensorSpec, numpy_dtype
 from onnxpipe.serve._errors import RequestError, bad_request, shown
 
-__all__ = ["DATATYPES", "Port", "binary_view", "from_binary", "from_contents", "from_json", "port_of", "to_binary", "to_json"]
+__all__ = ["DATATYPES", "Port", "answer_bytes", "binary_view", "from_binary", "from_contents", "from_json", "held_bytes", "port_of", "to_binary", "to_json"]
 
 #: onnxpipe dtype -> the protocol's datatype name (the tensor data types of the OIP spec).
 DATATYPES = {
@@ -460,3 +461,47 @@ def to_json(port: Port, array: np.ndarray) -> list[Any] | np.ndarray:
                 f"output '{port.name}' holds {what} (element {index}), which JSON cannot carry; ask for it as binary data (binary_data: true)"
             )
     return flat.astype(np.float64) if flat.dtype.kind == "f" else np.ascontiguousarray(flat)  # a float32 written as the double it is, as tolist and Triton do
+
+
+def held_bytes(arrays: dict[str, np.ndarray], views: bool = False) -> int:
+    """The bytes held by ``arrays``: each array's and a BYTES one's elements; with ``views`` false,
+    not those of an array that is a view of something else than an array (the body)."""
+    made = 0
+    for array in arrays.values():
+        base = array
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        if views or base.base is None:  # its own memory, not the body's
+            made += array.nbytes
+        if array.dtype.kind == "O":
+            made += sum(map(sys.getsizeof, array.flat))
+    return made
+
+
+#: The most bytes one value of each numpy kind takes in a JSON answer, its separator included: a
+#: float is written as the double it is (``to_json``), at most 24 characters, from a float64 copy (8 bytes).
+_JSON_VALUE = {"b": 6, "f": 25 + 8}
+#: A JSON answer's bytes besides its values: keys, names, shapes (each output's, and the answer's own).
+_JSON_OVERHEAD = 1024
+
+
+def answer_bytes(outputs: list[tuple[Port, np.ndarray, bool]], id_length: int) -> int:
+    """The most bytes the answer of ``outputs`` (port, array, as binary) can take while it is built
+    (``_http``, Note: what a request holds): the JSON header, and with binary data the one buffer joining
+    the header to the data."""
+    text = _JSON_OVERHEAD * (len(outputs) + 1) + 6 * id_length
+    data = 0
+    for port, array, binary in outputs:
+        if port.is_bytes:
+            if binary:  # 4 bytes of length, then the element: bytes, or characters of at most 4 bytes in UTF-8
+                data += sum(4 + len(item) * (1 if isinstance(item, bytes) else 4) for item in array.flat)
+            else:  # a string of at most 6 bytes a character (a \u00XX escape), quotes and a separator
+                text += sum(6 * len(item) + 3 for item in array.flat)
+        elif binary:
+            data += array.size * port.dtype.itemsize
+        elif port.dtype.kind in "iu":
+            info = np.iinfo(port.dtype)
+            text += array.size * (len(str(info.min if port.dtype.kind == "i" else info.max)) + 1)
+        else:
+            text += array.size * _JSON_VALUE.get(port.dtype.kind, 25)
+    return text + (text + data if data else 0)

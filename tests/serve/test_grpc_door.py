@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tests.serve.conftest import serve_args
 from tests.serve.h2calls import STREAM_INFER, PartialCalls
@@ -163,3 +164,27 @@ def test_a_stream_that_stalls_mid_message_ends_at_its_idle_timeout_with_a_line(p
     line = next(line for line in proc.log().splitlines() if "ModelStreamInfer" in line)
     assert "UNAVAILABLE" in line and "--idle-timeout" in line, line
     _works(proc)
+
+
+def test_a_grpc_answer_is_counted_before_it_is_built(tmp_path: Path) -> None:
+    """As HTTP's: the outputs and the answer (its message, and grpc's serialized copy) count against
+    the budget before the answer is built. --max-inflight 2 x --max-body-size 8 MiB: a 1 MiB echo
+    holds 1 + 1 + 2 x 1 MiB and is answered; a 6 MiB one would hold 24 MiB, more than the whole
+    budget, and is refused RESOURCE_EXHAUSTED naming it."""
+    from tests.serve.test_hostile_traffic import _echo_bundle
+
+    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "8MiB", "--max-inflight", "2") as proc:
+        proc.start(tmp_path / "serve.log")
+        client = grpcclient.InferenceServerClient(proc.grpc)
+        for mib, fits in ((1, True), (6, False)):
+            x = np.random.default_rng(mib).standard_normal(mib * MIB // 4).astype(np.float32)
+            tensor = grpcclient.InferInput("X", [x.size], "FP32")
+            tensor.set_data_from_numpy(x)
+            if fits:
+                answer = client.infer("echo", [tensor]).as_numpy("Y")
+                assert answer is not None and np.array_equal(answer, x)
+                continue
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("echo", [tensor])
+            assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value
+            assert "for its answer), more than it holds for all requests at once (16777216: --max-inflight x --max-body-size)" in str(refused.value)

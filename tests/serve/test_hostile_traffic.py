@@ -319,9 +319,9 @@ def _children(pid: int) -> list[int]:
 
 
 def _echo_bundle(root: Path) -> Path:
-    from benchmarks.serve_faults import _bundles
+    from benchmarks.serve_faults import echo_bundle
 
-    return _bundles(root)["echo"]
+    return echo_bundle(root)
 
 
 def test_a_large_json_request_is_decoded_by_the_json_worker_exactly_and_its_mistakes_are_400s(tmp_path: Path) -> None:
