@@ -254,6 +254,8 @@ def _grpc_partial(token: bool) -> Attack:
         while not stop.is_set():
             for c in calls:
                 c.pump(0.01)
+            if not any(c.open_calls() for c in calls):
+                stop.wait(0.05)  # every call ended: no busy loop to slow the prober, which shares this process
         for c in calls:
             for status, _ in c.ended.values():
                 outcomes[f"grpc {status}" if status >= 0 else "reset"] += 1
