@@ -27,8 +27,9 @@ import onnxruntime as ort
 
 from benchmarks.pipeline_efficiency import LIGHT, _bundle, _session, _stream, _throughput
 from onnxpipe.builder import PipelineConfig
+from onnxpipe.planner import plan_pipeline
 from onnxpipe.runtime import load
-from onnxpipe.splitter import MeasuredPolicy, SplitPlan, inspect_model, plan_pipeline, split
+from onnxpipe.splitter import MeasuredPolicy, SplitPlan, inspect_model, split
 
 ort.set_default_logger_severity(3)
 

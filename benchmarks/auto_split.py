@@ -34,8 +34,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from onnxpipe.planner import plan_pipeline
 from onnxpipe.runtime import StageSettings, interleaved_rounds
-from onnxpipe.splitter import MeasuredPolicy, SplitPlan, plan_pipeline, profile_model, split
+from onnxpipe.splitter import MeasuredPolicy, SplitPlan, profile_model, split
 from onnxpipe.splitter._graph import GraphIndex
 from onnxpipe.splitter._remeasure import stage_seconds
 

@@ -14,7 +14,7 @@ chosen one's, at N = 16 the chosen plan's req/s over one session x 2 threads', a
 plan's (the planner keeps the session unless a plan of another rank beats it in every round). Then
 how many runs chose as expected.
 
-This is where the claim lives; ``tests/splitter/test_planner_concurrency.py`` checks the rule and
+This is where the claim lives; ``tests/planner/test_planner_concurrency.py`` checks the rule and
 the plans on one such run, not which plan wins (a unit test shares its cores with the rest of the
 suite).
 
@@ -33,7 +33,7 @@ from typing import Any
 import onnx
 
 from benchmarks._timing import spread
-from onnxpipe.splitter import PlanCandidate, PlanResult, plan_pipeline
+from onnxpipe.planner import PlanCandidate, PlanResult, plan_pipeline
 from tests.models import matmuls_then_chain
 
 SESSION_2T = "1 session x 2t"

@@ -4,6 +4,7 @@ The top-level package stays light (no onnx, onnxruntime or numpy import) so that
 ``--help`` and the runtime's import firewall stay cheap. Use the sub-packages:
 
 - :mod:`onnxpipe.splitter` -- cut a model into stage models,
+- :mod:`onnxpipe.planner` -- choose how to run a model on a core budget (pipelines, replicas, one session),
 - :mod:`onnxpipe.builder` -- the :class:`~onnxpipe.builder.PipelineConfig` authoring object,
 - :mod:`onnxpipe.runtime` -- the bundle spec and the executor (numpy + onnxruntime only),
 - :mod:`onnxpipe.serve` -- the network front door (``pip install 'onnxpipe[serve]'``).

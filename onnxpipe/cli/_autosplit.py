@@ -83,7 +83,8 @@ def planned_split(model: Path, out: Path, *, cores: int, rounds: int, requests: 
     """Plan ``model`` for ``cores`` cores, measure the finalists in interleaved rounds, write the chosen one with its settings
     (with ``concurrency``, the one chosen for each N: ``out`` for one N, ``out/concurrency-N/`` for several)."""
     from onnxpipe.cli import _render
-    from onnxpipe.splitter import load_model, plan_pipeline
+    from onnxpipe.planner import plan_pipeline
+    from onnxpipe.splitter import load_model
 
     _check_paths(model, out, overwrite)
     load_model(model)  # plan_pipeline meets a file that is no ONNX model with a bare protobuf DecodeError

@@ -18,8 +18,9 @@ from rich.text import Text
 
 from onnxpipe.builder import BuildResult
 from onnxpipe.cli._stageopts import format_cores
+from onnxpipe.planner import PlanResult
 from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, StateLink, TensorSpec, code_entries
-from onnxpipe.splitter import ModelSummary, PlanResult, SplitPlan, VerifyReport
+from onnxpipe.splitter import ModelSummary, SplitPlan, VerifyReport
 
 if TYPE_CHECKING:
     from onnxpipe.runtime import PipelineStats

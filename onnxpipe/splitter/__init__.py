@@ -7,7 +7,6 @@ from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
 from onnxpipe.splitter._pipelinefile import PIPELINE_FILE_FORMAT, PIPELINE_FILE_VERSION, is_pipeline_file, read_pipeline_file
 from onnxpipe.splitter._plan import SplitPlan, SplitStage, split
-from onnxpipe.splitter._planner import PlanCandidate, PlanChoice, PlanResult, plan_pipeline
 from onnxpipe.splitter._states import StatePair, pair_states
 from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
@@ -23,9 +22,6 @@ __all__ = [
     "ModelSummary",
     "NodeCut",
     "OpCut",
-    "PlanCandidate",
-    "PlanChoice",
-    "PlanResult",
     "ParamsPolicy",
     "SplitPlan",
     "SplitPolicy",
@@ -39,7 +35,6 @@ __all__ = [
     "load_model",
     "make_policy",
     "pair_states",
-    "plan_pipeline",
     "profile_model",
     "read_pipeline_file",
     "split",

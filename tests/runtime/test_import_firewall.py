@@ -12,8 +12,8 @@ import pytest
 def test_runtime_imports_only_stdlib_numpy_onnxruntime() -> None:
     code = (
         "import sys, onnxpipe.runtime\n"
-        "leaked = [m for m in ('onnx', 'networkx', 'click', 'rich', 'ray', 'onnxpipe.builder', 'onnxpipe.splitter', 'onnxpipe.cli',"
-        " 'onnxpipe.serve', 'aiohttp', 'grpc', 'google.protobuf', 'prometheus_client', 'uvloop')"
+        "leaked = [m for m in ('onnx', 'networkx', 'click', 'rich', 'ray', 'onnxpipe.builder', 'onnxpipe.splitter', 'onnxpipe.planner',"
+        " 'onnxpipe.cli', 'onnxpipe.serve', 'aiohttp', 'grpc', 'google.protobuf', 'prometheus_client', 'uvloop')"
         " if m in sys.modules]\n"
         "print(','.join(leaked))\n"
     )
@@ -37,7 +37,8 @@ def test_the_server_imports_nothing_of_the_build_side() -> None:
     pytest.importorskip("aiohttp", reason="the serve extra is not installed")
     code = (
         "import sys, onnxpipe.serve\n"
-        "leaked = [m for m in ('onnx', 'networkx', 'click', 'rich', 'ray', 'onnxpipe.builder', 'onnxpipe.splitter', 'onnxpipe.cli') if m in sys.modules]\n"
+        "leaked = [m for m in ('onnx', 'networkx', 'click', 'rich', 'ray', 'onnxpipe.builder', 'onnxpipe.splitter', 'onnxpipe.planner',"
+        " 'onnxpipe.cli') if m in sys.modules]\n"
         "print(','.join(leaked))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

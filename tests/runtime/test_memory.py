@@ -44,7 +44,7 @@ def test_bench_prints_the_memory(tmp_path: Path) -> None:
 
 @needs_proc
 def test_the_planners_probe_measures_a_bundle_in_a_process_of_its_own(tmp_path: Path) -> None:
-    from onnxpipe.splitter._memory import plan_memory
+    from onnxpipe.planner._memory import plan_memory
 
     taken = plan_memory(_wide(tmp_path), {"N": 1})
     assert 16 << 20 <= taken < 200 << 20, taken

@@ -218,7 +218,7 @@ def test_the_targets_benchmark_runs_and_reports_every_row() -> None:
 
 
 def test_the_planner_measures_every_stage_on_every_target_and_sets_each_stages_target(tmp_path: Path) -> None:
-    from onnxpipe.splitter import plan_pipeline
+    from onnxpipe.planner import plan_pipeline
 
     model = tmp_path / "rec.onnx"
     onnx.save(recognizer(), str(model))
@@ -243,7 +243,7 @@ def test_the_planner_measures_every_stage_on_every_target_and_sets_each_stages_t
 def test_the_served_workload_planner_measures_plans_on_every_target_under_each_n(tmp_path: Path) -> None:
     """``--concurrency`` with ``--targets``: finalists on either target (and mixed pipelines) measured
     under N in flight, and each N's plan sets each stage's target."""
-    from onnxpipe.splitter import plan_pipeline
+    from onnxpipe.planner import plan_pipeline
 
     model = tmp_path / "rec.onnx"
     onnx.save(recognizer(), str(model))

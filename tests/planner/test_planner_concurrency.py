@@ -16,8 +16,9 @@ import pytest
 
 from onnxpipe import SplitError
 from onnxpipe.builder import PipelineConfig, build
-from onnxpipe.splitter import PlanCandidate, PlanResult, plan_pipeline
-from onnxpipe.splitter._planner import LoadMeasure, _spinning_variants, choose_load, choose_loads
+from onnxpipe.planner import LoadMeasure, PlanCandidate, PlanResult, plan_pipeline
+from onnxpipe.planner._candidates import _spinning_variants
+from onnxpipe.planner._rules import choose_load, choose_loads
 from tests.cli.helpers import assert_usage_error, assert_user_error, ok, run
 from tests.models import matmuls_then_chain, symbolic_batch
 

@@ -12,9 +12,11 @@ import pytest
 
 from onnxpipe import InputError, SplitError
 from onnxpipe.builder import PipelineConfig
+from onnxpipe.planner import PlanCandidate, plan_pipeline
+from onnxpipe.planner._checks import _planning_dims
+from onnxpipe.planner._rules import choose_plan
 from onnxpipe.runtime import TensorSpec, resolve_provider
-from onnxpipe.splitter import PlanCandidate, plan_pipeline, verify
-from onnxpipe.splitter._planner import _planning_dims, choose_plan
+from onnxpipe.splitter import verify
 from tests import models
 
 
