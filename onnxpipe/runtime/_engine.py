@@ -119,7 +119,6 @@ class ThreadEngine:
             for channel in self._channels[i]:
                 channel.close()
         recorder = self._recorders[i][r]
-        recorder.thread_id = threading.get_ident()
         ready.wait()
         own = self._channels[i]
         reader = own[r if len(own) > 1 else 0].reader()

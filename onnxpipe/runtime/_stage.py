@@ -265,10 +265,9 @@ class StageRunner:
         self._right = plan.stage.batching is not None and plan.stage.batching.state_padding == "right"
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
         self.unbatched: str | None = None
-        #: Batched steps fed the block of state the step before left, as it was (no copy), and those
-        #: whose block was made anew (a member joined, left or failed: one pad or compaction).
+        #: Batched steps fed the block of state the step before left, as it was (no copy; Note:
+        #: state blocks): a diagnostic, read on a runner (:meth:`Pipeline.idle_runners`).
         self.reused = 0
-        self.rebuilt = 0
 
     def __call__(self, request: Request) -> None:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
@@ -362,9 +361,7 @@ class StageRunner:
             at = [h.index for h in helds]  # type: ignore[union-attr]
             if all(block.shifts[k] == s and block.rows[k + 1] - block.rows[k] == batch.rows[j + 1] - batch.rows[j]
                    for j, (k, s) in enumerate(zip(at, batch.shifts, strict=True))):
-                self.rebuilt += 1
                 return {name: take_rows(value, block.rows, at) for name, value in block.arrays.items()}  # members left: one compaction
-        self.rebuilt += 1
         owns = [self._own(h) for h in helds]
         out: dict[str, np.ndarray] = {}
         for name, _ in self._state_at:
