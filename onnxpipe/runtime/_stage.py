@@ -700,7 +700,7 @@ def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | Non
         check_cores(stage.settings.affinity or ())
     except ConfigError as e:
         raise ConfigError(f"stage '{stage.name}': {e}") from None
-    if stage.code is not None:
+    if stage.is_code:
         return CodeRunner(plan, resolve_entry(stage))
     return StageRunner(plan, _stage_session(bundle, stage, replica, target))
 
@@ -721,7 +721,7 @@ def host_placement(bundle: Bundle, target: str | None = None) -> dict[str, Place
             (its provider missing, nodes it cannot take with fallback off, custom-op packages
             ``allow_code`` does not allow).
     """
-    onnx_stages = [s for s in bundle.spec.stages if s.code is None]
+    onnx_stages = [s for s in bundle.spec.stages if not s.is_code]
     check_allowed(onnx_stages, bundle.allow_code)
     where: dict[str, Placement | None] = {s.name: None for s in bundle.spec.stages}
     for stage in onnx_stages:
