@@ -136,7 +136,7 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
 
 
 def _check_batch_axes(stage: StageSpec) -> None:
-    if stage.code is not None:
+    if stage.is_code:
         raise BuildError(f"code stage '{stage.name}': max_batch {stage.settings.max_batch}: code stages run one request at a time; set max_batch=1")
     for what, ports in (("input", stage.inputs), ("output", stage.outputs)):
         for port in ports:

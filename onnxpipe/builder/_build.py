@@ -185,7 +185,7 @@ def _register_custom_ops(stage: Stage, options: ort.SessionOptions) -> None:
 
 
 def _build_stage(stage: Stage, groups: list[ParamGroup], staging: Path, ort_format: bool) -> tuple[StageReport, str, dict[str, Any]]:
-    if stage.code is not None:
+    if stage.is_code:
         return _code_stage(stage)
     start = time.perf_counter()
     settings = stage.settings

@@ -73,6 +73,12 @@ class Stage:
     build: dict[str, Any] = field(default_factory=dict)
     code: CodeSpec | None = None
 
+    @property
+    def is_code(self) -> bool:
+        """Whether the stage runs a Python callable rather than an ONNX module (as
+        :attr:`StageSpec.is_code`; code that goes on to read ``code`` tests ``code is not None``)."""
+        return self.code is not None
+
     def configure(self, **changes: Any) -> Stage:
         """Change some settings (``target``, ``intra_op_threads``, ``affinity``, ...); returns the stage.
 
@@ -352,7 +358,7 @@ class PipelineConfig:
         sub = inner.to_spec()
         renamed: dict[str, Stage] = {}
         for i, piece in enumerate(inner.stages):
-            if piece.code is not None:
+            if piece.is_code:
                 raise ConfigError(f"add_split takes a model's split; its stage '{piece.name}' is a code stage")
             model = piece.model if piece.model is not None else piece.path
             assert model is not None
@@ -502,7 +508,7 @@ class PipelineConfig:
         stages = tuple(
             StageSpec(
                 name=s.name,
-                module=None if s.code is not None else modules.get(s.name) or (s.path.as_posix() if s.path else f"{s.name}.onnx"),
+                module=None if s.is_code else modules.get(s.name) or (s.path.as_posix() if s.path else f"{s.name}.onnx"),
                 inputs=s.inputs,
                 outputs=s.outputs,
                 settings=s.settings,
@@ -553,7 +559,7 @@ class PipelineConfig:
         directory.mkdir(parents=True, exist_ok=True)
         modules: dict[str, str] = {}
         for s in self._stages.values():
-            if s.code is not None:
+            if s.is_code:
                 continue  # nothing to write: the entry point and params are in the spec
             if s.model is not None:
                 save_model(s.model, directory / f"{s.name}.onnx", s.source_dir)

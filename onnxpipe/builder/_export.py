@@ -248,7 +248,7 @@ def _write_reference(
         return []
     if outputs is None:
         # On a build host without a stage's provider, the CPU computes the reference instead.
-        missing = any(s.settings.provider not in ort.get_available_providers() for s in spec.stages if s.code is None)
+        missing = any(s.settings.provider not in ort.get_available_providers() for s in spec.stages if not s.is_code)
         try:
             check_allowed(spec, allow_code)
         except CodeNotAllowedError as e:
@@ -289,7 +289,7 @@ def _manifest_fields(root: Path, spec: PipelineSpec, reference: list[tuple[str, 
     return {
         "versions": {"onnxpipe": onnxpipe.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__},
         "opsets": opsets,
-        "providers": sorted({s.settings.provider for s in spec.stages if s.code is None}),
+        "providers": sorted({s.settings.provider for s in spec.stages if not s.is_code}),
         "reference": reference,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

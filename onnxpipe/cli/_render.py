@@ -507,7 +507,7 @@ def placement(bundle: Bundle, where: Mapping[str, Mapping[str, Sequence[str]] | 
         _line(console, f"  warning: {two}")
     for stage in bundle.spec.stages:
         nodes = where.get(stage.name)
-        if stage.code is not None:
+        if stage.is_code:
             _line(console, f"  {stage.name}: code, no nodes")
         elif nodes is None:
             _line(console, f"  {stage.name}: this onnxruntime cannot say which provider takes which node")

@@ -390,13 +390,6 @@ class Bundle:
 
         return move
 
-    def module_path(self, stage: str | StageSpec) -> Path:
-        """Where a stage's module is on disk (:class:`BundleError` for a code stage)."""
-        spec = self.spec.stage(stage) if isinstance(stage, str) else stage
-        if spec.module is None:
-            raise BundleError(f"stage '{spec.name}' is a code stage; it has no module")
-        return self.root / spec.module
-
     def reference(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
         """The reference (inputs, outputs) pairs stored in the bundle, possibly none.
 

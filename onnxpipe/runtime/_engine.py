@@ -6,7 +6,7 @@ Note: the engine boundary.
     and hands each finished request to ``request.done``. It knows nothing of futures, ordering,
     inputs or parameters: those live in the pipeline, and what a stage does lives in
     :class:`~onnxpipe.runtime._stage.StageRunner`. Another engine (processes, Ray actors) implements
-    the same four methods and reuses the runners, the plans and the statistics.
+    the five methods of :class:`Engine` and reuses the runners, the plans and the statistics.
 
 Note: streams.
     A request of a stream (``request.stream``) must reach the same replica of each stage as the
@@ -119,7 +119,6 @@ class ThreadEngine:
             for channel in self._channels[i]:
                 channel.close()
         recorder = self._recorders[i][r]
-        recorder.thread_id = threading.get_ident()
         ready.wait()
         own = self._channels[i]
         reader = own[r if len(own) > 1 else 0].reader()

@@ -48,7 +48,7 @@ class SequentialPipeline:
 
     @staticmethod
     def _session(base_dir: str | Path | Bundle, stage: StageSpec, target: str | None) -> ort.InferenceSession | CodeRunner:
-        if stage.code is not None:
+        if stage.is_code:
             return CodeRunner(StagePlan(stage, (), tuple(t.name for t in stage.outputs), ()), resolve_entry(stage))
         assert stage.module is not None
         if not isinstance(base_dir, Bundle):

@@ -328,7 +328,8 @@ class StageSpec:
 
     @property
     def is_code(self) -> bool:
-        """Whether the stage runs a Python callable rather than an ONNX module."""
+        """Whether the stage runs a Python callable rather than an ONNX module. Code that goes on
+        to read ``code`` tests ``code is not None`` instead, which narrows its type for mypy."""
         return self.code is not None
 
     def check(self) -> None:
@@ -345,14 +346,14 @@ class StageSpec:
         for spec in (*self.inputs, *self.outputs):
             if spec.dtype not in DTYPES:
                 raise ConfigError(f"stage '{self.name}': tensor '{spec.name}' has unknown dtype '{spec.dtype}'; valid: {', '.join(DTYPES)}")
-            if self.code is None and spec.dtype in CODE_DTYPES:
+            if not self.is_code and spec.dtype in CODE_DTYPES:
                 raise ConfigError(
                     f"stage '{self.name}': tensor '{spec.name}' is {spec.dtype}, which only code stages' ports may be "
                     "(raw bytes; ONNX's text tensors are 'string')"
                 )
-            if self.code is not None and spec.shape is None:
+            if self.is_code and spec.shape is None:
                 raise ConfigError(f"code stage '{self.name}': port '{spec.name}' needs a shape (a list of sizes, names or nulls) so its values can be checked")
-        if self.settings.max_batch > 1 and self.code is not None:
+        if self.settings.max_batch > 1 and self.is_code:
             raise ConfigError(f"code stage '{self.name}': max_batch {self.settings.max_batch}: code stages run one request at a time; set max_batch=1")
         if self.batching is not None:
             for names, ports, what in ((self.batching.padded, self.inputs, "input"), (self.batching.stripped, self.outputs, "output")):
@@ -502,7 +503,7 @@ class PipelineSpec:
             _unique(f"parameter of group '{group.name}'", (t.name for t in group.params))
         for stage in self.stages:
             stage.check()
-            if stage.code is not None and any(g.stage == stage.name for g in self.param_groups):
+            if stage.is_code and any(g.stage == stage.name for g in self.param_groups):
                 raise ConfigError(f"stage '{stage.name}' is a code stage; param groups name initializers of ONNX stages only")
         for spec in self._all_tensors():
             if spec.dtype not in DTYPES:
@@ -852,7 +853,7 @@ def _from_dict(data: Any) -> PipelineSpec:
         param_groups=groups,
         states=tuple(_state_from_dict(s, w) for w, s in _items(data, "states", where, optional=True)),
     )
-    coded = [s.name for s in spec.stages if s.code is not None]
+    coded = [s.name for s in spec.stages if s.is_code]
     if coded and version == 1:
         raise ConfigError(f"pipeline spec version 1 has no code stages, yet stage '{coded[0]}' has code; code stages need version 2")
     return spec

@@ -265,10 +265,9 @@ class StageRunner:
         self._right = plan.stage.batching is not None and plan.stage.batching.state_padding == "right"
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
         self.unbatched: str | None = None
-        #: Batched steps fed the block of state the step before left, as it was (no copy), and those
-        #: whose block was made anew (a member joined, left or failed: one pad or compaction).
+        #: Batched steps fed the block of state the step before left, as it was (no copy; Note:
+        #: state blocks): a diagnostic, read on a runner (:meth:`Pipeline.idle_runners`).
         self.reused = 0
-        self.rebuilt = 0
 
     def __call__(self, request: Request) -> None:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
@@ -362,9 +361,7 @@ class StageRunner:
             at = [h.index for h in helds]  # type: ignore[union-attr]
             if all(block.shifts[k] == s and block.rows[k + 1] - block.rows[k] == batch.rows[j + 1] - batch.rows[j]
                    for j, (k, s) in enumerate(zip(at, batch.shifts, strict=True))):
-                self.rebuilt += 1
                 return {name: take_rows(value, block.rows, at) for name, value in block.arrays.items()}  # members left: one compaction
-        self.rebuilt += 1
         owns = [self._own(h) for h in helds]
         out: dict[str, np.ndarray] = {}
         for name, _ in self._state_at:
@@ -703,7 +700,7 @@ def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | Non
         check_cores(stage.settings.affinity or ())
     except ConfigError as e:
         raise ConfigError(f"stage '{stage.name}': {e}") from None
-    if stage.code is not None:
+    if stage.is_code:
         return CodeRunner(plan, resolve_entry(stage))
     return StageRunner(plan, _stage_session(bundle, stage, replica, target))
 
@@ -724,7 +721,7 @@ def host_placement(bundle: Bundle, target: str | None = None) -> dict[str, Place
             (its provider missing, nodes it cannot take with fallback off, custom-op packages
             ``allow_code`` does not allow).
     """
-    onnx_stages = [s for s in bundle.spec.stages if s.code is None]
+    onnx_stages = [s for s in bundle.spec.stages if not s.is_code]
     check_allowed(onnx_stages, bundle.allow_code)
     where: dict[str, Placement | None] = {s.name: None for s in bundle.spec.stages}
     for stage in onnx_stages:

@@ -52,7 +52,6 @@ class StageRecorder:
         self.queued = 0.0
         self.latencies: deque[float] = deque(maxlen=window)
         self.events: deque[tuple[int, float, float, bool, int]] | None = deque(maxlen=100_000) if trace else None
-        self.thread_id = 0
         self.calls = 0
         self.batches: dict[int, int] = {}  # batch size -> calls of that size (only with batching)
         self.batch_busy: dict[int, float] = {}  # batch size -> seconds its calls ran (Triton's batch_stats)
