@@ -32,7 +32,7 @@ peak sampled every 20 ms) and how the attack's
 own requests ended. Goals (issue 36): a health check never above 100 ms, RSS within
 ``--max-inflight`` x ``--max-body-size`` plus the models, no request waiting past its deadline.
 
-    python -m benchmarks.serve_faults [--seconds 4] [--against REV] [--json]
+    python -m benchmarks.serve_faults [--seconds 4] [--against REV] [--only TEXT[,TEXT...]] [--json]
 """
 
 from __future__ import annotations
@@ -399,8 +399,8 @@ def _stats(times: list[float]) -> dict[str, float]:
             "max_ms": 1e3 * ordered[-1], "count": len(ordered)}
 
 
-def run(seconds: float, root: Path = ROOT) -> dict[str, Any]:
-    """Every phase against a server of the checkout at ``root``."""
+def run(seconds: float, root: Path = ROOT, phases: list[tuple[str, Attack | None]] = PHASES) -> dict[str, Any]:
+    """The ``phases`` (the first is the baseline: idle) against a server of the checkout at ``root``."""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         bundles = _bundles(Path(tmp))
@@ -412,7 +412,7 @@ def run(seconds: float, root: Path = ROOT) -> dict[str, Any]:
             assert proc.proc is not None
             target = Target(proc.http_port, proc.grpc_port, proc.proc.pid)
             base_rss = _rss_mb(target.pid)
-            for name, attack in PHASES:
+            for name, attack in phases:
                 stop = threading.Event()
                 outcomes: Outcomes = collections.Counter()
                 start_rss = _rss_mb(target.pid)
@@ -456,19 +456,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="the prober's time in each phase")
     parser.add_argument("--against", metavar="REV", help="also run the phases against this git revision's server, printed beside")
+    parser.add_argument("--only", metavar="TEXT", help="run idle and the phases whose name contains TEXT (comma-separated) only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    wanted = [w.strip() for w in args.only.split(",")] if args.only else None
+    phases = [p for i, p in enumerate(PHASES) if not i or wanted is None or any(w in p[0] for w in wanted)]
     results = {}
     if args.against:
         with _checkout(args.against) as old:
-            results[args.against] = run(args.seconds, old)
-    results["this checkout"] = run(args.seconds)
+            results[args.against] = run(args.seconds, old, phases)
+    results["this checkout"] = run(args.seconds, ROOT, phases)
     if args.json:
         print(json.dumps(results, indent=2))
         return
     print(f"onnxpipe serve, loopback, {' '.join(ARGS)} and a token ({' '.join(NEW_ARGS)} on this checkout's); a prober alternating "
           f"a health check and a small inference every 5 ms for {args.seconds:g} s per phase; RSS: the server and its JSON worker")
-    for i, (name, _) in enumerate(PHASES):
+    for i, (name, _) in enumerate(phases):
         print(f"\n{name}")
         for label, result in results.items():
             r = result["rows"][i]

@@ -132,7 +132,10 @@ def test_partial_messages_hold_at_most_the_byte_budget_and_end_at_the_body_timeo
     budget = MAX_INFLIGHT * MAX_BODY_MIB
     assert peak - before < budget + MARGIN_MB, (before, peak)
     _works(proc)
-    assert _rss_mb(proc.proc.pid) - before < MARGIN_MB  # what the messages held is given back to the system (was: 318 of 490 MB kept)
+    deadline = time.monotonic() + 15  # given back once the server is quiet (serve._budget, Note: memory given back)
+    while _rss_mb(proc.proc.pid) - before >= MARGIN_MB and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _rss_mb(proc.proc.pid) - before < MARGIN_MB  # what the messages held went back to the system (was: 318 of 490 MB kept)
     assert proc.log().count("the message did not arrive within") >= MAX_INFLIGHT - 1
 
 
