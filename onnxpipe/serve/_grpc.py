@@ -251,19 +251,19 @@ class _Receiver:
                 raise RequestError(408, f"the message did not arrive within {self.timeout:g} s (--body-timeout)") from None
             if not isinstance(data, bytes):  # the client half-closed without a message
                 raise bad_request(f"the call sent no {request.__name__}")
-            return await self.parsed(data, held, request), held
+            held.keep(len(data))
+            return await self.parsed(data, request), held
         except BaseException:
             held.release()
             raise
 
-    async def parsed(self, data: bytes, held: Held, request: type[Message]) -> Message:
+    async def parsed(self, data: bytes, request: type[Message]) -> Message:
         """``data`` as a ``request``, parsed on a thread when it is large (protobuf holds the
-        interpreter while it copies); ``held`` keeps the message's size from now on.
+        interpreter while it copies).
 
         Raises:
             RequestError: 400, protobuf cannot parse it.
         """
-        held.keep(len(data))
         try:
             return await asyncio.to_thread(request.FromString, data) if len(data) >= OFF_LOOP else request.FromString(data)
         except DecodeError as e:
@@ -370,7 +370,7 @@ class _Stream:
         code, text, bug = grpc.StatusCode.OK, None, None
         message: Any = None
         try:
-            message = await self.receiver.parsed(data, held, pb.ModelInferRequest)
+            message = await self.receiver.parsed(data, pb.ModelInferRequest)
             del data  # the parsed message holds the bytes now
             return pb.ModelStreamInferResponse(infer_response=await self.infer(message, held, turn))
         except OnnxpipeError as e:

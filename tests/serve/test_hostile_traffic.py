@@ -492,6 +492,22 @@ def _large_json(size: int = 300_000) -> tuple[bytes, np.ndarray]:
     return body, values
 
 
+@contextlib.contextmanager
+def _stuck_worker(tmp_path: Path, *args: str) -> Iterator[tuple[ServerProcess, int]]:
+    """A server of ``echo`` (with ``args``) whose one JSON worker is stopped (SIGSTOP), and that
+    worker's pid; the worker is continued after, if it still runs."""
+    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB", *args, grpc=False) as proc:
+        proc.start(tmp_path / "serve.log")
+        assert proc.proc is not None
+        stuck = _json_worker(proc.proc.pid)
+        os.kill(stuck, signal.SIGSTOP)
+        try:
+            yield proc, stuck
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGCONT)
+
+
 def test_a_stuck_json_worker_holds_only_its_requests_and_is_replaced_past_json_timeout(tmp_path: Path) -> None:
     """The issue: with the JSON worker stuck (SIGSTOP), every JSON and binary request of 1 MiB or
     more hung for the client's whole 25 s: the JSON requests' waits held every thread of asyncio's
@@ -499,46 +515,38 @@ def test_a_stuck_json_worker_holds_only_its_requests_and_is_replaced_past_json_t
     worker while a 8 MiB binary request is answered, before any of them; each is answered 503
     naming --json-timeout within its two deadlines (the wait for a worker, then its hold), the
     stopped worker is killed and another started, and JSON requests are answered again."""
-    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB", "--json-timeout", "3", grpc=False) as proc:
-        proc.start(tmp_path / "serve.log")
-        assert proc.proc is not None
-        stuck = _json_worker(proc.proc.pid)
-        os.kill(stuck, signal.SIGSTOP)
-        try:
-            body, _ = _large_json()
-            x = np.random.default_rng(1).standard_normal(2 * MIB).astype(np.float32)
-            head = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [x.size], "parameters": {"binary_data_size": x.nbytes}}],
-                               "parameters": {"binary_data_output": True}}).encode()
-            answered: list[str] = []
-            with ThreadPoolExecutor(9) as pool:
-                started = time.monotonic()
+    with _stuck_worker(tmp_path, "--json-timeout", "3") as (proc, stuck):
+        body, _ = _large_json()
+        x = np.random.default_rng(1).standard_normal(2 * MIB).astype(np.float32)
+        head = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [x.size], "parameters": {"binary_data_size": x.nbytes}}],
+                           "parameters": {"binary_data_output": True}}).encode()
+        answered: list[str] = []
+        with ThreadPoolExecutor(9) as pool:
+            started = time.monotonic()
 
-                def send_json(_: int) -> tuple[int, bytes, float]:
-                    status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
-                    answered.append("json")
-                    return status, answer, time.monotonic() - started
+            def send_json(_: int) -> tuple[int, bytes, float]:
+                status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
+                answered.append("json")
+                return status, answer, time.monotonic() - started
 
-                waiting = [pool.submit(send_json, k) for k in range(8)]
-                time.sleep(0.5)  # let them reach the worker's queue (the order asserted below does not depend on it)
-                binary = _post(proc.http_port, "/v2/models/echo/infer", head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
-                answered.append("binary")
-                refused = [f.result() for f in waiting]
-            assert binary[0] == 200, binary
-            length = int(len(binary[1]) - x.nbytes)
-            np.testing.assert_array_equal(np.frombuffer(binary[1][length:], np.float32), x)
-            assert answered[0] == "binary", answered
-            for status, answer, seconds in refused:
-                assert status == 503, answer
-                assert json.loads(answer)["error"] in (
-                    "the request's JSON was not decoded within 3 s (--json-timeout); retry later, or send large tensors as binary data",
-                    "no JSON worker was free to decode the request within 3 s (--json-timeout; --json-workers 1); retry later, or send large "
-                    "tensors as binary data",
-                ), answer
-                assert seconds < 2 * 3 + 10, f"a JSON request was answered after {seconds:.1f} s"
-            _gone(stuck)  # killed, stopped as it was
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stuck, signal.SIGCONT)
+            waiting = [pool.submit(send_json, k) for k in range(8)]
+            time.sleep(0.5)  # let them reach the worker's queue (the order asserted below does not depend on it)
+            binary = _post(proc.http_port, "/v2/models/echo/infer", head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))})
+            answered.append("binary")
+            refused = [f.result() for f in waiting]
+        assert binary[0] == 200, binary
+        length = int(len(binary[1]) - x.nbytes)
+        np.testing.assert_array_equal(np.frombuffer(binary[1][length:], np.float32), x)
+        assert answered[0] == "binary", answered
+        for status, answer, seconds in refused:
+            assert status == 503, answer
+            assert json.loads(answer)["error"] in (
+                "the request's JSON was not decoded within 3 s (--json-timeout); retry later, or send large tensors as binary data",
+                "no JSON worker was free to decode the request within 3 s (--json-timeout; --json-workers 1); retry later, or send large "
+                "tensors as binary data",
+            ), answer
+            assert seconds < 2 * 3 + 10, f"a JSON request was answered after {seconds:.1f} s"
+        _gone(stuck)  # killed, stopped as it was
         assert "a JSON worker process took over 3 s (--json-timeout) on a request: killed; starting another" in proc.log()
         _answered_again(proc, body)
         assert _json_worker(proc.proc.pid) != stuck
@@ -581,24 +589,15 @@ def test_request_timeout_bounds_a_json_requests_wait_on_a_stuck_worker(tmp_path:
     """The issue's JSON requests hung 25 s even with --request-timeout 5. With --request-timeout 1,
     a JSON request on a stopped worker is answered 503 naming it after a second; the worker, left
     to finish, is killed at --json-timeout all the same, and another takes the next request."""
-    with ServerProcess(f"echo={_echo_bundle(tmp_path)}", "--max-body-size", "32MiB", "--request-timeout", "1", "--json-timeout", "3",
-                       grpc=False) as proc:
-        proc.start(tmp_path / "serve.log")
-        assert proc.proc is not None
-        stuck = _json_worker(proc.proc.pid)
-        os.kill(stuck, signal.SIGSTOP)
-        try:
-            body, _ = _large_json()
-            started = time.monotonic()
-            status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
-            seconds = time.monotonic() - started
-            assert (status, json.loads(answer)) == (503, {"error": "Request timeout expired: model 'echo' had not started the request 1 s after it "
-                                                                    "came in (--request-timeout); retry later, or give it more time"})
-            assert seconds < 1 + 10, f"answered after {seconds:.1f} s"
-            _gone(stuck)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stuck, signal.SIGCONT)
+    with _stuck_worker(tmp_path, "--request-timeout", "1", "--json-timeout", "3") as (proc, stuck):
+        body, _ = _large_json()
+        started = time.monotonic()
+        status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
+        seconds = time.monotonic() - started
+        assert (status, json.loads(answer)) == (503, {"error": "Request timeout expired: model 'echo' had not started the request 1 s after it "
+                                                                "came in (--request-timeout); retry later, or give it more time"})
+        assert seconds < 1 + 10, f"answered after {seconds:.1f} s"
+        _gone(stuck)
         assert "a JSON worker process took over 3 s (--json-timeout) on a request: killed; starting another" in proc.log()
         _answered_again(proc, body)
         assert proc.stop() == 0
