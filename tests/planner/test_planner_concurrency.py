@@ -118,11 +118,18 @@ def test_the_summary_lists_every_finalist_at_each_n_and_why(planned: PlanResult)
     assert chosen_at[planned.loads[0].chosen.label] == "N=1" and chosen_at[planned.loads[1].chosen.label] == "N=16"
     for row in rows:
         assert row[0] in text
-    why_1 = next(line.strip() for line in text.splitlines() if line.strip().startswith("at N=1: "))
-    assert why_1.startswith(f"at N=1: {planned.loads[0].chosen.label}: the lowest p99 of the one-session plans ("), why_1
-    assert "no more complex plan was better in every round (the closest, " in why_1 and "[3 round(s) of 120 requests]" in why_1, why_1
-    why_16 = next(line.strip() for line in text.splitlines() if line.strip().startswith("at N=16: "))
-    assert f"at N=16: {planned.loads[1].chosen.label}: " in why_16 and "'s req/s in every round (" in why_16, why_16
+    # Each N's line says why its plan won, in the words of the run's own outcome: which plan wins is
+    # measured in benchmarks.planner_loads, not asserted here (this suite shares the 2 cores; a CI run
+    # kept the 2-thread session at N=16 when 2 replicas measured 0.94-1.95x it).
+    for load, metric in zip(planned.loads, ("p99", "req/s"), strict=True):
+        why = next(line.strip() for line in text.splitlines() if line.strip().startswith(f"at N={load.concurrency}: "))
+        assert why == str(load.choice) and why.startswith(f"at N={load.concurrency}: {load.chosen.label}: "), why
+        assert why.endswith("[3 round(s) of 120 requests]") and load.choice.metric == metric, why
+        if any(c.won for c in load.choice.contests):
+            assert (" in every round (" in why) and ("lower p99 than " if metric == "p99" else "'s req/s in every round (") in why, why
+        else:
+            best = "the lowest p99" if metric == "p99" else "the highest req/s"
+            assert f"{load.chosen.label}: {best} of the " in why and "; no more complex plan was better in every round (the closest, " in why, why
 
 
 @two_cores
