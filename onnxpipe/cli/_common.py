@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import zipfile
-from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -34,8 +33,6 @@ __all__ = [
     "quiet_onnxruntime",
     "read_json",
     "read_npz",
-    "read_npz_layout",
-    "write_npz",
 ]
 
 
@@ -196,39 +193,6 @@ def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
         return load_npz(path)
     except BundleError as e:
         raise UserError(f"{what} '{path}': {e}") from e
-
-
-def read_npz_layout(path: Path, what: str) -> dict[str, np.ndarray]:
-    """Stand-ins for the arrays of an .npz file, from the headers only (:func:`onnxpipe.runtime.npz_layout`).
-
-    Raises:
-        UserError: the file is missing, is not an .npz of arrays, or a header lies about its array.
-    """
-    from onnxpipe._errors import BundleError
-    from onnxpipe.runtime import npz_layout
-
-    if not path.is_file():
-        raise UserError(f"{what} '{path}' does not exist")
-    try:
-        return npz_layout(path)
-    except BundleError as e:
-        raise UserError(f"{what} '{path}': {e}") from e
-
-
-def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write arrays to exactly ``path`` (any names; numpy's savez would append ``.npz``).
-
-    Raises:
-        UserError: the file or its folder cannot be written.
-    """
-    from onnxpipe.runtime import save_npz
-
-    try:
-        if path.parent != Path():
-            path.parent.mkdir(parents=True, exist_ok=True)
-        save_npz(path, arrays)
-    except OSError as e:
-        raise UserError(f"cannot write '{path}': {e.strerror or e}") from e
 
 
 def quiet_onnxruntime() -> None:

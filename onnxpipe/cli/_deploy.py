@@ -2,7 +2,7 @@
 
 Each command parses its options, calls the library (``onnxpipe.builder.build``,
 ``onnxpipe.builder.export``, ``onnxpipe.builder.rebundle``, ``onnxpipe.runtime.load`` and
-``Pipeline.map``, ``onnxpipe.runtime.benchmark``) and prints; heavy modules are imported inside
+``onnxpipe.runtime.map_files``, ``onnxpipe.runtime.benchmark``) and prints; heavy modules are imported inside
 the commands. ``--set`` (:data:`SET`) gives deploy-time settings in ``build --stage``'s keys.
 """
 
@@ -26,8 +26,6 @@ from onnxpipe.cli._common import (
     given,
     quiet_onnxruntime,
     read_npz,
-    read_npz_layout,
-    write_npz,
 )
 from onnxpipe.cli._progress import progress
 from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, deploy_overrides, parse_cores, read_settings_file
@@ -35,7 +33,7 @@ from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, deploy_
 if TYPE_CHECKING:
     import numpy as np
 
-    from onnxpipe.runtime import BenchReport, Pipeline, PipelineSpec, TensorSpec
+    from onnxpipe.runtime import BenchReport, Pipeline, PipelineSpec
 
 __all__ = ["SET", "allowing_code", "bench", "build", "code_flags", "export", "rebundle", "run"]
 
@@ -412,22 +410,6 @@ def rebundle(bundle: Path, out: Path, settings: Sequence[StageOption], overwrite
                       code_flags(spec))
 
 
-def _input_files(paths: Sequence[Path]) -> list[Path]:
-    """The --inputs files in order: a folder stands for every *.npz in it, sorted by name."""
-    files: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(p for p in path.glob("*.npz") if p.is_file())
-            if not found:
-                raise UserError(f"inputs folder '{path}' holds no .npz file")
-            files += found
-        elif path.exists():
-            files.append(path)
-        else:
-            raise UserError(f"inputs file '{path}' does not exist")
-    return files
-
-
 def _destinations(out: Path, files: Sequence[Path]) -> list[Path]:
     """Where each request's outputs go: OUT.npz for a single request, else FOLDER/<inputs stem>.npz."""
     if out.suffix == ".npz":
@@ -455,18 +437,6 @@ def _destinations(out: Path, files: Sequence[Path]) -> list[Path]:
     return destinations
 
 
-def _check_input_files(specs: Sequence[TensorSpec], files: Sequence[Path]) -> None:
-    """Every file against the pipeline's inputs (names, dtypes, shapes), from its headers alone."""
-    from onnxpipe._errors import InputError
-    from onnxpipe.runtime import check_inputs
-
-    for file in files:
-        try:
-            check_inputs(specs, read_npz_layout(file, "inputs file"))
-        except InputError as e:
-            raise UserError(f"inputs file '{file}': {e}") from e
-
-
 def _save_trace(pipe: Pipeline, trace: Path | None) -> None:
     if trace is None:
         return
@@ -477,26 +447,14 @@ def _save_trace(pipe: Pipeline, trace: Path | None) -> None:
 
 
 def _stream(pipe: Pipeline, files: Sequence[Path], destinations: Sequence[Path], quiet: bool) -> Mapping[str, np.ndarray]:
-    """Read each file as the pipeline takes it, write each result as it comes; the first result.
-
-    Raises:
-        UserError: a request failed in a stage (naming its file) or a file could not be read or written.
-    """
-    from onnxpipe._errors import StageError
+    """:func:`onnxpipe.runtime.map_files` with a progress bar; the first request's outputs."""
+    from onnxpipe.runtime import map_files
 
     first: Mapping[str, np.ndarray] = {}
-    written = 0
-    try:
-        with progress(len(files), "requests", quiet) as advance:
-            for path, outputs in zip(destinations, pipe.map(read_npz(f, "inputs file") for f in files), strict=True):
-                write_npz(path, outputs)
-                first = first or outputs
-                written += 1
-                advance(written, len(files))
-    except StageError as e:
-        # map() yields in request order, so the failed request is the first one not written.
-        kept = f"the {written} output file(s) written before it are complete and stay" if written else "no output file was written"
-        raise UserError(f"inputs file '{files[written]}': {e}; {kept}") from e
+    with progress(len(files), "requests", quiet) as advance:
+        for done, outputs in enumerate(map_files(pipe, files, destinations), 1):
+            first = first or outputs
+            advance(done, len(files))
     return first
 
 
@@ -570,23 +528,21 @@ def run(
       onnxpipe run model.onnxpipe --inputs images/ --outputs scores/ --engine ray --address HEAD:6379
       onnxpipe run model.onnxpipe --inputs images/ --outputs scores/ --set '*:affinity=0-1' --set replicas=2
     """
-    from onnxpipe.runtime import Pipeline, read_bundle
+    from onnxpipe.runtime import check_request_files, load, request_files
 
     where_run = _engine_args(engine, address)
     overrides = deploy_overrides(settings)
-    files = _input_files(input_paths)
+    files = request_files(input_paths)
     destinations = _destinations(out, files)
     quiet_onnxruntime()
-    # On Ray no session starts here: each actor checks its own stage's threads against its node.
-    with allowing_code("run"), read_bundle(bundle, allow_code=allow_code, sessions=() if engine == "ray" else None, overrides=overrides) as checked:
-        _check_input_files(checked.spec.inputs, files)
-        with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None, **where_run) as pipe:
-            pipe.reset_stats()  # from the first request, not from load
-            try:
-                first = _stream(pipe, files, destinations, as_json)
-            finally:
-                _save_trace(pipe, trace)  # a failed run's timeline shows what happened up to the failure
-            stats = pipe.stats()
+    with allowing_code("run"), load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code, overrides=overrides,
+                                    before_start=lambda spec: check_request_files(spec.inputs, files), **where_run) as pipe:
+        pipe.reset_stats()  # from the first request, not from load
+        try:
+            first = _stream(pipe, files, destinations, as_json)
+        finally:
+            _save_trace(pipe, trace)  # a failed run's timeline shows what happened up to the failure
+        stats = pipe.stats()
     if as_json:
         pairs = [{"inputs": str(f), "outputs": str(d)} for f, d in zip(files, destinations, strict=True)]
         click.echo(json.dumps({"requests": len(files), "files": pairs, "trace": str(trace) if trace else None, "stats": stats.to_dict()}, indent=2))
@@ -594,7 +550,7 @@ def run(
     from onnxpipe.cli import _render
 
     where = str(destinations[0]) if out.suffix == ".npz" else f"{len(destinations)} output file(s) in {out}"
-    _render.run_summary(stats, len(checked.spec.stages), first, where, trace)
+    _render.run_summary(stats, len(pipe.spec.stages), first, where, trace)
 
 
 @click.command(short_help="Measure a bundle's throughput and latency, stage by stage.")

@@ -6,6 +6,7 @@ from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, 
 from onnxpipe.runtime._code import check_allowed, code_entries
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
+from onnxpipe.runtime._files import check_request_files, map_files, request_files
 from onnxpipe.runtime._inputs import UNKNOWN_DIM_NAMES, check_dims, check_inputs, random_inputs, sample_shapes
 from onnxpipe.runtime._ortapi import ModelMetadata, NodeArg
 from onnxpipe.runtime._overrides import StageOverrides
@@ -58,6 +59,7 @@ __all__ = [
     "check_allowed",
     "check_dims",
     "check_inputs",
+    "check_request_files",
     "code_entries",
     "dtype_from_onnx",
     "dtype_from_ort",
@@ -66,10 +68,12 @@ __all__ = [
     "is_bundle",
     "load",
     "load_npz",
+    "map_files",
     "npz_layout",
     "numpy_dtype",
     "random_inputs",
     "read_bundle",
+    "request_files",
     "resolve_provider",
     "sample_shapes",
     "save_npz",

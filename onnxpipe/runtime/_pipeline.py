@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
@@ -873,6 +873,7 @@ def load(
     stream_timeout: float | None = None,
     micro_batches: int | None = None,
     overrides: Overrides | None = None,
+    before_start: Callable[[PipelineSpec], None] | None = None,
 ) -> Pipeline:
     """Load a bundle (folder or ``.onnxpipe`` archive) with only numpy and onnxruntime, and start it.
 
@@ -902,6 +903,11 @@ def load(
             ``host``; as :class:`StageOverrides` (applied in order) or a mapping
             ``{"*": {...}, "STAGE": {...}, "1": {...}}``. Checked as the bundle's own settings
             are; the bundle's files are not changed (``onnxpipe rebundle`` writes a new bundle).
+        before_start: Called with the pipeline's spec (overrides applied) once every file of the
+            bundle is checked, before any session starts or any actor is placed: the caller's own
+            checks against the pipeline (its request files' names, dtypes and shapes:
+            :func:`check_request_files`) refuse the run before it costs anything. What it raises
+            is raised here, and nothing is left open.
 
     Raises:
         BundleError: the bundle is missing, broken or refused as unsafe, a stage's provider is
@@ -917,6 +923,8 @@ def load(
     # Ray no session starts here: each actor checks its stage's threads against its own node.
     bundle = read_bundle(path, limits, allow_code=allow_code, sessions=() if engine == "ray" else None, overrides=overrides)
     try:
+        if before_start is not None:
+            before_start(bundle.spec)
         return Pipeline(bundle, target, queue_depth, trace, engine, address, ray_options, path, max_streams=max_streams, stream_timeout=stream_timeout,
                         micro_batches=micro_batches)
     except BaseException:
