@@ -40,7 +40,20 @@ layer (``tests.models.embed_mlp``, 16 ids per request) of width 64 (per-call ove
 and 1024 (compute dominates), one stage x 1 thread, 2,000 requests through ``pipe.map`` with
 ``max_batch=8`` against 1.
 
-    python -m benchmarks.batching [--layers 4] [--hidden 128] [--past 32] [--tokens 32] [--rounds 3] [--streams 8,16] [--json]
+``--only TEXT[,TEXT...]`` measures only the rows whose name contains one of the texts (and of one
+stream's step, a round's breakdown and the stateless requests, those whose name does).
+
+With ``--against REV`` the run is this checkout beside git revision REV (issue 37's "hot path
+unchanged or faster"): ``--rounds`` rounds, each side's round a fresh process of this module with
+``--rounds 1 --json`` (REV's first, then this checkout's, and again), both running this checkout's
+benchmark code on their own ``onnxpipe`` (``benchmarks/_checkout.py``, Note: what each side runs),
+of the rows ``--only`` names: by default the one-driver rows and one stream's step. Printed per
+figure (tokens/s and p50 ms per token of each row and stream count; one stream's step, end to end
+and beyond its stages' compute): each side's median (min-max) over its rounds and new / old paired
+by round.
+
+    python -m benchmarks.batching [--layers 4] [--hidden 128] [--past 32] [--tokens 32] [--rounds 3] [--streams 8,16]
+        [--only TEXT[,TEXT...]] [--against REV] [--json]
     python -m benchmarks.batching --llama bench-out/llama/tiny --streams 8,16 [--export genai]   # in make bench-decoders' venv
 """
 
@@ -63,6 +76,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from benchmarks._checkout import checkout, compare, interleaved, print_comparison, revision
 from benchmarks._timing import timed_threads
 from benchmarks.pipeline_efficiency import _stream as map_rate
 from onnxpipe.builder import build, export
@@ -86,6 +100,8 @@ ROWS = (
     ("lockstep session, 1 thread", None, "lockstep", 1),
     ("lockstep session, 2 threads", None, "lockstep", 2),
 )
+#: What is measured besides the rows, by the names ``--only`` matches.
+ONE_STREAM, ROUND, STATELESS = "one stream's step", "a round's breakdown", "stateless requests"
 #: The peer's row, with --llama: onnxruntime-genai's Generator on its own export.
 GENERATOR = ("onnxruntime-genai og.Generator, batch S", None, "generator", None)
 #: The ratios reported: (name, numerator row, denominator row).
@@ -391,7 +407,14 @@ HEAD_SIZE = [0]
 
 
 def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: int, streams: tuple[int, ...] = STREAMS,
-        llama: Path | None = None, exporter: str = "optimum") -> dict[str, Any]:
+        llama: Path | None = None, exporter: str = "optimum", only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every row at every stream count, and the rest (:data:`ONE_STREAM`, :data:`ROUND`,
+    :data:`STATELESS`), in ``rounds`` interleaved rounds; with ``only``, just what has one of its
+    texts in its name."""
+
+    def wanted(name: str) -> bool:
+        return not only or any(text in name for text in only)
+
     rows_measured = list(ROWS)
     if llama is None:
         vocab = 64
@@ -410,6 +433,7 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
             HEAD_SIZE[0] = json.loads((llama / "genai" / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
         cut = between_layers(model, layers // 2 - 1)
         rows_measured.append(GENERATOR)
+    rows_measured = [r for r in rows_measured if wanted(r[0])]
     cores = sorted(os.sched_getaffinity(0))
     clients = {"threads": _threads, "driver": _driver, "rounds": _rounds}
     with tempfile.TemporaryDirectory() as tmp:
@@ -437,9 +461,11 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         for _ in range(rounds):
             for key, fn in configs.items():
                 measured[key].append(fn())
-            overheads.append(_overhead(bundles["unbatched"], past, tokens, vocab))
-            breakdowns.append(_breakdown(bundles["batched"], max(streams), past, tokens, vocab))
-            for (width, batch), rates in (stateless.items() if llama is None else ()):
+            if wanted(ONE_STREAM):
+                overheads.append(_overhead(bundles["unbatched"], past, tokens, vocab))
+            if wanted(ROUND):
+                breakdowns.append(_breakdown(bundles["batched"], max(streams), past, tokens, vocab))
+            for (width, batch), rates in (stateless.items() if llama is None and wanted(STATELESS) else ()):
                 rates.append(_stateless(width, batch))
     rows = []
     for (how, s), runs in measured.items():
@@ -452,18 +478,16 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         rows.append(row)
     by = {(r["how"], r["streams"]): r for r in rows}
     ratios: dict[int, dict[str, float]] = {}
+    og_ratios = [(f"{how} / og.Generator", how, GENERATOR[0]) for how in ("batched, one driver", "batched, rounds")] if llama is not None else []
     for s in streams:
-        ratios[s] = {name: by[(a, s)]["tokens_per_s"] / by[(b, s)]["tokens_per_s"] for name, a, b in RATIOS}
-        if llama is not None:
-            for how in ("batched, one driver", "batched, rounds"):
-                ratios[s][f"{how} / og.Generator"] = by[(how, s)]["tokens_per_s"] / by[(GENERATOR[0], s)]["tokens_per_s"]
-        ratios[s]["one driver: p99 per token, batched / unbatched"] = by[("batched, one driver", s)]["p99_ms"] / by[("unbatched, one driver", s)]["p99_ms"]
-        ratios[s]["one driver: time to first token, batched / unbatched"] = (by[("batched, one driver", s)]["ttft_ms"]
-                                                                             / by[("unbatched, one driver", s)]["ttft_ms"])
-        ratios[s]["thread per stream: p99 per token, batched / unbatched"] = (by[("batched, thread per stream", s)]["p99_ms"]
-                                                                              / by[("unbatched, thread per stream", s)]["p99_ms"])
-    overhead = {k: statistics.median(o[k] for o in overheads) for k in overheads[0]}
-    breakdown = {k: statistics.median(b[k] for b in breakdowns) for k in breakdowns[0]}
+        # Each ratio whose two rows were measured (all of them without --only), in this order.
+        quotients = [(name, a, b, "tokens_per_s") for name, a, b in (*RATIOS, *og_ratios)] + [
+            ("one driver: p99 per token, batched / unbatched", "batched, one driver", "unbatched, one driver", "p99_ms"),
+            ("one driver: time to first token, batched / unbatched", "batched, one driver", "unbatched, one driver", "ttft_ms"),
+            ("thread per stream: p99 per token, batched / unbatched", "batched, thread per stream", "unbatched, thread per stream", "p99_ms")]
+        ratios[s] = {name: by[(a, s)][key] / by[(b, s)][key] for name, a, b, key in quotients if (a, s) in by and (b, s) in by}
+    overhead = {k: statistics.median(o[k] for o in overheads) for k in overheads[0]} if overheads else None
+    breakdown = {"streams": max(streams), **{k: statistics.median(b[k] for b in breakdowns) for k in breakdowns[0]}} if breakdowns else None
     return {
         "model": {**described, "past": past, "tokens": tokens, "cut": cut},
         "cores": len(cores),
@@ -471,10 +495,38 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         "rows": rows,
         "ratios": ratios,
         "one_stream_step": overhead,
-        "round_ms": {"streams": max(streams), **breakdown},
+        "round_ms": breakdown,
         "stateless": [{"width": w, "max_batch": b, "requests_per_s": statistics.median(r), "min": min(r), "max": max(r)}
                       for (w, b), r in stateless.items() if r],
     }
+
+
+#: What ``--against`` compares unless ``--only`` says otherwise: the one-driver rows and one stream's step.
+AGAINST = f"one driver,{ONE_STREAM}"
+
+
+def _figures(result: dict[str, Any]) -> dict[str, float | None]:
+    """The figures ``--against`` compares, from one round's JSON result."""
+    out: dict[str, float | None] = {}
+    for r in sorted(result["rows"], key=lambda r: (r["streams"], r["how"])):
+        out[f"{r['how']}, {r['streams']} streams: tokens/s"] = r["tokens_per_s"]
+        out[f"{r['how']}, {r['streams']} streams: p50 ms per token"] = r["p50_ms"]
+    if (o := result["one_stream_step"]) is not None:
+        out["one stream, unbatched: step ms"] = o["step_ms"]
+        out["one stream, unbatched: step ms beyond its stages' compute"] = o["overhead_ms"]
+    return out
+
+
+def against(rev: str, args: argparse.Namespace, only: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """This checkout beside ``rev``: ``args.rounds`` interleaved rounds of one process each
+    (``benchmarks._checkout``), measuring what ``only`` names."""
+    child = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads), "--past", str(args.past),
+             "--tokens", str(args.tokens), "--streams", args.streams, "--export", args.export, "--only", ",".join(only)]
+    if args.llama is not None:
+        child += ["--llama", str(args.llama.resolve())]
+    with checkout(rev) as old:
+        samples = interleaved("benchmarks.batching", child, old, rev, args.rounds, _figures)
+    return compare(samples)
 
 
 def main() -> None:
@@ -490,9 +542,22 @@ def main() -> None:
     parser.add_argument("--llama", type=Path, help="a folder of benchmarks.llama_exports: its optimum export, and og.Generator on its genai export")
     parser.add_argument("--export", choices=("optimum", "genai"), default="optimum",
                         help="with --llama: which export onnxpipe splits (genai: the very file og.Generator runs)")
+    parser.add_argument("--only", metavar="TEXT[,TEXT...]",
+                        help=f"measure only the rows (and of {ONE_STREAM!r}, {ROUND!r}, {STATELESS!r}) whose name contains one of the TEXTs")
+    parser.add_argument("--against", metavar="REV", help="measure this checkout beside git revision REV, rounds interleaved, and print new / old "
+                        f"(of --only's rows, by default {AGAINST!r})")
     args = parser.parse_args()
+    only = tuple(t.strip() for t in args.only.split(",")) if args.only else ()
+    if args.against:
+        compared = against(args.against, args, only or tuple(AGAINST.split(",")))
+        if args.json:
+            print(json.dumps(compared, indent=2))
+            return
+        print_comparison(compared, revision(args.against), args.rounds)
+        print("(tokens/s: higher is better; ms: lower is faster)")
+        return
     result = run(args.layers, args.hidden, args.heads, args.past, args.tokens, args.rounds, tuple(int(s) for s in args.streams.split(",")),
-                 args.llama, args.export)
+                 args.llama, args.export, only)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -510,14 +575,14 @@ def main() -> None:
               f"{r.get('batch_mean', '')}")
     for name in next(iter(result["ratios"].values())):
         print(f"{name:<56} " + "  ".join(f"{s} streams {q[name]:.2f}x" for s, q in result["ratios"].items()))
-    o = result["one_stream_step"]
-    print(f"one stream, unbatched: a step takes {o['step_ms']:.3f} ms end to end, its stages compute {o['stages_compute_ms']:.3f} ms (p50 each, summed): "
-          f"{o['overhead_ms']:.3f} ms of hand-offs, futures and checks per token")
-    b = result["round_ms"]
-    print(f"one round of {b['streams']} streams as one batch (1 micro-batch, submit_steps), ms, median of the rounds:")
-    for name, ms in b.items():
-        if name != "streams":
-            print(f"  {name:<44} {ms:7.3f}")
+    if (o := result["one_stream_step"]) is not None:
+        print(f"one stream, unbatched: a step takes {o['step_ms']:.3f} ms end to end, its stages compute {o['stages_compute_ms']:.3f} ms (p50 each, summed): "
+              f"{o['overhead_ms']:.3f} ms of hand-offs, futures and checks per token")
+    if (b := result["round_ms"]) is not None:
+        print(f"one round of {b['streams']} streams as one batch (1 micro-batch, submit_steps), ms, median of the rounds:")
+        for name, ms in b.items():
+            if name != "streams":
+                print(f"  {name:<44} {ms:7.3f}")
     if not result["stateless"]:
         return
     print("stateless requests, one stage x 1 thread (embed_mlp, 16 ids per request):")

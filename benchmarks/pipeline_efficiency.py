@@ -20,8 +20,19 @@ which shows how much of a hop is the machine waking a core rather than the runti
 The cut of each model is the most balanced of a few low-traffic candidates (from ``inspect_model``),
 chosen by timing their two stages here.
 
+With ``--against REV`` the run is this checkout beside git revision REV (issue 37's "hot path
+unchanged or faster"): ``--rounds`` rounds, each side's round a fresh process of this module with
+``--rounds 1 --json`` (REV's first, then this checkout's, and again), both running this checkout's
+benchmark code on their own ``onnxpipe`` (``benchmarks/_checkout.py``, Note: what each side runs).
+Printed per figure: each side's median (min-max) over its rounds and new / old paired by round. The
+figures: per model, efficiency (caller unpinned and pinned) and the pipeline's req/s, each model cut
+where the first round cut it, on both sides; per placement, the per-hop overhead and the latency of
+the shortest and longest chain, and the streaming cost per request (again with idle cores polling
+where that is measured).
+
     python -m benchmarks.pipeline_efficiency [--models shufflenet squeezenet resnet50] [--requests 200]
-        [--rounds 3] [--hop-requests 2000] [--json]     (--models with no name: only the hop)
+        [--rounds 3] [--hop-requests 2000] [--cut MODEL=TENSOR[,TENSOR...]] [--against REV] [--json]
+        (--models with no name: only the hop; --cut: split MODEL there instead of timing candidates)
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from benchmarks._checkout import checkout, compare, interleaved, print_comparison, revision
 from benchmarks._timing import median_seconds
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import Pipeline, load
@@ -137,14 +149,16 @@ def _stream(pipe: Pipeline, feeds: dict[str, np.ndarray], requests: int) -> floa
     return requests / (time.perf_counter() - start)
 
 
-def bench_model(name: str, requests: int, rounds: int, work: Path) -> dict[str, Any]:
+def bench_model(name: str, requests: int, rounds: int, work: Path, cut: list[str] | None = None) -> dict[str, Any]:
     """All contenders of one model, measured in ``rounds`` interleaved rounds; medians reported
-    (the machine is shared: interleaving spreads its noise over every contender alike)."""
+    (the machine is shared: interleaving spreads its noise over every contender alike). The model
+    is split at ``cut``, or at the most balanced of a few candidates timed here."""
     path = LIGHT / f"light_{name}.onnx"
     whole1, whole2 = _session(str(path), 1), _session(str(path), 2)
     inp = whole1.get_inputs()[0]
     feeds = {inp.name: np.random.default_rng(0).standard_normal(inp.shape).astype(np.float32)}
-    cut, _ = _best_cut(path, feeds, work / name)
+    if cut is None:
+        cut, _ = _best_cut(path, feeds, work / name)
     plan = split(path, [cut])
     cores = sorted(os.sched_getaffinity(0))
     for k, s in enumerate(plan.config.stages):
@@ -412,17 +426,60 @@ def _print_hop(hop: dict[str, Any], rounds: int, idle: str) -> None:
     )
 
 
+def _figures(result: dict[str, Any]) -> dict[str, float | None]:
+    """The figures ``--against`` compares, from one round's JSON result."""
+    out: dict[str, float | None] = {}
+    for r in result["models"]:
+        out[f"{r['model']}: efficiency, caller unpinned"] = r["efficiency"]["pipeline"]
+        out[f"{r['model']}: efficiency, caller pinned"] = r["efficiency"]["pinned"]
+        out[f"{r['model']}: pipeline req/s, caller unpinned"] = r["req_s"]["pipeline"]
+    for idle, hop in (("", result["hop"]), ("idle polling, ", result["hop_idle_polling"])):
+        for name, row in (hop["placements"].items() if hop else ()):
+            out[f"{idle}hop, {name}: per hop us"] = row["per_hop_us"]
+            for n in (hop["lengths"][0], hop["lengths"][-1]):  # the fit's ends, each a measured latency (its intercept is too noisy to pair)
+                out[f"{idle}hop, {name}: latency {n} stage{'s' if n > 1 else ''} us"] = row["latency_us"][str(n)]
+        if hop:
+            out[f"{idle}streaming cost per request us"] = hop["streaming_cost_per_request_us"]
+    return out
+
+
+def against(rev: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """This checkout beside ``rev``, ``args.rounds`` interleaved rounds of one process each
+    (``benchmarks._checkout``); each model is cut where the first round cut it, on both sides."""
+    child = ["--models", *args.models, "--requests", str(args.requests), "--hop-requests", str(args.hop_requests)]
+    child += [a for c in args.cut for a in ("--cut", c)]
+
+    def cuts(result: dict[str, Any]) -> list[str]:
+        return [a for r in result["models"] for a in ("--cut", f"{r['model']}={','.join(r['cut'])}")]
+
+    with checkout(rev) as old:
+        samples = interleaved("benchmarks.pipeline_efficiency", child, old, rev, args.rounds, _figures, cuts)
+    return compare(samples)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=["shufflenet", "squeezenet", "resnet50"])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--hop-requests", type=int, default=2000, help="requests per chain and round for the per-hop overhead")
+    parser.add_argument("--cut", action="append", default=[], metavar="MODEL=TENSOR[,TENSOR...]",
+                        help="split MODEL at these tensors instead of the most balanced candidate timed here (repeatable)")
+    parser.add_argument("--against", metavar="REV", help="measure this checkout beside git revision REV, rounds interleaved, and print new / old")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    cuts = dict(c.split("=", 1) for c in args.cut)
+    if args.against:
+        compared = against(args.against, args)
+        if args.json:
+            print(json.dumps(compared, indent=2))
+            return
+        print_comparison(compared, revision(args.against), args.rounds)
+        print("(us: lower is faster; efficiency and req/s: higher is better)")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rows = [bench_model(m, args.requests, args.rounds, work) for m in args.models]
+        rows = [bench_model(m, args.requests, args.rounds, work, cuts[m].split(",") if m in cuts else None) for m in args.models]
         hop = bench_hop(args.hop_requests, args.rounds, work)
         with _idle_polling() as polling:
             hop_polling = bench_hop(args.hop_requests, args.rounds, work) if polling else None

@@ -47,12 +47,11 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +60,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from benchmarks._checkout import checkout
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.splitter import split
 from tests import models
@@ -436,18 +436,6 @@ def run(seconds: float, root: Path = ROOT, phases: list[tuple[str, Attack | None
     return {"seconds": seconds, "root": str(root), "base_rss_mb": base_rss, "rows": rows}
 
 
-@contextlib.contextmanager
-def _checkout(rev: str) -> Iterator[Path]:
-    """A detached worktree of ``rev`` (removed after)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        where = Path(tmp) / "checkout"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--quiet", "--detach", str(where), rev], check=True)
-        try:
-            yield where
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)], check=True)
-
-
 def _outcomes(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} x {what}" if n > 1 else what for what, n in sorted(counts.items())) or "-"
 
@@ -463,7 +451,7 @@ def main() -> None:
     phases = [p for i, p in enumerate(PHASES) if not i or wanted is None or any(w in p[0] for w in wanted)]
     results = {}
     if args.against:
-        with _checkout(args.against) as old:
+        with checkout(args.against) as old:
             results[args.against] = run(args.seconds, old, phases)
     results["this checkout"] = run(args.seconds, ROOT, phases)
     if args.json:

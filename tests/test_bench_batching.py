@@ -18,6 +18,14 @@ def test_the_batching_benchmark_runs_and_reports_every_row() -> None:
     assert result["round_ms"]["round"] > 0 and result["round_ms"]["stage 0 session call"] > 0
 
 
+def test_only_measures_the_rows_named_and_the_ratios_between_them() -> None:
+    result = run(layers=2, hidden=32, heads=2, past=4, tokens=4, rounds=1, streams=(2,), only=("one driver",))
+    assert {r["how"] for r in result["rows"]} == {"unbatched, one driver", "batched, one driver", "batched, one driver, 1 micro-batch"}
+    assert set(result["ratios"][2]) == {"one driver: batched / unbatched", "one driver: micro-batches per stage / 1 micro-batch",
+                                        "one driver: p99 per token, batched / unbatched", "one driver: time to first token, batched / unbatched"}
+    assert result["one_stream_step"] is None and result["round_ms"] is None and result["stateless"] == []
+
+
 def test_the_cut_between_llama_layers_is_what_the_layers_after_it_read() -> None:
     """benchmarks.batching --llama cuts an optimum export between its middle layers: the residual
     stream, the causal mask and the rotary cos / sin, not the weights the exporter passes through Identity."""

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from onnxpipe.builder import BuildResult
 from onnxpipe.cli._stageopts import format_cores
-from onnxpipe.planner import PlanResult
+from onnxpipe.planner import PlanChoice, PlanResult
 from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, StateLink, TensorSpec, code_entries
 from onnxpipe.splitter import ModelSummary, SplitPlan, VerifyReport
 
@@ -178,6 +178,8 @@ def plan_result(result: PlanResult, folder: Path) -> None:
     over = f"median of {result.choice.rounds} round(s)"
     _line(console, f"chosen: {chosen.label}, {chosen.measured or 0:.1f} req/s measured, {over} ({chosen.predicted:.1f} predicted)")
     _line(console, f"certainty: {result.choice}")
+    for reason in result.choice.reasons() if isinstance(result.choice, PlanChoice) else ():
+        _line(console, f"  {reason}")
     if result.batching:
         _line(console, f"batching: {result.batching}")
     for kind, value in result.baselines().items():

@@ -145,6 +145,7 @@ class PlanResult:
         if self.loads:
             return self._loads_str()
         lines = [f"plan for {self.cores} core(s): {self.chosen.label}, {self.chosen.measured or 0:.1f} req/s measured", f"  {self.choice}"]
+        lines += [f"    {reason}" for reason in (self.choice.reasons() if isinstance(self.choice, PlanChoice) else ())]
         for kind, value in self.baselines().items():
             if value:
                 lines.append(f"  vs best {kind}: {value:.1f} req/s ({(self.chosen.measured or 0) / value:.2f}x)")

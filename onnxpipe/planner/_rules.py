@@ -30,6 +30,49 @@ _RANK_NAMES = {"session": "one-session plans", "replicas": "replicas plans", "pi
 
 
 @dataclass(frozen=True)
+class Contest:
+    """One step of the choice rule at one N: the best plan of the next rank against the holder.
+
+    Attributes:
+        rival: Label of the plan of the next rank (the best by median ratio among those better in
+            every round, else among all of its rank).
+        holder: Label of the plan it was compared with.
+        ratios: The rival's figure over the holder's in each round (paired): req/s, or p99 when
+            the choice is by latency.
+        won: Whether it was better in every round (then it holds from here on).
+        among: How many plans of the rival's rank took part.
+    """
+
+    rival: str
+    holder: str
+    ratios: tuple[float, ...]
+    won: bool
+    among: int = 1
+
+    def reason(self) -> str:
+        """Which plan this step of the choice rule kept and why, by req/s (see Note: the choice rule)."""
+        measured = f"{statistics.median(self.ratios):.2f}x its req/s, paired ratios {_spread(self.ratios)}"
+        faster = sum(r > 1.0 for r in self.ratios)
+        if self.won:
+            line = f"{self.rival} replaced {self.holder}: {measured}: faster in every round"
+        elif faster:
+            line = f"{self.holder} kept over {self.rival}: {self.rival} measured {measured}: faster in {faster} of {len(self.ratios)} rounds only"
+        else:
+            line = f"{self.holder} kept over {self.rival}: {self.rival} measured {measured}: faster in no round"
+        return line + self._picked()
+
+    def _picked(self) -> str:
+        """Why this rival of its rank, when the rank had several (see :func:`_contender`)."""
+        if self.among < 2:
+            return ""
+        if self.won:
+            return f"; of the {self.among} of its kind measured, the highest median ratio of those faster in every round"
+        return f"; of the {self.among} of its kind measured, the highest median ratio (none was faster in every round)"
+
+
+
+
+@dataclass(frozen=True)
 class PlanChoice:
     """Why the chosen plan was chosen, and how sure that is (see the choice rule in the module's notes).
 
@@ -43,6 +86,12 @@ class PlanChoice:
         verdict: ``pipeline`` (it won every round), ``tie`` (it won some rounds, lost others),
             ``simple`` (the simple plan won every round), ``no pipeline`` (none was measured) or
             ``only pipelines`` (no simple plan was left to compare with: a memory budget).
+        first: Label of the best plan of the simplest kind measured, where the rule started.
+        first_kind: Its kind (:attr:`PlanCandidate.kind`).
+        first_value: Its req/s, the median over the rounds.
+        first_among: How many plans of its kind took part.
+        contests: Each richer kind's best against the plan held then, in the rule's order (replicas,
+            then pipelines).
     """
 
     simple: str
@@ -51,6 +100,24 @@ class PlanChoice:
     rounds: int
     requests: int
     verdict: str
+    first: str = ""
+    first_kind: str = "session"
+    first_value: float = 0.0
+    first_among: int = 1
+    contests: tuple[Contest, ...] = ()
+
+    def reasons(self) -> list[str]:
+        """Why each simpler plan than the chosen one lost, and the chosen one kept its place against
+        the next richer kind: one line per step of the choice rule, then the rule itself.
+
+        The first line is where the rule started (the best of the simplest kind by median); each
+        :class:`Contest` then says which plan it kept, the paired ratios and whether they were above
+        1.00x in every round."""
+        if not self.first:
+            return []
+        names = _RANK_NAMES[self.first_kind]
+        which = f"the highest median req/s of the {self.first_among} {names}" if self.first_among > 1 else f"the only {names[:-1]} measured"
+        return [f"start: {self.first}, {which} ({self.first_value:.1f} req/s)", *(c.reason() for c in self.contests), RULE]
 
     def __str__(self) -> str:
         if self.contender is None:
@@ -65,25 +132,6 @@ class PlanChoice:
         if self.verdict == "tie":
             return f"no clear winner: {self.contender} is {median:.2f}x {self.simple} ({spread}), within the rounds' spread: kept the simpler plan"
         return f"{self.simple} wins: the best pipeline, {self.contender}, is {median:.2f}x it ({spread})"
-
-
-@dataclass(frozen=True)
-class Contest:
-    """One step of the choice rule at one N: the best plan of the next rank against the holder.
-
-    Attributes:
-        rival: Label of the plan of the next rank (the best by median ratio among those better in
-            every round, else among all of its rank).
-        holder: Label of the plan it was compared with.
-        ratios: The rival's figure over the holder's in each round (paired): req/s, or p99 when
-            the choice is by latency.
-        won: Whether it was better in every round (then it holds from here on).
-    """
-
-    rival: str
-    holder: str
-    ratios: tuple[float, ...]
-    won: bool
 
 
 @dataclass(frozen=True)
@@ -146,6 +194,11 @@ class LoadChoice:
         return line
 
 
+#: The choice rule in one line, as :meth:`PlanChoice.reasons` ends (see Note: the choice rule).
+RULE = ("rule: one session, then replicas, then a pipeline: a more complex plan replaces the plan held only if faster in every round "
+        "(its lowest paired ratio above 1.00x; of several such, the highest median ratio); the first kind's best is the highest median req/s")
+
+
 def _spread(ratios: Sequence[float]) -> str:
     return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
@@ -175,19 +228,24 @@ def choose_plan(candidates: Sequence[PlanCandidate], requests: int) -> tuple[Pla
         The chosen candidate, and the :class:`PlanChoice` saying why and how sure.
     """
     measured = [c for c in candidates if c.rounds]
-    sessions, replicas, pipelines = ([c for c in measured if c.kind == kind] for kind in ("session", "replicas", "pipeline"))
-    if not sessions and not replicas:  # none left to compare with (a memory budget dropped them): the fastest pipeline
-        best = max(pipelines, key=lambda c: statistics.median(c.rounds))
-        return best, PlanChoice("no simple plan (none fits)", best.label, (), len(best.rounds), requests, "only pipelines")
-    simple = max(sessions or replicas, key=lambda c: statistics.median(c.rounds))
-    if sessions and replicas:  # replicas take more cores and memory than one session: the same rule
-        rival, _, won = _contender(simple, replicas)
-        simple = rival if won else simple
-    if not pipelines:
-        return simple, PlanChoice(simple.label, None, (), len(simple.rounds), requests, "no pipeline")
-    contender, ratios, won = _contender(simple, pipelines)
-    verdict = "pipeline" if won else ("tie" if max(ratios) > 1.0 else "simple")
-    return (contender if won else simple), PlanChoice(simple.label, contender.label, ratios, len(simple.rounds), requests, verdict)
+    kinds = [group for kind in ("session", "replicas", "pipeline") if (group := [c for c in measured if c.kind == kind])]
+    first = holder = max(kinds[0], key=lambda c: statistics.median(c.rounds))
+    contests = []
+    for group in kinds[1:]:  # replicas take more cores and memory than one session, a pipeline more still: the same rule
+        rival, ratios, won = _contender(holder, group)
+        contests.append(Contest(rival.label, holder.label, ratios, won, len(group)))
+        holder = rival if won else holder
+
+    def choice(simple: str, contender: str | None, ratios: tuple[float, ...], verdict: str) -> PlanChoice:
+        return PlanChoice(simple, contender, ratios, len(first.rounds), requests, verdict, first.label, first.kind,
+                          statistics.median(first.rounds), len(kinds[0]), tuple(contests))
+
+    if first.kind == "pipeline":  # none left to compare with (a memory budget dropped them): the fastest pipeline
+        return holder, choice("no simple plan (none fits)", first.label, (), "only pipelines")
+    if kinds[-1][0].kind != "pipeline":
+        return holder, choice(holder.label, None, (), "no pipeline")
+    last = contests[-1]
+    return holder, choice(last.holder, last.rival, last.ratios, "pipeline" if last.won else ("tie" if max(last.ratios) > 1.0 else "simple"))
 
 
 def choose_load(candidates: Sequence[PlanCandidate], concurrency: int, requests: int, p99_ms: float | None = None) -> tuple[PlanCandidate, LoadChoice]:
@@ -220,7 +278,7 @@ def choose_load(candidates: Sequence[PlanCandidate], concurrency: int, requests:
     contests = []
     for group in ranks[1:]:
         rival, ratios, won = _contender(holder, group, values, lower=latency)
-        contests.append(Contest(rival.label, holder.label, ratios, won))
+        contests.append(Contest(rival.label, holder.label, ratios, won, len(group)))
         holder = rival if won else holder
     choice = LoadChoice(concurrency, holder.label, "p99" if latency else "req/s", first.label, first.rank, statistics.median(values(first)),
                         tuple(contests), tuple((c.label, c.loads[concurrency].p99_ms) for c in dropped), p99_ms,

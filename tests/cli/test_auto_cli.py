@@ -143,6 +143,9 @@ def test_planner_writes_its_settings_and_build_uses_them(model: Path, tmp_path: 
     assert certainty is not None, text
     verdict = r"(wins by|no clear winner:|wins: the best pipeline)"
     assert re.search(verdict + r".*\(paired ratios \d\.\d\d-\d\.\d\d over 2 round\(s\) of 10 requests\)", certainty[1]), certainty[1]
+    # ... and, on the lines after it, why: where the rule started, each richer kind against the plan held, the rule.
+    why = re.search(r"^certainty: .*\n  start: .*\n(  .* (replaced|kept over) .*\n){2}  rule: one session, then replicas", text, re.MULTILINE)
+    assert why is not None, text
     assert result.stderr == ""  # not a terminal: no progress bar
     stages = stages_of(out)
     settings = [s["settings"] for s in stages]

@@ -12,9 +12,9 @@ import pytest
 
 from onnxpipe import InputError, SplitError
 from onnxpipe.builder import PipelineConfig
-from onnxpipe.planner import PlanCandidate, plan_pipeline
+from onnxpipe.planner import PlanCandidate, PlanChoice, plan_pipeline
 from onnxpipe.planner._checks import _planning_dims
-from onnxpipe.planner._rules import choose_plan
+from onnxpipe.planner._rules import RULE, choose_plan
 from onnxpipe.runtime import TensorSpec, resolve_provider
 from onnxpipe.splitter import verify
 from tests import models
@@ -47,6 +47,11 @@ def test_plan_on_two_cores_measures_pipelines_and_baselines(squeezenet: Path, tm
     assert result.choice.rounds == 2 and result.choice.requests == 10
     assert all(c.cores <= 2 for c in result.candidates)
     assert str(result.choice) in str(result)
+    # Why, step by step: where the rule started, each richer kind against the plan held then, and the rule.
+    assert isinstance(result.choice, PlanChoice)
+    reasons = result.choice.reasons()
+    assert reasons[0].startswith(f"start: {result.choice.first}, ") and reasons[-1] == RULE and len(reasons) == 4
+    assert all(f"    {reason}" in str(result) for reason in reasons)
     # The plan carries its settings into the saved folder, and stays equivalent to the model.
     folder = result.plan.save(tmp_path / "planned")
     config = PipelineConfig.load(folder)
@@ -135,6 +140,48 @@ def test_the_best_simple_plan_is_the_best_median_and_only_every_round_winners_be
     # Unmeasured candidates take no part.
     unmeasured = PlanCandidate("pipeline 2 x (2t, 1t)", "pipeline", (2, 1), (1, 1), 999.0, (1.0, 1.0))
     assert choose_plan([REPLICAS, unmeasured], requests=40)[1].verdict == "no pipeline"
+
+
+def test_why_one_session_was_kept_over_replicas_that_measured_twice_its_req_s() -> None:
+    # Issue 37, tried on a loaded host: 2 replicas measured 1.5-2.5x one session, and nothing said why the session was kept.
+    session = _measured("1 session x 2t", 100, 100, 100, 100, 100)
+    replicas = _measured("2 replicas x 1t", 150, 95, 190, 220, 250)
+    pipeline = _measured("pipeline 2 x (1t, 1t)", 80, 64, 80, 84, 85)
+    chosen, choice = choose_plan([replicas, pipeline, session], requests=40)
+    assert chosen is session and choice.verdict == "simple"
+    assert choice.reasons() == [
+        "start: 1 session x 2t, the only one-session plan measured (100.0 req/s)",
+        "1 session x 2t kept over 2 replicas x 1t: 2 replicas x 1t measured 1.90x its req/s, paired ratios 0.95-2.50: faster in 4 of 5 rounds only",
+        "1 session x 2t kept over pipeline 2 x (1t, 1t): pipeline 2 x (1t, 1t) measured 0.80x its req/s, paired ratios 0.64-0.85: faster in no round",
+        "rule: one session, then replicas, then a pipeline: a more complex plan replaces the plan held only if faster in every round "
+        "(its lowest paired ratio above 1.00x; of several such, the highest median ratio); the first kind's best is the highest median req/s",
+    ]
+
+
+def test_why_each_simpler_plan_lost_to_a_pipeline_and_which_of_the_pipelines() -> None:
+    steady = _measured("pipeline 2 x (1t, 1t)", 107, 88, 103, 112, 110)
+    slower = _measured("pipeline 3 x (1t, 1t, 1t)", 100, 80, 100, 100, 100)  # never faster than the replicas
+    wide = _measured("1 session x 1t", 50, 40, 50, 50, 50)
+    chosen, choice = choose_plan([SESSION, wide, REPLICAS, slower, steady], requests=40)
+    assert chosen is steady
+    assert choice.reasons()[:3] == [
+        "start: 1 session x 2t, the highest median req/s of the 2 one-session plans (91.0 req/s)",
+        "2 replicas x 1t replaced 1 session x 2t: 1.11x its req/s, paired ratios 1.05-1.14: faster in every round",
+        "pipeline 2 x (1t, 1t) replaced 2 replicas x 1t: 1.07x its req/s, paired ratios 1.03-1.10: faster in every round; "
+        "of the 2 of its kind measured, the highest median ratio of those faster in every round",
+    ]
+    assert [(c.rival, c.holder, c.won, c.among) for c in choice.contests] == [
+        ("2 replicas x 1t", "1 session x 2t", True, 1), ("pipeline 2 x (1t, 1t)", "2 replicas x 1t", True, 2)]
+
+
+def test_a_tie_says_which_plan_was_kept_and_that_the_rounds_overlap_one() -> None:
+    lucky = _measured("pipeline 2 x (1t, 1t)", 115, 95, 120, 95, 116)
+    other = _measured("pipeline 3 x (1t, 1t, 1t)", 90, 70, 90, 90, 90)
+    chosen, choice = choose_plan([SESSION, REPLICAS, lucky, other], requests=40)
+    assert chosen is REPLICAS and choice.verdict == "tie"
+    assert choice.reasons()[2] == (
+        "2 replicas x 1t kept over pipeline 2 x (1t, 1t): pipeline 2 x (1t, 1t) measured 1.16x its req/s, paired ratios 0.90-1.20: "
+        "faster in 4 of 5 rounds only; of the 2 of its kind measured, the highest median ratio (none was faster in every round)")
 
 
 # -- symbolic dims ----------------------------------------------------------------------------------------
@@ -262,6 +309,7 @@ def test_with_no_simple_plan_left_the_fastest_pipeline_is_chosen() -> None:
     b = PlanCandidate("pipeline 2 x (2t, 1t)", "pipeline", (2, 1), (1, 1), 12.0, (1.0, 1.0), rounds=(11.0, 12.0))
     chosen, choice = choose_plan([a, b, PlanCandidate("2 replicas x 1t", "replicas", (1,), (2,), 20.0, (1.0,))], 10)
     assert chosen is b and choice.verdict == "only pipelines" and "since no one-session or replicas plan fits" in str(choice)
+    assert choice.reasons() == ["start: pipeline 2 x (2t, 1t), the highest median req/s of the 2 pipelines (11.5 req/s)", RULE]
 
 
 def test_split_memory_needs_the_planner(squeezenet: Path, tmp_path: Path) -> None:
