@@ -35,6 +35,7 @@ from onnx import ModelProto
 
 from onnxpipe._errors import ConfigError, closest
 from onnxpipe.builder._modules import io_specs, save_model, weight_specs
+from onnxpipe.builder._wiring import Wiring
 from onnxpipe.runtime import Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, TensorSpec
 from onnxpipe.runtime._spec import CodeSpec, check_entry_point, check_state_ends, find_tensor
 
@@ -190,9 +191,8 @@ class PipelineConfig:
         self._stages: dict[str, Stage] = {}
         self._inputs: dict[str, TensorSpec] = {}
         self._outputs: dict[str, TensorSpec] = {}
-        self._links: dict[Endpoint, Link] = {}  # by destination: each is fed once
         self._groups: dict[str, ParamGroup] = {}
-        self._states: dict[Endpoint, StateLink] = {}  # by state input
+        self._wiring = Wiring()
 
     # -- building up -------------------------------------------------------------------------------
 
@@ -218,30 +218,8 @@ class PipelineConfig:
         Raises:
             ConfigError: duplicate name, unreadable file, or a boundary value that is not a tensor.
         """
-        name = name if name is not None else f"stage{len(self._stages)}"
-        if name in self._stages:
-            raise ConfigError(f"duplicate stage name '{name}'; taken: {', '.join(self._stages)}")
-        path = None
-        if not isinstance(model, ModelProto):
-            path = Path(model)
-            try:
-                model = onnx.load(path, load_external_data=False)
-            except (OSError, DecodeError) as e:
-                raise ConfigError(f"cannot read stage module '{path}': {e}") from e
-            source_dir = path.parent
-        inputs, outputs = io_specs(model)
-        stage = Stage(
-            self,
-            name,
-            model if path is None else None,
-            path,
-            Path(source_dir) if source_dir else None,
-            inputs,
-            outputs,
-            weights=weight_specs(model),
-            settings=settings or StageSettings(),
-        )
-        self._stages[name] = stage
+        name = self._new_name(name)
+        stage = self._stages[name] = _module_stage(self, name, model, settings, source_dir)
         return stage
 
     def add_python_stage(
@@ -280,22 +258,8 @@ class PipelineConfig:
             ConfigError: malformed entry point, duplicate name, ports without shapes or with
                 unknown dtypes, or params that are not plain JSON.
         """
-        name = name if name is not None else f"stage{len(self._stages)}"
-        if name in self._stages:
-            raise ConfigError(f"duplicate stage name '{name}'; taken: {', '.join(self._stages)}")
-        check_entry_point(entry, f"stage '{name}'")
-        try:
-            code = CodeSpec(entry, dict(params or {}))
-        except ConfigError as e:
-            raise ConfigError(f"stage '{name}': {e}") from None
-        ports = (tuple(inputs), tuple(outputs))
-        for kind, specs in zip(("input", "output"), ports, strict=True):
-            for spec in specs:
-                if not isinstance(spec, TensorSpec):
-                    raise ConfigError(f"stage '{name}': each {kind} must be a TensorSpec(name, dtype, shape), got {spec!r}")
-        StageSpec(name, None, *ports, code=code).check()  # where the stage is added, not at to_spec
-        stage = Stage(self, name, None, None, None, *ports, settings=settings or StageSettings(), code=code)
-        self._stages[name] = stage
+        name = self._new_name(name)
+        stage = self._stages[name] = _code_stage(self, name, entry, inputs, outputs, params, settings)
         return stage
 
     def add_input(self, spec: TensorSpec) -> Port:
@@ -355,26 +319,7 @@ class PipelineConfig:
         inner: PipelineConfig = getattr(split, "config", split)
         if not isinstance(inner, PipelineConfig):
             raise ConfigError(f"add_split takes a SplitPlan (onnxpipe.splitter.split) or a PipelineConfig, not {type(split).__name__}")
-        sub = inner.to_spec()
-        renamed: dict[str, Stage] = {}
-        for i, piece in enumerate(inner.stages):
-            if piece.is_code:
-                raise ConfigError(f"add_split takes a model's split; its stage '{piece.name}' is a code stage")
-            model = piece.model if piece.model is not None else piece.path
-            assert model is not None
-            renamed[piece.name] = self.add_stage(model, f"{name}_{i}", settings=settings or piece.settings, source_dir=piece.source_dir)
-        inputs: dict[str, list[Port]] = {}
-        outputs: dict[str, Port] = {}
-        for link in sub.links:
-            if link.src.stage is not None and link.dst.stage is not None:
-                renamed[link.src.stage].output(link.src.tensor).connect(renamed[link.dst.stage].input(link.dst.tensor))
-            elif link.src.stage is None and link.dst.stage is not None:
-                inputs.setdefault(link.src.tensor, []).append(renamed[link.dst.stage].input(link.dst.tensor))
-            elif link.src.stage is not None and link.dst.stage is None:
-                outputs[link.dst.tensor] = renamed[link.src.stage].output(link.src.tensor)
-        for st in sub.states:
-            self.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis)
-        return SplitPieces(tuple(renamed.values()), {k: tuple(v) for k, v in inputs.items()}, outputs)
+        return _add_pieces(self, inner, name, settings)
 
     def add_state(self, output: Port, input: Port, empty_axis: int | None = None) -> StateLink:
         """State that a stage output feeds the same stage's input on the stream's next step.
@@ -405,18 +350,15 @@ class PipelineConfig:
             )
         stage = self.stage(output.endpoint.stage)
         link = StateLink(stage.name, output.endpoint.tensor, input.endpoint.tensor, empty_axis)
-        if input.endpoint in self._links:
-            raise ConfigError(f"state link {link}: {input} is already fed by {self._links[input.endpoint].src}")
-        if input.endpoint in self._states:
-            raise ConfigError(f"state link {link}: {input} is already fed by state {self._states[input.endpoint].output}")
+        self._wiring.check_free(input.endpoint, f"state link {link}: {input}")
         check_state_ends(link, stage.inputs, stage.outputs)
-        self._states[input.endpoint] = link
+        self._wiring.add_state(link)
         return link
 
     @property
     def states(self) -> tuple[StateLink, ...]:
         """The state links, in the order they were added."""
-        return tuple(self._states.values())
+        return tuple(self._wiring.states.values())
 
     @property
     def param_groups(self) -> tuple[ParamGroup, ...]:
@@ -428,6 +370,13 @@ class PipelineConfig:
             raise ConfigError(f"{what} '{spec.name}' is already declared as {table[spec.name]}")
         table[spec.name] = spec
         return Port(self, Endpoint(None, spec.name), is_source)
+
+    def _new_name(self, name: str | None) -> str:
+        """``name``, or the next ``stage<N>``; refused when a stage has it."""
+        name = name if name is not None else f"stage{len(self._stages)}"
+        if name in self._stages:
+            raise ConfigError(f"duplicate stage name '{name}'; taken: {', '.join(self._stages)}")
+        return name
 
     def stage(self, name: str) -> Stage:
         """The stage named ``name``."""
@@ -464,10 +413,7 @@ class PipelineConfig:
             pass  # a pipeline input handed straight back as an output: allowed
         elif src.endpoint.stage is not None and src.endpoint.stage == dst.endpoint.stage:
             raise ConfigError(f"cannot connect {src} to {dst}: a stage cannot feed itself")
-        if dst.endpoint in self._links:
-            raise ConfigError(f"{dst} is already fed by {self._links[dst.endpoint].src}")
-        if dst.endpoint in self._states:
-            raise ConfigError(f"{dst} is already fed by state {self._states[dst.endpoint].output}")
+        self._wiring.check_free(dst.endpoint, str(dst))
         src_spec = self._spec_of(src)
         dst_spec = self._spec_of(dst)
         if src_spec is None and dst_spec is None:
@@ -480,7 +426,7 @@ class PipelineConfig:
         reason = src_spec.mismatch(dst_spec)
         if reason:
             raise ConfigError(f"cannot connect {src} to {dst}: {reason}")
-        self._links[dst.endpoint] = Link(src.endpoint, dst.endpoint)
+        self._wiring.add_link(Link(src.endpoint, dst.endpoint))
 
     def _spec_of(self, port: Port) -> TensorSpec | None:
         ep = port.endpoint
@@ -504,7 +450,7 @@ class PipelineConfig:
             ConfigError: the wiring is incomplete or cyclic (the message says where).
         """
         modules = modules or {}
-        order = self._topological_order()
+        order = self._ordered()
         stages = tuple(
             StageSpec(
                 name=s.name,
@@ -521,31 +467,17 @@ class PipelineConfig:
             inputs=tuple(self._inputs.values()),
             outputs=tuple(self._outputs.values()),
             stages=stages,
-            links=tuple(self._links.values()),
+            links=tuple(self._wiring.links.values()),
             metadata={"name": self.name, **self.metadata},
             param_groups=tuple(self._groups.values()),
-            states=tuple(self._states.values()),
+            states=tuple(self._wiring.states.values()),
         )
         spec.validate()
         return spec
 
-    def _topological_order(self) -> list[Stage]:
-        # Kahn's algorithm, ties broken by insertion order so the order is stable.
-        deps: dict[str, set[str]] = {n: set() for n in self._stages}
-        for link in self._links.values():
-            if link.src.stage is not None and link.dst.stage is not None:
-                deps[link.dst.stage].add(link.src.stage)
-        order: list[Stage] = []
-        done: set[str] = set()
-        while len(order) < len(self._stages):
-            ready = [n for n in self._stages if n not in done and deps[n] <= done]
-            if not ready:
-                # Leave the cycle's description to the spec's validation.
-                order.extend(s for n, s in self._stages.items() if n not in done)
-                break
-            done.add(ready[0])
-            order.append(self._stages[ready[0]])
-        return order
+    def _ordered(self) -> list[Stage]:
+        """The stages in pipeline order (stable: ties keep the order they were added in)."""
+        return [self._stages[n] for n in self._wiring.order(list(self._stages))]
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write the wiring (``pipeline.json``) and every in-memory stage module into ``directory``.
@@ -606,11 +538,11 @@ class PipelineConfig:
             if (stage.inputs, stage.outputs) != (s.inputs, s.outputs):
                 raise ConfigError(f"stage '{s.name}': module '{s.module}' does not match the boundary in the config")
         for link in spec.links:
-            config._links[link.dst] = link
+            config._wiring.add_link(link)
         for group in spec.param_groups:
             config.add_param_group(group.name, group.stage, [t.name for t in group.params])
         for state in spec.states:
-            config._states[Endpoint(state.stage, state.input)] = state
+            config._wiring.add_state(state)
         return config
 
     # -- display -----------------------------------------------------------------------------------
@@ -619,28 +551,20 @@ class PipelineConfig:
         return iter(self._stages.values())
 
     def __repr__(self) -> str:
-        return f"PipelineConfig({self.name!r}, stages={list(self._stages)}, links={len(self._links)})"
+        return f"PipelineConfig({self.name!r}, stages={list(self._stages)}, links={len(self._wiring.links)})"
 
     def __str__(self) -> str:
         lines = [f"pipeline '{self.name}'"]
         lines.append("  inputs:  " + ", ".join(str(t) for t in self._inputs.values()))
         lines.append("  outputs: " + ", ".join(str(t) for t in self._outputs.values()))
-        by_src: dict[Endpoint, list[Endpoint]] = {}
-        for link in self._links.values():
-            by_src.setdefault(link.src, []).append(link.dst)
-        for s in self._topological_order():
+        targets = self._wiring.targets()
+        for s in self._ordered():
             what = f"code {s.code.entry}" if s.code else s.path.name if s.path else "in memory"
             lines.append(f"  stage '{s.name}' ({what}; {_describe(s.settings)})")
-            for t in s.inputs:
-                feed = self._links.get(Endpoint(s.name, t.name))
-                state = self._states.get(Endpoint(s.name, t.name))
-                source = feed.src if feed else f"state {state.output} (previous step)" if state else "UNBOUND"
-                lines.append(f"    in  {t}  <- {source}")
+            lines.extend(f"    in  {t}  <- {self._wiring.feed(Endpoint(s.name, t.name))}" for t in s.inputs)
             for t in s.outputs:
-                targets = by_src.get(Endpoint(s.name, t.name), [])
-                lines.append(f"    out {t}  -> {', '.join(str(d) for d in targets) or 'unused'}")
-        direct = [lk for lk in self._links.values() if lk.src.stage is None and lk.dst.stage is None]
-        lines.extend(f"  {lk}" for lk in direct)
+                lines.append(f"    out {t}  -> {', '.join(str(d) for d in targets.get(Endpoint(s.name, t.name), [])) or 'unused'}")
+        lines.extend(f"  {lk}" for lk in self._wiring.direct())
         lines.extend(f"  param group '{g.name}' -> stage '{g.stage}': {', '.join(t.name for t in g.params)}" for g in self._groups.values())
         return "\n".join(lines)
 
@@ -658,3 +582,82 @@ def _describe(settings: StageSettings) -> str:
     if settings.max_batch > 1:
         parts.append(f"batches up to {settings.max_batch}" + (f" (waits {settings.max_delay_ms:g} ms)" if settings.max_delay_ms else ""))
     return ", ".join(parts)
+
+
+def _module_stage(
+    config: PipelineConfig, name: str, model: ModelProto | str | os.PathLike[str], settings: StageSettings | None, source_dir: str | os.PathLike[str] | None
+) -> Stage:
+    """A stage of ``config`` running ``model``, in memory or read from its file (weights left in their files).
+
+    Raises:
+        ConfigError: an unreadable file, or a boundary value that is not a tensor.
+    """
+    path = None
+    if not isinstance(model, ModelProto):
+        path = Path(model)
+        try:
+            model = onnx.load(path, load_external_data=False)
+        except (OSError, DecodeError) as e:
+            raise ConfigError(f"cannot read stage module '{path}': {e}") from e
+        source_dir = path.parent
+    inputs, outputs = io_specs(model)
+    return Stage(config, name, model if path is None else None, path, Path(source_dir) if source_dir else None, inputs, outputs,
+                 weights=weight_specs(model), settings=settings or StageSettings())
+
+
+def _code_stage(
+    config: PipelineConfig,
+    name: str,
+    entry: str,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    params: Mapping[str, Any] | None,
+    settings: StageSettings | None,
+) -> Stage:
+    """A code stage of ``config``, checked where it is added (not at ``to_spec``).
+
+    Raises:
+        ConfigError: a malformed entry point, ports without shapes or with unknown dtypes, or params
+            that are not plain JSON.
+    """
+    check_entry_point(entry, f"stage '{name}'")
+    try:
+        code = CodeSpec(entry, dict(params or {}))
+    except ConfigError as e:
+        raise ConfigError(f"stage '{name}': {e}") from None
+    ports = (tuple(inputs), tuple(outputs))
+    for kind, specs in zip(("input", "output"), ports, strict=True):
+        for spec in specs:
+            if not isinstance(spec, TensorSpec):
+                raise ConfigError(f"stage '{name}': each {kind} must be a TensorSpec(name, dtype, shape), got {spec!r}")
+    StageSpec(name, None, *ports, code=code).check()
+    return Stage(config, name, None, None, None, *ports, settings=settings or StageSettings(), code=code)
+
+
+def _add_pieces(config: PipelineConfig, split: PipelineConfig, name: str, settings: StageSettings | None) -> SplitPieces:
+    """Add the stages of a split's config to ``config`` as ``<name>_<i>``, wired as the split wires them
+    (see :meth:`PipelineConfig.add_split`).
+
+    Raises:
+        ConfigError: a piece's name is taken, or the split holds code stages.
+    """
+    sub = split.to_spec()
+    renamed: dict[str, Stage] = {}
+    for i, piece in enumerate(split.stages):
+        if piece.is_code:
+            raise ConfigError(f"add_split takes a model's split; its stage '{piece.name}' is a code stage")
+        model = piece.model if piece.model is not None else piece.path
+        assert model is not None
+        renamed[piece.name] = config.add_stage(model, f"{name}_{i}", settings=settings or piece.settings, source_dir=piece.source_dir)
+    inputs: dict[str, list[Port]] = {}
+    outputs: dict[str, Port] = {}
+    for link in sub.links:
+        if link.src.stage is not None and link.dst.stage is not None:
+            renamed[link.src.stage].output(link.src.tensor).connect(renamed[link.dst.stage].input(link.dst.tensor))
+        elif link.src.stage is None and link.dst.stage is not None:
+            inputs.setdefault(link.src.tensor, []).append(renamed[link.dst.stage].input(link.dst.tensor))
+        elif link.src.stage is not None and link.dst.stage is None:
+            outputs[link.dst.tensor] = renamed[link.src.stage].output(link.src.tensor)
+    for st in sub.states:
+        config.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis)
+    return SplitPieces(tuple(renamed.values()), {k: tuple(v) for k, v in inputs.items()}, outputs)

@@ -133,10 +133,20 @@ STAGE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "ep_package": ("ep_package", _text),
     "ep_device": ("ep_device", _text),
 }
-_VALID_KEYS = ("target (or provider), threads, inter-threads, mode, spinning, affinity, opt, fallback, replicas, host, max_batch, max_delay_ms, "
-               "ep_package, ep_device, and ep.OPTION for a provider option (ep.precision=FP32)")
 #: ``--stage 0:ep.precision=FP32``: a key with this prefix sets one of the provider's options.
 EP_PREFIX = "ep."
+
+
+def _valid_keys() -> str:
+    """The keys for a message, each setting once with its other names: ``target (or provider), threads, ...``."""
+    names: dict[str, list[str]] = {}
+    for key, (name, _) in STAGE_KEYS.items():
+        names.setdefault(name, []).append(key)
+    listed = [first + "".join(f" (or {other})" for other in others) for first, *others in names.values()]
+    return f"{', '.join(listed)}, and {EP_PREFIX}OPTION for a provider option ({EP_PREFIX}precision=FP32)"
+
+
+_VALID_KEYS = _valid_keys()
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from onnxpipe.runtime._pipeline import DEFAULT_MAX_STREAMS, ENGINES, Pipeline, R
 from onnxpipe.runtime._ray import RayOptions
 from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
-from onnxpipe.runtime._settings import PROVIDER_ALIASES, StageSettings, resolve_provider
+from onnxpipe.runtime._settings import PROVIDER_ALIASES, BuildSettings, DeploySettings, StageSettings, resolve_provider
 from onnxpipe.runtime._spec import SPEC_VERSION, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, StateLink, TensorSpec
 from onnxpipe.runtime._stage import host_placement
 from onnxpipe.runtime._stats import PipelineStats, StageStats
@@ -30,8 +30,10 @@ __all__ = [
     "PROVIDER_ALIASES",
     "SPEC_VERSION",
     "BenchReport",
+    "BuildSettings",
     "Bundle",
     "CodeSpec",
+    "DeploySettings",
     "Endpoint",
     "FileEntry",
     "Limits",

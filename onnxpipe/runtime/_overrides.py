@@ -7,13 +7,15 @@ Note: what a deployment may change.
     large a batch it forms and how long it waits for one, and on which Ray node it lives. A host
     with other cores needs other values (a bundle built with ``affinity=6-7`` cannot start on a
     2-core host), as a Triton user sets ``instance_group`` at deploy time; editing
-    ``pipeline.json`` breaks the manifest. Those settings (:data:`OVERRIDABLE`) may be overridden.
-    The others make the module, or are what the build proved about it: the target and its
-    provider options and plugin package (a module is optimized for its provider, and the build
-    opened it there), the optimization level (a CPU module is saved optimized), custom-op
-    libraries, session config entries, fallback (the build proved where the nodes go) and batch
-    pads (the probe checked them). They are refused, pointing to ``onnxpipe build``; only the
-    target has a switch of its own, ``load(target=...)``, which runs every stage elsewhere.
+    ``pipeline.json`` breaks the manifest. Those settings may be overridden: they are the fields of
+    :class:`DeploySettings` (:data:`OVERRIDABLE` lists them), so a setting a host may change is
+    one declared there. The others, the fields of :class:`BuildSettings`, make the module, or are
+    what the build proved about it: the target and its provider options and plugin package (a
+    module is optimized for its provider, and the build opened it there), the optimization level
+    (a CPU module is saved optimized), custom-op libraries, session config entries, fallback (the
+    build proved where the nodes go) and batch pads (the probe checked them). They are refused,
+    pointing to ``onnxpipe build``; only the target has a switch of its own, ``load(target=...)``,
+    which runs every stage elsewhere.
 
     Each value is checked by :class:`StageSettings` itself, as the build's ``Stage.configure``
     checks it; the resulting spec is then checked as any bundle's is when it is read (the thread
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeAlias
 
 from onnxpipe._errors import ConfigError, closest
-from onnxpipe.runtime._settings import StageSettings
+from onnxpipe.runtime._settings import DeploySettings, StageSettings
 from onnxpipe.runtime._spec import PipelineSpec, StageSpec
 
 __all__ = ["ALL_STAGES", "OVERRIDABLE", "Overrides", "StageOverrides", "apply_overrides", "as_overrides", "check_stream_batching", "describe_settings",
@@ -48,8 +50,8 @@ __all__ = ["ALL_STAGES", "OVERRIDABLE", "Overrides", "StageOverrides", "apply_ov
 
 #: The selector of every stage.
 ALL_STAGES = "*"
-#: The settings a deployment may change (see Note: what a deployment may change).
-OVERRIDABLE = ("intra_op_threads", "inter_op_threads", "execution_mode", "spinning", "affinity", "replicas", "max_batch", "max_delay_ms", "host")
+#: The settings a deployment may change: the fields of :class:`DeploySettings` (see Note: what a deployment may change).
+OVERRIDABLE = tuple(f.name for f in fields(DeploySettings))
 _SETTINGS = tuple(f.name for f in fields(StageSettings))
 
 
@@ -60,8 +62,9 @@ class StageOverrides:
     Attributes:
         stage: Which stages: ``"*"`` for all, a stage name, or a position in pipeline order
             (an ``int``, or its digits).
-        settings: :class:`StageSettings` field -> value, for the fields in :data:`OVERRIDABLE`
-            (``{"intra_op_threads": 2, "affinity": [0, 1]}``).
+        settings: :class:`DeploySettings` field -> value (``{"intra_op_threads": 2, "affinity":
+            [0, 1]}``); any other :class:`StageSettings` field is a :class:`BuildSettings` one,
+            refused.
         origin: Where they were given (``"--set 0:threads=2"``), to begin error messages with;
             empty: nothing.
 

@@ -1,5 +1,8 @@
-"""Per-stage session settings: target, threads, affinity, optimization; and how they become an
-onnxruntime session.
+"""Per-stage session settings, split by when they may change: :class:`BuildSettings` (target,
+provider options, optimization, ...: they make the module, fixed once it is built),
+:class:`DeploySettings` (threads, cores, replicas, batching: a host may change them, see
+``_overrides.py``), and :class:`StageSettings`, both in one, as ``pipeline.json`` holds them; and how
+they become an onnxruntime session.
 
 Note: threads and affinity.
     A stage runs on its own worker thread, which is also onnxruntime's first intra-op thread (it
@@ -32,12 +35,13 @@ Note: what session_config may hold.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import onnxruntime as ort
 
@@ -51,6 +55,8 @@ __all__ = [
     "OPTIMIZATION_LEVELS",
     "OWNED_SESSION_CONFIG",
     "PROVIDER_ALIASES",
+    "BuildSettings",
+    "DeploySettings",
     "StageSettings",
     "host_cores",
     "host_file_key",
@@ -157,7 +163,7 @@ def host_file_key(key: str) -> bool:
     return bool(_FILE_WORDS & set(re.split(r"[._]", key.lower()))) or key.startswith("ep.context_") or key == "session.enable_profiling"
 
 
-def _check_session_config(config: Mapping[str, str]) -> None:
+def _refuse_session_keys(config: Mapping[str, str]) -> None:
     """Refuse the session config keys a bundle may not set (see Note: what session_config may hold)."""
     for key in config:
         if key in OWNED_SESSION_CONFIG:
@@ -171,9 +177,42 @@ def _check_session_config(config: Mapping[str, str]) -> None:
                               "and names no file outside itself: remove it")
 
 
+def _integer(value: object) -> bool:
+    """Whether ``value`` is an integer (``True`` is not one, though Python says it is)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_kinds(settings: object, kinds: Mapping[str, type]) -> None:
+    """Refuse a setting that is not a string or a bool, as ``kinds`` says it must be."""
+    for name, kind in kinds.items():
+        if not isinstance(getattr(settings, name), kind):
+            raise ConfigError(f"{name} must be {'a string' if kind is str else 'true or false'}, got {getattr(settings, name)!r}")
+
+
+def _check_strings(settings: object, name: str) -> None:
+    """Refuse provider options or session config that do not map strings to strings."""
+    value = getattr(settings, name)
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name} must map strings to strings, got {value!r}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise ConfigError(f"provider options and session config take string keys and values, got {key!r}: {item!r}")
+
+
+def _package_name(value: object) -> bool:
+    """Whether ``value`` is a Python package name (``onnxruntime_extensions``, ``a.b``): never a path."""
+    return isinstance(value, str) and bool(value) and all(part.isidentifier() for part in value.split("."))
+
+
+_D = TypeVar("_D", bound="DeploySettings")
+
+
 @dataclass(frozen=True)
-class StageSettings:
-    """How one stage's session is made.
+class BuildSettings:
+    """The settings a stage is built with: they make its module, or are what its build checked
+    about it. A bundle keeps them as built; changing one is a rebuild (see Note: what a deployment
+    may change, in ``_overrides.py``). :class:`StageSettings` holds them with the
+    :class:`DeploySettings`.
 
     Attributes:
         target: Execution provider, short (``cpu``, ``cuda:1``, ``tensorrt``, ``openvino``, ``dnnl``, ...)
@@ -181,33 +220,14 @@ class StageSettings:
         provider_options: Options passed to the provider (strings).
         fallback: Allow nodes the provider cannot run to fall back to the CPU provider; when false
             the session fails instead (``session.disable_cpu_ep_fallback``).
-        intra_op_threads: Threads for one op (onnxruntime's ``intra_op_num_threads``; 0 = its default,
-            all physical cores, rarely right in a pipeline).
-        inter_op_threads: Threads across ops, used with ``execution_mode="parallel"``.
-        execution_mode: ``sequential`` or ``parallel``.
-        spinning: Let idle onnxruntime threads spin (off: they would steal the other stages' cores).
-        affinity: Cores (0-based) to pin the stage's worker and intra-op threads to; see the note above.
         optimization: Graph optimization level: ``disable``, ``basic``, ``extended``, ``all``.
         session_config: Extra ``add_session_config_entry`` keys and values; never a key a typed
             setting makes, onnxpipe's own, or one naming a host file (see Note: what
             session_config may hold).
-        replicas: Workers running this stage, each with its own session.
         custom_ops: Custom-op libraries the session registers, each named by the Python package
             that ships it (e.g. ``onnxruntime_extensions``); the host resolves the library by
             importing the package and calling its ``get_library_path()``, and only when its
             allow-list permits the package (see ``onnxpipe.runtime._code``). Never a path.
-        host: With the Ray engine, run the stage on nodes labelled ``onnxpipe/host=HOST``
-            (``ray start --labels onnxpipe/host=HOST``); None: any node. The thread engine ignores it.
-            Written to ``pipeline.json`` only when set.
-        max_batch: The most requests (or steps of different streams) the stage runs as one
-            session call; 1 (the default): each alone. Above 1 the build checks the stage can
-            batch and records how (``StageSpec.batching``; docs/batching.md). Written to
-            ``pipeline.json`` only when above 1.
-        max_delay_ms: How long a request the stage has taken may wait for others to join its
-            batch; 0 (the default, Triton's advice): take what is queued, never wait. For streams,
-            whose steps are batched at the pipeline's entry, the largest over the stages is how
-            long a step may wait there for the other members of its group
-            (``onnxpipe.runtime.scheduling``).
         batch_pad: Input name -> the value a batch pads it with, instead of the value the
             build's probe would choose (0 for states and int masks, a float mask's lowest value):
             for a mask the model applies other than as an additive bias. The probe still checks
@@ -220,35 +240,33 @@ class StageSettings:
             names the provider (``qnn`` or its full name). Written to ``pipeline.json`` only when set.
         ep_device: With ``ep_package``: the kind of device to take, ``cpu``, ``gpu`` or ``npu``;
             None: every device the provider offers.
+
+    Raises:
+        ConfigError: a bad value, named with the valid choices.
     """
 
     target: str = "cpu"
     provider_options: Mapping[str, str] = field(default_factory=dict)
     fallback: bool = True
-    intra_op_threads: int = 1
-    inter_op_threads: int = 1
-    execution_mode: str = "sequential"
-    spinning: bool = False
-    affinity: tuple[int, ...] | None = None
     optimization: str = "all"
     session_config: Mapping[str, str] = field(default_factory=dict)
-    replicas: int = 1
     custom_ops: tuple[str, ...] = ()
-    host: str | None = None
-    max_batch: int = 1
-    max_delay_ms: float = 0.0
     batch_pad: Mapping[str, float] = field(default_factory=dict)
     ep_package: str | None = None
     ep_device: str | None = None
 
     def __post_init__(self) -> None:
-        for name, kind in (("target", str), ("execution_mode", str), ("optimization", str), ("fallback", bool), ("spinning", bool)):
-            if not isinstance(getattr(self, name), kind):
-                raise ConfigError(f"{name} must be {'a string' if kind is str else 'true or false'}, got {getattr(self, name)!r}")
-        for name in ("provider_options", "session_config"):
-            if not isinstance(getattr(self, name), Mapping):
-                raise ConfigError(f"{name} must map strings to strings, got {getattr(self, name)!r}")
-        if self.ep_package is not None and (not isinstance(self.ep_package, str) or not all(p.isidentifier() for p in self.ep_package.split("."))):
+        self._check_provider()
+        self._check_batch_pad()
+        self._check_optimization()
+        self._check_custom_ops()
+        self._check_session_config()
+
+    def _check_provider(self) -> None:
+        """target, provider_options, fallback, ep_package, ep_device."""
+        _check_kinds(self, {"target": str, "fallback": bool})
+        _check_strings(self, "provider_options")
+        if self.ep_package is not None and not _package_name(self.ep_package):
             raise ConfigError(f"ep_package must be a Python package name (e.g. 'onnxruntime_qnn'), never a path; got {self.ep_package!r}")
         if self.ep_device is not None and (self.ep_package is None or self.ep_device not in EP_DEVICES):
             raise ConfigError(f"ep_device must be one of {', '.join(EP_DEVICES)}, with ep_package set; got {self.ep_device!r}"
@@ -257,48 +275,28 @@ class StageSettings:
         if self.ep_package is not None and self.provider == "CPUExecutionProvider":
             raise ConfigError(f"ep_package '{self.ep_package}' names a plugin provider's package, but target is onnxruntime's own CPU provider; "
                               "set target to the plugin's provider (e.g. qnn), or drop ep_package")
-        for name in ("intra_op_threads", "inter_op_threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ConfigError(f"replicas must be an integer >= 1, got {self.replicas!r}")
-        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= MAX_BATCH:
-            raise ConfigError(f"max_batch must be an integer from 1 (no batching) to {MAX_BATCH}, got {self.max_batch!r}")
-        delay = self.max_delay_ms
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= MAX_DELAY_MS:
-            raise ConfigError(f"max_delay_ms must be a number of milliseconds from 0 to {MAX_DELAY_MS:g}, got {delay!r}")
-        object.__setattr__(self, "max_delay_ms", float(delay))
-        if not isinstance(self.batch_pad, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for k, v in self.batch_pad.items()
-        ):
-            raise ConfigError(f"batch_pad must map input names to finite numbers (e.g. {{'attn_bias': 0.0}}), got {self.batch_pad!r}")
-        object.__setattr__(self, "batch_pad", {k: float(v) for k, v in self.batch_pad.items()})
-        if self.execution_mode not in ("sequential", "parallel"):
-            raise ConfigError(f"execution_mode must be 'sequential' or 'parallel', got {self.execution_mode!r}")
+
+    def _check_optimization(self) -> None:
+        _check_kinds(self, {"optimization": str})
         if self.optimization not in OPTIMIZATION_LEVELS:
             raise ConfigError(f"unknown optimization level {self.optimization!r}; valid: {', '.join(OPTIMIZATION_LEVELS)}")
-        if self.affinity is not None:
-            if not isinstance(self.affinity, (list, tuple)):
-                raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
-            cores = tuple(self.affinity)
-            if not cores or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores):
-                raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
-            if max(cores) >= MAX_CORES:
-                raise ConfigError(f"affinity names core {max(cores)}; core numbers go from 0 to {MAX_CORES - 1} (Linux's most CPUs)")
-            object.__setattr__(self, "affinity", cores)
-        if isinstance(self.custom_ops, str) or not isinstance(self.custom_ops, (list, tuple)) or not all(
-            isinstance(p, str) and p and all(part.isidentifier() for part in p.split(".")) for p in self.custom_ops
-        ):
+
+    def _check_session_config(self) -> None:
+        _check_strings(self, "session_config")
+        _refuse_session_keys(self.session_config)
+
+    def _check_custom_ops(self) -> None:
+        if isinstance(self.custom_ops, str) or not isinstance(self.custom_ops, (list, tuple)) or not all(map(_package_name, self.custom_ops)):
             raise ConfigError(f"custom_ops must be a list of Python package names (e.g. ['onnxruntime_extensions']), never paths; got {self.custom_ops!r}")
         object.__setattr__(self, "custom_ops", tuple(self.custom_ops))
-        if self.host is not None and (not isinstance(self.host, str) or not _LABEL_VALUE.fullmatch(self.host)):
-            raise ConfigError(f"host must be a node label value (up to 63 letters, digits, '-', '_', '.', "
-                              f"starting and ending with a letter or digit), got {self.host!r}")
-        for key, value in (*self.provider_options.items(), *self.session_config.items()):
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise ConfigError(f"provider options and session config take string keys and values, got {key!r}: {value!r}")
-        _check_session_config(self.session_config)
+
+    def _check_batch_pad(self) -> None:
+        pads = self.batch_pad
+        if not isinstance(pads, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for k, v in pads.items()
+        ):
+            raise ConfigError(f"batch_pad must map input names to finite numbers (e.g. {{'attn_bias': 0.0}}), got {pads!r}")
+        object.__setattr__(self, "batch_pad", {k: float(v) for k, v in pads.items()})
 
     @property
     def provider(self) -> str:
@@ -310,55 +308,103 @@ class StageSettings:
         """The device number given with ``:N``, if any."""
         return resolve_provider(self.target, plugin=self.ep_package is not None)[1]
 
-    def replace(self, **changes: Any) -> StageSettings:
-        """A copy with some fields changed (checked again)."""
-        return StageSettings(**{**asdict(self), **changes})
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        data = asdict(self)
-        data["provider_options"] = dict(self.provider_options)
-        data["session_config"] = dict(self.session_config)
-        data["affinity"] = list(self.affinity) if self.affinity is not None else None
-        data["custom_ops"] = list(self.custom_ops)
-        if not self.custom_ops:
-            del data["custom_ops"]  # absent = none: settings without custom ops read as they did before
-        if self.host is None:
-            del data["host"]  # absent = any node: bundles without a host read as before
-        if self.max_batch == 1:
-            del data["max_batch"]  # absent = no batching: bundles that do not batch read as before
-        if not self.max_delay_ms:
-            del data["max_delay_ms"]
-        if self.batch_pad:
-            data["batch_pad"] = dict(self.batch_pad)
-        else:
-            del data["batch_pad"]
-        for key in ("ep_package", "ep_device"):
-            if data[key] is None:
-                del data[key]  # absent = a provider built into onnxruntime: bundles read as before
-        return data
+@dataclass(frozen=True)
+class DeploySettings:
+    """The settings that say how a host runs a stage: its threads, its cores, its replicas, how
+    large a batch it forms and how long it waits for one, and on which Ray node it lives. A
+    deployment may change them (``load(..., overrides=...)``, ``--set`` on ``onnxpipe
+    serve/run/bench/verify/inspect/rebundle``): they are the settings it may change, and no
+    others (see Note: what a deployment may change, in ``_overrides.py``).
+    :class:`StageSettings` holds them with the :class:`BuildSettings`.
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StageSettings:
-        """Read the JSON form; unknown keys are a :class:`ConfigError` naming the valid ones."""
-        names = {f.name for f in fields(cls)}
-        for key in data:
-            if key not in names:
-                raise ConfigError(f"unknown stage setting '{key}'; {closest(key, names)}")
-        values = dict(data)
-        for key in ("affinity", "custom_ops"):
-            if isinstance(values.get(key), list):
-                values[key] = tuple(values[key])
-        return cls(**values)
+    Attributes:
+        intra_op_threads: Threads for one op (onnxruntime's ``intra_op_num_threads``; 0 = its default,
+            all physical cores, rarely right in a pipeline).
+        inter_op_threads: Threads across ops, used with ``execution_mode="parallel"``.
+        execution_mode: ``sequential`` or ``parallel``.
+        spinning: Let idle onnxruntime threads spin (off: they would steal the other stages' cores).
+        affinity: Cores (0-based) to pin the stage's worker and intra-op threads to; see Note:
+            threads and affinity.
+        replicas: Workers running this stage, each with its own session.
+        max_batch: The most requests (or steps of different streams) the stage runs as one
+            session call; 1 (the default): each alone. Above 1 the build checks the stage can
+            batch and records how (``StageSpec.batching``; docs/batching.md), and a deployment
+            may not go above the built value (see Note: max_batch at deploy time, in
+            ``_overrides.py``). Written to ``pipeline.json`` only when above 1.
+        max_delay_ms: How long a request the stage has taken may wait for others to join its
+            batch; 0 (the default, Triton's advice): take what is queued, never wait. For streams,
+            whose steps are batched at the pipeline's entry, the largest over the stages is how
+            long a step may wait there for the other members of its group
+            (``onnxpipe.runtime.scheduling``).
+        host: With the Ray engine, run the stage on nodes labelled ``onnxpipe/host=HOST``
+            (``ray start --labels onnxpipe/host=HOST``); None: any node. The thread engine ignores it.
+            Written to ``pipeline.json`` only when set.
 
-    def for_replica(self, replica: int) -> StageSettings:
+    Raises:
+        ConfigError: a bad value, named with the valid choices.
+    """
+
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    execution_mode: str = "sequential"
+    spinning: bool = False
+    affinity: tuple[int, ...] | None = None
+    replicas: int = 1
+    max_batch: int = 1
+    max_delay_ms: float = 0.0
+    host: str | None = None
+
+    def __post_init__(self) -> None:
+        self._check_workers()
+        self._check_batching()
+        self._check_affinity()
+        self._check_host()
+
+    def _check_workers(self) -> None:
+        """intra_op_threads, inter_op_threads, execution_mode, spinning, replicas."""
+        _check_kinds(self, {"execution_mode": str, "spinning": bool})
+        for name in ("intra_op_threads", "inter_op_threads"):
+            value = getattr(self, name)
+            if not _integer(value) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if not _integer(self.replicas) or self.replicas < 1:
+            raise ConfigError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if self.execution_mode not in ("sequential", "parallel"):
+            raise ConfigError(f"execution_mode must be 'sequential' or 'parallel', got {self.execution_mode!r}")
+
+    def _check_batching(self) -> None:
+        """max_batch and max_delay_ms."""
+        if not _integer(self.max_batch) or not 1 <= self.max_batch <= MAX_BATCH:
+            raise ConfigError(f"max_batch must be an integer from 1 (no batching) to {MAX_BATCH}, got {self.max_batch!r}")
+        delay = self.max_delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= MAX_DELAY_MS:
+            raise ConfigError(f"max_delay_ms must be a number of milliseconds from 0 to {MAX_DELAY_MS:g}, got {delay!r}")
+        object.__setattr__(self, "max_delay_ms", float(delay))
+
+    def _check_affinity(self) -> None:
+        if self.affinity is None:
+            return
+        if not isinstance(self.affinity, (list, tuple)) or not self.affinity or not all(_integer(c) and c >= 0 for c in self.affinity):
+            raise ConfigError(f"affinity must be a non-empty list of core numbers >= 0, got {self.affinity!r}")
+        cores = tuple(self.affinity)
+        if max(cores) >= MAX_CORES:
+            raise ConfigError(f"affinity names core {max(cores)}; core numbers go from 0 to {MAX_CORES - 1} (Linux's most CPUs)")
+        object.__setattr__(self, "affinity", cores)
+
+    def _check_host(self) -> None:
+        if self.host is not None and (not isinstance(self.host, str) or not _LABEL_VALUE.fullmatch(self.host)):
+            raise ConfigError(f"host must be a node label value (up to 63 letters, digits, '-', '_', '.', "
+                              f"starting and ending with a letter or digit), got {self.host!r}")
+
+    def for_replica(self: _D, replica: int) -> _D:
         """The settings of one replica: with enough cores, each replica gets its own slice of
         ``affinity`` (``intra_op_threads`` cores each, in order); otherwise all share the list."""
         cores = self.affinity
         threads = max(self.intra_op_threads, 1)
         if cores is None or len(cores) < self.replicas * threads:
             return self
-        return self.replace(affinity=cores[replica * threads : (replica + 1) * threads])
+        return dataclasses.replace(self, affinity=cores[replica * threads : (replica + 1) * threads])
 
     def thread_count(self, cores: int) -> int:
         """Threads one replica runs: its worker (also intra-op thread 0) and the intra-op pool, and
@@ -386,6 +432,63 @@ class StageSettings:
         else:
             groups = [",".join(str(c + 1) for c in cores)] * (self.intra_op_threads - 1)
         return ";".join(groups)
+
+
+#: A stage's settings in ``pipeline.json``, in the order it has always listed them (that of the one
+#: class they were before they were split by when they may change): a bundle built again is the same
+#: bytes.
+_JSON_ORDER = ("target", "provider_options", "fallback", "intra_op_threads", "inter_op_threads", "execution_mode", "spinning", "affinity",
+               "optimization", "session_config", "replicas", "custom_ops", "host", "max_batch", "max_delay_ms", "batch_pad", "ep_package",
+               "ep_device")
+#: Settings newer than the format: absent when they have their default, so that a bundle that does not
+#: use them reads, and is written, as before.
+_WRITTEN_WHEN_SET = ("custom_ops", "host", "max_batch", "max_delay_ms", "batch_pad", "ep_package", "ep_device")
+_DEFAULTS = {f.name: f.default_factory() if callable(f.default_factory) else f.default for f in (*fields(BuildSettings), *fields(DeploySettings))}
+
+
+@dataclass(frozen=True)
+class StageSettings(DeploySettings, BuildSettings):
+    """How one stage's session is made: the :class:`BuildSettings` its bundle was built with and
+    the :class:`DeploySettings` a host runs it with, in one object (what ``pipeline.json`` holds per
+    stage). It takes the fields of both as keyword arguments (``StageSettings(target="cuda",
+    intra_op_threads=2, max_batch=8)``) and has them as attributes; each part checks its own.
+
+    Raises:
+        ConfigError: a bad value, named with the valid choices.
+    """
+
+    def __post_init__(self) -> None:
+        BuildSettings.__post_init__(self)
+        DeploySettings.__post_init__(self)
+
+    def replace(self, **changes: Any) -> StageSettings:
+        """A copy with some fields changed (checked again)."""
+        return StageSettings(**{**asdict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        data = {key: getattr(self, key) for key in _JSON_ORDER}
+        for key in ("provider_options", "session_config", "batch_pad"):
+            data[key] = dict(data[key])
+        data["affinity"] = list(self.affinity) if self.affinity is not None else None
+        data["custom_ops"] = list(self.custom_ops)
+        for key in _WRITTEN_WHEN_SET:
+            if getattr(self, key) == _DEFAULTS[key]:
+                del data[key]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StageSettings:
+        """Read the JSON form; unknown keys are a :class:`ConfigError` naming the valid ones."""
+        names = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in names:
+                raise ConfigError(f"unknown stage setting '{key}'; {closest(key, names)}")
+        values = dict(data)
+        for key in ("affinity", "custom_ops"):
+            if isinstance(values.get(key), list):
+                values[key] = tuple(values[key])
+        return cls(**values)
 
     def session_options(self, optimization: str | None = None) -> ort.SessionOptions:
         """onnxruntime session options for these settings.
