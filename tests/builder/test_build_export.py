@@ -94,7 +94,8 @@ def test_cross_target_build_keeps_a_portable_module_and_says_so(tmp_path: Path) 
     assert read_bundle(bundle).manifest.providers == ["CPUExecutionProvider", "CUDAExecutionProvider"]
     # The available list is the host's, in its order: a plugin EP registered earlier in this worker (test_plugin_ep) may follow CPU.
     message = (r"^stage 'twin' targets CUDAExecutionProvider, which this host's onnxruntime \(1\.\d+\.\d+\) does not have; "
-               r"available: [^;]*\bCPUExecutionProvider\b[^;]*; install onnxruntime-gpu \(it replaces onnxruntime; needs CUDA and cuDNN\) to get it, or use target 'cpu'")
+               r"available: [^;]*\bCPUExecutionProvider\b[^;]*; "
+               r"install onnxruntime-gpu \(it replaces onnxruntime; needs CUDA and cuDNN\) to get it, or use target 'cpu'")
     with pytest.raises(BundleError, match=message):
         load(bundle)
     x = np.ones((2, 4), np.float32)
