@@ -35,7 +35,7 @@ __all__ = ["ARCHIVE_SUFFIX", "PAGE", "unpack"]
 
 #: A bundle written as one file is a zip archive with this suffix.
 ARCHIVE_SUFFIX = ".onnxpipe"
-#: Offsets of the member data that may stay in an archive (see the note above).
+#: Offsets of the member data that may stay in an archive (see Note: external data left in the archive).
 PAGE = 4096
 #: The compression methods an archive may use (what export writes, and what zip tools write by default).
 _COMPRESSIONS = {zipfile.ZIP_STORED: "stored (0)", zipfile.ZIP_DEFLATED: "deflate (8)"}

@@ -65,13 +65,17 @@ def check_relative(path: str, what: str) -> str:
         raise BundleError(f"{what} '{path}' is absolute; bundle paths are relative to the bundle")
     if posixpath.normpath(path) != path or path.split("/")[0] == ".." or "/../" in f"/{path}/":
         raise BundleError(f"{what} '{path}' is not a normalized path inside the bundle")
+    _check_unreserved(path, what)
+    return path
+
+
+def _check_unreserved(path: str, what: str) -> None:
+    """Refuse a path with a component named as onnxruntime's location tags (Note: onnxruntime's location tags)."""
     if any(part.startswith("_ORT_") and part.endswith("_") for part in path.split("/")):
-        # See Note: onnxruntime's location tags.
         raise BundleError(
             f"{what} '{path}' names onnxruntime's reserved location tag '{ORT_MEMORY_ADDRESS_TAG}' (or one like it), "
             "under which onnxruntime reads a tensor's offset as a memory address; bundle paths may not use it"
         )
-    return path
 
 
 def walk_files(root: Path, limits: Limits) -> Iterator[str]:
