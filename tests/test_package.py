@@ -13,7 +13,16 @@ import pytest
 
 import onnxpipe
 
-PACKAGES = ["onnxpipe", "onnxpipe.runtime", "onnxpipe.builder", "onnxpipe.splitter", "onnxpipe.planner", "onnxpipe.serve", "onnxpipe.cli"]
+PACKAGES = [
+    "onnxpipe",
+    "onnxpipe.runtime",
+    "onnxpipe.runtime.bundle",
+    "onnxpipe.builder",
+    "onnxpipe.splitter",
+    "onnxpipe.planner",
+    "onnxpipe.serve",
+    "onnxpipe.cli",
+]
 ROOT = Path(onnxpipe.__file__).parent
 # Which layers each layer may import (besides itself and the top-level error family).
 ALLOWED = {

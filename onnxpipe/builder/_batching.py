@@ -52,11 +52,10 @@ import onnx
 import onnxruntime as ort
 
 from onnxpipe._errors import BuildError, ConfigError, InputError, OnnxpipeError
-from onnxpipe.runtime._dtypes import numpy_dtype
+from onnxpipe.runtime import Batching, Endpoint, PipelineSpec, StageSpec, TensorSpec, numpy_dtype
 from onnxpipe.runtime._inputs import MASK_NAMES, DecoderInputs, random_array
 from onnxpipe.runtime._overrides import check_stream_batching
 from onnxpipe.runtime._session import make_session
-from onnxpipe.runtime._spec import Batching, Endpoint, PipelineSpec, StageSpec, TensorSpec
 from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
 from onnxpipe.runtime._stream import bind_dims, state_dims
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_outputs, stack_steps

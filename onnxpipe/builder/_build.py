@@ -34,10 +34,9 @@ from onnxpipe._errors import BuildError, BundleError, SplitError
 from onnxpipe.builder._batching import check_batching
 from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Stage
 from onnxpipe.builder._modules import move_into_place, save_model
-from onnxpipe.runtime import ParamGroup, PipelineSpec
+from onnxpipe.runtime import ParamGroup, PipelineSpec, StageSettings
 from onnxpipe.runtime._code import custom_ops_library
 from onnxpipe.runtime._session import open_session
-from onnxpipe.runtime._settings import StageSettings
 
 __all__ = ["BuildResult", "StageReport", "build"]
 

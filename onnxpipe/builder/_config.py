@@ -36,8 +36,8 @@ from onnx import ModelProto
 from onnxpipe._errors import ConfigError, closest
 from onnxpipe.builder._modules import io_specs, save_model, weight_specs
 from onnxpipe.builder._wiring import Wiring
-from onnxpipe.runtime import Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, TensorSpec
-from onnxpipe.runtime._spec import CodeSpec, check_entry_point, check_state_ends, find_tensor
+from onnxpipe.runtime import CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, TensorSpec
+from onnxpipe.runtime._spec import check_entry_point, check_state_ends, find_tensor
 
 __all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "SplitPieces", "Stage"]
 

@@ -2,7 +2,7 @@
 bundle again with other deploy-time settings.
 
 The bundle layout and the checks the runtime makes when it loads one are in
-``onnxpipe/runtime/_bundle.py`` and docs/bundle-format.md; this module writes exactly that, through
+``onnxpipe/runtime/bundle/`` and docs/bundle-format.md; this module writes exactly that, through
 the runtime's own :class:`~onnxpipe.runtime.Manifest`, in one place (``_write_bundle``).
 """
 
@@ -25,12 +25,23 @@ import onnxpipe
 from onnxpipe._errors import BuildError, ConfigError, InputError
 from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.builder._modules import move_into_place
-from onnxpipe.runtime import ARCHIVE_SUFFIX, PipelineSpec, SequentialPipeline
-from onnxpipe.runtime._bundle import CONFIG_NAME, MANIFEST_NAME, PAGE, Bundle, FileEntry, Limits, read_bundle, save_npz, write_manifest
-from onnxpipe.runtime._code import CodeNotAllowedError, check_allowed
+from onnxpipe.runtime import PipelineSpec, SequentialPipeline, check_allowed
+from onnxpipe.runtime._code import CodeNotAllowedError
 from onnxpipe.runtime._inputs import feed_shapes
 from onnxpipe.runtime._overrides import Overrides, apply_overrides
-from onnxpipe.runtime._protoscan import external_locations
+from onnxpipe.runtime.bundle import (
+    ARCHIVE_SUFFIX,
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    PAGE,
+    Bundle,
+    FileEntry,
+    Limits,
+    external_locations,
+    read_bundle,
+    save_npz,
+    write_manifest,
+)
 
 __all__ = ["export", "read_build", "rebundle"]
 

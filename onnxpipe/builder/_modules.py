@@ -21,8 +21,7 @@ import onnx
 from onnx import ModelProto, TensorProto
 
 from onnxpipe._errors import ConfigError, SplitError
-from onnxpipe.runtime import DTYPES, TensorSpec, dtype_from_onnx
-from onnxpipe.runtime._inputs import UNKNOWN_DIM_NAMES
+from onnxpipe.runtime import DTYPES, UNKNOWN_DIM_NAMES, TensorSpec, dtype_from_onnx
 
 #: Dim names read as no name at all (``""`` and PaddlePaddle's ``?``): the dim is dynamic and unnamed.
 UNKNOWN = UNKNOWN_DIM_NAMES | {""}

@@ -352,7 +352,7 @@ def _host_notes(spec: PipelineSpec) -> list[str]:
 
     from onnxpipe._errors import BundleError
     from onnxpipe.runtime import Limits
-    from onnxpipe.runtime._bundle import check_caps
+    from onnxpipe.runtime.bundle import check_caps
 
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     notes = [

@@ -2,7 +2,6 @@
 
 import onnxpipe.runtime._guard  # noqa: F401  first: a missing or broken onnxruntime is one error saying what to install
 from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
-from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, npz_layout, read_bundle, save_npz
 from onnxpipe.runtime._code import check_allowed, code_entries
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
@@ -15,10 +14,11 @@ from onnxpipe.runtime._ray import RayOptions
 from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, BuildSettings, DeploySettings, StageSettings, resolve_provider
-from onnxpipe.runtime._spec import SPEC_VERSION, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, StateLink, TensorSpec
+from onnxpipe.runtime._spec import SPEC_VERSION, Batching, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, StateLink, TensorSpec
 from onnxpipe.runtime._stage import host_placement
 from onnxpipe.runtime._stats import PipelineStats, StageStats
 from onnxpipe.runtime._stream import Stream
+from onnxpipe.runtime.bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, npz_layout, read_bundle, save_npz
 
 __all__ = [
     "UNKNOWN_DIM_NAMES",
@@ -29,6 +29,7 @@ __all__ = [
     "ENGINES",
     "PROVIDER_ALIASES",
     "SPEC_VERSION",
+    "Batching",
     "BenchReport",
     "BuildSettings",
     "Bundle",

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from onnxpipe._errors import BundleError, ConfigError, InputError, StageError
-from onnxpipe.runtime._bundle import load_npz, npz_layout, save_npz
 from onnxpipe.runtime._inputs import check_inputs
+from onnxpipe.runtime.bundle import load_npz, npz_layout, save_npz
 
 if TYPE_CHECKING:
     import numpy as np

@@ -10,7 +10,7 @@ import numpy as np
 
 from onnxpipe._errors import InputError, closest
 from onnxpipe.runtime._dtypes import numpy_dtype
-from onnxpipe.runtime._spec import TensorSpec
+from onnxpipe.runtime._spec import Dim, TensorSpec
 
 __all__ = [
     "MASK_NAMES",
@@ -66,15 +66,9 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
     Raises:
         InputError: one message naming the input and what was expected.
     """
-    by_name = {s.name: s for s in specs}
-    for name in feeds:
-        if name not in by_name:
-            raise InputError(f"unknown {what} '{name}'; {closest(name, by_name)}")
-    missing = [s.name for s in specs if s.name not in feeds]
-    if missing:
-        raise InputError(f"missing {what}(s) {', '.join(repr(n) for n in missing)}; expected {', '.join(repr(s.name) for s in specs)}")
+    _check_names(specs, feeds, what)
     arrays: dict[str, np.ndarray] = {}
-    sizes: dict[str, tuple[int, str]] = {}
+    sizes: dict[str, tuple[int, str]] | None = {} if same_dims else None
     for spec in specs:
         value = feeds[spec.name]
         array = value if isinstance(value, np.ndarray) else np.asarray(value)
@@ -87,17 +81,35 @@ def check_inputs(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: st
         if raw:
             _check_bytes(spec, array, what)
         if spec.shape is not None:
-            if array.ndim != len(spec.shape):
-                raise InputError(f"{what} '{spec.name}' has shape {list(array.shape)}; expected rank {len(spec.shape)}: {_fmt(spec.shape)}")
-            for axis, (dim, size) in enumerate(zip(spec.shape, array.shape, strict=True)):
-                if isinstance(dim, int) and dim != size:
-                    raise InputError(f"{what} '{spec.name}' has shape {list(array.shape)}; expected {_fmt(spec.shape)} (dim {axis} must be {dim})")
-                if same_dims and isinstance(dim, str) and dim not in UNKNOWN_DIM_NAMES:
-                    seen = sizes.setdefault(dim, (size, spec.name))
-                    if seen[0] != size:
-                        raise InputError(f"{what} '{spec.name}' has {dim}={size} (dim {axis}) but {what} '{seen[1]}' has {dim}={seen[0]}")
+            _check_shape(spec, spec.shape, array, what, sizes)
         arrays[spec.name] = array
     return arrays
+
+
+def _check_names(specs: Sequence[TensorSpec], feeds: Mapping[str, Any], what: str) -> None:
+    """Refuse a feed the specs do not name, then a spec no feed gives."""
+    by_name = {s.name: s for s in specs}
+    for name in feeds:
+        if name not in by_name:
+            raise InputError(f"unknown {what} '{name}'; {closest(name, by_name)}")
+    missing = [s.name for s in specs if s.name not in feeds]
+    if missing:
+        raise InputError(f"missing {what}(s) {', '.join(repr(n) for n in missing)}; expected {', '.join(repr(s.name) for s in specs)}")
+
+
+def _check_shape(spec: TensorSpec, shape: tuple[Dim, ...], array: np.ndarray, what: str, sizes: dict[str, tuple[int, str]] | None) -> None:
+    """The array of the spec's rank and fixed sizes (``shape``, the spec's); with ``sizes`` (a
+    symbolic dim -> the first size seen and the value that had it), each named dim of one size
+    among the values."""
+    if array.ndim != len(shape):
+        raise InputError(f"{what} '{spec.name}' has shape {list(array.shape)}; expected rank {len(shape)}: {_fmt(shape)}")
+    for axis, (dim, size) in enumerate(zip(shape, array.shape, strict=True)):
+        if isinstance(dim, int) and dim != size:
+            raise InputError(f"{what} '{spec.name}' has shape {list(array.shape)}; expected {_fmt(shape)} (dim {axis} must be {dim})")
+        if sizes is not None and isinstance(dim, str) and dim not in UNKNOWN_DIM_NAMES:
+            seen = sizes.setdefault(dim, (size, spec.name))
+            if seen[0] != size:
+                raise InputError(f"{what} '{spec.name}' has {dim}={size} (dim {axis}) but {what} '{seen[1]}' has {dim}={seen[0]}")
 
 
 def _object_hint(spec: TensorSpec) -> str:

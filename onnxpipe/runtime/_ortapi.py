@@ -40,11 +40,11 @@ import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
 from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest
-from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._dtypes import numpy_dtype, ort_type
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import placement
 from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
+from onnxpipe.runtime.bundle import Bundle
 
 __all__ = [
     "METADATA_PREFIX",

@@ -2,7 +2,7 @@
 (``load(..., overrides=...)``, ``onnxpipe serve/run/bench/verify --set``, ``onnxpipe rebundle``).
 
 Note: what a deployment may change.
-    A bundle's settings are the builder's wish (see Note: thread and replica caps, in _bundle.py).
+    A bundle's settings are the builder's wish (see Note: thread and replica caps, in runtime/bundle/_limits.py).
     Some of them only say how this host runs a stage: its threads, its cores, its replicas, how
     large a batch it forms and how long it waits for one, and on which Ray node it lives. A host
     with other cores needs other values (a bundle built with ``affinity=6-7`` cannot start on a

@@ -42,7 +42,6 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxpipe._errors import BusyError, ConfigError, InputError, StageError, StreamError, closest
-from onnxpipe.runtime._bundle import Bundle, Limits, check_caps, read_bundle
 from onnxpipe.runtime._channel import Closed, Full
 from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
@@ -54,6 +53,7 @@ from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
 from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, resident_bytes, summarize, write_trace
 from onnxpipe.runtime._stream import IdleStreams, Stream, state_dims
+from onnxpipe.runtime.bundle import Bundle, Limits, check_caps, read_bundle
 from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, member_outputs, stack_steps, step_key
 
 __all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]

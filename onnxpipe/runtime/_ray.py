@@ -94,12 +94,12 @@ from typing import Any
 import numpy as np
 
 from onnxpipe._errors import BundleError, ConfigError, OnnxpipeError, StageError, StreamError
-from onnxpipe.runtime._bundle import MANIFEST_NAME, Bundle, Limits, read_bundle, sha256_file
 from onnxpipe.runtime._channel import Closed, Full
 from onnxpipe.runtime._ortapi import SessionFacts
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, claimed, make_runner, pinned_replica, plan_stages
 from onnxpipe.runtime._stats import StageRecorder
+from onnxpipe.runtime.bundle import MANIFEST_NAME, Bundle, Limits, read_bundle, sha256_file
 from onnxpipe.runtime.scheduling import StepBatch, take_rows
 
 __all__ = ["HOST_LABEL", "RayEngine", "RayOptions", "import_ray"]

@@ -15,11 +15,11 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest
-from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._code import check_allowed, resolve_entry
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
 from onnxpipe.runtime._stage import CodeRunner, StagePlan
+from onnxpipe.runtime.bundle import Bundle
 
 __all__ = ["SequentialPipeline"]
 

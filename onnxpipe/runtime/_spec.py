@@ -494,13 +494,7 @@ class PipelineSpec:
         matching dtypes and shapes, every stage input and global output fed exactly once, and stages
         listed so that every link goes forward (which also rules out cycles).
         """
-        _unique("stage", (s.name for s in self.stages))
-        _unique("pipeline input", (t.name for t in self.inputs))
-        _unique("pipeline output", (t.name for t in self.outputs))
-        _unique("param group", (g.name for g in self.param_groups))
-        for group in self.param_groups:
-            self.stage(group.stage)
-            _unique(f"parameter of group '{group.name}'", (t.name for t in group.params))
+        self._check_names()
         for stage in self.stages:
             stage.check()
             if stage.is_code and any(g.stage == stage.name for g in self.param_groups):
@@ -508,6 +502,26 @@ class PipelineSpec:
         for spec in self._all_tensors():
             if spec.dtype not in DTYPES:
                 raise ConfigError(f"tensor '{spec.name}' has unknown dtype '{spec.dtype}'; valid: {', '.join(DTYPES)}")
+        fed = self._check_links()
+        for state in self.states:
+            self._check_state(state, fed)
+            fed[Endpoint(state.stage, state.input)] = Link(Endpoint(state.stage, state.output), Endpoint(state.stage, state.input))
+        self._check_fed(fed)
+
+    def _check_names(self) -> None:
+        """Unique names of stages, pipeline inputs and outputs, param groups, and of each group's
+        parameters; every group names a stage."""
+        _unique("stage", (s.name for s in self.stages))
+        _unique("pipeline input", (t.name for t in self.inputs))
+        _unique("pipeline output", (t.name for t in self.outputs))
+        _unique("param group", (g.name for g in self.param_groups))
+        for group in self.param_groups:
+            self.stage(group.stage)
+            _unique(f"parameter of group '{group.name}'", (t.name for t in group.params))
+
+    def _check_links(self) -> dict[Endpoint, Link]:
+        """Every link between existing endpoints, feeding its end alone, going forward, between
+        tensors that match; returns the links by the endpoint each feeds."""
         position = {s.name: i for i, s in enumerate(self.stages)}
         fed: dict[Endpoint, Link] = {}
         for link in self.links:
@@ -518,15 +532,15 @@ class PipelineSpec:
             fed[link.dst] = link
             if link.src.stage is not None and link.src.stage == link.dst.stage:
                 raise ConfigError(f"link {link} connects stage '{link.src.stage}' to itself")
-            if link.src.stage is not None and link.dst.stage is not None:
-                if position[link.src.stage] > position[link.dst.stage]:
-                    raise ConfigError(self._backward(link, position))
+            if link.src.stage is not None and link.dst.stage is not None and position[link.src.stage] > position[link.dst.stage]:
+                raise ConfigError(self._backward(link, position))
             reason = src.mismatch(dst)
             if reason:
                 raise ConfigError(f"link {link}: {reason}")
-        for state in self.states:
-            self._check_state(state, fed)
-            fed[Endpoint(state.stage, state.input)] = Link(Endpoint(state.stage, state.output), Endpoint(state.stage, state.input))
+        return fed
+
+    def _check_fed(self, fed: Mapping[Endpoint, Link]) -> None:
+        """Every stage input and pipeline output fed (by a link or a state link)."""
         for stage in self.stages:
             for t in stage.inputs:
                 if Endpoint(stage.name, t.name) not in fed:

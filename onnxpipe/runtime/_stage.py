@@ -56,13 +56,13 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, InputError, StageError
-from onnxpipe.runtime._bundle import Bundle
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
 from onnxpipe.runtime._settings import check_cores
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
+from onnxpipe.runtime.bundle import Bundle
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_rows, pad_stack, take_rows
 
 __all__ = [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from onnxpipe._errors import ConfigError
 from onnxpipe.runtime import ARCHIVE_SUFFIX, DEFAULT_MAX_STREAMS, ENGINES, StageOverrides, is_bundle
-from onnxpipe.runtime._bundle import CONFIG_NAME, MANIFEST_NAME, linked_folder
+from onnxpipe.runtime.bundle import CONFIG_NAME, MANIFEST_NAME, linked_folder
 from onnxpipe.serve._errors import printable
 
 __all__ = ["ModelSource", "ModelSources", "ServeOptions", "model_sources"]

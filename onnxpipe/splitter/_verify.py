@@ -51,10 +51,10 @@ from onnxpipe.runtime import (
     check_dims,
     check_inputs,
     is_bundle,
+    numpy_dtype,
     random_inputs,
     read_bundle,
 )
-from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import DecoderInputs, defaulted_dims, dim_key, dims_hint, feed_shapes
 from onnxpipe.runtime._stream import bind_dims
 from onnxpipe.splitter._graph import load_model

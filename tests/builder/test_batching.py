@@ -13,8 +13,7 @@ from onnx import ModelProto, TensorProto, helper
 
 from onnxpipe import BuildError, BundleError, ConfigError
 from onnxpipe.builder import PipelineConfig, build, export
-from onnxpipe.runtime import StageSettings, load
-from onnxpipe.runtime._spec import Batching
+from onnxpipe.runtime import Batching, StageSettings, load
 from onnxpipe.splitter import split
 from tests.cli.helpers import assert_user_error, ok, run
 from tests.stateful_models import gpt_decoder

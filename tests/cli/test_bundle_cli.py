@@ -228,7 +228,7 @@ def test_verify_bundle_against_the_whole_model(archive: tuple[Path, Result]) -> 
 
 def test_verify_bundle_past_tolerance_exits_1(folder_bundle: tuple[Path, Result], tmp_path: Path) -> None:
     # A bundle whose stored outputs are wrong, re-manifested so that it is intact as a bundle.
-    from onnxpipe.runtime._bundle import write_manifest
+    from onnxpipe.runtime.bundle import write_manifest
 
     bundle = tmp_path / "wrong"
     shutil.copytree(folder_bundle[0], bundle)

@@ -23,9 +23,9 @@ from onnxpipe import BundleError
 from onnxpipe.builder import build, export
 from onnxpipe.builder._export import _write_archive
 from onnxpipe.runtime import Limits, SequentialPipeline, load, read_bundle
-from onnxpipe.runtime._bundle import MANIFEST_NAME, Manifest, linked_folder, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
 from onnxpipe.runtime._session import maps_archive_data
+from onnxpipe.runtime.bundle import MANIFEST_NAME, Manifest, linked_folder, write_manifest
 from tests import models
 
 # onnxruntime 1.18-1.20 cannot read weights in place from an archive: there they are unpacked (and
@@ -273,9 +273,9 @@ def test_exported_archive_leaves_external_data_in_place(good_bundle: Path, tmp_p
 def test_an_onnxruntime_that_cannot_map_archive_data_gets_it_unpacked(
     good_bundle: Path, tmp_path: Path, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from onnxpipe.runtime import _bundle
+    from onnxpipe.runtime.bundle import _archive
 
-    monkeypatch.setattr(_bundle, "maps_archive_data", lambda: False)  # onnxruntime 1.18-1.20
+    monkeypatch.setattr(_archive, "maps_archive_data", lambda: False)  # onnxruntime 1.18-1.20
     archive = export(good_bundle.parent / "built", tmp_path / "b.onnxpipe", reference_inputs=[{"x": np.ones((2, 4), np.float32)}])
     with load(archive) as pipe:
         assert pipe.bundle.in_archive == {}
@@ -299,7 +299,7 @@ def test_a_tensor_pointing_past_its_member_is_refused(bundle: Path, tmp_path: Pa
 
 
 def test_the_hash_check_reads_one_chunk_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from onnxpipe.runtime import _bundle
+    from onnxpipe.runtime.bundle import _files
 
     data = np.random.default_rng(0).bytes(10_000)
     (tmp_path / "f").write_bytes(data)
@@ -323,10 +323,10 @@ def test_the_hash_check_reads_one_chunk_at_a_time(tmp_path: Path, monkeypatch: p
             reads.append(n)
             return self.f.read(n)
 
-    monkeypatch.setattr(_bundle, "_CHUNK", 1024)
-    monkeypatch.setattr(_bundle, "open", lambda *a, **k: Counting(real_open(*a, **k)), raising=False)
-    assert _bundle.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
-    assert _bundle.sha256_file(tmp_path / "f", 1000, 5000) == hashlib.sha256(data[1000:6000]).hexdigest()
+    monkeypatch.setattr(_files, "CHUNK", 1024)
+    monkeypatch.setattr(_files, "open", lambda *a, **k: Counting(real_open(*a, **k)), raising=False)
+    assert _files.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+    assert _files.sha256_file(tmp_path / "f", 1000, 5000) == hashlib.sha256(data[1000:6000]).hexdigest()
     assert reads and all(0 < n <= 1024 for n in reads)
 
 

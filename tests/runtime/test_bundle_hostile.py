@@ -23,9 +23,9 @@ from onnxpipe import BundleError
 from onnxpipe.builder import build, export
 from onnxpipe.builder._export import _write_archive
 from onnxpipe.runtime import SPEC_VERSION, SequentialPipeline, load, read_bundle
-from onnxpipe.runtime._bundle import MANIFEST_NAME, sha256_file, write_manifest
 from onnxpipe.runtime._protoscan import external_locations
 from onnxpipe.runtime._session import maps_archive_data
+from onnxpipe.runtime.bundle import MANIFEST_NAME, sha256_file, write_manifest
 from tests import models
 from tests.cli.helpers import assert_user_error, run
 from tests.runtime.test_bundle import _rehash, _zip, _zip_of

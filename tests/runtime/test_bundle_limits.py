@@ -21,8 +21,8 @@ import pytest
 from onnxpipe import BundleError
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import Limits, load
-from onnxpipe.runtime._bundle import MANIFEST_NAME, Manifest, write_manifest
 from onnxpipe.runtime._settings import host_cores
+from onnxpipe.runtime.bundle import MANIFEST_NAME, Manifest, write_manifest
 from tests import models
 from tests.cli.helpers import assert_user_error, run
 

@@ -146,7 +146,7 @@ def test_malformed_entry_point_is_a_config_error(entry: str, where: str) -> None
 def test_malformed_entry_point_in_a_bundle_is_refused(coded: Path, tmp_path: Path) -> None:
     import shutil
 
-    from onnxpipe.runtime._bundle import write_manifest
+    from onnxpipe.runtime.bundle import write_manifest
 
     copy = tmp_path / "b"
     shutil.copytree(coded, copy)

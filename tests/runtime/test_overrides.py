@@ -14,8 +14,8 @@ import pytest
 from onnxpipe import BundleError, ConfigError
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import StageOverrides, StageSettings, load, read_bundle
-from onnxpipe.runtime._bundle import MANIFEST_NAME, sha256_file
 from onnxpipe.runtime._settings import host_cores
+from onnxpipe.runtime.bundle import MANIFEST_NAME, sha256_file
 from onnxpipe.splitter import split
 from tests import models
 from tests.stateful_models import recurrent

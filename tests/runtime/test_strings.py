@@ -52,7 +52,7 @@ def test_a_changed_string_fails_the_check(labelled: Path, tmp_path: Path) -> Non
     folder = tmp_path / "bundle"
     import shutil
 
-    from onnxpipe.runtime._bundle import MANIFEST_NAME, sha256_file
+    from onnxpipe.runtime.bundle import MANIFEST_NAME, sha256_file
 
     shutil.copytree(labelled, folder)
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
