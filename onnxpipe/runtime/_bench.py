@@ -178,6 +178,23 @@ def benchmark(
     if caller_cores == "auto" and standalone_runs:  # the stages' slack decides where the caller goes
         standalone = _standalone_ms(pipe, inputs, standalone_runs)
     cores = _caller_cores(pipe, standalone, caller_cores, notes)
+    seconds = _timed(pipe, inputs, requests, warmup, progress, cores)
+    stats: PipelineStats = pipe.stats()
+    if standalone is None:
+        standalone = _standalone_ms(pipe, inputs, standalone_runs) if standalone_runs else [0.0] * len(stats.stages)
+    return _report(stats, standalone, requests, seconds, notes, cores)
+
+
+def _timed(
+    pipe: Pipeline,
+    inputs: Mapping[str, np.ndarray],
+    requests: int,
+    warmup: int,
+    progress: Callable[[int, int], None] | None,
+    cores: set[int] | None,
+) -> float:
+    """Seconds ``requests`` requests take through ``pipe`` after ``warmup`` untimed ones (the
+    statistics reset between), this thread pinned to ``cores`` meanwhile (restored after)."""
     before = os.sched_getaffinity(0)
     try:
         if cores is not None:
@@ -192,9 +209,11 @@ def benchmark(
         seconds = time.perf_counter() - start
     finally:
         os.sched_setaffinity(0, before)
-    stats: PipelineStats = pipe.stats()
-    if standalone is None:
-        standalone = _standalone_ms(pipe, inputs, standalone_runs) if standalone_runs else [0.0] * len(stats.stages)
+    return seconds
+
+
+def _report(stats: PipelineStats, standalone: list[float], requests: int, seconds: float, notes: list[str], cores: set[int] | None) -> BenchReport:
+    """The pipeline's numbers next to its stages' standalone times (0: not measured)."""
     if any(s.batch_sizes for s in stats.stages):
         notes.append("stages that batch run several requests per call: 'in pipeline ms' is per call, and the ideal (one request per call) can be beaten")
     bounds = [s.replicas / (ms / 1e3) for s, ms in zip(stats.stages, standalone, strict=True) if ms > 0]

@@ -209,27 +209,44 @@ def _parse(dim: str) -> tuple[ast.Expression, tuple[str, ...]] | None:
 
 def _check(node: ast.expr, count: int) -> None:
     """Refuse every node outside the grammar of Note: expression dims."""
+    for operand in _operands(node, count):
+        _check(operand, count)
+
+
+def _operands(node: ast.expr, count: int) -> list[ast.expr]:
+    """The operands of a node of the grammar, for :func:`_check` to check in turn (none for a
+    number or a placeholder); :class:`_NotADim` for a node outside it."""
+    if isinstance(node, ast.Constant | ast.Name):
+        if not _is_leaf(node, count):
+            raise _NotADim
+        return []
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
+        return [node.operand]
+    if isinstance(node, ast.BinOp) and (type(node.op) in _BINARY or isinstance(node.op, ast.Pow)):
+        return [node.left, node.right]
+    if isinstance(node, ast.Call):
+        return _arguments(node)
+    raise _NotADim
+
+
+def _is_leaf(node: ast.Constant | ast.Name, count: int) -> bool:
+    """Whether ``node`` is a number (no bool, no string), or one of the ``count`` placeholders."""
     if isinstance(node, ast.Constant):
-        if isinstance(node.value, bool) or not isinstance(node.value, int | float):
-            raise _NotADim
-    elif isinstance(node, ast.Name):
-        if not (node.id.startswith("_") and node.id[1:].isdigit() and int(node.id[1:]) < count):
-            raise _NotADim
-    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
-        _check(node.operand, count)
-    elif isinstance(node, ast.BinOp) and (type(node.op) in _BINARY or isinstance(node.op, ast.Pow)):
-        _check(node.left, count)
-        _check(node.right, count)
-    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS and not node.keywords:
-        arity, _ = _FUNCTIONS[node.func.id]
-        if not node.args or (arity is not None and len(node.args) != arity):
-            raise _NotADim
-        for arg in node.args:
-            if isinstance(arg, ast.Starred):
-                raise _NotADim
-            _check(arg, count)
-    else:
+        return not isinstance(node.value, bool) and isinstance(node.value, int | float)
+    return node.id.startswith("_") and node.id[1:].isdigit() and int(node.id[1:]) < count
+
+
+def _arguments(call: ast.Call) -> list[ast.expr]:
+    """The arguments of a call of one of the functions, as many as it takes; :class:`_NotADim` for
+    any other call."""
+    if not (isinstance(call.func, ast.Name) and call.func.id in _FUNCTIONS and not call.keywords):
         raise _NotADim
+    arity, _ = _FUNCTIONS[call.func.id]
+    if not call.args or (arity is not None and len(call.args) != arity):
+        raise _NotADim
+    if any(isinstance(arg, ast.Starred) for arg in call.args):
+        raise _NotADim
+    return call.args
 
 
 def _evaluate(node: ast.expr, values: list[Fraction]) -> Fraction:

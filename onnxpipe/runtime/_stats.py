@@ -311,52 +311,8 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
     """
     now = time.perf_counter()
     elapsed = max(now - requests.started, 1e-9)
-    rows = []
-    for name, recorders, depth, high, capacity in stages:
-        snapshots = [r.snapshot() for r in recorders]
-        latencies = sorted(x for snap in snapshots for x in snap[3])
-        busy = sum(snap[2] for snap in snapshots)
-        count = sum(snap[0] for snap in snapshots)
-        queued = sum(snap[4] for snap in snapshots)
-        sizes: dict[int, int] = {}
-        sized: dict[int, float] = {}
-        calls = wait = 0.0
-        for r in recorders:
-            n, histogram, waited, ran = r.batch_snapshot()
-            calls += n
-            wait += waited
-            for k, v in histogram.items():
-                sizes[k] = sizes.get(k, 0) + v
-            for k, seconds in ran.items():
-                sized[k] = sized.get(k, 0.0) + seconds
-        batched = sum(k * v for k, v in sizes.items())
-        rows.append(
-            StageStats(
-                stage=name,
-                replicas=len(recorders),
-                count=count,
-                failed=sum(snap[1] for snap in snapshots),
-                busy_s=busy,
-                utilization=busy / (elapsed * len(recorders)),
-                mean_ms=1e3 * sum(latencies) / len(latencies) if latencies else 0.0,
-                p50_ms=1e3 * _percentile(latencies, 50),
-                p99_ms=1e3 * _percentile(latencies, 99),
-                queue_depth=depth,
-                queue_high_water=high,
-                queue_capacity=capacity,
-                queued_s=queued,
-                queue_mean_ms=1e3 * queued / count if count else 0.0,
-                batch_sizes=dict(sorted(sizes.items())),
-                batch_mean=batched / sum(sizes.values()) if sizes else 1.0,
-                batch_wait_ms=1e3 * wait / calls if calls else 0.0,
-                batch_busy_s=dict(sorted(sized.items())),
-            )
-        )
-    with requests._lock:
-        lat = list(requests.latencies)
-        span = (requests.last_done - requests.first_submit) if requests.first_submit is not None and requests.last_done is not None else 0.0
-        completed, failed = requests.completed, requests.failed
-    lat.sort()  # outside the lock: finishing requests do not wait for it
+    rows = [_stage_stats(name, recorders, depth, high, capacity, elapsed) for name, recorders, depth, high, capacity in stages]
+    lat, span, completed, failed = _request_window(requests)
     bottleneck = max(rows, key=lambda r: r.utilization).stage if rows else ""
     return PipelineStats(
         elapsed_s=elapsed,
@@ -364,12 +320,76 @@ def summarize(stages: Sequence[tuple[str, Sequence[StageRecorder], int, int, int
         failed=failed,
         in_flight=in_flight,
         throughput=completed / span if span > 0 else 0.0,
-        latency_mean_ms=1e3 * sum(lat) / len(lat) if lat else 0.0,
+        latency_mean_ms=_mean_ms(lat),
         latency_p50_ms=1e3 * _percentile(lat, 50),
         latency_p99_ms=1e3 * _percentile(lat, 99),
         bottleneck=bottleneck,
         stages=tuple(rows),
     )
+
+
+def _stage_stats(name: str, recorders: Sequence[StageRecorder], depth: int, high: int, capacity: int, elapsed: float) -> StageStats:
+    """One stage's row of :func:`summarize`: its replicas' recorders over ``elapsed`` seconds."""
+    snapshots = [r.snapshot() for r in recorders]
+    latencies = sorted(x for snap in snapshots for x in snap[3])
+    busy = sum(snap[2] for snap in snapshots)
+    count = sum(snap[0] for snap in snapshots)
+    queued = sum(snap[4] for snap in snapshots)
+    calls, sizes, wait, sized = _batch_totals(recorders)
+    batched = sum(k * v for k, v in sizes.items())
+    return StageStats(
+        stage=name,
+        replicas=len(recorders),
+        count=count,
+        failed=sum(snap[1] for snap in snapshots),
+        busy_s=busy,
+        utilization=busy / (elapsed * len(recorders)),
+        mean_ms=_mean_ms(latencies),
+        p50_ms=1e3 * _percentile(latencies, 50),
+        p99_ms=1e3 * _percentile(latencies, 99),
+        queue_depth=depth,
+        queue_high_water=high,
+        queue_capacity=capacity,
+        queued_s=queued,
+        queue_mean_ms=1e3 * queued / count if count else 0.0,
+        batch_sizes=dict(sorted(sizes.items())),
+        batch_mean=batched / sum(sizes.values()) if sizes else 1.0,
+        batch_wait_ms=1e3 * wait / calls if calls else 0.0,
+        batch_busy_s=dict(sorted(sized.items())),
+    )
+
+
+def _batch_totals(recorders: Sequence[StageRecorder]) -> tuple[float, dict[int, int], float, dict[int, float]]:
+    """:meth:`StageRecorder.batch_snapshot` summed over a stage's replicas: ``(calls, batch size
+    histogram, seconds waited for batches, seconds run per batch size)``."""
+    sizes: dict[int, int] = {}
+    sized: dict[int, float] = {}
+    calls = wait = 0.0
+    for r in recorders:
+        n, histogram, waited, ran = r.batch_snapshot()
+        calls += n
+        wait += waited
+        for k, v in histogram.items():
+            sizes[k] = sizes.get(k, 0) + v
+        for k, seconds in ran.items():
+            sized[k] = sized.get(k, 0.0) + seconds
+    return calls, sizes, wait, sized
+
+
+def _request_window(requests: RequestRecorder) -> tuple[list[float], float, int, int]:
+    """``(latencies sorted, seconds from the first submission to the last finish, completed,
+    failed)`` of the end-to-end recorder, read under its lock."""
+    with requests._lock:
+        lat = list(requests.latencies)
+        span = (requests.last_done - requests.first_submit) if requests.first_submit is not None and requests.last_done is not None else 0.0
+        completed, failed = requests.completed, requests.failed
+    lat.sort()  # outside the lock: finishing requests do not wait for it
+    return lat, span, completed, failed
+
+
+def _mean_ms(ordered: Sequence[float]) -> float:
+    """The mean of ``ordered`` seconds in milliseconds (0 for none)."""
+    return 1e3 * sum(ordered) / len(ordered) if ordered else 0.0
 
 
 def write_trace(path: str | os.PathLike[str], recorders: Sequence[StageRecorder], origin: float) -> Path:
