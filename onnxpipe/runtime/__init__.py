@@ -18,6 +18,7 @@ from onnxpipe.runtime._spec import SPEC_VERSION, CodeSpec, Endpoint, Link, Param
 from onnxpipe.runtime._stage import host_placement
 from onnxpipe.runtime._stats import PipelineStats, StageStats
 from onnxpipe.runtime._stream import Stream
+from onnxpipe.runtime._streams import StreamsView
 
 __all__ = [
     "UNKNOWN_DIM_NAMES",
@@ -53,6 +54,7 @@ __all__ = [
     "StageStats",
     "StateLink",
     "Stream",
+    "StreamsView",
     "TensorSpec",
     "benchmark",
     "check_allowed",
