@@ -2,8 +2,11 @@
 
 Each stage (each replica) runs on its own worker; a request moves from stage to stage through
 bounded queues, so stage 0 works on request n+1 while stage 1 works on request n. The API is TVM's
-pipeline executor's (``set_input`` / ``set_params`` / ``run`` / ``get_output``) plus what Python
-users expect (``submit`` -> Future, ``map``, calling the pipeline, a context manager).
+pipeline executor's (``set_input`` / ``set_params`` / ``run`` / ``get_output``, ``_tvm``) plus what
+Python users expect (``submit`` -> Future, ``map``, calling the pipeline, a context manager, streams)
+and onnxruntime's session (``_ortapi``): faces over one core, the requests' table and dispatcher
+(``_requests``) and the stream registry (``_streams``), which :class:`Pipeline` composes with its
+engine, statistics and timelines.
 
 Note: ordering and failures.
     Every request gets a future when it is submitted. Results are delivered through the futures,
