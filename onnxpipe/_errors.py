@@ -31,6 +31,7 @@ __all__ = [
     "Closure",
     "ConfigError",
     "InputError",
+    "RUNTIME_TERMS",
     "OnnxpipeError",
     "Remedy",
     "SplitError",

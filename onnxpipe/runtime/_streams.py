@@ -142,12 +142,7 @@ class StreamRegistry:
     def submit_many(self, steps: Mapping[Stream, Mapping[str, Any]]) -> dict[Stream, Future[Outputs]]:
         """The next step of many streams, every one checked before any is submitted (``Pipeline.submit_steps``)."""
         streams = sorted(steps, key=lambda s: s.id)
-        records = []
-        for stream in streams:
-            record = self._records.get(stream)
-            if record is None:
-                raise StreamError(f"stream {stream.id} belongs to another pipeline")
-            records.append(record)
+        records = self._records_of(streams)
         self.expire_idle()
         with contextlib.ExitStack() as held:
             for record in records:
@@ -167,6 +162,19 @@ class StreamRegistry:
                 self._scheduler.offer_many(pending, flush=True)
                 futures = [waiting.future for waiting in pending]
             return dict(zip(streams, futures, strict=True))
+
+    def _records_of(self, streams: Sequence[Stream]) -> list[StreamRecord]:
+        """The records of streams this registry gave out.
+
+        Raises:
+            StreamError: a stream belongs to another pipeline.
+        """
+        with self._lock:
+            records = [self._records.get(stream) for stream in streams]
+        for stream, record in zip(streams, records, strict=True):
+            if record is None:
+                raise StreamError(f"stream {stream.id} belongs to another pipeline")
+        return [record for record in records if record is not None]  # every one, after the check above
 
     def close(self, record: StreamRecord, wait: bool = True) -> None:
         """Close the stream (``Stream.close``): nothing if it was closed already."""
