@@ -35,6 +35,7 @@ import numpy as np
 import onnxruntime as ort
 
 from benchmarks._timing import median_seconds
+from onnxpipe import Closure
 from onnxpipe.runtime import Pipeline, load
 from onnxpipe.serve._models import Sequence, ServedModel
 from onnxpipe.splitter import split
@@ -48,18 +49,20 @@ X = {"x": np.ones((1, 4), np.float32)}
 
 
 def scan_expiry(pipe: Pipeline) -> Callable[..., list[int]]:
-    """The expiry as it was: every open stream's idleness computed under the pipeline's lock."""
+    """The expiry as it was: every open stream's idleness computed under the registry's lock
+    (patched into the pipeline's stream registry, whose internals it reads)."""
+    registry = pipe._streams
 
     def expire_idle(*_: object) -> list[int]:
         now = time.monotonic()
         timeout = pipe.stream_timeout
         assert timeout is not None
-        with pipe._lock:
-            idle = [s for s in pipe._streams.values() if s.idle_for(now) > timeout]
+        with registry._lock:
+            idle = [s for s in registry._open.values() if s.idle_for(now) > timeout]
         closed = []
         for stream in idle:
-            if stream._expire(f"it was idle for more than stream_timeout={timeout:g} s, and its state was freed"):
-                pipe._close_stream(stream)
+            if stream.shut(Closure("idle", timeout)):
+                registry._close(stream)
                 closed.append(stream.id)
         return closed
 
@@ -112,9 +115,9 @@ def run(counts: tuple[int, ...], runs: int, rounds: int) -> dict[str, dict[int, 
                 scan = scan_expiry(pipe)
                 for _ in range(rounds):
                     samples["ordered"].setdefault(count, []).append(measure(pipe, model, runs))
-                    pipe._expire_idle = scan  # type: ignore[method-assign]
+                    pipe._streams.expire_idle = scan  # type: ignore[method-assign]
                     samples["scan"].setdefault(count, []).append(measure(pipe, model, runs))
-                    del pipe._expire_idle
+                    del pipe._streams.expire_idle
     return {column: {count: {what: statistics.median(r[what] for r in rs) for what in rs[0]} for count, rs in by_count.items()}
             for column, by_count in samples.items()}
 

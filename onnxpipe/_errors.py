@@ -3,24 +3,44 @@
 User errors (a bad cut, an unknown tensor, a broken bundle, a wrong input) raise a subclass of
 :class:`OnnxpipeError` whose message names the offending thing and the valid choices. Bugs stay
 plain Python exceptions with their tracebacks.
+
+Note: a stream's errors carry facts, each layer says them.
+    A stream's errors (:class:`StreamError`, :class:`StateDimError`) keep what happened as fields:
+    the stream, the step, the stages that took it, why the stream was closed (:class:`Closure`),
+    the limit involved, and what its owner can do (:class:`Remedy`). Their text is rendered from
+    those fields in some layer's words (:class:`StreamTerms`): ``str()`` gives the runtime's
+    ("stream 3", ``stream_timeout=``, "open a new one with pipe.stream()"), and the server renders
+    the same fields in a client's (its ``sequence_id``, ``--stream-timeout``, "start it again with
+    'sequence_start': true"; ``serve/_models.py``, Note: a client's terms). No layer rewrites
+    another's text. An error that wraps a step's failure (``cause``) renders the cause in the same
+    words when it is a stream's error too, and as its own text otherwise (a stage's failure).
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 __all__ = [
     "BuildError",
     "BundleError",
     "BusyError",
+    "Closure",
     "ConfigError",
     "InputError",
+    "RUNTIME_TERMS",
     "OnnxpipeError",
+    "Remedy",
     "SplitError",
     "StageError",
+    "StateDimError",
     "StreamError",
+    "StreamTerms",
     "closest",
+    "said",
 ]
 
 
@@ -58,19 +78,6 @@ class StageError(OnnxpipeError):
         self.request = request
 
 
-class StreamError(StageError):
-    """A stream cannot take a step (closed, timed out, too many streams), or one of its steps failed.
-
-    Attributes:
-        state_valid: For a failed step: whether the stream's state is still what it was before the
-            step (the stream can go on), or not (close it). ``None`` when no step failed.
-    """
-
-    def __init__(self, message: str, *, stage: str | None = None, request: int | None = None, state_valid: bool | None = None) -> None:
-        super().__init__(message, stage=stage, request=request)
-        self.state_valid = state_valid
-
-
 class BusyError(OnnxpipeError):
     """The pipeline cannot take a request now without waiting (``submit(..., block=False)``);
     nothing was submitted."""
@@ -78,6 +85,226 @@ class BusyError(OnnxpipeError):
 
 class InputError(OnnxpipeError):
     """Inputs given to a pipeline or a model do not match what it declares."""
+
+
+class Remedy(enum.Enum):
+    """What the owner of a stream can do about a :class:`StreamError` or :class:`StateDimError`
+    (each layer words it: :class:`StreamTerms`)."""
+
+    #: The step failed but the stream's state is as before it: step again.
+    GO_ON = "go_on"
+    #: The stream's state is no longer valid: close the stream.
+    CLOSE = "close"
+    #: The stream refuses steps (its state is no longer valid): close it and open a new one.
+    RESTART = "restart"
+    #: The stream is closed: open a new one.
+    REOPEN = "reopen"
+    #: A step sizes a state dim differently than the stream's first step: open a new stream for that size.
+    NEW_STREAM = "new_stream"
+    #: ``max_streams`` streams are open: close one, or allow more.
+    MAKE_ROOM = "make_room"
+
+
+@dataclass(frozen=True)
+class Closure:
+    """Why a stream was closed (``Stream.closure``, ``StreamError.closure``).
+
+    Attributes:
+        cause: ``"owner"`` (its ``close()``), ``"idle"`` (idle past the pipeline's
+            ``stream_timeout``) or ``"pipeline"`` (its pipeline was closed).
+        timeout: For ``"idle"``: the ``stream_timeout`` it passed, in seconds.
+    """
+
+    cause: Literal["owner", "idle", "pipeline"]
+    timeout: float | None = None
+
+
+class StreamTerms:
+    """The words a layer says a stream's facts in: these are the runtime's (``str()`` of a
+    stream's error); the server subclasses it with a client's (see Note: a stream's errors carry
+    facts, each layer says them)."""
+
+    #: What a stream's state is called.
+    state = "the stream's state"
+    #: Each remedy, as a sentence's last clause (:attr:`Remedy.NEW_STREAM`'s is followed by the dim's name).
+    remedies: ClassVar[Mapping[Remedy, str]] = {
+        Remedy.GO_ON: "the stream can go on",
+        Remedy.CLOSE: "close the stream",
+        Remedy.RESTART: "close it and open a new one",
+        Remedy.REOPEN: "open a new one with pipe.stream()",
+        Remedy.NEW_STREAM: "open a new stream for another",
+        Remedy.MAKE_ROOM: "close one first, or load the pipeline with a larger max_streams",
+    }
+
+    def stream(self, stream: int) -> str:
+        """The stream an error is about, as the subject of its sentence."""
+        return f"stream {stream}"
+
+    def timeout(self, seconds: float) -> str:
+        """The idle timeout a stream passed."""
+        return f"stream_timeout={seconds:g}"
+
+    def closure(self, closure: Closure) -> str:
+        """Why a stream was closed (``Stream.closed_because``)."""
+        if closure.cause == "idle":
+            return f"it was idle for more than {self.timeout(closure.timeout or 0.0)} s, and its state was freed"
+        return "closed by its owner" if closure.cause == "owner" else "its pipeline was closed"
+
+
+#: The runtime's words (``str()`` of every stream error).
+RUNTIME_TERMS = StreamTerms()
+
+
+def said(error: BaseException, terms: StreamTerms = RUNTIME_TERMS) -> str:
+    """An error's text in ``terms``: a stream's error rendered from its fields, any other its own text."""
+    if isinstance(error, StreamError | StateDimError):
+        return error.render(terms)
+    return str(error)
+
+
+class StreamError(StageError):
+    """A stream cannot take a step (closed, timed out, too many streams), or one of its steps failed.
+
+    Made by its constructors (:meth:`closed`, :meth:`refused`, :meth:`step_failed`,
+    :meth:`state_lost`, :meth:`too_many`), it keeps the facts as fields and its text is rendered from
+    them (:meth:`render`); one made from a message alone (the pipeline is closed, a stream of
+    another pipeline) has only its message.
+
+    Attributes:
+        state_valid: For a failed step: whether the stream's state is still what it was before the
+            step (the stream can go on), or not (close it). ``None`` when no step failed.
+        remedy: What its owner can do (``None`` for an error with a message alone).
+        stream: The stream a refusal is about (closed, or refusing steps).
+        step: The step that failed (for a refusal: the step whose failure left the state invalid).
+        cause: The step's failure this error wraps (a stage's error, or the engine's :meth:`state_lost`).
+        took: The stages with state that took the failed step before the failing one.
+        streams: The streams whose state an engine lost (:meth:`state_lost`).
+        detail: What happened to the state an engine lost.
+        closure: Why the stream was closed.
+        limit: The limit that was reached (``max_streams``).
+        open_ids: The streams open when ``limit`` was reached.
+    """
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        stage: str | None = None,
+        request: int | None = None,
+        state_valid: bool | None = None,
+        remedy: Remedy | None = None,
+        stream: int | None = None,
+        step: int | None = None,
+        cause: BaseException | None = None,
+        took: Sequence[str] = (),
+        streams: Sequence[int] = (),
+        detail: str = "",
+        closure: Closure | None = None,
+        limit: int | None = None,
+        open_ids: Sequence[int] = (),
+    ) -> None:
+        StageError.__init__(self, message or "", stage=stage, request=request)
+        self.state_valid = state_valid
+        self.remedy = remedy
+        self.stream = stream
+        self.step = step
+        self.cause = cause
+        self.took = tuple(took)
+        self.streams = tuple(streams)
+        self.detail = detail
+        self.closure = closure
+        self.limit = limit
+        self.open_ids = tuple(open_ids)
+        if message is None:
+            self.args = (self.render(),)
+
+    @classmethod
+    def closed(cls, stream: int, closure: Closure) -> StreamError:
+        """A step of a closed stream."""
+        return cls(remedy=Remedy.REOPEN, stream=stream, closure=closure)
+
+    @classmethod
+    def refused(cls, stream: int, step: int, failure: StreamError) -> StreamError:
+        """A step of a stream whose step ``step`` failed as ``failure`` and left its state invalid."""
+        return cls(remedy=Remedy.RESTART, stream=stream, step=step, cause=failure, state_valid=False)
+
+    @classmethod
+    def step_failed(cls, error: BaseException, step: int, took: Sequence[str]) -> StreamError:
+        """A stream's step failed with ``error`` (in ``error.stage``) after the stages with state
+        ``took`` had taken it: the state is unchanged when none had, else no longer valid."""
+        stage = error.stage if isinstance(error, StageError) else None
+        remedy = Remedy.CLOSE if took else Remedy.GO_ON
+        return cls(stage=stage, request=getattr(error, "request", None), state_valid=not took, remedy=remedy, step=step, cause=error, took=took)
+
+    @classmethod
+    def state_lost(cls, stage: str, streams: Sequence[int], detail: str, request: int | None = None) -> StreamError:
+        """An engine lost the state of ``streams`` in ``stage``: ``detail`` says how (e.g. "the
+        actor holding it (replica 0) died (...)"). Every engine that can lose a state says so with
+        this, so each layer words it alike."""
+        return cls(stage=stage, request=request, state_valid=False, remedy=Remedy.CLOSE, streams=streams, detail=detail)
+
+    @classmethod
+    def too_many(cls, limit: int, open_ids: Sequence[int]) -> StreamError:
+        """No stream can open: ``limit`` streams (``max_streams``) are open, ``open_ids``."""
+        return cls(remedy=Remedy.MAKE_ROOM, limit=limit, open_ids=open_ids)
+
+    def render(self, terms: StreamTerms = RUNTIME_TERMS) -> str:
+        """The error's text in ``terms`` (``str()``: the runtime's)."""
+        remedy = self.remedy
+        if remedy is None:
+            return str(self.args[0])
+        then = terms.remedies[remedy]
+        if remedy is Remedy.REOPEN:
+            assert self.closure is not None and self.stream is not None
+            return f"{terms.stream(self.stream)} is closed ({terms.closure(self.closure)}); {then}"
+        if remedy is Remedy.RESTART:
+            assert self.stream is not None and isinstance(self.cause, StreamError)
+            return f"{terms.stream(self.stream)} cannot take more steps: {self.cause.failure(self.step, terms)}; {then}"
+        if remedy is Remedy.MAKE_ROOM:
+            return f"max_streams={self.limit} streams are open already (ids {', '.join(map(str, self.open_ids))}); {then}"
+        if self.streams:
+            which = f"stream {self.streams[0]}" if len(self.streams) == 1 else "streams " + ", ".join(map(str, self.streams))
+            return f"stage '{self.stage}' lost the state of {which}: {self.detail}; {then}"
+        cause = said(self.cause, terms) if self.cause is not None else ""
+        if remedy is Remedy.GO_ON:
+            return f"{cause}; {terms.state} is unchanged (as after step {(self.step or 0) - 1}): {then}"
+        return f"{cause}; {terms.state} is no longer valid: stage(s) {_quoted(self.took)} took step {self.step} and stage '{self.stage}' did not; {then}"
+
+    def failure(self, step: int | None, terms: StreamTerms = RUNTIME_TERMS) -> str:
+        """What this failure of step ``step`` did to the stream, as a refusal of its later steps says it."""
+        if self.took:
+            return f"step {step} failed in stage '{self.stage}' after stage(s) {_quoted(self.took)} had updated their state"
+        return f"step {step} failed: {said(self, terms)}"
+
+
+class StateDimError(InputError):
+    """A stream's step sizes a dim of the stream's state (its symbolic dims but the empty axis)
+    differently than the stream's first step did; nothing was submitted and the stream goes on.
+
+    Attributes:
+        stream: The stream.
+        step: The step's number.
+        name: The input that gives the dim.
+        dim: The dim's name.
+        size: Its size in this step.
+        bound: Its size since the stream's first step.
+        remedy: Always :attr:`Remedy.NEW_STREAM`.
+    """
+
+    remedy = Remedy.NEW_STREAM
+
+    def __init__(self, message: str | None = None, *, stream: int = 0, step: int = 0, name: str = "", dim: str = "", size: int = 0, bound: int = 0) -> None:
+        self.stream, self.step, self.name, self.dim, self.size, self.bound = stream, step, name, dim, size, bound
+        super().__init__(self.render() if message is None else message)
+
+    def render(self, terms: StreamTerms = RUNTIME_TERMS) -> str:
+        """The error's text in ``terms`` (``str()``: the runtime's)."""
+        return (f"{terms.stream(self.stream)}, step {self.step}: input '{self.name}' has {self.dim}={self.size}, but {terms.state} was made "
+                f"with {self.dim}={self.bound} on its first step; {terms.remedies[self.remedy]} {self.dim}")
+
+
+def _quoted(names: Iterable[str]) -> str:
+    return ", ".join(f"'{n}'" for n in names)
 
 
 #: Up to this many valid names, a message lists every one of them (keys, settings, stages...);

@@ -18,6 +18,7 @@ from onnxpipe.runtime._spec import SPEC_VERSION, Batching, CodeSpec, Endpoint, L
 from onnxpipe.runtime._stage import host_placement
 from onnxpipe.runtime._stats import PipelineStats, StageStats
 from onnxpipe.runtime._stream import Stream
+from onnxpipe.runtime._streams import StreamsView
 from onnxpipe.runtime.bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, npz_layout, read_bundle, save_npz
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "StageStats",
     "StateLink",
     "Stream",
+    "StreamsView",
     "TensorSpec",
     "benchmark",
     "check_allowed",

@@ -2,8 +2,11 @@
 
 Each stage (each replica) runs on its own worker; a request moves from stage to stage through
 bounded queues, so stage 0 works on request n+1 while stage 1 works on request n. The API is TVM's
-pipeline executor's (``set_input`` / ``set_params`` / ``run`` / ``get_output``) plus what Python
-users expect (``submit`` -> Future, ``map``, calling the pipeline, a context manager).
+pipeline executor's (``set_input`` / ``set_params`` / ``run`` / ``get_output``, ``_tvm``) plus what
+Python users expect (``submit`` -> Future, ``map``, calling the pipeline, a context manager, streams)
+and onnxruntime's session (``_ortapi``): faces over one core, the requests' table and dispatcher
+(``_requests``) and the stream registry (``_streams``), which :class:`Pipeline` composes with its
+engine, statistics and timelines.
 
 Note: ordering and failures.
     Every request gets a future when it is submitted. Results are delivered through the futures,
@@ -26,14 +29,12 @@ Note: withdrawn requests.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -41,20 +42,20 @@ from typing import Any, overload
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import BusyError, ConfigError, InputError, StageError, StreamError, closest
-from onnxpipe.runtime._channel import Closed, Full
+from onnxpipe._errors import ConfigError, StageError
 from onnxpipe.runtime._code import check_allowed
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
-from onnxpipe.runtime._inputs import InputCheck, check_inputs
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
 from onnxpipe.runtime._overrides import Overrides
 from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is imported only when a RayEngine starts
-from onnxpipe.runtime._spec import Endpoint, PipelineSpec
-from onnxpipe.runtime._stage import CLOSE, Request, Runner, StagePlan, make_runner, plan_stages
-from onnxpipe.runtime._stats import PipelineStats, RequestRecorder, resident_bytes, summarize, write_trace
-from onnxpipe.runtime._stream import IdleStreams, Stream, state_dims
+from onnxpipe.runtime._requests import Dispatcher, closed_before
+from onnxpipe.runtime._spec import PipelineSpec
+from onnxpipe.runtime._stage import Runner, StagePlan, make_runner, plan_stages
+from onnxpipe.runtime._stats import PipelineStats, resident_bytes, summarize, write_trace
+from onnxpipe.runtime._stream import Stream
+from onnxpipe.runtime._streams import StreamRegistry, StreamsView
+from onnxpipe.runtime._tvm import TVMProtocol
 from onnxpipe.runtime.bundle import Bundle, Limits, check_caps, read_bundle
-from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, member_outputs, stack_steps, step_key
 
 __all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
 
@@ -77,12 +78,16 @@ class ReferenceCheck:
     ok: bool
 
 
-class Pipeline(InferenceSessionAPI):
+class Pipeline(TVMProtocol, InferenceSessionAPI):
     """A loaded bundle, its stages running concurrently.
 
-    It is also a drop-in for an ``onnxruntime.InferenceSession`` (``get_inputs``, ``get_outputs``,
-    ``get_modelmeta``, ``get_providers``, ``run(output_names, input_feed)``; see
-    :class:`~onnxpipe.runtime._ortapi.InferenceSessionAPI`).
+    Its faces share one core: TVM's pipeline executor protocol (``set_input`` / ``run`` /
+    ``get_output``, :class:`~onnxpipe.runtime._tvm.TVMProtocol`), what Python users expect
+    (:meth:`submit`, :meth:`map`, calling it), streams (:meth:`stream`), and a drop-in for an
+    ``onnxruntime.InferenceSession`` (``get_inputs``, ``get_outputs``, ``get_modelmeta``,
+    ``get_providers``, ``run(output_names, input_feed)``; see
+    :class:`~onnxpipe.runtime._ortapi.InferenceSessionAPI`). Every request is numbered in one
+    table (``_requests``), and every stream kept in one registry (``_streams``).
 
     Args:
         bundle: A checked bundle (see :func:`read_bundle`).
@@ -123,46 +128,14 @@ class Pipeline(InferenceSessionAPI):
         stream_timeout: float | None = None,
         micro_batches: int | None = None,
     ) -> None:
-        if micro_batches is not None and micro_batches < 1:
-            raise ConfigError(f"micro_batches must be at least 1, got {micro_batches}")
-        if max_streams < 1:
-            raise ConfigError(f"max_streams must be at least 1, got {max_streams}")
-        if stream_timeout is not None and not stream_timeout > 0:
-            raise ConfigError(f"stream_timeout must be a positive number of seconds or None, got {stream_timeout}")
+        _check_stream_settings(max_streams, stream_timeout, micro_batches)
         check_allowed(bundle.spec, bundle.allow_code)  # every refusal in one message, before any import
+        super().__init__()
         self.bundle = bundle
-        self.max_streams = max_streams
-        self.stream_timeout = stream_timeout
-        self._streams: dict[int, Stream] = {}
-        self._closing_streams: dict[int, Stream] = {}
-        self._idle = IdleStreams()  # the open streams with no step in flight, longest idle first
-        self._state_held = 0  # bytes of the open streams' state (Note: a stream's state bytes, _stream.py)
-        self._held_lock = threading.Lock()  # taken last (inside a stream's lock), never while taking another
-        self._next_stream = 0
-        self._state_dims = state_dims(bundle.spec)
-        self._checker = InputCheck(bundle.spec.inputs)
-        #: Where each state dim is bound: (dim, input, axis), for streams' steps (Stream._check_dims).
-        self._state_binds = tuple((d, t.name, axis) for t in bundle.spec.inputs for axis, d in enumerate(t.shape or ())
-                                  if isinstance(d, str) and d in self._state_dims)
         self._target = target
-        plans, self._finals = plan_stages(bundle.spec)
-        self._state_stages = [p.stage.name for p in plans if p.states]  # in pipeline order
-        self._order = {p.stage.name: i for i, p in enumerate(plans)}
-        self._lock = threading.Lock()
-        self._next_id = 0
-        self._in_flight = 0
-        self._futures: dict[int, Future[Outputs]] = {}
-        self._params: dict[str, dict[str, np.ndarray]] = {}  # replaced, never mutated: see set_params
-        self._staged: dict[str, Any] = {}
-        self._run_queue: collections.deque[Future[Outputs]] = collections.deque()
-        self._requests = RequestRecorder()
+        plans, finals = plan_stages(bundle.spec)
         self._origin = time.perf_counter()
-        self._closed = False
-        pads = plans[0].pads if plans else {}  # scheduling.bag_pads, worked out once by plan_stages
-        self._entry_pads = {key.tensor: pad for key, pad in pads.items() if key.stage is None}
-        self._exit_pads = {name: pads[key] for name, key in self._finals.items() if key in pads}
         self.micro_batches = micro_batches or len(plans)
-        self._scheduler = self._step_scheduler(plans)
         self._session_facts: list[SessionFacts] = []
         self._node_counts: dict[str, dict[str, int]] | None = None
         self._engine: Engine
@@ -182,18 +155,8 @@ class Pipeline(InferenceSessionAPI):
         # A pipeline dropped without close() must not leave its workers running.
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
-
-    def _step_scheduler(self, plans: Sequence[StagePlan]) -> StepScheduler | None:
-        """The entry's scheduler of streams' steps, for a pipeline whose every stage batches them
-        (each has the build's ``Batching`` record and ``max_batch`` above 1); ``None`` otherwise:
-        each step then travels alone."""
-        stages = [p.stage for p in plans]
-        if not self.spec.states or any(s.batching is None or s.settings.max_batch < 2 for s in stages):
-            return None
-        limit = min(s.settings.max_batch for s in stages)
-        delay = max(s.settings.max_delay_ms for s in stages) / 1e3
-        pinned = [p.stage.settings.replicas for p in plans if p.states and p.stage.settings.replicas > 1]
-        return StepScheduler(self._send_steps, limit, self.micro_batches, delay, lambda stream: tuple(stream % n for n in pinned))
+        self._dispatch = Dispatcher(self._engine, bundle.spec, finals)
+        self._streams = StreamRegistry(self._dispatch, bundle.spec, plans, finals, max_streams, stream_timeout, self.micro_batches)
 
     def _make_runner(self, plan: StagePlan, replica: int) -> Runner:
         runner = make_runner(self.bundle, plan, replica, self._target)
@@ -214,50 +177,55 @@ class Pipeline(InferenceSessionAPI):
         return self._target
 
     @property
-    def num_inputs(self) -> int:
-        """How many global inputs a request has."""
-        return len(self.spec.inputs)
+    def max_streams(self) -> int:
+        """Streams that may be open at once (see :meth:`stream`)."""
+        return self._streams.max_streams
 
     @property
-    def num_outputs(self) -> int:
-        """How many global outputs a request gives."""
-        return len(self.spec.outputs)
+    def stream_timeout(self) -> float | None:
+        """Seconds a stream may stay idle before it is closed (``None``: never)."""
+        return self._streams.stream_timeout
 
-    @property
-    def num_executing_pipeline(self) -> int:
-        """Requests submitted and not finished yet."""
-        return self._in_flight
+    # -- Pythonic API -----------------------------------------------------------------------------
 
-    def get_input_pipeline_map(self, name: str) -> list[tuple[str, str]]:
-        """The (stage, input) pairs a global input feeds.
+    def submit(self, inputs: Mapping[str, Any], block: bool = True) -> Future[Outputs]:
+        """Submit one request; returns a future of its outputs by name.
 
-        Raises:
-            InputError: no such input.
-        """
-        if name not in {t.name for t in self.spec.inputs}:
-            raise InputError(f"unknown input '{name}'; {closest(name, (t.name for t in self.spec.inputs))}")
-        return [(lk.dst.stage, lk.dst.tensor) for lk in self.spec.links if lk.src == Endpoint(None, name) and lk.dst.stage is not None]
-
-    def get_params_group_pipeline_map(self, group: str) -> str:
-        """The stage a parameter group belongs to.
+        Blocks only while the first stage's queue is full; with ``block=False`` it never waits
+        (for an event loop, say) and raises :class:`BusyError` instead. Until the first stage
+        takes the request, ``future.cancel()`` withdraws it: no stage runs it (see Note:
+        withdrawn requests).
 
         Raises:
-            InputError: no such group.
+            InputError: an input is unknown, missing, or of the wrong dtype or shape (the pipeline
+                stays usable).
+            BusyError: ``block`` is false and the first stage's queue is full; nothing was submitted.
+            StageError: the pipeline is closed.
+            StreamError: the pipeline keeps state between steps: run it through :meth:`stream`.
         """
-        return self._group(group).stage
+        return self._dispatch.submit(inputs, block)[1]
 
-    # -- TVM-style protocol -----------------------------------------------------------------------
+    def map(self, inputs: Iterable[Mapping[str, Any]], max_in_flight: int | None = None) -> Iterator[Outputs]:
+        """Stream requests through the pipeline; yield their outputs in order.
 
-    def set_input(self, name: str, value: Any) -> None:
-        """Stage one input of the next :meth:`run`.
+        At most ``max_in_flight`` requests (default: what the queues and workers hold) are in
+        the pipeline at once, so an endless iterable runs in bounded memory.
 
         Raises:
-            InputError: no such input, or a value of the wrong dtype or shape.
+            StageError: when the failed request's turn comes; the requests after it still run.
         """
-        spec = next((t for t in self.spec.inputs if t.name == name), None)
-        if spec is None:
-            raise InputError(f"unknown input '{name}'; {closest(name, (t.name for t in self.spec.inputs))}")
-        self._staged[name] = check_inputs([spec], {name: value})[name]
+        limit = max_in_flight or self.capacity
+        window: collections.deque[Future[Outputs]] = collections.deque()
+        for item in inputs:
+            window.append(self.submit(item))
+            if len(window) >= limit:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+    def __call__(self, inputs: Mapping[str, Any]) -> Outputs:
+        """Run one request and wait for its outputs."""
+        return self.submit(inputs).result()
 
     @overload
     def run(self) -> int: ...
@@ -287,335 +255,7 @@ class Pipeline(InferenceSessionAPI):
             return self._ort_run(None if output_names is _TVM else output_names, input_feed, run_options)
         if output_names is not _TVM or run_options is not None:
             raise ArgumentTypeError("run() takes no argument (TVM: run what set_input staged) or output_names and input_feed (onnxruntime)")
-        staged, self._staged = self._staged, {}
-        rid, future = self._submit(staged)
-        self._run_queue.append(future)
-        return rid
-
-    def get_output(self, block: bool = True, timeout: float | None = None) -> Outputs | None:
-        """The outputs of the oldest request submitted with :meth:`run` and not collected yet.
-
-        Args:
-            block: Wait for it; when false, return ``None`` if it is not finished.
-            timeout: Wait at most this many seconds, then return ``None``.
-
-        Returns:
-            Its outputs by name, or ``None`` when nothing is ready (or nothing was run).
-
-        Raises:
-            StageError: that request failed; it is consumed, the next call moves on.
-        """
-        if not self._run_queue:
-            return None
-        future = self._run_queue[0]
-        if not block and not future.done():
-            return None
-        try:
-            result = future.result(timeout=timeout if block else 0)
-        except TimeoutError:
-            return None
-        except BaseException:
-            self._run_queue.popleft()
-            raise
-        self._run_queue.popleft()
-        return result
-
-    def set_params(self, group: str, values: Mapping[str, Any]) -> None:
-        """Use new values for some of a parameter group's weights in every request submitted after
-        this call; requests already submitted finish with the values they started with.
-
-        Raises:
-            InputError: unknown group or parameter, or a value of the wrong dtype or shape.
-        """
-        spec = self._group(group)
-        names = {t.name for t in spec.params}
-        for name in values:
-            if name not in names:
-                raise InputError(f"param group '{group}' has no parameter '{name}'; {closest(name, names)}")
-        checked = check_inputs([t for t in spec.params if t.name in values], values, what="parameter")
-        with self._lock:
-            stage = {**self._params.get(spec.stage, {}), **checked}
-            self._params = {**self._params, spec.stage: stage}
-
-    def _group(self, group: str) -> Any:
-        spec = next((g for g in self.spec.param_groups if g.name == group), None)
-        if spec is None:
-            raise InputError(f"unknown param group '{group}'; {closest(group, (g.name for g in self.spec.param_groups))}")
-        return spec
-
-    # -- Pythonic API -----------------------------------------------------------------------------
-
-    def submit(self, inputs: Mapping[str, Any], block: bool = True) -> Future[Outputs]:
-        """Submit one request; returns a future of its outputs by name.
-
-        Blocks only while the first stage's queue is full; with ``block=False`` it never waits
-        (for an event loop, say) and raises :class:`BusyError` instead. Until the first stage
-        takes the request, ``future.cancel()`` withdraws it: no stage runs it (see Note:
-        withdrawn requests).
-
-        Raises:
-            InputError: an input is unknown, missing, or of the wrong dtype or shape (the pipeline
-                stays usable).
-            BusyError: ``block`` is false and the first stage's queue is full; nothing was submitted.
-            StageError: the pipeline is closed.
-        """
-        return self._submit(inputs, block)[1]
-
-    def _submit(self, inputs: Mapping[str, Any], block: bool = True) -> tuple[int, Future[Outputs]]:
-        if self.spec.states:
-            raise StreamError(
-                f"this pipeline keeps state between steps ({len(self.spec.states)} state link(s), e.g. {self.spec.states[0]}): "
-                "run it through a stream, `with pipe.stream() as s: s.step(inputs)`"
-            )
-        return self._enqueue(self._check(inputs), block=block)
-
-    def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return self._checker(inputs)
-
-    def _enqueue(self, arrays: Mapping[str, np.ndarray], stream: Stream | None = None, step: int = 0, block: bool = True,
-                 future: Future[Outputs] | None = None, params: Any = None, submitted: float | None = None) -> tuple[int, Future[Outputs]]:
-        """Hand one request (a stateless one, a stream's step, or a stream's close) to the engine."""
-        future = future or Future()
-        with self._lock:
-            if self._closed:
-                if stream is not None and step != CLOSE:
-                    stream._finished(step, None, ())
-                raise StageError("the pipeline is closed")
-            request = Request(self._next_id, {Endpoint(None, n): a for n, a in arrays.items()}, self._params if params is None else params,
-                              submitted or time.perf_counter(), done=self._finish)
-            if stream is not None:
-                request.stream, request.step, request.dims = stream.id, step, stream.dims
-            self._next_id += 1
-            self._in_flight += 1
-            self._futures[request.id] = future
-        if stream is None:  # withdrawable until its first stage takes it (see Note: withdrawn requests)
-            request.claim = future.set_running_or_notify_cancel
-        else:
-            future.set_running_or_notify_cancel()
-        if step != CLOSE:
-            self._requests.submitted(request.submitted)
-        try:
-            self._engine.submit(request, block)
-        except Closed:
-            self._fail(request, StageError(f"the pipeline was closed before request {request.id} started", request=request.id))
-        except Full:
-            with self._lock:
-                self._futures.pop(request.id, None)
-                self._in_flight -= 1
-            raise BusyError(f"the pipeline is full ({self._in_flight} request(s) in flight): submit with block=True to wait for room") from None
-        return request.id, future
-
-    def _submit_step(self, arrays: Mapping[str, np.ndarray], stream: Stream, step: int) -> Future[Outputs]:
-        if self._scheduler is None:
-            return self._enqueue(arrays, stream, step)[1]
-        with self._lock:
-            if self._closed:
-                stream._finished(step, None, ())
-                raise StageError("the pipeline is closed")
-        waiting = self._step(stream, step, arrays)
-        self._scheduler.offer(waiting)
-        return waiting.future
-
-    def _step(self, stream: Stream, number: int, arrays: Mapping[str, np.ndarray]) -> Step:
-        """A stream's checked step, for the scheduler (with the parameters as they are now)."""
-        params = self._params
-        return Step(stream.id, number, dict(arrays), stream.dims, params, step_key(arrays, self._entry_pads, params), Future())
-
-    def submit_steps(self, steps: Mapping[Stream, Mapping[str, Any]]) -> dict[Stream, Future[Outputs]]:
-        """Submit the next step of many streams at once; a future of each stream's outputs.
-
-        What one thread stepping many streams (a generation loop, a server's batch) calls instead
-        of ``Stream.submit`` per stream: every step is checked first, and nothing is submitted
-        when one is refused; the steps then leave for the pipeline at once, as few batches as the
-        streams' groups allow (``onnxpipe.runtime.scheduling``), without waiting for any other
-        step. Each stream's step runs after its earlier ones, as with ``Stream.submit``.
-
-        Raises:
-            StreamError: a stream is closed, belongs to another pipeline, or its state is no longer valid.
-            InputError: a step's inputs do not fit (as ``Stream.submit``); the message names the stream.
-            StageError: the pipeline is closed.
-        """
-        streams = sorted(steps, key=lambda s: s.id)
-        for stream in streams:
-            if stream._pipeline is not self:
-                raise StreamError(f"stream {stream.id} belongs to another pipeline")
-        self._expire_idle()
-        held = []
-        try:
-            for stream in streams:
-                stream._order.acquire()
-                held.append(stream._order)
-            checked = []
-            for stream in streams:
-                try:
-                    checked.append(stream._accept(steps[stream]))
-                except InputError as e:
-                    raise InputError(f"stream {stream.id}: {e}") from None
-            numbered = [(stream, arrays, stream._advance()) for stream, arrays in zip(streams, checked, strict=True)]
-            if self._scheduler is None:
-                return {stream: self._enqueue(arrays, stream, step)[1] for stream, arrays, step in numbered}
-            pending = [self._step(stream, step, arrays) for stream, arrays, step in numbered]
-            with self._lock:
-                if self._closed:
-                    for stream, _, step in numbered:
-                        stream._finished(step, None, ())
-                    raise StageError("the pipeline is closed")
-            self._scheduler.offer_many(pending, flush=True)
-            return {stream: waiting.future for (stream, _, _), waiting in zip(numbered, pending, strict=True)}
-        finally:
-            for lock in held:
-                lock.release()
-
-    def _send_steps(self, steps: list[Step]) -> None:
-        """The scheduler's batch, stacked once and submitted as one request (see ``scheduling``);
-        one step alone travels as a plain step. Never raises: a step that cannot go fails its future."""
-        if len(steps) == 1 or (stacked := stack_steps([s.arrays for s in steps], self._entry_pads)) is None:
-            for s in steps:
-                with self._lock:
-                    stream = self._streams.get(s.stream) or self._closing_streams.get(s.stream)
-                if stream is None:  # the pipeline closed, and its streams with it
-                    self._fail_step(s, StageError("the pipeline is closed"))
-                    continue
-                try:
-                    self._enqueue(s.arrays, stream, s.number, future=s.future, params=s.params, submitted=s.submitted)
-                except StageError as e:  # the pipeline closed meanwhile (_enqueue told the stream)
-                    self._scheduler.done(s.stream)  # type: ignore[union-attr]
-                    s.future.set_exception(e)
-            return
-        values, rows, shifts = stacked
-        n = len(steps)
-        with self._lock:
-            if self._closed:
-                closed = True
-            else:
-                closed = False
-                first = self._next_id
-                self._next_id += n
-                self._in_flight += n
-                for k, s in enumerate(steps):
-                    self._futures[first + k] = s.future
-        if closed:
-            for s in steps:
-                self._fail_step(s, StageError("the pipeline is closed"))
-            return
-        submitted = tuple(s.submitted for s in steps)
-        batch = StepBatch(tuple(range(first, first + n)), tuple(s.stream for s in steps), tuple(s.number for s in steps),
-                          tuple(s.dims for s in steps), submitted, rows, shifts, waited=time.perf_counter() - min(submitted))
-        request = Request(first, {Endpoint(None, k): v for k, v in values.items()}, steps[0].params, min(batch.submitted), done=self._finish, batch=batch)
-        for s in steps:
-            s.future.set_running_or_notify_cancel()
-        self._requests.submitted(request.submitted)
-        try:
-            self._engine.submit(request, True)
-        except Closed:
-            self._fail(request, StageError(f"the pipeline was closed before request {request.id} started", request=request.id))
-
-    def _fail_step(self, step: Step, error: BaseException) -> None:
-        """A step the scheduler held that will never run (the pipeline closed)."""
-        with self._lock:
-            stream = self._streams.get(step.stream) or self._closing_streams.get(step.stream)
-        if stream is not None:
-            stream._finished(step.number, None, ())
-        if self._scheduler is not None:
-            self._scheduler.done(step.stream)
-        with contextlib.suppress(InvalidStateError):
-            step.future.set_exception(error)
-
-    def _finish(self, request: Request) -> None:
-        if request.batch is not None:
-            self._finish_steps(request)
-            return
-        error = request.error
-        if request.step == CLOSE:
-            outputs: Outputs = {}
-        else:
-            if error is None:
-                outputs = {name: request.values[key] for name, key in self._finals.items()}
-            if not isinstance(error, CancelledError):  # a withdrawn request neither completed nor failed
-                self._requests.finished(request.submitted, time.perf_counter(), error is None)
-            if request.stream is not None:
-                error = self._stream_finished(request.stream, request.step, request.error, _held_of(request).get(request.stream))
-                if self._scheduler is not None:
-                    self._scheduler.done(request.stream)
-        with self._lock:
-            future = self._futures.pop(request.id, None)
-            self._in_flight -= 1
-        if future is not None:
-            _settle(future, outputs if error is None else None, error)
-
-    def _finish_steps(self, request: Request) -> None:
-        """A batch of steps left the pipeline: split it, once, into each member's outputs (or error)."""
-        batch = request.batch
-        assert batch is not None
-        now = time.perf_counter()
-        ended: list[tuple[int, int, int, float, Outputs | None, BaseException | None]] = []
-        if request.error is None:
-            outputs = {name: request.values[key] for name, key in self._finals.items()} if len(batch) else {}
-            for j, (rid, stream, step, submitted) in enumerate(zip(batch.ids, batch.streams, batch.steps, batch.submitted, strict=True)):
-                ended.append((rid, stream, step, submitted, member_outputs(outputs, batch, j, self._exit_pads), None))
-        else:
-            ended.extend((rid, stream, step, sub, None, request.error)
-                         for rid, stream, step, sub in zip(batch.ids, batch.streams, batch.steps, batch.submitted, strict=True))
-        ended.extend((f.id, f.stream, f.step, f.submitted, None, f.error) for f in batch.failed)
-        self._requests.finished_many([(submitted, error is None) for _, _, _, submitted, _, error in ended], now)
-        with self._lock:
-            streams = [self._streams.get(stream) or self._closing_streams.get(stream) for _, stream, _, _, _, _ in ended]
-        reported = _held_of(request)
-        results = [(rid, outs, self._stream_ended(held, stream, step, error, reported.get(stream)))
-                   for held, (rid, stream, step, _, outs, error) in zip(streams, ended, strict=True)]
-        if self._scheduler is not None:
-            self._scheduler.done_many([stream for _, stream, _, _, _, _ in ended])
-        with self._lock:
-            futures = [self._futures.pop(rid, None) for rid, _, _ in results]
-            self._in_flight -= len(results)
-        for future, (_, outs, error) in zip(futures, results, strict=True):
-            if future is not None:
-                _settle(future, outs, error)
-
-    def _stream_finished(self, stream_id: int, step: int, error: BaseException | None, held: Mapping[str, int] | None = None) -> BaseException | None:
-        """Tell the step's stream how it ended, and what its stages now hold of its state; the
-        error its future raises (see Notes: a failed step, a stream's state bytes, _stream.py)."""
-        with self._lock:
-            stream = self._streams.get(stream_id) or self._closing_streams.get(stream_id)
-        return self._stream_ended(stream, stream_id, step, error, held)
-
-    def _stream_ended(self, stream: Stream | None, stream_id: int, step: int, error: BaseException | None,
-                      held: Mapping[str, int] | None = None) -> BaseException | None:
-        if stream is None:
-            return error
-        failed_at = getattr(error, "stage", None)
-        last = self._order.get(failed_at, -1) if failed_at else -1
-        advanced = [s for s in self._state_stages if self._order[s] < last]
-        raised = stream._finished(step, error, advanced, held)
-        if self._scheduler is not None and isinstance(raised, StreamError) and raised.state_valid is False:
-            self._scheduler.retire(stream_id)  # its group no longer waits for it
-        return raised
-
-    def _fail(self, request: Request, error: BaseException) -> None:
-        request.error = request.error or error
-        self._finish(request)
-
-    def map(self, inputs: Iterable[Mapping[str, Any]], max_in_flight: int | None = None) -> Iterator[Outputs]:
-        """Stream requests through the pipeline; yield their outputs in order.
-
-        At most ``max_in_flight`` requests (default: what the queues and workers hold) are in
-        the pipeline at once, so an endless iterable runs in bounded memory.
-
-        Raises:
-            StageError: when the failed request's turn comes; the requests after it still run.
-        """
-        limit = max_in_flight or self.capacity
-        window: collections.deque[Future[Outputs]] = collections.deque()
-        for item in inputs:
-            window.append(self.submit(item))
-            if len(window) >= limit:
-                yield window.popleft().result()
-        while window:
-            yield window.popleft().result()
-
-    def __call__(self, inputs: Mapping[str, Any]) -> Outputs:
-        """Run one request and wait for its outputs."""
-        return self.submit(inputs).result()
+        return self._tvm_run()
 
     # -- streams ----------------------------------------------------------------------------------
 
@@ -633,67 +273,41 @@ class Pipeline(InferenceSessionAPI):
             StreamError: ``max_streams`` streams are open already (none is ever evicted to make
                 room), or the pipeline is closed.
         """
-        self._expire_idle()
-        with self._lock:
-            if self._closed:
-                raise StreamError("the pipeline is closed")
-            if len(self._streams) >= self.max_streams:
-                ids = ", ".join(str(i) for i in sorted(self._streams))
-                raise StreamError(
-                    f"max_streams={self.max_streams} streams are open already (ids {ids}); close one first, "
-                    "or load the pipeline with a larger max_streams"
-                )
-            stream = Stream(self, self._next_stream)
-            self._next_stream += 1
-            self._streams[stream.id] = stream
-            self._idle.add(stream)
-        if self._scheduler is not None:
-            self._scheduler.join(stream.id)
-        return stream
+        return self._streams.open()
+
+    def submit_steps(self, steps: Mapping[Stream, Mapping[str, Any]]) -> dict[Stream, Future[Outputs]]:
+        """Submit the next step of many streams at once; a future of each stream's outputs.
+
+        What one thread stepping many streams (a generation loop, a server's batch) calls instead
+        of ``Stream.submit`` per stream: every step is checked first, and nothing is submitted
+        when one is refused; the steps then leave for the pipeline at once, as few batches as the
+        streams' groups allow (``onnxpipe.runtime.scheduling``), without waiting for any other
+        step. Each stream's step runs after its earlier ones, as with ``Stream.submit``.
+
+        Raises:
+            StreamError: a stream is closed, belongs to another pipeline, or its state is no longer valid.
+            InputError: a step's inputs do not fit (as ``Stream.submit``); the message names the stream.
+            StageError: the pipeline is closed.
+        """
+        return self._streams.submit_many(steps)
 
     @property
     def open_streams(self) -> list[int]:
         """The ids of the streams open now."""
-        with self._lock:
-            return sorted(self._streams)
+        return self._streams.open_ids
 
     @property
     def state_bytes(self) -> int:
         """Bytes of the open streams' state in the stages, each as its last finished step left it
         (the sum of their :attr:`Stream.state_bytes`, kept as they change: reading it costs
         nothing). See Note: a stream's state bytes, ``_stream.py``."""
-        return self._state_held
+        return self._streams.state_bytes
 
-    def _state_changed(self, delta: int) -> None:
-        with self._held_lock:
-            self._state_held += delta
-
-    def _close_stream(self, stream: Stream, wait: bool = True) -> None:
-        """Free a stream's state in every stage: a close request follows its steps through the
-        pipeline; ``wait`` for it to leave the last stage, or let it go."""
-        with self._lock:
-            self._idle.discard(stream)
-            if self._streams.pop(stream.id, None) is None:
-                return
-            self._closing_streams[stream.id] = stream  # its steps in flight still report to it
-
-        def closed(_: object = None) -> None:
-            with self._lock:
-                self._closing_streams.pop(stream.id, None)
-
-        if self._scheduler is not None:
-            self._scheduler.leave(stream.id)  # its steps still waiting at the entry go first
-        done = None
-        if self.spec.states:
-            with contextlib.suppress(StageError):  # the pipeline is closed: its runners and states are gone with it
-                done = self._enqueue({}, stream, CLOSE)[1]
-        if done is not None and not wait:
-            done.add_done_callback(closed)
-            return
-        if done is not None:
-            with contextlib.suppress(StageError):  # closed meanwhile: as above
-                done.result()
-        closed()
+    @property
+    def streams(self) -> StreamsView:
+        """What the streams look like now: open, idle, what expiry looked at, their state bytes,
+        whether their steps travel in batches and which streams share them (:class:`StreamsView`)."""
+        return StreamsView(self._streams)
 
     def close_idle_streams(self) -> list[int]:
         """Close the streams idle for longer than ``stream_timeout`` now, instead of at the next
@@ -703,19 +317,7 @@ class Pipeline(InferenceSessionAPI):
         Returns:
             The ids of the streams closed (none when ``stream_timeout`` is ``None``).
         """
-        return self._expire_idle()
-
-    def _expire_idle(self) -> list[int]:
-        """Close the streams idle for longer than ``stream_timeout``, longest idle first (their next
-        step says so); looks only at those and the next one (see Note: expiring idle streams, _stream.py)."""
-        if self.stream_timeout is None:
-            return []
-        closed = []
-        for stream in self._idle.expired(self.stream_timeout):
-            if stream._expire(f"it was idle for more than stream_timeout={self.stream_timeout:g} s, and its state was freed"):
-                self._close_stream(stream)
-                closed.append(stream.id)
-        return closed
+        return self._streams.expire_idle()
 
     def check(self, rtol: float = 1e-4, atol: float = 1e-5) -> list[ReferenceCheck]:
         """Run the bundle's reference inputs and compare with its reference outputs.
@@ -750,8 +352,9 @@ class Pipeline(InferenceSessionAPI):
         """
         if self.engine != "thread":
             raise StageError(f"the stages run on {self.engine} actors, not in this process: running a stage alone needs engine='thread'")
-        if self._in_flight:
-            raise StageError(f"{self._in_flight} request(s) are in flight; stages run alone only while the pipeline is idle")
+        in_flight = self._dispatch.table.in_flight
+        if in_flight:
+            raise StageError(f"{in_flight} request(s) are in flight; stages run alone only while the pipeline is idle")
         return [runners[0] for runners in self._engine.runners()]
 
     # -- observability ----------------------------------------------------------------------------
@@ -765,7 +368,7 @@ class Pipeline(InferenceSessionAPI):
                 does not show it (the server's statistics and metrics, on its event loop) skips it.
         """
         rows = [(p[0].stage, p, q[0], q[1], q[2]) for p, q in zip(self._engine.recorders(), self._engine.queues(), strict=True)]
-        stats = summarize(rows, self._requests, self._in_flight)
+        stats = summarize(rows, self._dispatch.recorder, self._dispatch.table.in_flight)
         if self._node_counts is None:  # the sessions do not change: counted once, not on every poll
             self._node_counts = {stage: {ep: len(nodes) for ep, nodes in (where or {}).items()} for stage, where in self.placement().items()}
         settings = {s.name: s.settings for s in self.spec.stages}  # those in effect: the bundle's, with the host's overrides
@@ -784,7 +387,7 @@ class Pipeline(InferenceSessionAPI):
         for recorders in self._engine.recorders():
             for r in recorders:
                 r.reset()
-        self._requests.reset()
+        self._dispatch.recorder.reset()
 
     def save_trace(self, path: str | os.PathLike[str]) -> Path:
         """Write a Chrome-trace / Perfetto JSON timeline, one track per stage worker.
@@ -804,28 +407,16 @@ class Pipeline(InferenceSessionAPI):
 
         Requests that did not finish raise :class:`StageError` from their futures.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._dispatch.table.close():
+            return
         self._finalizer.detach()
-        for stream in list(self._streams.values()):
-            stream._expire("its pipeline was closed")
-        self._streams.clear()
-        self._idle.clear()
-        if self._scheduler is not None:
-            self._scheduler.close()
-            for step in self._scheduler.waiting():
-                self._fail_step(step, StageError("the pipeline was closed before this step started"))
+        self._streams.close_all()
         for request in self._engine.close():
-            self._fail(request, StageError(f"the pipeline was closed before request {request.id} finished", request=request.id))
-        if self._scheduler is not None:
-            self._scheduler.wait_stopped()
-        with self._lock:
-            stranded = list(self._futures.items())
-        for rid, future in stranded:
+            self._dispatch.fail(request, closed_before(request.id))
+        self._streams.join()
+        for rid, future in self._dispatch.table.stranded():
             if not future.done():
-                future.set_exception(StageError(f"the pipeline was closed before request {rid} finished", request=rid))
+                future.set_exception(closed_before(rid))
         self.bundle.close()
 
     def __enter__(self) -> Pipeline:
@@ -838,24 +429,13 @@ class Pipeline(InferenceSessionAPI):
         return f"Pipeline(stages={[s.name for s in self.spec.stages]}, inputs={[t.name for t in self.spec.inputs]})"
 
 
-def _held_of(request: Request) -> dict[int, dict[str, int]]:
-    """What the stages with state reported holding for each of the request's streams, by stage
-    (Note: a stream's state bytes, _stream.py); the last report of a stage counts."""
-    held: dict[int, dict[str, int]] = {}
-    for stream, stage, size in request.held:
-        held.setdefault(stream, {})[stage] = size
-    return held
-
-
-def _settle(future: Future[Outputs], outputs: Outputs | None, error: BaseException | None) -> None:
-    """A request's future, given its outputs or its error (a future its owner cancelled meanwhile stays so)."""
-    try:
-        if error is None:
-            future.set_result(outputs)  # type: ignore[arg-type]
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass
+def _check_stream_settings(max_streams: int, stream_timeout: float | None, micro_batches: int | None) -> None:
+    if micro_batches is not None and micro_batches < 1:
+        raise ConfigError(f"micro_batches must be at least 1, got {micro_batches}")
+    if max_streams < 1:
+        raise ConfigError(f"max_streams must be at least 1, got {max_streams}")
+    if stream_timeout is not None and not stream_timeout > 0:
+        raise ConfigError(f"stream_timeout must be a positive number of seconds or None, got {stream_timeout}")
 
 
 def load(

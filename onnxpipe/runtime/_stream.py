@@ -2,9 +2,11 @@
 
 A :class:`Stream` is what ``Pipeline.stream()`` returns. Its steps are requests like any other,
 tagged with the stream's id and the step's number; the state itself lives in the stage runners
-(Note: state stays in its stage, ``_stage.py``), so the stream object only keeps what the caller's
-side must know: the next step's number, the sizes its state was made with, and whether the state
-is still valid after a failure.
+(Note: state stays in its stage, ``_stage.py``), so the pipeline only keeps what the caller's side
+must know, in the stream's :class:`StreamRecord`: the next step's number, the sizes its state was
+made with, whether the state is still valid after a failure, why it was closed. The stream registry
+(``_streams``) owns the records and hands steps to the engine; a :class:`Stream` is the caller's
+face of one record, and reaches its registry only through :class:`StreamHost`.
 
 Note: a failed step.
     A stage that fails on a step does not commit its state, and the stages after it never see the
@@ -12,7 +14,9 @@ Note: a failed step.
     the failing one keeps state: the error says so (``StreamError.state_valid``), and the stream
     goes on from there (the failed step's number is used again). Otherwise an earlier stage has
     already moved on and the stages no longer agree: the error says the state is no longer valid,
-    and every later step of the stream is refused until it is closed. Steps already in flight
+    and every later step of the stream is refused until it is closed. The errors keep these facts
+    as fields (``StreamError.remedy``, ``took``, ``step``; Note: a stream's errors carry facts,
+    each layer says them, ``onnxpipe/_errors.py``). Steps already in flight
     behind a failed one fail in the stage that failed (their step number does not match its
     state), never run on the wrong state.
 
@@ -25,8 +29,8 @@ Note: expiring idle streams.
     at the end when its last step in flight finishes, and ``last_used`` is stamped under its lock,
     so the order is the order of ``last_used``. Expiry pops from the front until it meets a stream
     idle for no longer than the timeout: every stream behind that one was used later. A step then
-    looks at one stream, plus the ones it closes. Its lock is taken last (inside a stream's lock or
-    the pipeline's) and never held while taking another. An ``OrderedDict``, not a ``dict``: after
+    looks at one stream, plus the ones it closes (``Pipeline.streams.looked`` counts them). Its lock
+    is taken last (inside a stream's lock or the registry's) and never held while taking another. An ``OrderedDict``, not a ``dict``: after
     many deletions at its front, a dict's first item is found by walking over their holes.
 
 Note: a stream's state bytes.
@@ -37,9 +41,9 @@ Note: a stream's state bytes.
     share, padding included); the request carries that back, on any engine, and when the step
     leaves the pipeline its stream takes the figures, per stage, before its future is settled:
     whoever waits on a step's outputs reads :attr:`Stream.state_bytes` as of that step. A failed
-    step's stages that had committed report too (their state did move on). The pipeline keeps the
-    sum over its open streams (:attr:`Pipeline.state_bytes`) as streams report and close: reading
-    it costs nothing, whatever the number of streams. A stream's bytes leave the sum when it is
+    step's stages that had committed report too (their state did move on). The registry keeps the
+    sum over its open streams (:class:`Tally`, :attr:`Pipeline.state_bytes`) as streams report and
+    close: reading it costs nothing, whatever the number of streams. A stream's bytes leave the sum when it is
     closed (its state is then on its way out, behind its steps in flight, which report no more).
 """
 
@@ -48,18 +52,22 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
 import numpy as np
 
-from onnxpipe._errors import InputError, StageError, StreamError
+from onnxpipe._errors import RUNTIME_TERMS, Closure, StageError, StateDimError, StreamError
 from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
 
-__all__ = ["IdleStreams", "Stream", "StreamHost", "bind_dims", "state_dims"]
+__all__ = ["IdleStreams", "Stream", "StreamHost", "StreamRecord", "Tally", "bind_dims", "state_dims"]
 
 Outputs = dict[str, np.ndarray]
+#: Where each state dim is bound: ``(dim, input, axis)`` (see ``StreamRegistry``).
+Binds = tuple[tuple[str, str, int], ...]
+#: A stream closed by its owner.
+BY_OWNER = Closure("owner")
 
 
 def state_dims(spec: PipelineSpec) -> frozenset[str]:
@@ -81,25 +89,16 @@ def bind_dims(specs: Sequence[TensorSpec], arrays: Mapping[str, np.ndarray], nam
     return sizes
 
 
-class StreamHost(Protocol):
-    """What a stream needs from its pipeline (``Pipeline`` is one; the protocol keeps the import one-way)."""
+class Tally:
+    """A sum many threads add to (the bytes of the open streams' state); reading it takes no lock."""
 
-    @property
-    def spec(self) -> PipelineSpec: ...
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
 
-    _state_dims: frozenset[str]
-    _state_binds: tuple[tuple[str, str, int], ...]
-    _idle: IdleStreams
-
-    def _check(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
-
-    def _submit_step(self, arrays: Mapping[str, np.ndarray], stream: Stream, step: int) -> Future[Outputs]: ...
-
-    def _close_stream(self, stream: Stream, wait: bool = True) -> None: ...
-
-    def _expire_idle(self) -> list[int]: ...
-
-    def _state_changed(self, delta: int) -> None: ...
+    def add(self, delta: int) -> None:
+        with self._lock:
+            self.value += delta
 
 
 class IdleStreams:
@@ -107,27 +106,27 @@ class IdleStreams:
 
     Attributes:
         looked: How many streams :meth:`expired` has looked at so far (one per call, plus each
-            one it returns).
+            one it returns): ``Pipeline.streams.looked``.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._streams: OrderedDict[int, Stream] = OrderedDict()
+        self._streams: OrderedDict[int, StreamRecord] = OrderedDict()
         self.looked = 0
 
-    def add(self, stream: Stream) -> None:
+    def add(self, stream: StreamRecord) -> None:
         """``stream`` is idle from now: stamp its ``last_used`` and put it last."""
         with self._lock:
             stream.last_used = time.monotonic()
             self._streams[stream.id] = stream
             self._streams.move_to_end(stream.id)
 
-    def discard(self, stream: Stream) -> None:
+    def discard(self, stream: StreamRecord) -> None:
         """``stream`` took a step, or was closed: it is not idle (nothing if it was not there)."""
         with self._lock:
             self._streams.pop(stream.id, None)
 
-    def expired(self, timeout: float) -> list[Stream]:
+    def expired(self, timeout: float) -> list[StreamRecord]:
         """Take out and return the streams idle for longer than ``timeout`` seconds now, longest idle first."""
         taken = []
         with self._lock:
@@ -149,6 +148,161 @@ class IdleStreams:
         return len(self._streams)
 
 
+class StreamRecord:
+    """What a pipeline keeps of one stream (see the module's docstring); its registry's to use.
+
+    Args:
+        stream_id: The stream's number in its pipeline.
+        idle: The registry's idle streams, which the record joins and leaves as its steps go and
+            come (under its lock: Note: expiring idle streams).
+        held: The registry's sum of the open streams' state bytes (Note: a stream's state bytes).
+
+    Attributes:
+        id: The stream's number.
+        order: Held from checking a step until it is submitted, so that a stream's steps enter the
+            engine in the order they were numbered (the registry takes it).
+        steps: Steps submitted and not failed so far (the next step's number).
+        last_used: ``time.monotonic()`` when its last step was submitted or finished.
+        closure: Why it was closed, once closed.
+    """
+
+    def __init__(self, stream_id: int, idle: IdleStreams, held: Tally) -> None:
+        self.id = stream_id
+        self.order = threading.Lock()
+        self.steps = 0
+        self.last_used = time.monotonic()
+        self.closure: Closure | None = None
+        self._lock = threading.Lock()  # guards the counters; never held while waiting on the pipeline (its last stage takes it)
+        self._idle = idle
+        self._tally = held
+        self._dims: dict[str, int] = {}
+        self._pending = 0
+        self._failure: tuple[int, StreamError] | None = None  # the step whose failure left the state invalid, and its error
+        self._held: dict[str, int] = {}  # stage -> bytes of the stream's state there
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The sizes of the symbolic dims of the stream's state, as its first step bound them."""
+        return dict(self._dims)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the stream's state in its stages, as its last finished step left them."""
+        with self._lock:
+            return sum(self._held.values())
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since its last step was submitted or finished; 0 while a step is in flight."""
+        return 0.0 if self._pending else now - self.last_used
+
+    def accept(self, inputs: Mapping[str, Any], check: Callable[[Mapping[str, Any]], dict[str, np.ndarray]], binds: Binds) -> dict[str, np.ndarray]:
+        """The next step's inputs, checked (``order`` held); nothing is taken yet.
+
+        Raises:
+            StreamError: the stream is closed, or its state is no longer valid after a failed step.
+            InputError: an input does not fit (``check``), or sizes a state dim differently than
+                the stream's first step (:class:`StateDimError`).
+        """
+        with self._lock:
+            if self.closure is not None:
+                raise StreamError.closed(self.id, self.closure)
+            if self._failure is not None:
+                raise StreamError.refused(self.id, *self._failure)
+            arrays = check(inputs)
+            self._check_dims(arrays, binds)
+            return arrays
+
+    def _check_dims(self, arrays: Mapping[str, np.ndarray], binds: Binds) -> None:
+        if not binds:
+            return
+        if self.steps == 0:
+            self._dims = {}
+            for d, name, axis in binds:
+                self._dims.setdefault(d, arrays[name].shape[axis])
+            return
+        dims = self._dims
+        for d, name, axis in binds:
+            size = arrays[name].shape[axis]
+            if dims.get(d, size) != size:
+                raise StateDimError(stream=self.id, step=self.steps, name=name, dim=d, size=size, bound=dims[d])
+
+    def advance(self) -> int:
+        """Take the next step's number (``order`` held, after :meth:`accept`): the step is in flight."""
+        with self._lock:
+            step = self.steps
+            self.steps += 1
+            self._pending += 1
+            if self._pending == 1:
+                self._idle.discard(self)
+            return step
+
+    def finished(self, step: int, error: BaseException | None, advanced: Sequence[str], held: Mapping[str, int] | None = None) -> BaseException | None:
+        """A step left the pipeline; returns the error its future should raise.
+
+        Args:
+            step: The step's number.
+            error: Its error, if it failed.
+            advanced: For a failed step: the stages with state that took the step before the
+                failing one (see Note: a failed step).
+            held: The bytes of the stream's state in each stage that committed the step (Note: a
+                stream's state bytes).
+        """
+        with self._lock:
+            if held and self.closure is None:
+                before = sum(self._held.values())
+                self._held.update(held)
+                self._tally.add(sum(self._held.values()) - before)
+            self._pending -= 1
+            if self._pending == 0 and self.closure is None:
+                self._idle.add(self)  # stamps last_used (Note: expiring idle streams)
+            else:
+                self.last_used = time.monotonic()
+            if error is None:
+                return None
+            if self.closure is not None and (error.stage if isinstance(error, StageError) else None) is None:
+                return error  # the pipeline was closed under it
+            if isinstance(error, StreamError) and error.state_valid is False:
+                # The engine knows the state is gone (e.g. the Ray actor holding it died).
+                self._failure = self._failure or (step, error)
+                return error
+            failed = StreamError.step_failed(error, step, advanced)
+            if advanced:
+                self._failure = self._failure or (step, failed)
+            else:
+                self.steps = min(self.steps, step)
+            return failed
+
+    def shut(self, closure: Closure) -> bool:
+        """Mark the stream closed, its state bytes out of the registry's sum (Note: a stream's
+        state bytes); ``False`` if it was closed already."""
+        with self._lock:
+            if self.closure is not None:
+                return False
+            self.closure = closure
+            held, self._held = sum(self._held.values()), {}
+            if held:
+                self._tally.add(-held)
+        return True
+
+    @property
+    def refusing(self) -> bool:
+        """Whether the stream refuses steps: a failed step left its state invalid."""
+        return self._failure is not None
+
+
+class StreamHost(Protocol):
+    """What a :class:`Stream` asks of its pipeline's stream registry (``_streams.StreamRegistry``;
+    the protocol keeps the import one-way)."""
+
+    def submit(self, record: StreamRecord, inputs: Mapping[str, Any]) -> Future[Outputs]:
+        """Check and submit the stream's next step (see :meth:`Stream.submit`)."""
+        ...
+
+    def close(self, record: StreamRecord, wait: bool = True) -> None:
+        """Close the stream and free its state (see :meth:`Stream.close`)."""
+        ...
+
+
 class Stream:
     """A sequence of steps through a pipeline whose stages keep the stream's state.
 
@@ -160,44 +314,51 @@ class Stream:
         id: The stream's number in its pipeline (from 0); also what engines route it by.
     """
 
-    def __init__(self, pipeline: StreamHost, stream_id: int) -> None:
-        self.id = stream_id
-        self._pipeline = pipeline
-        self._lock = threading.Lock()
-        self._order = threading.Lock()
-        self._next = 0
-        self._dims: dict[str, int] = {}
-        self._pending = 0
-        self.last_used = time.monotonic()
-        self._closed: str | None = None  # why, once closed
-        self._invalid: str | None = None  # why its state is no longer valid
-        self._held: dict[str, int] = {}  # stage -> bytes of the stream's state there (Note: a stream's state bytes)
+    def __init__(self, host: StreamHost, record: StreamRecord) -> None:
+        self.id = record.id
+        self._host = host
+        self._record = record
 
     @property
     def steps(self) -> int:
         """Steps submitted and not failed so far (the next step's number)."""
-        return self._next
+        return self._record.steps
 
     @property
     def closed(self) -> bool:
         """Whether the stream was closed (by :meth:`close`, its pipeline, or its idle timeout)."""
-        return self._closed is not None
+        return self._record.closure is not None
+
+    @property
+    def closure(self) -> Closure | None:
+        """Why the stream was closed, as facts (:class:`~onnxpipe.Closure`), or ``None`` while open."""
+        return self._record.closure
 
     @property
     def closed_because(self) -> str | None:
         """Why the stream was closed (``"closed by its owner"``, its idle timeout, ...), or ``None`` while open."""
-        return self._closed
+        closure = self._record.closure
+        return None if closure is None else RUNTIME_TERMS.closure(closure)
 
     @property
     def state_bytes(self) -> int:
         """Bytes of the stream's state in its stages, as its last finished step left them (0
         before its first step, and once closed). See Note: a stream's state bytes."""
-        with self._lock:
-            return sum(self._held.values())
+        return self._record.state_bytes
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The sizes of the symbolic dims of the stream's state, as its first step bound them."""
+        return self._record.dims
+
+    @property
+    def last_used(self) -> float:
+        """``time.monotonic()`` when its last step was submitted or finished."""
+        return self._record.last_used
 
     def idle_for(self, now: float) -> float:
         """Seconds since its last step was submitted or finished; 0 while a step is in flight."""
-        return 0.0 if self._pending else now - self.last_used
+        return self._record.idle_for(now)
 
     def submit(self, inputs: Mapping[str, Any]) -> Future[Outputs]:
         """Submit the stream's next step; returns a future of its outputs by name.
@@ -208,40 +369,10 @@ class Stream:
         Raises:
             StreamError: the stream is closed, or its state is no longer valid after a failed step.
             InputError: an input is unknown, missing, of the wrong dtype or shape, or sizes a
-                state differently than the stream's first step did (nothing is submitted: the
-                stream stays usable).
+                state differently than the stream's first step did (:class:`~onnxpipe.StateDimError`;
+                nothing is submitted: the stream stays usable).
         """
-        self._pipeline._expire_idle()
-        # _order keeps the steps of one stream in submission order into the engine; _lock guards the
-        # counters and is never held while waiting on the pipeline (its last stage takes it).
-        with self._order:
-            arrays = self._accept(inputs)
-            return self._pipeline._submit_step(arrays, self, self._advance())
-
-    def _accept(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """The next step's inputs, checked (``_order`` held); nothing is taken yet.
-
-        Raises:
-            StreamError, InputError: as :meth:`submit`.
-        """
-        with self._lock:
-            if self._closed is not None:
-                raise StreamError(f"stream {self.id} is closed ({self._closed}); open a new one with pipe.stream()")
-            if self._invalid is not None:
-                raise StreamError(f"stream {self.id} cannot take more steps: {self._invalid}; close it and open a new one", state_valid=False)
-            arrays = self._pipeline._check(inputs)
-            self._check_dims(arrays)
-            return arrays
-
-    def _advance(self) -> int:
-        """Take the next step's number (``_order`` held, after :meth:`_accept`): the step is in flight."""
-        with self._lock:
-            step = self._next
-            self._next += 1
-            self._pending += 1
-            if self._pending == 1:
-                self._pipeline._idle.discard(self)
-            return step
+        return self._host.submit(self._record, inputs)
 
     def step(self, inputs: Mapping[str, Any]) -> Outputs:
         """Run the stream's next step and wait for its outputs (see :meth:`submit`).
@@ -251,76 +382,6 @@ class Stream:
                 stream can go on).
         """
         return self.submit(inputs).result()
-
-    def _check_dims(self, arrays: Mapping[str, np.ndarray]) -> None:
-        binds = self._pipeline._state_binds
-        if not binds:
-            return
-        if self._next == 0:
-            self._dims = {}
-            for d, name, axis in binds:
-                self._dims.setdefault(d, arrays[name].shape[axis])
-            return
-        dims = self._dims
-        for d, name, axis in binds:
-            size = arrays[name].shape[axis]
-            if dims.get(d, size) != size:
-                raise InputError(
-                    f"stream {self.id}, step {self._next}: input '{name}' has {d}={size}, but the stream's state was made "
-                    f"with {d}={self._dims[d]} on its first step; open a new stream for another {d}"
-                )
-
-    @property
-    def dims(self) -> dict[str, int]:
-        """The sizes of the symbolic dims of the stream's state, as its first step bound them."""
-        return dict(self._dims)
-
-    def _finished(self, step: int, error: BaseException | None, advanced: Sequence[str], held: Mapping[str, int] | None = None) -> BaseException | None:
-        """Called when a step leaves the pipeline; returns the error its future should raise.
-
-        Args:
-            step: The step's number.
-            error: Its error, if it failed.
-            advanced: For a failed step: the stages with state that took the step before the
-                failing one (see Note: a failed step).
-            held: The bytes of the stream's state in each stage that committed the step (Note: a
-                stream's state bytes).
-        """
-        with self._lock:
-            if held and self._closed is None:
-                before = sum(self._held.values())
-                self._held.update(held)
-                self._pipeline._state_changed(sum(self._held.values()) - before)
-            self._pending -= 1
-            if self._pending == 0 and self._closed is None:
-                self._pipeline._idle.add(self)  # stamps last_used (Note: expiring idle streams)
-            else:
-                self.last_used = time.monotonic()
-            if error is None:
-                return None
-            stage = error.stage if isinstance(error, StageError) else None
-            if self._closed is not None and stage is None:
-                return error  # the pipeline was closed under it
-            if isinstance(error, StreamError) and error.state_valid is False:
-                # The engine knows the state is gone (e.g. the Ray actor holding it died).
-                self._invalid = self._invalid or f"step {step} failed: {error}"
-                return error
-            if not advanced:
-                self._next = min(self._next, step)
-                return StreamError(
-                    f"{error}; the stream's state is unchanged (as after step {step - 1}): the stream can go on",
-                    stage=stage,
-                    request=getattr(error, "request", None),
-                    state_valid=True,
-                )
-            took = ", ".join(f"'{s}'" for s in advanced)
-            self._invalid = self._invalid or f"step {step} failed in stage '{stage}' after stage(s) {took} had updated their state"
-            return StreamError(
-                f"{error}; the stream's state is no longer valid: stage(s) {took} took step {step} and stage '{stage}' did not; close the stream",
-                stage=stage,
-                request=getattr(error, "request", None),
-                state_valid=False,
-            )
 
     def close(self, wait: bool = True) -> None:
         """Free the stream's state in every stage; later steps raise :class:`StreamError`.
@@ -332,24 +393,7 @@ class Stream:
             wait: Return once the state is freed everywhere; when false, return once the close is
                 on its way (a server ending a sequence does not wait for it).
         """
-        if self._shut("closed by its owner"):
-            self._pipeline._close_stream(self, wait)
-
-    def _expire(self, reason: str) -> bool:
-        """Close on behalf of the pipeline (idle timeout); ``False`` if it was already closed."""
-        return self._shut(reason)
-
-    def _shut(self, reason: str) -> bool:
-        """Mark the stream closed for ``reason``, its state bytes out of its pipeline's sum (Note: a
-        stream's state bytes); ``False`` if it was closed already."""
-        with self._lock:
-            if self._closed is not None:
-                return False
-            self._closed = reason
-            held, self._held = sum(self._held.values()), {}
-            if held:
-                self._pipeline._state_changed(-held)
-        return True
+        self._host.close(self._record, wait)
 
     def __enter__(self) -> Stream:
         return self
@@ -358,5 +402,6 @@ class Stream:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "invalid" if self._invalid else "open"
-        return f"Stream(id={self.id}, steps={self._next}, {state})"
+        record = self._record
+        state = "closed" if record.closure else "invalid" if record.refusing else "open"
+        return f"Stream(id={self.id}, steps={record.steps}, {state})"

@@ -44,11 +44,13 @@ Note: sequence state.
 Note: a client's terms.
     A client knows its ``sequence_id``s and the server's flags, not the pipeline's stream numbers
     or ``load()``'s arguments. So every refusal of a sequence names ``sequence_id``s, and the
-    runtime's stream errors are said over in the protocol's terms (:func:`_sequence_terms`):
-    "stream 3" becomes the request's ``sequence_id``, ``stream_timeout=`` the flag
-    ``--stream-timeout``, and the runtime's remedies (open a new stream, close it) the protocol's
-    (``sequence_start``, ``sequence_end``). A refusal for lack of room lists the open sequences
-    and ``--max-streams``.
+    runtime's stream errors are said in the protocol's terms: they keep their facts as fields
+    (the stream, the step, why it was closed, the remedy; Note: a stream's errors carry facts,
+    each layer says them, ``onnxpipe/_errors.py``), and the server renders those fields with its
+    own words (:class:`_SequenceTerms`): the stream is the request's ``sequence_id``, the idle
+    timeout the flag ``--stream-timeout``, and the runtime's remedies (open a new stream, close it)
+    the protocol's (``sequence_start``, ``sequence_end``). A refusal for lack of room lists the
+    open sequences and ``--max-streams``.
 
 Note: executions.
     Triton counts a model's *inferences* (rows: a request of 8 rows is 8) and its *executions*
@@ -100,12 +102,12 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from onnxpipe import __version__
-from onnxpipe._errors import BusyError, InputError, StageError, StreamError
+from onnxpipe._errors import BusyError, InputError, Remedy, StageError, StreamError, StreamTerms, said
 from onnxpipe.runtime import UNKNOWN_DIM_NAMES, Pipeline, PipelineStats, StageStats, Stream
 from onnxpipe.serve._errors import MESSAGE_MOST, RequestError, bad_request, near, shown
 from onnxpipe.serve._options import MAX_SEQUENCE_STATE, SEQUENCE_STATE_BUDGET
@@ -124,16 +126,35 @@ _MAX_SEQUENCE_ID = 128
 _ENDED = 4096
 #: Open sequences a refusal for lack of room names (the rest are counted).
 _SHOWN = 8
-#: The runtime's words for a stream, and the protocol's for a sequence (see Note: a client's terms).
-_TERMS = (
-    ("open a new stream for another", "start a new sequence ('sequence_start': true) for another"),
-    ("close it and open a new one", "start it again with 'sequence_start': true"),
-    ("open a new one with pipe.stream()", "start it again with 'sequence_start': true"),
-    ("close the stream", "start the sequence again with 'sequence_start': true"),
-    ("the stream can go on", "the sequence can go on"),
-    ("the stream's state", "the sequence's state"),
-    ("stream_timeout=", "--stream-timeout "),
-)
+
+
+class _SequenceTerms(StreamTerms):
+    """A stream's facts in a client's words (see Note: a client's terms): the stream a sequence is
+    held in is its ``sequence_id``, settings are the server's flags, remedies the protocol's."""
+
+    state = "the sequence's state"
+    remedies: ClassVar[Mapping[Remedy, str]] = {
+        Remedy.GO_ON: "the sequence can go on",
+        Remedy.CLOSE: "start the sequence again with 'sequence_start': true",
+        Remedy.RESTART: "start it again with 'sequence_start': true",
+        Remedy.REOPEN: "start it again with 'sequence_start': true",
+        Remedy.NEW_STREAM: "start a new sequence ('sequence_start': true) for another",
+        Remedy.MAKE_ROOM: "end one ('sequence_end': true), or restart the server with a larger --max-streams",
+    }
+
+    def __init__(self, stream: Stream | None = None, sid: SequenceId | None = None) -> None:
+        self._stream = None if stream is None else stream.id
+        self._sid = sid
+
+    def stream(self, stream: int) -> str:
+        return f"sequence_id {self._sid!r}" if stream == self._stream else super().stream(stream)
+
+    def timeout(self, seconds: float) -> str:
+        return f"--stream-timeout {seconds:g}"
+
+
+#: A client's words, where no sequence is named.
+_SEQUENCE_TERMS = _SequenceTerms()
 
 #: onnxruntime's C++ source in its messages (see Note: what a failure shows): a source file and line,
 #: then the function (``__PRETTY_FUNCTION__``: a return type and a qualified name with its
@@ -478,7 +499,7 @@ class ServedModel:
                         self._waiting -= 1
             outputs = await self._outcome(future, deadline)
         except (InputError, StageError) as e:
-            error = _request_error(e, _sequence_terms(str(e)) if self.stateful else str(e))
+            error = _request_error(e, said(e, _SEQUENCE_TERMS) if self.stateful else str(e))
             self._failed(error.status)
             raise error from None
         except RequestError as e:
@@ -559,7 +580,7 @@ class ServedModel:
         except (StreamError, InputError) as e:
             if stream.closed:  # it expired since the look above
                 raise self._not_open(sequence.id, stream) from None
-            text = _sequence_terms(str(e), stream, sequence.id)
+            text = said(e, _SequenceTerms(stream, sequence.id))
             if sequence.end:  # an end always ends the sequence (see Note: sequences are streams)
                 self._end(sequence.id, stream, "it ended with sequence_end")
                 text += "; the step did not run, and the sequence was ended ('sequence_end': true) and its state freed"
@@ -600,7 +621,7 @@ class ServedModel:
     def _not_open(self, sid: SequenceId, stream: Stream | None) -> RequestError:
         """The 400 for a step of a sequence that is not open (never started, ended, or expired)."""
         if stream is not None:
-            self._forget(sid, _sequence_terms(stream.closed_because or "closed"))
+            self._forget(sid, _closed_because(stream))
         why = self._ended.get(sid)
         why = f" ({why})" if why else ""
         return bad_request(
@@ -611,13 +632,13 @@ class ServedModel:
     def _no_room(self, error: StreamError) -> str:
         """Why a sequence cannot start, in a client's terms (see Note: a client's terms): the
         sequences open, by ``sequence_id``, and the flags that free or make room."""
+        if error.remedy is not Remedy.MAKE_ROOM:
+            return said(error, _SEQUENCE_TERMS)  # not for lack of room: the pipeline is closing
         pipe = self.pipe
-        if len(pipe.open_streams) < pipe.max_streams:
-            return str(error)  # not for lack of room: the pipeline is closing
         open_ids = [sid for sid, stream in self.sequences.items() if not stream.closed]
         shown = ", ".join(repr(sid) for sid in open_ids[:_SHOWN]) + (f" and {len(open_ids) - _SHOWN} more" if len(open_ids) > _SHOWN else "")
         idle = f", let one stay idle for --stream-timeout ({pipe.stream_timeout:g} s)" if pipe.stream_timeout else ""
-        return (f"{pipe.max_streams} sequences are open, the limit (--max-streams {pipe.max_streams}): sequence_ids {shown}; "
+        return (f"{error.limit} sequences are open, the limit (--max-streams {error.limit}): sequence_ids {shown}; "
                 f"end one ('sequence_end': true){idle}, or restart the server with a larger --max-streams")
 
     def _forget(self, sid: SequenceId, why: str) -> None:
@@ -631,7 +652,7 @@ class ServedModel:
         """Close sequences idle past the stream timeout, and forget the ones closed (on the worker thread)."""
         self.pipe.close_idle_streams()
         for sid, stream in [(s, stream) for s, stream in self.sequences.items() if stream.closed]:
-            self._forget(sid, _sequence_terms(stream.closed_because or "closed"))
+            self._forget(sid, _closed_because(stream))
 
     async def on_worker(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the model's worker thread, after what is queued there."""
@@ -838,11 +859,7 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def _sequence_terms(text: str, stream: Stream | None = None, sid: SequenceId | None = None) -> str:
-    """A runtime message about a stream, in a client's terms (see Note: a client's terms): the
-    stream named by its ``sequence_id``, the server's flags, the protocol's remedies."""
-    if stream is not None and text.startswith(f"stream {stream.id}"):
-        text = f"sequence_id {sid!r}" + text[len(f"stream {stream.id}"):]
-    for runtime, protocol in _TERMS:
-        text = text.replace(runtime, protocol)
-    return text
+def _closed_because(stream: Stream) -> str:
+    """Why a sequence's stream was closed, in a client's terms (see Note: a client's terms)."""
+    closure = stream.closure
+    return "closed" if closure is None else _SEQUENCE_TERMS.closure(closure)

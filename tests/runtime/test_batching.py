@@ -131,7 +131,7 @@ def test_one_driver_steps_many_streams_as_one_request_per_group(decoder_bundles:
     done = [0] * len(prompts)
     with load(decoder_bundles[2], max_streams=16, micro_batches=2) as pipe:
         streams = [pipe.stream() for _ in prompts]
-        assert [pipe._scheduler.group_of(s.id) for s in streams[:2]] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+        assert pipe.streams.batched and [pipe.streams.group_of(s.id) for s in streams[:2]] == [[0, 2, 4, 6], [1, 3, 5, 7]]
         live = list(range(len(streams)))
         for step in range(6):
             futures = pipe.submit_steps({streams[k]: decoder_feeds(tokens[k], done[k]) for k in live})

@@ -143,7 +143,7 @@ def test_streams_batch_in_every_stage_or_in_none(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"stage\(s\) '{first}' of this pipeline with state have max_batch=1: .* every stage must batch them"):
         load(bundle, overrides={"0": {"max_batch": 1}})
     with load(bundle, overrides={"*": {"max_batch": 1}}) as pipe, pipe.stream() as stream:  # none batches: each step alone
-        assert pipe._scheduler is None
+        assert not pipe.streams.batched
         stream.step({"x": np.ones((1, 4), np.float32)})
 
 

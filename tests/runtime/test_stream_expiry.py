@@ -70,7 +70,7 @@ def test_the_longest_idle_streams_close_first_and_the_active_ones_stay(rnn_bundl
         assert pipe.close_idle_streams() == [3]
         assert pipe.open_streams == [1] and _held_in(pipe, 3) == []
         streams[1].close()
-        assert len(pipe._idle) == 0
+        assert pipe.streams.idle == 0
 
 
 def test_a_stream_idle_too_long_refuses_its_own_next_step(rnn_bundle: Path) -> None:
@@ -95,7 +95,7 @@ def test_a_stream_with_a_step_in_flight_is_not_idle(rnn_bundle: Path) -> None:
         held = stage0.session = _Held(stage0.session)
         future = busy.submit(X)
         time.sleep(0.4)  # both last finished a step 0.4 s ago; busy's next one is in flight
-        assert len(pipe._idle) == 1  # busy is not in it while its step is in flight
+        assert pipe.streams.idle == 1  # busy is not in it while its step is in flight
         # The close of the idle stream follows the held step through stage0: let the step go soon.
         threading.Timer(0.3, held.release.set).start()
         assert pipe.close_idle_streams() == [idle.id]
@@ -103,7 +103,7 @@ def test_a_stream_with_a_step_in_flight_is_not_idle(rnn_bundle: Path) -> None:
         future.result(timeout=30)
         stage0.session = held.session
         assert pipe.close_idle_streams() == []  # its idle time starts again when the step finishes
-        assert len(pipe._idle) == 1
+        assert pipe.streams.idle == 1
         busy.step(X)
         busy.close()
 
@@ -115,8 +115,8 @@ def test_closed_streams_leave_no_trace_without_a_timeout(rnn_bundle: Path) -> No
             s.step(X)
         for s in streams[:30]:
             s.close()
-        assert len(pipe._idle) == 20
-    assert len(pipe._idle) == 0  # closing the pipeline closes them all
+        assert pipe.streams.idle == 20
+    assert pipe.streams.idle == 0  # closing the pipeline closes them all
 
 
 def _looked(bundle: Path, open_count: int) -> int:
@@ -126,13 +126,13 @@ def _looked(bundle: Path, open_count: int) -> int:
         streams = [pipe.stream() for _ in range(open_count)]
         for s in streams:
             s.step(X)
-        before = pipe._idle.looked
+        before = pipe.streams.looked
         for _ in range(10):
             streams[open_count // 2].step(X)
         for _ in range(5):
             with pipe.stream() as s:
                 s.step(X)
-        return pipe._idle.looked - before
+        return pipe.streams.looked - before
 
 
 def test_a_step_looks_at_one_stream_however_many_are_open(rnn_bundle: Path) -> None:

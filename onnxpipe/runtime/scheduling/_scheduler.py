@@ -28,15 +28,17 @@ Note: groups, micro-batches and when a batch leaves.
     it, in order. Its members are in the order they joined the group, so the same members give
     the same rows every step.
 
-    The scheduler decides; it never runs anything. ``send`` (the pipeline's) stacks a batch and
-    submits it; the thread engine, the Ray engine and the server's sequences all sit behind it.
+    The scheduler decides; it never runs anything. ``send`` (the pipeline's stream registry,
+    ``_streams.StreamRegistry``) stacks a batch and submits it as one request; the registry joins
+    and retires streams, offers their steps and says when each leaves. The thread engine, the Ray
+    engine and the server's sequences all sit behind it.
 
 Note: locks.
     ``_lock`` guards the groups and is never held while waiting on anything. A group's ``order``
     lock is held from forming its batches until they are submitted, so the batches of one group
     enter the pipeline in the order they were formed even when several threads (the callers, the
     deadline timer, a close) form them; a submission that waits for room in the pipeline holds
-    only that. The pipeline's last stage tells the scheduler a step is done (:meth:`done`), which
+    only that. The pipeline's exit tells the scheduler a step is done (:meth:`done`), which
     takes ``_lock`` alone, so a full pipeline can always drain.
 """
 
