@@ -321,9 +321,11 @@ ADDRESS = click.option(
 
 def _engine_args(engine: str, address: str | None) -> dict[str, Any]:
     """The load() arguments of --engine and --address."""
-    if address is not None and engine != "ray":
-        raise click.UsageError("--address: only used with --engine ray")
-    return {"engine": engine, "address": address} if engine == "ray" else {}
+    from onnxpipe.runtime import ENGINES
+
+    if address is not None and not ENGINES[engine].takes_address:
+        raise click.UsageError(f"--address: only used with --engine {' or '.join(name for name, e in ENGINES.items() if e.takes_address)}")
+    return {"engine": engine, "address": address}
 
 
 TRACE = click.option(
@@ -570,7 +572,7 @@ def run(
       onnxpipe run model.onnxpipe --inputs images/ --outputs scores/ --engine ray --address HEAD:6379
       onnxpipe run model.onnxpipe --inputs images/ --outputs scores/ --set '*:affinity=0-1' --set replicas=2
     """
-    from onnxpipe.runtime import Pipeline, read_bundle
+    from onnxpipe.runtime import ENGINES, Pipeline, read_bundle
 
     where_run = _engine_args(engine, address)
     overrides = deploy_overrides(settings)
@@ -578,7 +580,7 @@ def run(
     destinations = _destinations(out, files)
     quiet_onnxruntime()
     # On Ray no session starts here: each actor checks its own stage's threads against its node.
-    with allowing_code("run"), read_bundle(bundle, allow_code=allow_code, sessions=() if engine == "ray" else None, overrides=overrides) as checked:
+    with allowing_code("run"), read_bundle(bundle, allow_code=allow_code, sessions=None if ENGINES[engine].in_process else (), overrides=overrides) as checked:
         _check_input_files(checked.spec.inputs, files)
         with Pipeline(checked, target=target, queue_depth=queue_depth, trace=trace is not None, **where_run) as pipe:
             pipe.reset_stats()  # from the first request, not from load

@@ -4,6 +4,7 @@ import onnxpipe.runtime._guard  # noqa: F401  first: a missing or broken onnxrun
 from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
 from onnxpipe.runtime._bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, npz_layout, read_bundle, save_npz
 from onnxpipe.runtime._code import check_allowed, code_entries
+from onnxpipe.runtime._diagnostics import Diagnostics, ReplicaDiagnostics, StageDiagnostics
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._inputs import UNKNOWN_DIM_NAMES, check_dims, check_inputs, random_inputs, sample_shapes
@@ -31,6 +32,7 @@ __all__ = [
     "BenchReport",
     "Bundle",
     "CodeSpec",
+    "Diagnostics",
     "Endpoint",
     "FileEntry",
     "Limits",
@@ -44,9 +46,11 @@ __all__ = [
     "PipelineStats",
     "RayOptions",
     "ReferenceCheck",
+    "ReplicaDiagnostics",
     "Rounds",
     "SequentialPipeline",
     "StageBench",
+    "StageDiagnostics",
     "StageOverrides",
     "StageSettings",
     "StageSpec",
