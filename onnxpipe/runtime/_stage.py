@@ -75,10 +75,11 @@ from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_rows, pad_stack, take_rows
 
 __all__ = [
-    "CLOSE", "Call", "CodeRunner", "Failure", "Request", "Runner", "StagePlan", "StageRunner", "claimed", "host_placement", "lost_state", "make_runner",
-    "pinned_replica", "plan_stages", "run_timed", "stage_failed",
+    "CLOSE", "Call", "CodeRunner", "Failure", "Request", "Runner", "RunnerBase", "StagePlan", "StageRunner", "claimed", "host_placement", "lost_state",
+    "make_runner", "pinned_replica", "plan_stages", "stage_failed",
 ]
 
+_clock = time.perf_counter
 #: ``Request.step`` of a control request that closes its stream: each stateful runner drops the
 #: stream's state; stateless ones pass it on.
 CLOSE = -1
@@ -308,17 +309,34 @@ class Runner(Protocol):
         """Bytes of the state arrays this runner holds, over all its streams."""
 
 
-def run_timed(request: Request, compute: Callable[[Request], tuple[Failure, ...]], stage: str) -> Call:
-    """Run ``compute`` for one request and time it: the :class:`Call` of :meth:`Runner.run`, for
-    every runner. ``compute`` returns the batch members that failed and left the batch; what it
-    raises fails the request."""
-    size = 0 if request.step == CLOSE else request.size
-    start = time.perf_counter()
-    try:
-        failures = compute(request)
-    except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
-        failures = (Failure(request.id, stage, str(e)),)
-    return Call((request.id,), start, time.perf_counter(), size, failures)
+class RunnerBase:
+    """What every runner shares (Polygraphy's ``infer`` around ``infer_impl``): :meth:`run` times
+    the stage's own :meth:`_compute` and makes the run's :class:`Call`; :meth:`__call__` runs it
+    for a caller outside an engine."""
+
+    name: str
+
+    def _compute(self, request: Request) -> tuple[Failure, ...]:
+        """Run the stage for one request (see the note on the request's bag); the members of a
+        batch of steps that failed and left it. Raises what the stage raised."""
+        raise NotImplementedError
+
+    def run(self, request: Request) -> Call:
+        """Run the stage for one request (a batch of streams' steps is one) and say what happened;
+        never raises: what :meth:`_compute` raised fails the request, in the :class:`Call`."""
+        batch = request.batch  # its size, inlined: run() is on every request's path through every stage
+        size = 0 if request.step == CLOSE else 1 if batch is None else len(batch)
+        start = _clock()
+        try:
+            failures = self._compute(request)
+        except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
+            failures = (Failure(request.id, self.name, str(e)),)
+        return Call((request.id,), start, _clock(), size, failures)
+
+    def __call__(self, request: Request) -> None:
+        """Run the stage for one request, raising what the stage raised (for callers outside an
+        engine); the members of a batch of steps that fail leave it (``request.batch.failed``)."""
+        self._compute(request)
 
 
 def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
@@ -326,7 +344,7 @@ def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
     return [runner.run(request) for request in requests if request.error is None]
 
 
-class StageRunner:
+class StageRunner(RunnerBase):
     """Runs one stage of a request with one onnxruntime session.
 
     Args:
@@ -363,22 +381,13 @@ class StageRunner:
         #: state blocks): a diagnostic (:meth:`Pipeline.diagnostics`).
         self.reused = 0
 
-    def run(self, request: Request) -> Call:
-        """Run the stage for one request (a batch of streams' steps is one) and say what happened,
-        as :meth:`__call__` runs it; never raises."""
-        return run_timed(request, self._compute, self.name)
-
-    def __call__(self, request: Request) -> None:
+    def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
 
         For a stage with state, also feed the request's stream its state and commit the new one;
         a batch of streams' steps (``request.batch``) runs as one call (Note: state blocks), and
-        its members that fail leave it (``request.batch.failed``).
+        its members that fail leave it: they are returned.
         """
-        self._compute(request)
-
-    def _compute(self, request: Request) -> tuple[Failure, ...]:
-        """:meth:`__call__`; the members of a batch of steps that failed and left it."""
         if request.step == CLOSE:
             self.states.pop(request.stream, None)  # type: ignore[arg-type]
             return ()
@@ -398,7 +407,13 @@ class StageRunner:
     def _feeds(self, request: Request) -> dict[str, np.ndarray]:
         """What the session is fed for one request alone: its inputs from the bag, its parameters,
         its stream's state."""
-        feeds = self._inputs(request, {name: request.values[key] for name, key in self.plan.sources})
+        # On every request's path: a loop (no comprehension's frame before Python 3.12), _inputs inlined.
+        values, feeds = request.values, {}
+        for name, key in self.plan.sources:
+            feeds[name] = values[key]
+        own = request.params.get(self.name)
+        if own:
+            feeds.update(own)
         if self._state_at:
             feeds.update(self._own(self._held(request.stream, request.step, request.dims)))
         return feeds
@@ -717,7 +732,7 @@ def initial_state(plan: StagePlan, dims: Mapping[str, int]) -> dict[str, np.ndar
     return state
 
 
-class CodeRunner:
+class CodeRunner(RunnerBase):
     """Runs one code stage of a request: calls its function, checks what it returns.
 
     Same face as :class:`StageRunner` (:class:`Runner`); ``session`` is ``None``, and it neither
@@ -771,15 +786,8 @@ class CodeRunner:
         except InputError as e:
             raise StageError(f"code stage '{self.name}': {e}") from None
 
-    def run(self, request: Request) -> Call:
-        """Run the stage for one request and say what happened, as :meth:`__call__` runs it; never raises."""
-        return run_timed(request, self._compute, self.name)
-
-    def __call__(self, request: Request) -> None:
-        """Read the inputs from the request's bag, call the function, put the outputs back, drop dead values."""
-        self._compute(request)
-
     def _compute(self, request: Request) -> tuple[Failure, ...]:
+        """Read the inputs from the request's bag, call the function, put the outputs back, drop dead values."""
         if request.step == CLOSE:  # a code stage keeps no state of a stream
             return ()
         values = request.values

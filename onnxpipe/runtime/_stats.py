@@ -80,17 +80,23 @@ class StageRecorder:
         size 0 (a close, a batch whose members all failed before) is not counted.
         """
         start, end, size = call.start, call.end, call.size
-        queued = 0.0
-        for request in requests:
-            queued += max(0.0, start - request.queued_at)
+        if len(requests) == 1:  # the common case, kept short: one request (or one batch of steps) a run
+            request = requests[0]
+            queued = start - request.queued_at
+            queued = queued * size if queued > 0.0 else 0.0  # clocks of other hosts (Ray) may put a start before it
             request.queued_at = end
+        else:  # stateless requests run together: each carries one
+            queued = 0.0
+            for request in requests:
+                queued += max(0.0, start - request.queued_at)
+                request.queued_at = end
         if not size:
             return
         took = end - start
         self.count += size
         self.failed += len(call.failures)
         self.busy += took
-        self.queued += queued * (size // len(requests))
+        self.queued += queued
         self.latencies.append(took)
         if self.counts_batches:
             self.calls += 1
