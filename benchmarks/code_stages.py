@@ -101,7 +101,7 @@ def _calibrate(folder: Path, x: np.ndarray) -> tuple[float, dict[str, dict[str, 
     (folder / "calibrate").mkdir()
     bundle = read_bundle(_bundle(folder / "calibrate", "sleep", {"seconds": 0.0}, len(x)), allow_code=["benchmarks.code_stages:*"])
     seq = SequentialPipeline(bundle.spec, bundle, allow_code=bundle.allow_code)
-    onnx_ms = _alone_ms(lambda: seq._sessions["onnx"].run(None, {"x": x}))  # type: ignore[union-attr]
+    onnx_ms = _alone_ms(lambda: seq._sessions["onnx"].run(None, {"x": x}))  # type: ignore[call-arg, arg-type]
     y = {"y": np.ones((len(x), SIZE), np.float32)}
     params: dict[str, dict[str, Any]] = {"sleep": {"seconds": onnx_ms / 1e3}}
     for kind, fn in (("python", python_stage), ("numpy", numpy_stage)):

@@ -63,8 +63,9 @@ def _cpu_pids(pids: list[int]) -> float:
 
 
 def _actor_pids(pipe: Pipeline) -> list[int]:
-    placements = getattr(pipe._engine, "placements", None)
-    return [rep["pid"] for row in placements() for rep in row] if placements else []
+    """The processes the stages run in, other than this one (the Ray engine's actors)."""
+    diagnostics = pipe.diagnostics()
+    return [] if diagnostics.in_process else [r.pid for stage in diagnostics.stages for r in stage.replicas if r.pid is not None]
 
 
 def _stream(pipe: Pipeline, feeds: dict[str, np.ndarray], requests: int) -> tuple[float, float]:
@@ -179,7 +180,7 @@ def main() -> None:
             with load(bundle, engine=engine, ray_options=options) as pipe:
                 rate, per_request = _stream(pipe, feeds, args.requests)
                 if key == "ray":
-                    per_call.append((args.requests + 5) / pipe._engine.calls()[0])  # type: ignore[attr-defined]
+                    per_call.append((args.requests + 5) / (pipe.diagnostics().stages[0].calls or 1))
             cpu[key].append(per_request)
             return rate
 

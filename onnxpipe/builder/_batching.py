@@ -244,11 +244,10 @@ class _Probe:
                 shapes = [{name: np.shape(v) for name, v in runner._feeds(r).items()} for r in group]
             calls = runner.run_many(group)
             for call in calls:
-                for error in call.errors:
-                    if error is not None:
-                        if runner.max_batch > 1:
-                            raise _Differs(runner.name, f"a request that runs alone failed batched: {error}")
-                        raise _NotProbed(f"stage '{runner.name}' failed on the probe's request: {error}")
+                for failure in call.failures:
+                    if runner.max_batch > 1:
+                        raise _Differs(runner.name, f"a request that runs alone failed batched: {failure.cause}")
+                    raise _NotProbed(f"stage '{runner.name}' failed on the probe's request: {failure.cause}")
             if batched and runner.max_batch > 1 and len(calls) != 1:
                 raise _Differs(runner.name, f"its requests did not run as one call ({runner.unbatched or 'they did not fit together'})")
             if seen is not None:

@@ -319,9 +319,11 @@ ADDRESS = click.option(
 
 def _engine_args(engine: str, address: str | None) -> dict[str, Any]:
     """The load() arguments of --engine and --address."""
-    if address is not None and engine != "ray":
-        raise click.UsageError("--address: only used with --engine ray")
-    return {"engine": engine, "address": address} if engine == "ray" else {}
+    from onnxpipe.runtime import ENGINES
+
+    if address is not None and not ENGINES[engine].takes_address:
+        raise click.UsageError(f"--address: only used with --engine {' or '.join(name for name, e in ENGINES.items() if e.takes_address)}")
+    return {"engine": engine, "address": address}
 
 
 TRACE = click.option(

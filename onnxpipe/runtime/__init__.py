@@ -3,6 +3,7 @@
 import onnxpipe.runtime._guard  # noqa: F401  first: a missing or broken onnxruntime is one error saying what to install
 from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
 from onnxpipe.runtime._code import check_allowed, code_entries
+from onnxpipe.runtime._diagnostics import Diagnostics, ReplicaDiagnostics, StageDiagnostics
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH
 from onnxpipe.runtime._files import check_request_files, map_files, request_files
@@ -36,6 +37,7 @@ __all__ = [
     "Bundle",
     "CodeSpec",
     "DeploySettings",
+    "Diagnostics",
     "Endpoint",
     "FileEntry",
     "Limits",
@@ -49,9 +51,11 @@ __all__ = [
     "PipelineStats",
     "RayOptions",
     "ReferenceCheck",
+    "ReplicaDiagnostics",
     "Rounds",
     "SequentialPipeline",
     "StageBench",
+    "StageDiagnostics",
     "StageOverrides",
     "StageSettings",
     "StageSpec",

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from onnxpipe._errors import ConfigError
+from onnxpipe.runtime._engine import engine_class
 from onnxpipe.runtime._inputs import check_inputs, random_inputs
 from onnxpipe.runtime._pipeline import Pipeline
 from onnxpipe.runtime._spec import Endpoint
@@ -171,7 +172,7 @@ def benchmark(
     notes: list[str] = []
     if inputs is None:
         inputs, notes = random_inputs(pipe.spec.inputs, dims)
-    if standalone_runs and pipe.engine != "thread":
+    if standalone_runs and not engine_class(pipe.engine).in_process:
         notes.append(f"no standalone stage times: the stages run on {pipe.engine} actors, not in this process")
         standalone_runs = 0
     standalone: list[float] | None = None

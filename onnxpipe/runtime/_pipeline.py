@@ -44,23 +44,21 @@ import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, StageError
 from onnxpipe.runtime._code import check_allowed
-from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, Engine, ThreadEngine
+from onnxpipe.runtime._diagnostics import Diagnostics
+from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, ENGINES, Engine, engine_class
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
 from onnxpipe.runtime._overrides import Overrides
-from onnxpipe.runtime._ray import RayEngine, RayOptions  # ray itself is imported only when a RayEngine starts
+from onnxpipe.runtime._ray import RayOptions  # ray itself is imported only when a RayEngine starts
 from onnxpipe.runtime._requests import Dispatcher, closed_before
 from onnxpipe.runtime._spec import PipelineSpec
-from onnxpipe.runtime._stage import Runner, StagePlan, make_runner, plan_stages
-from onnxpipe.runtime._stats import PipelineStats, resident_bytes, summarize, write_trace
+from onnxpipe.runtime._stage import Runner, plan_stages
+from onnxpipe.runtime._stats import PipelineStats, summarize, write_trace
 from onnxpipe.runtime._stream import Stream
 from onnxpipe.runtime._streams import StreamRegistry, StreamsView
 from onnxpipe.runtime._tvm import TVMProtocol
-from onnxpipe.runtime.bundle import Bundle, Limits, check_caps, read_bundle
+from onnxpipe.runtime.bundle import Bundle, Limits, read_bundle
 
 __all__ = ["ENGINES", "Pipeline", "ReferenceCheck", "load"]
-
-#: Where a pipeline's stage workers can live (see :class:`Pipeline`).
-ENGINES = ("thread", "ray")
 
 Outputs = dict[str, np.ndarray]
 _TVM: Any = object()  # run() called without arguments: the TVM protocol
@@ -136,33 +134,17 @@ class Pipeline(TVMProtocol, InferenceSessionAPI):
         plans, finals = plan_stages(bundle.spec)
         self._origin = time.perf_counter()
         self.micro_batches = micro_batches or len(plans)
-        self._session_facts: list[SessionFacts] = []
         self._node_counts: dict[str, dict[str, int]] | None = None
-        self._engine: Engine
-        if engine == "thread":
-            if address is not None or ray_options is not None:
-                raise ConfigError("address and ray_options are for engine='ray'; the thread engine runs in this process")
-            if bundle.capped is not None:  # read for another engine: every session starts here
-                check_caps(bundle.spec, bundle.limits)
-            self._engine = ThreadEngine(plans, self._make_runner, queue_depth, trace)
-        elif engine == "ray":
-            ray_engine = RayEngine(bundle, plans, target, queue_depth, trace, address, ray_options or RayOptions(), source)
-            self._session_facts = ray_engine.session_facts
-            self._engine = ray_engine
-        else:
-            raise ConfigError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+        self._engine: Engine = engine_class(engine).start(bundle, plans, target=target, queue_depth=queue_depth, trace=trace, address=address,
+                                                          ray_options=ray_options, source=source)
+        self._session_facts: list[SessionFacts] = self._engine.session_facts()
         self.engine = engine
         # A pipeline dropped without close() must not leave its workers running.
         self._finalizer = weakref.finalize(self, self._engine.close)
-        self.capacity = sum(queue_depth + p.stage.settings.replicas for p in plans)
+        #: Requests the engine holds in flight (its queues and workers) before submit waits: what map() keeps in flight.
+        self.capacity = self._engine.capacity
         self._dispatch = Dispatcher(self._engine, bundle.spec, finals)
         self._streams = StreamRegistry(self._dispatch, bundle.spec, plans, finals, max_streams, stream_timeout, self.micro_batches)
-
-    def _make_runner(self, plan: StagePlan, replica: int) -> Runner:
-        runner = make_runner(self.bundle, plan, replica, self._target)
-        if runner.session is not None:  # code stages have no session to report
-            self._session_facts.append(SessionFacts.of(runner.session, plan.stage.name))
-        return runner
 
     # -- what the pipeline looks like ------------------------------------------------------------
 
@@ -350,7 +332,7 @@ class Pipeline(TVMProtocol, InferenceSessionAPI):
             StageError: requests are in flight, so a stage would not run alone, or the stages run
                 on Ray actors (no session is in this process).
         """
-        if self.engine != "thread":
+        if not engine_class(self.engine).in_process:
             raise StageError(f"the stages run on {self.engine} actors, not in this process: running a stage alone needs engine='thread'")
         in_flight = self._dispatch.table.in_flight
         if in_flight:
@@ -379,8 +361,18 @@ class Pipeline(TVMProtocol, InferenceSessionAPI):
             )
             for s in stats.stages
         )
-        held = resident_bytes() if memory and self.engine == "thread" else None  # the Ray engine's sessions live in other processes
+        held = self._engine.resident_bytes() if memory else None  # None where the sessions live in other processes (Ray)
         return dataclasses.replace(stats, stages=stages, resident_bytes=held)
+
+    def diagnostics(self) -> Diagnostics:
+        """Where each stage replica runs and what it holds now: its process (on Ray: its node, its
+        labels, its private folder, whether it is alive), the requests it ran, the streams whose
+        state it keeps and their bytes, its reuse of state blocks; the engine's capacity. For
+        tests, benchmarks and operators (docs/runtime.md, Diagnostics). On Ray each live actor is
+        asked, beside any run in progress (a few milliseconds; an actor that does not answer
+        within 10 s is reported with ``streams=None``).
+        """
+        return Diagnostics(self.engine, engine_class(self.engine).in_process, self._engine.capacity, tuple(self._engine.diagnostics()))
 
     def reset_stats(self) -> None:
         """Start a new measurement window (e.g. after warm-up)."""
@@ -501,7 +493,8 @@ def load(
     """
     # A hostile bundle, or code the host does not allow, is refused here, before anything ships. On
     # Ray no session starts here: each actor checks its stage's threads against its own node.
-    bundle = read_bundle(path, limits, allow_code=allow_code, sessions=() if engine == "ray" else None, overrides=overrides)
+    kind = ENGINES.get(engine)  # an unknown one is refused by Pipeline, once the bundle is read
+    bundle = read_bundle(path, limits, allow_code=allow_code, sessions=None if kind is None or kind.in_process else (), overrides=overrides)
     try:
         if before_start is not None:
             before_start(bundle.spec)

@@ -41,6 +41,15 @@ Note: batched calls.
     together, stacked along dim 0; after the call each request gets its rows. A failed call, or
     one whose outputs cannot be split back, runs its members again one by one, so only a bad
     request fails. (Streams' steps are batched at the entry instead: Note: state blocks.)
+
+Note: a run's record.
+    Every run of a stage ends in one :class:`Call`, made by the runner where the run happened (a
+    thread here, an actor on another host): which requests it ran, when, how many requests or
+    steps, and what failed, as :class:`Failure` records (plain data: they cross processes as
+    they are). ``Runner.run`` and ``Runner.run_many`` never raise. An engine turns a failure into
+    the request's error with :meth:`Failure.error` (its words made in one place,
+    :func:`stage_failed`) and records the run with ``StageRecorder.record``; so a new batching
+    mode or stage kind is taught to the runner, not to each engine.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import ConfigError, InputError, StageError
+from onnxpipe._errors import ConfigError, InputError, StageError, StreamError
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import check_inputs
@@ -66,9 +75,11 @@ from onnxpipe.runtime.bundle import Bundle
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_rows, pad_stack, take_rows
 
 __all__ = [
-    "CLOSE", "Call", "CodeRunner", "Request", "Runner", "StagePlan", "StageRunner", "claimed", "host_placement", "make_runner", "pinned_replica", "plan_stages",
+    "CLOSE", "Call", "CodeRunner", "Failure", "Request", "Runner", "RunnerBase", "StagePlan", "StageRunner", "claimed", "host_placement",
+    "make_runner", "pinned_replica", "plan_stages", "stage_failed",
 ]
 
+_clock = time.perf_counter
 #: ``Request.step`` of a control request that closes its stream: each stateful runner drops the
 #: stream's state; stateless ones pass it on.
 CLOSE = -1
@@ -155,6 +166,20 @@ class StagePlan:
     streams: bool = False  # the pipeline keeps state: its steps are batched at the entry, never in the stage's queue
     pads: Mapping[Endpoint, tuple[int, float]] = field(default_factory=dict)  # bag values that grow with the past (scheduling.bag_pads)
 
+    @property
+    def max_batch(self) -> int:
+        """Requests a worker takes from the stage's queue to run as one session call: the stage's
+        ``max_batch`` for an ONNX stage that batches stateless requests (Note: batched calls), else 1.
+        (Streams' steps are batched at the entry instead: Note: state blocks.)"""
+        stage = self.stage
+        return stage.settings.max_batch if stage.batching is not None and not self.streams and stage.code is None else 1
+
+    @property
+    def batches(self) -> bool:
+        """Whether the stage's runs are counted by their size (``StageStats.batch_sizes``): it
+        batches the requests its worker takes, or the steps of streams batched at the entry."""
+        return self.max_batch > 1 or (self.streams and self.stage.batching is not None)
+
 
 def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint]]:
     """The per-stage plans, and the bag key of each pipeline output."""
@@ -177,62 +202,145 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
     return plans, finals
 
 
+def stage_failed(stage: str, request: int, cause: object, attempts: int | None = None) -> StageError:
+    """The error of a request a stage failed on: the one place its words are made (every engine,
+    every batching mode)."""
+    after = f" after {attempts} attempts" if attempts is not None else ""
+    return StageError(f"stage '{stage}' failed on request {request}{after}: {cause}", stage=stage, request=request)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A request that failed in a stage run, or a member of a batch of steps that failed there and
+    left the batch: made once, where the run happened, as plain data (a Ray actor returns it; each
+    engine turns it into the request's error with :meth:`error`).
+
+    Attributes:
+        request: The failed request's id (a batch's member: its step's own id).
+        stage: The stage it failed in.
+        cause: What failed, in words: what the stage raised (or, with ``state_lost``, how the state died).
+        member: A member of a batch of steps: it left the batch, and the batch went on without it.
+        state_lost: The step's stream lost its state there (its actor died): the stream cannot go on.
+        streams: With ``state_lost``: the streams whose state died.
+    """
+
+    request: int
+    stage: str
+    cause: str
+    member: bool = False
+    state_lost: bool = False
+    streams: tuple[int, ...] = ()
+
+    def error(self) -> StageError:
+        """The error the request (or member) fails with."""
+        if self.state_lost:
+            return StreamError.state_lost(self.stage, self.streams, self.cause, request=self.request)
+        return stage_failed(self.stage, self.request, self.cause)
+
+
+@dataclass(slots=True)
+class Call:
+    """What one run of a stage did: the record a runner returns for every run, wherever it ran
+    (Polygraphy's ``infer`` around ``infer_impl``; vLLM's ``ModelRunnerOutput``), and the one thing
+    an engine records (``StageRecorder.record``). Plain data, so a Ray actor returns it as it is.
+
+    Attributes:
+        requests: The ids of the requests it ran: one request (a batch of streams' steps is one),
+            or several stateless requests run as one session call (Note: batched calls).
+        start, end: ``time.perf_counter()`` around the run, on the host that ran it.
+        size: Requests or steps it ran: a batch of steps counts its members as they came in; 0
+            when nothing ran (a stream's close, a batch whose members all failed before).
+        failures: What failed in it (whole requests, or members that left a batch).
+        waited: Seconds the run waited to form before it started: a worker's wait for its group
+            to fill, or, in the first stage, a batch of steps' wait at the entry (set by the engine).
+    """
+
+    requests: tuple[int, ...]
+    start: float
+    end: float
+    size: int
+    failures: tuple[Failure, ...] = ()
+    waited: float = 0.0
+
+
 class Runner(Protocol):
     """What any engine drives for one replica of one stage: a :class:`StageRunner` (an ONNX stage)
-    or a :class:`~onnxpipe.runtime._code.CodeRunner` (a code stage, whose ``session`` is ``None``)."""
+    or a :class:`CodeRunner` (a code stage, whose ``session`` is ``None``).
+
+    Attributes:
+        name: The stage's name.
+        plan: The stage's plan.
+        max_batch: Requests a worker may take from the stage's queue to run together
+            (:meth:`run_many`); 1: one at a time (:meth:`run`).
+        reused: Batched steps fed the block of state the step before left, as it was (Note: state blocks).
+    """
 
     name: str
     plan: StagePlan
+    max_batch: int
+    reused: int
 
     @property
     def session(self) -> ort.InferenceSession | None:
         """The stage's onnxruntime session, or ``None`` for a code stage."""
 
+    def run(self, request: Request) -> Call:
+        """Run the stage for one request (a batch of streams' steps is one) and say what happened;
+        never raises: a failure is in the :class:`Call`."""
+
+    def run_many(self, requests: Sequence[Request]) -> list[Call]:
+        """Run the stage for several requests taken together (batched where the stage batches):
+        one :class:`Call` per run, in order. Requests that failed earlier are passed over."""
+
     def __call__(self, request: Request) -> None:
-        """Run the stage for one request (see the note on the request's bag)."""
+        """Run the stage for one request, raising what the stage raised (for callers outside an engine)."""
 
     def cancel(self) -> None:
         """Make a run in progress return early, where that is possible."""
 
-    def run_many(self, requests: Sequence[Request]) -> list[Call]:
-        """Run the stage for several requests taken together (batched where the stage batches);
-        what each session call did (see :class:`Call`)."""
+    def streams(self) -> list[int]:
+        """The streams whose state this runner holds, in order."""
+
+    def state_bytes(self) -> int:
+        """Bytes of the state arrays this runner holds, over all its streams."""
 
 
-@dataclass
-class Call:
-    """One run of a stage over some requests: one session call for a batch, or one request alone.
+class RunnerBase:
+    """What every runner shares (Polygraphy's ``infer`` around ``infer_impl``): :meth:`run` times
+    the stage's own :meth:`_compute` and makes the run's :class:`Call`; :meth:`__call__` runs it
+    for a caller outside an engine."""
 
-    Attributes:
-        members: The requests it ran (a close request: alone, with no session call).
-        start, end: ``time.perf_counter()`` around the run.
-        errors: Per member, what it raised, or ``None``.
-    """
+    name: str
 
-    members: list[Request]
-    start: float
-    end: float
-    errors: list[Exception | None]
+    def _compute(self, request: Request) -> tuple[Failure, ...]:
+        """Run the stage for one request (see the note on the request's bag); the members of a
+        batch of steps that failed and left it. Raises what the stage raised."""
+        raise NotImplementedError
+
+    def run(self, request: Request) -> Call:
+        """Run the stage for one request (a batch of streams' steps is one) and say what happened;
+        never raises: what :meth:`_compute` raised fails the request, in the :class:`Call`."""
+        batch = request.batch  # its size, inlined: run() is on every request's path through every stage
+        size = 0 if request.step == CLOSE else 1 if batch is None else len(batch)
+        start = _clock()
+        try:
+            failures = self._compute(request)
+        except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
+            failures = (Failure(request.id, self.name, str(e)),)
+        return Call((request.id,), start, _clock(), size, failures)
+
+    def __call__(self, request: Request) -> None:
+        """Run the stage for one request, raising what the stage raised (for callers outside an
+        engine); the members of a batch of steps that fail leave it (``request.batch.failed``)."""
+        self._compute(request)
 
 
 def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
     """Each request of a group on its own (a runner that does not batch), in order."""
-    calls = []
-    clock = time.perf_counter
-    for request in requests:
-        if request.error is not None:
-            continue
-        start = clock()
-        try:
-            runner(request)
-            error = None
-        except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
-            error = e
-        calls.append(Call([request], start, clock(), [error]))
-    return calls
+    return [runner.run(request) for request in requests if request.error is None]
 
 
-class StageRunner:
+class StageRunner(RunnerBase):
     """Runs one stage of a request with one onnxruntime session.
 
     Args:
@@ -250,7 +358,7 @@ class StageRunner:
         self.states: dict[int, tuple[int, dict[str, np.ndarray] | _InBlock]] = {}
         self._state_at = tuple((s.input, plan.outputs.index(s.output)) for s in plan.states)
         #: Requests taken from the stage's queue that may run as one call (stateless requests: Note: batched calls).
-        self.max_batch = plan.stage.settings.max_batch if plan.stage.batching is not None and not plan.streams else 1
+        self.max_batch = plan.max_batch
         #: The feeds stacked along dim 0; the others (parameter overrides) are the batch's own, as one.
         self._stacked = tuple(name for name, _ in plan.sources)
         # Outputs put in the bag (those some later stage or pipeline output reads), and the
@@ -266,21 +374,21 @@ class StageRunner:
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
         self.unbatched: str | None = None
         #: Batched steps fed the block of state the step before left, as it was (no copy; Note:
-        #: state blocks): a diagnostic, read on a runner (:meth:`Pipeline.idle_runners`).
+        #: state blocks): a diagnostic (:meth:`Pipeline.diagnostics`).
         self.reused = 0
 
-    def __call__(self, request: Request) -> None:
+    def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
 
         For a stage with state, also feed the request's stream its state and commit the new one;
-        a batch of streams' steps (``request.batch``) runs as one call (Note: state blocks).
+        a batch of streams' steps (``request.batch``) runs as one call (Note: state blocks), and
+        its members that fail leave it: they are returned.
         """
         if request.step == CLOSE:
             self.states.pop(request.stream, None)  # type: ignore[arg-type]
-            return
+            return ()
         if request.batch is not None:
-            self._run_steps(request)
-            return
+            return self._run_steps(request)
         values = request.values
         results = self.session.run(self.plan.outputs, self._feeds(request), self.run_options)
         if self._state_at:
@@ -290,11 +398,18 @@ class StageRunner:
             values[key] = results[at]
         for key in self._dropped:
             values.pop(key, None)
+        return ()
 
     def _feeds(self, request: Request) -> dict[str, np.ndarray]:
         """What the session is fed for one request alone: its inputs from the bag, its parameters,
         its stream's state."""
-        feeds = self._inputs(request, {name: request.values[key] for name, key in self.plan.sources})
+        # On every request's path: a loop (no comprehension's frame before Python 3.12), _inputs inlined.
+        values, feeds = request.values, {}
+        for name, key in self.plan.sources:
+            feeds[name] = values[key]
+        own = request.params.get(self.name)
+        if own:
+            feeds.update(own)
         if self._state_at:
             feeds.update(self._own(self._held(request.stream, request.step, request.dims)))
         return feeds
@@ -352,16 +467,29 @@ class StageRunner:
             StageError: a member's state does not hold its step's number of steps.
         """
         helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
+        kept = self._kept_block(batch, helds)
+        return kept if kept is not None else self._joined_block(batch, helds)
+
+    def _kept_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock]) -> dict[str, np.ndarray] | None:
+        """The block the step before left, when every member's state is rows of it in the batch's
+        rows and padding: as it is (the same members in the same rows), or compacted once (members
+        left); ``None`` otherwise."""
         first = helds[0]
         block = first.block if isinstance(first, _InBlock) else None
-        if block is not None and all(isinstance(h, _InBlock) and h.block is block for h in helds):
-            if block.streams == batch.streams and block.shifts == batch.shifts and block.rows == batch.rows:
-                self.reused += 1
-                return block.arrays  # the same members as the step before, in the same rows
-            at = [h.index for h in helds]  # type: ignore[union-attr]
-            if all(block.shifts[k] == s and block.rows[k + 1] - block.rows[k] == batch.rows[j + 1] - batch.rows[j]
-                   for j, (k, s) in enumerate(zip(at, batch.shifts, strict=True))):
-                return {name: take_rows(value, block.rows, at) for name, value in block.arrays.items()}  # members left: one compaction
+        if block is None or not all(isinstance(h, _InBlock) and h.block is block for h in helds):
+            return None
+        if block.streams == batch.streams and block.shifts == batch.shifts and block.rows == batch.rows:
+            self.reused += 1
+            return block.arrays  # the same members as the step before, in the same rows
+        at = [h.index for h in helds]  # type: ignore[union-attr]
+        if all(block.shifts[k] == s and block.rows[k + 1] - block.rows[k] == batch.rows[j + 1] - batch.rows[j]
+               for j, (k, s) in enumerate(zip(at, batch.shifts, strict=True))):
+            return {name: take_rows(value, block.rows, at) for name, value in block.arrays.items()}  # members left: one compaction
+        return None
+
+    def _joined_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock]) -> dict[str, np.ndarray] | None:
+        """A new block made of each member's own state, padded to the batch's layout; ``None``
+        when a member's state does not fit its rows or its padding."""
         owns = [self._own(h) for h in helds]
         out: dict[str, np.ndarray] = {}
         for name, _ in self._state_at:
@@ -376,13 +504,14 @@ class StageRunner:
 
     # -- a batch of streams' steps ----------------------------------------------------------
 
-    def _run_steps(self, request: Request) -> None:
+    def _run_steps(self, request: Request) -> tuple[Failure, ...]:
         """One session call for a batch of steps (Note: state blocks); should it fail, or its
-        members' states not line up, each member runs alone so that only a bad one fails."""
+        members' states not line up, each member runs alone so that only a bad one fails (the
+        members that failed, which left the batch)."""
         batch = request.batch
         assert batch is not None
         if not len(batch):
-            return  # every member failed in an earlier stage
+            return ()  # every member failed in an earlier stage
         values = request.values
         feeds = self._inputs(request, {name: values[key] for name, key in self.plan.sources})
         try:
@@ -390,19 +519,16 @@ class StageRunner:
                 block = self._block_for(batch)
                 if block is None:
                     self.unbatched = "the members' states do not line up with the batch's padding"
-                    self._replay(request)
-                    return
+                    return self._replay(request)
                 feeds.update(block)
             results = self.session.run(self.plan.outputs, feeds, self.run_options)
         except Exception as e:  # which member was bad is found by running each alone
             self.unbatched = f"the batched call failed: {e}"
-            self._replay(request)
-            return
+            return self._replay(request)
         total = batch.rows[-1]
         if any(np.ndim(r) == 0 or len(r) != total for r in results):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
-            self._replay(request)
-            return
+            return self._replay(request)
         if self._state_at:
             made = _Block(batch.streams, batch.rows, batch.shifts, {name: results[at] for name, at in self._state_at})
             states = self.states
@@ -414,15 +540,17 @@ class StageRunner:
             values[key] = results[at]
         for key in self._dropped:
             values.pop(key, None)
+        return ()
 
-    def _replay(self, request: Request) -> None:
+    def _replay(self, request: Request) -> tuple[Failure, ...]:
         """Each member of the batch alone (nothing was committed); members that fail leave the
-        batch with their error, the others go on as a smaller batch in the same layout."""
+        batch with their error, the others go on as a smaller batch in the same layout. The
+        members that failed."""
         batch = request.batch
         assert batch is not None
         values = request.values
         pads = self.plan.pads
-        gone: dict[int, BaseException] = {}
+        gone: dict[int, Failure] = {}
         done: list[tuple[int, list[Any]]] = []
         for j, (stream, step, dims) in enumerate(zip(batch.streams, batch.steps, batch.dims, strict=True)):
             lo, hi, shift = batch.rows[j], batch.rows[j + 1], batch.shifts[j]
@@ -432,11 +560,19 @@ class StageRunner:
                     feeds.update(self._own(self._held(stream, step, dims)))
                 results = self.session.run(self.plan.outputs, feeds, self.run_options)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
-                gone[j] = StageError(f"stage '{self.name}' failed on request {batch.ids[j]}: {e}", stage=self.name, request=batch.ids[j])
+                gone[j] = Failure(batch.ids[j], self.name, str(e), member=True)
                 continue
             if self._state_at:
                 self._commit(request, stream, step, {name: results[at] for name, at in self._state_at})
             done.append((j, results))
+        self._rejoin(values, batch, done)
+        request.batch = batch.without({j: failure.error() for j, failure in gone.items()})
+        return tuple(gone.values())
+
+    def _rejoin(self, values: dict[Endpoint, Any], batch: StepBatch, done: Sequence[tuple[int, list[Any]]]) -> None:
+        """The bag after members ran alone: the outputs of those that ran (``done``: member,
+        results) joined again in the batch's layout, without the rows of those that failed."""
+        pads = self.plan.pads
         for key in self._dropped:
             values.pop(key, None)
         keep = [j for j, _ in done]
@@ -451,7 +587,6 @@ class StageRunner:
             parts = [results[at] for _, results in done]
             pad = pads.get(key)
             values[key] = pad_stack(parts, pad[0], pad[1], shifts) if pad is not None and any(shifts) else np.concatenate(parts)
-        request.batch = batch.without(gone)
 
     # -- stateless requests taken together ----------------------------------------------------
 
@@ -460,7 +595,7 @@ class StageRunner:
         stage's batching allows (stateless requests: see Note: batched calls); each request's
         outputs go to its bag exactly as :meth:`__call__` puts them.
 
-        Requests that failed earlier are passed over. Never raises: each member's error is in its :class:`Call`.
+        Requests that failed earlier are passed over. Never raises: each member's failure is in its :class:`Call`.
         """
         if self.max_batch <= 1:
             return run_alone(self, requests)
@@ -527,13 +662,17 @@ class StageRunner:
                 values[key] = result[lo:hi]
             for key in self._dropped:
                 values.pop(key, None)
-        return [Call(list(batch), start, clock(), [None] * len(batch))]
+        return [Call(tuple(r.id for r in batch), start, clock(), len(batch))]
+
+    def streams(self) -> list[int]:
+        """The streams whose state this runner holds, in order (safe while it runs: a copy is taken in one step)."""
+        return sorted(self.states.copy())
 
     def state_bytes(self) -> int:
         """Bytes of the state arrays this runner holds, over all its streams (a block counted once)."""
         seen: set[int] = set()
         total = 0
-        for _, held in self.states.values():
+        for _, held in self.states.copy().values():  # copy(): one step, while a run may add or drop a stream
             arrays = held.block.arrays if isinstance(held, _InBlock) else held
             if id(arrays) not in seen:
                 seen.add(id(arrays))
@@ -589,11 +728,11 @@ def initial_state(plan: StagePlan, dims: Mapping[str, int]) -> dict[str, np.ndar
     return state
 
 
-class CodeRunner:
+class CodeRunner(RunnerBase):
     """Runs one code stage of a request: calls its function, checks what it returns.
 
-    Same face as :class:`StageRunner` (``name``, ``plan``, ``__call__``, ``cancel``); ``session``
-    is ``None``. Made by :func:`make_runner` for a code stage, so every engine runs code stages.
+    Same face as :class:`StageRunner` (:class:`Runner`); ``session`` is ``None``, and it neither
+    batches nor keeps state. Made by :func:`make_runner` for a code stage, so every engine runs code stages.
 
     Note: checked outputs.
         The function must return a mapping holding exactly the stage's declared outputs, each a
@@ -609,6 +748,8 @@ class CodeRunner:
     """
 
     session = None
+    max_batch = 1
+    reused = 0
 
     def __init__(self, plan: StagePlan, function: CodeFunction) -> None:
         assert plan.stage.code is not None
@@ -641,16 +782,17 @@ class CodeRunner:
         except InputError as e:
             raise StageError(f"code stage '{self.name}': {e}") from None
 
-    def __call__(self, request: Request) -> None:
+    def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Read the inputs from the request's bag, call the function, put the outputs back, drop dead values."""
         if request.step == CLOSE:  # a code stage keeps no state of a stream
-            return
+            return ()
         values = request.values
         outputs = self.compute({name: values[key] for name, key in self.plan.sources})
         for name, key in self._keys:
             values[key] = outputs[name]
         for key in self.plan.drop:
             values.pop(key, None)
+        return ()
 
     def cancel(self) -> None:
         """Nothing to do: a Python call cannot be interrupted; the engine stops after it returns."""
@@ -659,13 +801,21 @@ class CodeRunner:
         """Each request alone, in order: code stages do not batch."""
         return run_alone(self, requests)
 
+    def streams(self) -> list[int]:
+        """None: a code stage keeps no stream's state."""
+        return []
+
+    def state_bytes(self) -> int:
+        """0: a code stage keeps no state."""
+        return 0
+
 
 def pinned_replica(plan: StagePlan, request: Request, replicas: int) -> int | None:
     """The replica of a stage that must run ``request``, or None when any replica may.
 
     A stream's request in a stage with state goes to replica ``stream % replicas``, whose runner
     holds the stream's state (streams are numbered in order, so they spread evenly). Every engine
-    routes by this (see the streams note of ``_engine.py``).
+    routes by this (see Note: streams, ``_thread.py``).
     """
     route = request.route
     if route is None or not plan.states:

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "resident_bytes","PipelineStats", "StageRecorder", "StageStats", "write_trace"]
+from onnxpipe.runtime._stage import Call
+
+__all__ = ["PipelineStats", "StageRecorder", "StageStats", "resident_bytes", "write_trace"]
 
 _WINDOW = 10_000
 
@@ -41,9 +42,19 @@ def _percentile(ordered: Sequence[float], q: float) -> float:
 
 
 class StageRecorder:
-    """What one worker (a stage replica) did; written by that worker only."""
+    """What one worker (a stage replica) did; written by that worker only (on Ray: by the driver's
+    collector thread, from the records the actors return).
 
-    def __init__(self, stage: str, replica: int, trace: bool, window: int = _WINDOW) -> None:
+    Args:
+        stage: The stage's name.
+        replica: Which replica.
+        trace: Keep every run for a timeline.
+        window: Latencies kept.
+        batches: The stage's runs are counted by their size (``StagePlan.batches``): calls, a
+            histogram of their sizes, their time per size and their wait to form.
+    """
+
+    def __init__(self, stage: str, replica: int, trace: bool, window: int = _WINDOW, batches: bool = False) -> None:
         self.stage = stage
         self.replica = replica
         self.count = 0
@@ -52,57 +63,50 @@ class StageRecorder:
         self.queued = 0.0
         self.latencies: deque[float] = deque(maxlen=window)
         self.events: deque[tuple[int, float, float, bool, int]] | None = deque(maxlen=100_000) if trace else None
+        self.counts_batches = batches
         self.calls = 0
         self.batches: dict[int, int] = {}  # batch size -> calls of that size (only with batching)
         self.batch_busy: dict[int, float] = {}  # batch size -> seconds its calls ran (Triton's batch_stats)
         self.batch_wait = 0.0
 
-    def record(self, request: int, start: float, end: float, ok: bool, queued: float = 0.0) -> None:
-        """One run of the stage, timed with ``time.perf_counter()``, after ``queued`` seconds in
-        the stage's queue (from the end of the stage before it, or the request's submission)."""
-        self.count += 1
-        self.failed += not ok
-        self.busy += end - start
-        self.queued += queued
-        self.latencies.append(end - start)
-        if self.events is not None:
-            self.events.append((request, start, end, ok, 1))
+    def record(self, call: Call, requests: Sequence[Any]) -> None:
+        """One run of the stage, as its runner reported it (:class:`~onnxpipe.runtime._stage.Call`,
+        timed with ``time.perf_counter()``): the one way every engine records a run.
 
-    def record_steps(self, request: int, start: float, end: float, size: int, failed: int, queued: float, waited: float = 0.0) -> None:
-        """One session call of a stage in a pipeline whose streams batch: a request carrying
-        ``size`` steps (a batch formed at the entry, or one step alone), ``failed`` of which failed
-        here, after ``queued`` seconds in the stage's queue (and, for the first stage, ``waited``
-        seconds at the entry for the batch to form). Counts each step as a run, and the call's time once."""
+        ``requests`` are the run's requests, in ``call.requests`` order: each one's wait in the
+        stage's queue is read from its ``queued_at`` (the end of the stage before it, or its
+        submission), which then moves to the run's end. A request carrying several steps (a batch
+        of streams' steps) counts its wait once per step; the run's time counts once. A run of
+        size 0 (a close, a batch whose members all failed before) is not counted.
+        """
+        start, end, size = call.start, call.end, call.size
+        if len(requests) == 1:  # the common case, kept short: one request (or one batch of steps) a run
+            request = requests[0]
+            queued = start - request.queued_at
+            queued = queued * size if queued > 0.0 else 0.0  # clocks of other hosts (Ray) may put a start before it
+            request.queued_at = end
+        else:  # stateless requests run together: each carries one
+            queued = 0.0
+            for request in requests:
+                queued += max(0.0, start - request.queued_at)
+                request.queued_at = end
+        if not size:
+            return
+        took = end - start
         self.count += size
-        self.batch_wait += waited
-        self.calls += 1
-        self.failed += failed
-        self.busy += end - start
-        self.batches[size] = self.batches.get(size, 0) + 1
-        self.batch_busy[size] = self.batch_busy.get(size, 0.0) + (end - start)
-        self.latencies.append(end - start)
-        self.queued += queued * size
+        self.failed += len(call.failures)
+        self.busy += took
+        self.queued += queued
+        self.latencies.append(took)
+        if self.counts_batches:
+            self.calls += 1
+            self.batches[size] = self.batches.get(size, 0) + 1
+            self.batch_busy[size] = self.batch_busy.get(size, 0.0) + took
+            self.batch_wait += call.waited
         if self.events is not None:
-            self.events.append((request, start, end, not failed, size))
-
-    def record_call(self, members: Sequence[Any], start: float, end: float, errors: Sequence[BaseException | None], waited: float = 0.0) -> None:
-        """One session call that ran ``members`` (requests: their ``id`` and ``queued_at`` are
-        read, and ``queued_at`` moved to ``end``) together, after the worker waited ``waited``
-        seconds for the batch to fill. Counts each member as a run, and the call's time once."""
-        k = len(members)
-        self.count += k
-        self.calls += 1
-        self.failed += sum(e is not None for e in errors)
-        self.busy += end - start
-        self.batches[k] = self.batches.get(k, 0) + 1
-        self.batch_busy[k] = self.batch_busy.get(k, 0.0) + (end - start)
-        self.batch_wait += waited
-        self.latencies.append(end - start)
-        for member, error in zip(members, errors, strict=True):
-            self.queued += max(0.0, start - member.queued_at)
-            member.queued_at = end
-            if self.events is not None:
-                self.events.append((member.id, start, end, error is None, k))
+            failed = {f.request for f in call.failures}
+            for rid in call.requests:  # a run of one request failed when anything in it did (a batch's member)
+                self.events.append((rid, start, end, not failed if len(call.requests) == 1 else rid not in failed, size))
 
     def snapshot(self) -> tuple[int, int, float, list[float], float]:
         """``(count, failed, busy, latencies, queued)`` as of now, safe to take while the worker records (see Note above)."""

@@ -165,8 +165,9 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
-        if self.address is not None and self.engine != "ray":
-            raise ConfigError("address is for engine 'ray'; the thread engine runs in the server's process")
+        if self.address is not None and not ENGINES[self.engine].takes_address:
+            takes = " or ".join(f"'{name}'" for name, engine in ENGINES.items() if engine.takes_address)
+            raise ConfigError(f"address is for engine {takes}; the {self.engine} engine runs in the server's process")
         for name in ("http_port", "grpc_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535 or (name == "http_port" and port == 0):

@@ -217,7 +217,6 @@ class _Server:
     def _load(self, source: ModelSource) -> tuple[ServedModel, str]:
         """One model, loaded and verified (on a thread of its own: the loop keeps answering)."""
         o = self.options
-        extra: dict[str, Any] = {"engine": o.engine, "address": o.address} if o.engine == "ray" else {}
         pipe = load(
             source.path,
             target=o.target,
@@ -226,7 +225,8 @@ class _Server:
             max_streams=o.max_streams,
             stream_timeout=o.stream_timeout,
             overrides=o.overrides,
-            **extra,
+            engine=o.engine,
+            address=o.address,
         )
         try:
             model = ServedModel(source.name, source.path, pipe, o.max_inflight, source.version or VERSION, self.state.sequence_state)

@@ -21,7 +21,7 @@ from onnx import ModelProto
 
 from onnxpipe import StreamError
 from onnxpipe.builder import PipelineConfig
-from onnxpipe.runtime import Pipeline, StageSettings, load
+from onnxpipe.runtime import Pipeline, ReplicaDiagnostics, StageSettings, load
 from onnxpipe.splitter import split
 from tests.models import bundle_of, embed_mlp
 from tests.stateful_models import decode_in_threads, decoder_feeds, gpt_decoder, recurrent, whole_generate, whole_recurrent
@@ -52,8 +52,9 @@ def references(decoder: ModelProto) -> list[tuple[list[int], list[np.ndarray]]]:
     return [whole_generate(decoder, p, TOKENS) for p in PROMPTS]
 
 
-def _runners(pipe: Pipeline) -> list[Any]:
-    return [r for rs in pipe._engine.runners() for r in rs]
+def _replicas(pipe: Pipeline) -> list[ReplicaDiagnostics]:
+    """Each replica of each stage, in pipeline order, as ``Pipeline.diagnostics`` says it is now."""
+    return [r for stage in pipe.diagnostics().stages for r in stage.replicas]
 
 
 def _mixed(count: int) -> tuple[list[list[int]], list[int]]:
@@ -81,7 +82,7 @@ def test_streams_joining_and_leaving_batch_to_the_tokens_each_makes_alone(stages
     with load(decoder_bundles[stages], max_streams=16) as pipe:
         results = decode_in_threads(pipe, prompts, counts, apart=0.001)
         stats = pipe.stats()
-        assert all(not r.states for r in _runners(pipe)), "closed streams left state behind"
+        assert all(r.streams == () for r in _replicas(pipe)), "closed streams left state behind"
     for k in range(count):
         tokens, logits = results[k]
         want_tokens, want_logits = mixed_references[k]
@@ -112,7 +113,7 @@ def test_a_batched_streams_state_bytes_are_its_rows_of_each_stages_block(decoder
                 done[k] = len(tokens[k])
                 tokens[k].append(int(np.argmax(futures[s].result(timeout=60)["logits"][0, -1])))
             held.append([s.state_bytes for s in streams])
-            assert pipe.state_bytes == sum(r.state_bytes() for r in pipe.idle_runners())
+            assert pipe.state_bytes == sum(r.state_bytes for r in _replicas(pipe))
         assert [s.batch_sizes for s in pipe.stats().stages] == [{1: 4, 4: 2}] * 2
         streams[1].close()
         assert pipe.state_bytes == 3 * 6 * 1024
@@ -144,8 +145,8 @@ def test_one_driver_steps_many_streams_as_one_request_per_group(decoder_bundles:
             if step == 4:
                 live.remove(6)
         sizes = [s.batch_sizes for s in pipe.stats().stages]
-        reused = [r.reused for r in _runners(pipe)]
-        held = [sorted(r.states) for r in _runners(pipe)]
+        reused = [r.reused for r in _replicas(pipe)]
+        held = [list(r.streams) for r in _replicas(pipe)]
         for s in streams:
             s.close()
     # Round 0: prompts of 3, 5, 4, 2 tokens (group 0) and 1, 2, 1, 6 (group 1): alone, but the two
@@ -172,7 +173,7 @@ def test_a_stream_closed_while_others_batch_frees_its_state(decoder_bundles: dic
             live = [k for k in range(3) if not (k == 1 and step >= 2)]
             if step == 2:
                 streams[1].close()
-                assert all(streams[1].id not in r.states for r in _runners(pipe))
+                assert all(streams[1].id not in r.streams for r in _replicas(pipe))
             futures = {}
             for k in live:
                 feeds = {"input_ids": np.array([tokens[k][done[k]:]]), "attention_mask": np.ones((1, len(tokens[k])), np.int64),
@@ -181,8 +182,8 @@ def test_a_stream_closed_while_others_batch_frees_its_state(decoder_bundles: dic
             for k, f in futures.items():
                 done[k] = len(tokens[k])
                 tokens[k].append(int(np.argmax(f.result(timeout=60)["logits"][0, -1])))
-        assert sorted(s for r in _runners(pipe) for s in r.states) == sorted([streams[0].id, streams[2].id] * 2)
-        assert all(r.reused > 0 for r in _runners(pipe))  # the same three, then the same two, came back together
+        assert sorted(s for r in _replicas(pipe) for s in r.streams) == sorted([streams[0].id, streams[2].id] * 2)
+        assert all(r.reused > 0 for r in _replicas(pipe))  # the same three, then the same two, came back together
     for k in (0, 2):
         assert tokens[k][len(prompts[k]):] == whole_generate(decoder, prompts[k], 6)[0]
 
@@ -274,7 +275,7 @@ def test_replicas_batch_the_streams_pinned_to_them(tmp_path: Path) -> None:
         streams = [pipe.stream() for _ in inputs]
         futures = [[s.submit({"x": xs[t]}) for s, xs in zip(streams, inputs, strict=True)] for t in range(4)]
         got = [np.stack([futures[t][k].result(timeout=60)["y"] for t in range(4)]) for k in range(len(inputs))]
-        held = [sorted(r.states) for r in _runners(pipe)]
+        held = [list(r.streams) for r in _replicas(pipe)]
         stats = pipe.stats()
     assert held == [[0, 2, 4], [1, 3, 5]] * 2
     for k, xs in enumerate(inputs):

@@ -186,5 +186,5 @@ def test_ray_actors_read_the_bundle_with_the_same_overrides(ray_cluster: object,
     core = min(os.sched_getaffinity(0))
     with load(bundle, engine="ray", overrides={"*": {"affinity": [core], "replicas": 2}}) as pipe:
         assert pipe(X)["h"].shape == (2, 4)
-        assert [len(r) for r in pipe._engine.recorders()] == [2]  # type: ignore[attr-defined]
+        assert [len(s.replicas) for s in pipe.diagnostics().stages] == [2]
         assert [(s.replicas, s.affinity) for s in pipe.stats().stages] == [(2, (core,))]

@@ -37,9 +37,14 @@ def _bundle(config: Any, folder: Path, hosts: list[str | None], **settings: Any)
     return export(build(config, folder / "built").path, folder / "model.onnxpipe")
 
 
-def _labels(pipe: Pipeline) -> list[str]:
+def _labels(pipe: Pipeline) -> list[str | None]:
     """The host label of the node each stage's first replica runs on."""
-    return [row[0]["labels"].get("onnxpipe/host") for row in pipe._engine.placements()]  # type: ignore[attr-defined]
+    return [stage.replicas[0].labels.get("onnxpipe/host") for stage in pipe.diagnostics().stages]
+
+
+def _held(pipe: Pipeline) -> list[list[tuple[int, ...] | None]]:
+    """Per stage, per replica: the streams whose state the replica's actor holds."""
+    return [[r.streams for r in stage.replicas] for stage in pipe.diagnostics().stages]
 
 
 @pytest.fixture()
@@ -54,7 +59,7 @@ def ray_pids(ray_cluster: Any) -> Iterator[set[int]]:
 
 
 def _actor_pids(pipe: Pipeline) -> list[int]:
-    return [rep["pid"] for row in pipe._engine.placements() for rep in row]  # type: ignore[attr-defined]
+    return [r.pid for stage in pipe.diagnostics().stages for r in stage.replicas]
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -110,8 +115,8 @@ def test_replicas_share_work_and_params_reach_every_replica_in_order(tmp_path: P
             np.testing.assert_allclose(f.result(timeout=60)["y"], whole.run(None, {"x": x, "scale": ones})[0], rtol=1e-6)
         for f in after:
             np.testing.assert_allclose(f.result(timeout=60)["y"], whole.run(None, {"x": x, "scale": twos})[0], rtol=1e-6)
-        tail = pipe._engine.recorders()[2]  # type: ignore[attr-defined]
-        assert len(tail) == 2 and all(r.count > 0 for r in tail), "both replicas of 'tail' ran requests"
+        tail = pipe.diagnostics().stages[2].replicas
+        assert len(tail) == 2 and all(r.runs > 0 for r in tail), "both replicas of 'tail' ran requests"
 
 
 def test_a_failing_request_fails_alone(tmp_path: Path, ray_pids: set[int]) -> None:
@@ -136,9 +141,8 @@ def test_requests_that_queue_up_share_calls_and_still_fail_alone(tmp_path: Path,
     rows = [3 if i == 13 else 2 for i in range(30)]  # request 13 cannot be reshaped to [2, 4]
     with load(bundle, engine="ray", queue_depth=32, ray_options=RayOptions(requests_per_call=per_call)) as pipe:
         ray_pids.update(_actor_pids(pipe))
-        engine: Any = pipe._engine
         np.testing.assert_array_equal(pipe({"x": np.full((2, 4), 7, np.float32)})["y"], np.full((2, 4), 7, np.float32))
-        assert engine.calls() == [1, 1], "an idle pipeline sends a request at once, in a call of its own"
+        assert [s.calls for s in pipe.diagnostics().stages] == [1, 1], "an idle pipeline sends a request at once, in a call of its own"
         futures = [pipe.submit({"x": np.full((n, 4), i, np.float32)}) for i, n in enumerate(rows)]
         for i, future in enumerate(futures):
             if i == 13:
@@ -146,7 +150,7 @@ def test_requests_that_queue_up_share_calls_and_still_fail_alone(tmp_path: Path,
                     future.result(timeout=60)
             else:
                 np.testing.assert_array_equal(future.result(timeout=60)["y"], np.full((2, 4), i, np.float32))
-        calls = [c - 1 for c in engine.calls()]
+        calls = [s.calls - 1 for s in pipe.diagnostics().stages]
         if per_call == 1:
             assert calls == [30, 30]
         else:
@@ -166,8 +170,10 @@ def test_the_bundle_reaches_each_actor_through_the_object_store_or_a_shared_path
     x = np.ones((2, 4), np.float32)
     with load(bundle, engine="ray", ray_options=RayOptions(shared=shared)) as pipe:
         ray_pids.update(_actor_pids(pipe))
-        ours = sorted(folders.glob(f"onnxpipe-ray-{pipe._engine._run_id}-*"))  # type: ignore[attr-defined]
-        assert len(ours) == 2, "one private folder per actor"
+        reported = sorted(folders / r.folder for stage in pipe.diagnostics().stages for r in stage.replicas)
+        run = reported[0].name.rsplit("-", 2)[0]  # onnxpipe-ray-RUN, then -STAGE-REPLICA
+        ours = sorted(folders.glob(f"{run}-*"))
+        assert len(ours) == 2 and ours == reported, "one private folder per actor"
         copies = [f for f in ours if (f / "bundle.onnxpipe").exists()]
         assert copies == ([] if shared else ours)
         assert pipe({"x": x})["y"].shape == (2, 4)
@@ -220,13 +226,12 @@ def test_interleaved_streams_keep_their_state_on_their_actors(tmp_path: Path, ra
         for k, xs in enumerate(inputs):
             got = np.stack([futures[t][k].result(timeout=60)["y"] for t in range(6)])
             np.testing.assert_allclose(got, np.stack(whole_recurrent(recurrent(), xs)), rtol=1e-5, atol=1e-5, err_msg=f"stream {k}")
-        engine: Any = pipe._engine
-        assert engine.held_streams() == [[[0, 2, 4], [1, 3]]] * 2
+        assert _held(pipe) == [[(0, 2, 4), (1, 3)]] * 2
         # what each stream holds came back from the actors: state1 and state2, [1, 8] float32 each
         assert [s.state_bytes for s in streams] == [2 * 8 * 4] * 5 and pipe.state_bytes == 5 * 2 * 8 * 4
         for s in streams:
             s.close()
-        assert engine.held_streams() == [[[], []]] * 2
+        assert _held(pipe) == [[(), ()]] * 2
         assert pipe.state_bytes == 0
 
 
@@ -253,7 +258,7 @@ def test_greedy_decoding_through_ray_equals_the_whole_decoder(tmp_path: Path, ra
             t.start()
         for t in threads:
             t.join(120)
-        assert pipe._engine.held_streams() == [[[]], [[]]]  # type: ignore[attr-defined]
+        assert _held(pipe) == [[()], [()]]
     for i, prompt in enumerate(prompts):
         assert results[i] == whole_generate(model, prompt, 12)[0], f"prompt {i}"
 
@@ -312,7 +317,7 @@ def test_batched_stream_steps_run_as_one_call_on_each_actor(tmp_path: Path, ray_
                              "position_ids": np.array([[k]])}) for k, t in enumerate(tokens)]
         s.close()
         last = futures[-1].result(timeout=60)["logits"]
-        assert pipe._engine.held_streams() == [[[]], [[]]]  # type: ignore[attr-defined]
+        assert _held(pipe) == [[()], [()]]
     np.testing.assert_allclose(last, whole_generate_logits(model, tokens), rtol=0, atol=1e-4)
     for i, prompt in enumerate(prompts):
         assert results[i] == whole_generate(model, prompt, 6 + i)[0], f"prompt {i}"
@@ -377,7 +382,9 @@ def test_a_killed_actor_holding_a_streams_state_fails_its_next_step_by_name(tmp_
         ray_pids.update(_actor_pids(pipe))
         stream = pipe.stream()
         stream.step({"x": x})
-        os.kill(pipe._engine.placements()[1][0]["pid"], signal.SIGKILL)  # type: ignore[attr-defined]
+        victim = pipe.diagnostics().stages[1].replicas[0].pid
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
         with pytest.raises(StreamError, match=r"stage 'stage1' lost the state of stream 0: the actor holding it (\(replica 0\) )?died") as caught:
             stream.step({"x": x})
         assert caught.value.state_valid is False
@@ -402,7 +409,8 @@ def test_a_killed_stage_actor_loses_no_request(tmp_path: Path, ray_pids: set[int
     rng = np.random.default_rng(1)
     inputs = [{"X": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(120)]
     with load(bundle, engine="ray", queue_depth=16) as pipe:
-        victim = pipe._engine.placements()[1][0]["pid"]  # type: ignore[attr-defined]
+        victim = pipe.diagnostics().stages[1].replicas[0].pid
+        assert victim is not None
         ray_pids.update(_actor_pids(pipe))
         got = []
         for n, out in enumerate(pipe.map(inputs)):
@@ -413,8 +421,8 @@ def test_a_killed_stage_actor_loses_no_request(tmp_path: Path, ray_pids: set[int
             np.testing.assert_allclose(y, whole.run(None, x)[0], rtol=1e-6)
         stats = pipe.stats()
         assert (stats.completed, stats.failed) == (120, 0)
-        after = pipe._engine.placements()[1][0]  # type: ignore[attr-defined]
-        assert after["pid"] != victim and after["labels"] == {"onnxpipe/host": "b"}
+        after = pipe.diagnostics().stages[1].replicas[0]
+        assert after.pid != victim and after.labels == {"onnxpipe/host": "b"}
         ray_pids.update(_actor_pids(pipe))
 
 
@@ -490,7 +498,7 @@ def test_values_lost_with_their_node_are_made_again_from_the_stage_that_made_the
             assert counts["first"] == len(inputs), f"'first' ran a request again: {counts}"
             assert counts["middle"] > len(inputs), f"no value was lost with node c: {counts}"
             assert (stats.completed, stats.failed) == (len(inputs), 0)
-            assert _labels(pipe)[1] == "c" and pipe._engine.placements()[1][0]["node_id"] == spare.node_id  # type: ignore[attr-defined]
+            assert _labels(pipe)[1] == "c" and pipe.diagnostics().stages[1].replicas[0].node_id == spare.node_id
             ray_pids.update(_actor_pids(pipe))
     finally:
         for n in (node, spare):

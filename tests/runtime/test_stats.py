@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from onnxpipe.runtime import load
+from onnxpipe.runtime._stage import Call, Request
 from onnxpipe.runtime._stats import RequestRecorder, StageRecorder, summarize, write_trace
 from tests import models
 
@@ -34,7 +35,7 @@ def test_summaries_and_traces_read_while_a_worker_records(tmp_path: Path, freque
     def worker() -> None:
         n = 0
         while not stop.is_set():
-            recorder.record(n, 0.0, 1e-3, True)
+            recorder.record(Call((n,), 0.0, 1e-3, 1), (Request(n, {}, {}, 0.0),))
             requests.finished(0.0, 1e-3, True)
             n += 1
             if n % 5_000 == 0:  # as reset_stats() would; also keeps each trace small

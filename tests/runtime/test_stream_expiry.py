@@ -31,7 +31,7 @@ def rnn_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _held_in(pipe: Pipeline, stream_id: int) -> list[str]:
     """The stages whose runners hold a state for the stream."""
-    return [r.name for rs in pipe._engine.runners() for r in rs if stream_id in r.states]
+    return [stage.stage for stage in pipe.diagnostics().stages for r in stage.replicas if stream_id in r.streams]
 
 
 def _idle_error(stream_id: int, timeout: float) -> str:
@@ -91,7 +91,7 @@ def test_a_stream_with_a_step_in_flight_is_not_idle(rnn_bundle: Path) -> None:
         busy, idle = pipe.stream(), pipe.stream()
         busy.step(X)
         idle.step(X)
-        stage0 = pipe._engine.runners()[0][0]
+        stage0 = pipe.idle_runners()[0]
         held = stage0.session = _Held(stage0.session)
         future = busy.submit(X)
         time.sleep(0.4)  # both last finished a step 0.4 s ago; busy's next one is in flight

@@ -47,8 +47,9 @@ def rnn(rnn_bundle: Path) -> Iterator[Pipeline]:
         yield pipe
 
 
-def _runners(pipe: Pipeline) -> list[Any]:
-    return [r for rs in pipe._engine.runners() for r in rs]
+def _held(pipe: Pipeline) -> list[tuple[int, ...] | None]:
+    """The streams each replica of each stage holds state of, in pipeline order (``Pipeline.diagnostics``)."""
+    return [r.streams for stage in pipe.diagnostics().stages for r in stage.replicas]
 
 
 def _steps(seed: int, count: int = 6, batch: int = 1) -> list[np.ndarray]:
@@ -81,10 +82,10 @@ def test_eight_streams_interleaved_equal_each_stream_alone(rnn: Pipeline) -> Non
         got = [f.result()["y"] for f in futures[s]]
         for t, (a, b) in enumerate(zip(got, whole_recurrent(model, xs), strict=True)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"stream {s} step {t}")
-    assert sorted(k for r in _runners(rnn) for k in r.states) == sorted(list(range(8)) * 2)
+    assert sorted(k for held in _held(rnn) for k in held) == sorted(list(range(8)) * 2)
     for stream in streams:
         stream.close()
-    assert all(not r.states for r in _runners(rnn))
+    assert _held(rnn) == [(), ()]
 
 
 def test_replicas_pin_each_stream_to_one_replica(tmp_path: Path) -> None:
@@ -99,11 +100,10 @@ def test_replicas_pin_each_stream_to_one_replica(tmp_path: Path) -> None:
         for s in range(5):
             got = [futures[t][s].result()["y"] for t in range(6)]
             np.testing.assert_allclose(np.stack(got), np.stack(whole_recurrent(model, inputs[s])), rtol=1e-5, atol=1e-5)
-        for replicas in pipe._engine.runners():
-            assert [sorted(r.states) for r in replicas] == [[0, 2, 4], [1, 3]]
+        assert [[r.streams for r in stage.replicas] for stage in pipe.diagnostics().stages] == [[(0, 2, 4), (1, 3)]] * 2
         for stream in streams:
             stream.close()
-        assert all(not r.states for r in _runners(pipe))
+        assert _held(pipe) == [()] * 4
 
 
 def test_stateless_api_is_refused_for_a_pipeline_with_state(rnn: Pipeline) -> None:
@@ -139,7 +139,7 @@ def test_greedy_generation_of_interleaved_streams_equals_the_whole_model(decoder
             t.start()
         for t in threads:
             t.join()
-        assert all(not r.states for r in _runners(pipe))
+        assert all(held == () for held in _held(pipe))
     for i, (tokens, logits) in enumerate(expected):
         assert results[i][0] == tokens, f"prompt {i}"
         np.testing.assert_allclose(np.stack(results[i][1]), np.stack(logits), rtol=1e-5, atol=1e-5)
@@ -162,14 +162,15 @@ def test_closing_a_stream_frees_its_state_in_every_stage(decoder_bundles: dict[i
     with load(decoder_bundles[3]) as pipe:
         s = pipe.stream()
         generate(s.step, [1, 2, 3], 4)
-        runners = _runners(pipe)
-        assert all(s.id in r.states for r in runners)
-        held = [weakref.ref(a) for r in runners for a in r.states[s.id][1].values()]
+        replicas = [r for stage in pipe.diagnostics().stages for r in stage.replicas]
+        assert len(replicas) == 3 and all(r.streams == (s.id,) for r in replicas)
+        held = [weakref.ref(a) for r in pipe.idle_runners() for a in r.states[s.id][1].values()]
         # layers, k/v, heads, 6 positions fed (3 + 3), head dim, float32
-        assert len(held) == 8 and sum(r.state_bytes() for r in runners) == 4 * 2 * 2 * 6 * 16 * 4 == s.state_bytes == pipe.state_bytes
+        assert len(held) == 8 and sum(r.state_bytes for r in replicas) == 4 * 2 * 2 * 6 * 16 * 4 == s.state_bytes == pipe.state_bytes
         s.close()
         gc.collect()
-        assert all(not r.states for r in runners) and sum(r.state_bytes() for r in runners) == 0 == s.state_bytes == pipe.state_bytes
+        replicas = [r for stage in pipe.diagnostics().stages for r in stage.replicas]
+        assert all(r.streams == () for r in replicas) and sum(r.state_bytes for r in replicas) == 0 == s.state_bytes == pipe.state_bytes
         assert all(ref() is None for ref in held), "state arrays still referenced after close"
         assert pipe.open_streams == []
 
@@ -205,9 +206,9 @@ def test_a_close_that_does_not_wait_frees_the_state_behind_the_steps_in_flight(r
         s.step({"x": xs[0]})
     assert [f.result()["y"].shape for f in futures] == [(1, 4)] * len(xs)  # the steps before it all ran
     deadline = time.monotonic() + 5
-    while any(r.states for r in _runners(rnn)) and time.monotonic() < deadline:
+    while any(_held(rnn)) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not any(r.states for r in _runners(rnn))
+    assert _held(rnn) == [(), ()]
 
 
 def test_max_streams_is_enforced_never_evicting(decoder_bundles: dict[int, Path]) -> None:
@@ -230,7 +231,7 @@ def test_idle_streams_are_closed_with_a_clear_error(rnn_bundle: Path) -> None:
         time.sleep(0.3)
         busy = pipe.stream()  # opening a stream closes the idle ones
         assert pipe.open_streams == [busy.id]
-        assert all(idle.id not in r.states for r in _runners(pipe))
+        assert all(idle.id not in held for held in _held(pipe))
         with pytest.raises(StreamError, match=r"stream 0 is closed \(it was idle for more than stream_timeout=0.2 s, and its state was freed\)"):
             idle.step({"x": _steps(0)[0]})
         busy.step({"x": _steps(0)[0]})
@@ -245,7 +246,7 @@ def test_idle_streams_can_be_closed_without_new_traffic(rnn_bundle: Path) -> Non
         time.sleep(0.3)
         assert pipe.close_idle_streams() == [idle.id]  # nothing else called meanwhile
         assert pipe.open_streams == [] and idle.closed
-        assert all(idle.id not in r.states for r in _runners(pipe))
+        assert _held(pipe) == [(), ()]
     with load(rnn_bundle) as pipe:
         pipe.stream().step({"x": _steps(0)[0]})
         assert pipe.close_idle_streams() == []  # no stream_timeout: nothing ever expires
@@ -298,7 +299,7 @@ def test_a_failure_before_any_commit_leaves_the_state_valid(rnn: Pipeline) -> No
     xs = _steps(5)
     with rnn.stream() as s:
         s.step({"x": xs[0]})
-        stage0 = rnn._engine.runners()[0][0]
+        stage0 = rnn.idle_runners()[0]
         stage0.session = _FailOnce(stage0.session)
         with pytest.raises(StreamError, match=r"stage 'stage0' failed .*injected failure; the stream's state is unchanged \(as after step 0\)") as e:
             s.step({"x": np.full((1, 4), 9, np.float32)})
@@ -313,14 +314,14 @@ def test_a_failure_after_an_earlier_stage_committed_invalidates_the_stream(rnn: 
     with rnn.stream() as s:
         s.step({"x": xs[0]})
         other.step({"x": xs[0]})
-        stage1 = rnn._engine.runners()[1][0]
+        stage1 = rnn.idle_runners()[1]
         stage1.session = _FailOnce(stage1.session)
         with pytest.raises(StreamError, match=r"state is no longer valid: stage\(s\) 'stage0' took step 1 and stage 'stage1' did not; close the stream") as e:
             s.step({"x": xs[1]})
         assert e.value.state_valid is False
         with pytest.raises(StreamError, match=r"cannot take more steps: step 1 failed in stage 'stage1' after stage\(s\) 'stage0' had updated"):
             s.step({"x": xs[2]})
-    assert all(s.id not in r.states for r in _runners(rnn))  # closing still frees it
+    assert all(s.id not in held for held in _held(rnn))  # closing still frees it
     got = [other.step({"x": x})["y"] for x in xs[1:]]
     np.testing.assert_allclose(np.stack(got), np.stack(whole_recurrent(recurrent(), xs)[1:]), rtol=1e-5, atol=1e-5)
     other.close()
@@ -329,7 +330,7 @@ def test_a_failure_after_an_earlier_stage_committed_invalidates_the_stream(rnn: 
 def test_steps_in_flight_behind_a_failed_one_never_run_on_the_wrong_state(rnn: Pipeline) -> None:
     xs = _steps(7)
     with rnn.stream() as s:
-        stage0 = rnn._engine.runners()[0][0]
+        stage0 = rnn.idle_runners()[0]
         stage0.session = _FailOnce(stage0.session)
         futures = [s.submit({"x": x}) for x in xs[:3]]
         errors = [f.exception() for f in futures]

@@ -93,7 +93,7 @@ class _HeldBatcher:
         live = [r for r in requests if r.error is None]
         self.ran += [r.id for r in live]
         now = time.perf_counter()
-        return [Call(live, now, now, [None] * len(live))] if live else []
+        return [Call(tuple(r.id for r in live), now, now, len(live))] if live else []
 
     def cancel(self) -> None:
         pass

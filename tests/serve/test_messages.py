@@ -147,7 +147,7 @@ def test_a_sequence_whose_state_is_lost_says_to_start_it_again(bundles: dict[str
 
         try:
             asyncio.run(step(start=True))
-            stage1 = pipe._engine.runners()[1][0]
+            stage1 = pipe.idle_runners()[1]
             stage1.session = _FailOnce(stage1.session)
             with pytest.raises(RequestError) as failed:
                 asyncio.run(step())
