@@ -1,4 +1,5 @@
-"""Fixtures shared by the runtime tests: a private temporary folder (the Ray cluster is in tests/conftest.py)."""
+"""Fixtures shared by the runtime tests: a private temporary folder, the recurrent model's bundle, a
+fresh copy of a module's bundle to tamper with (the Ray cluster is in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from onnxpipe.splitter import split
+from tests.models import bundle_of
+from tests.stateful_models import recurrent
 
 
 @pytest.fixture()
@@ -17,3 +22,10 @@ def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
     yield folder
     assert list(folder.iterdir()) == [], "the loader left files in its temporary folder"
+
+
+@pytest.fixture(scope="module")
+def rnn_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/stateful_models.py ``recurrent()`` cut at ``state1N`` with its states kept in their
+    stages (one in each of the 2 stages), built once per module."""
+    return bundle_of(split(recurrent(), ["state1N"], states="auto"), tmp_path_factory.mktemp("rnn"))

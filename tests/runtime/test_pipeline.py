@@ -8,7 +8,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import TensorSpec, load
 from onnxpipe.splitter import split
 from tests import code_stages, models
+from tests.waiting import until
 
 BRANCHY_CUTS = {2: ["a"], 3: ["a", ["b", "c"]], 4: ["a", ["b", "c"], "e"]}
 
@@ -136,14 +136,6 @@ def _held_bundle(tmp_path: Path) -> Path:
     return models.bundle_of(config, tmp_path)
 
 
-def _until(condition: Callable[[], bool], what: str, seconds: float = 30) -> None:
-    """Poll ``condition`` until it holds (a generous deadline: it fails only if it never does)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.002)
-
-
 def test_submit_without_blocking_refuses_a_full_pipeline_and_takes_nothing(tmp_path: Path, no_thread_left: object) -> None:
     # An event loop must never wait on the pipeline: block=False says "full" at once instead. The
     # slow stage is held shut while the submits run, so no room can appear: a submit that waited
@@ -189,7 +181,7 @@ def test_stage_statistics_time_the_queues(tmp_path: Path, no_thread_left: object
         try:
             futures = [pipe.submit(request) for _ in range(12)]
             # The first one held by the stage, the other 11 queued behind it.
-            _until(lambda: next(s for s in pipe.stats().stages if s.stage == "slow").queue_depth == 11, "11 requests wait for the held stage")
+            until(lambda: next(s for s in pipe.stats().stages if s.stage == "slow").queue_depth == 11, "11 requests wait for the held stage")
         finally:
             code_stages.GATE.set()
         for future in futures:
@@ -277,7 +269,7 @@ def test_close_with_requests_in_flight_is_prompt_and_leaves_no_thread(tmp_path: 
     pipe = load(models.bundle_of(config, tmp_path), queue_depth=4)
     x = np.ones((2, 4), np.float32)
     futures = [pipe.submit({"x": x}) for _ in range(4)]  # one runs in the first stage, 3 wait for it
-    _until(lambda: pipe.stats().stages[0].queue_depth == 3, "the first stage runs one request and 3 wait")
+    until(lambda: pipe.stats().stages[0].queue_depth == 3, "the first stage runs one request and 3 wait")
     assert pipe.num_executing_pipeline == 4
     workers = [t for t in threading.enumerate() if t.name.startswith("onnxpipe-endless")]
     pipe.close()
