@@ -3,6 +3,7 @@ fresh copy of a module's bundle to tamper with (the Ray cluster is in tests/conf
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,3 +30,12 @@ def rnn_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/stateful_models.py ``recurrent()`` cut at ``state1N`` with its states kept in their
     stages (one in each of the 2 stages), built once per module."""
     return bundle_of(split(recurrent(), ["state1N"], states="auto"), tmp_path_factory.mktemp("rnn"))
+
+
+@pytest.fixture()
+def bundle(pristine_bundle: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the module's ``pristine_bundle`` (a module-scoped fixture each bundle test
+    module defines), for a test to tamper with."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(pristine_bundle, copy)
+    return copy
