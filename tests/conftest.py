@@ -12,8 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnxruntime as ort
 import pytest
+
+from tests import models
+from tests.decoder_exports import LLAMA
 
 # The onnx light models carry unused initializers; onnxruntime warns about each one.
 ort.set_default_logger_severity(3)
@@ -121,3 +125,17 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def llama() -> onnx.ModelProto:
+    """optimum's Llama export (tests/data/decoders/optimum-llama), loaded once per module."""
+    return onnx.load(LLAMA)
+
+
+@pytest.fixture(scope="module")
+def squeezenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy of the onnx wheel's squeezenet for the module, so the profile cache written
+    next to it stays in a temporary folder and starts empty in each module."""
+    folder = tmp_path_factory.mktemp("squeezenet")
+    return Path(shutil.copy(models.light_model_path("squeezenet"), folder / "squeezenet.onnx"))
