@@ -33,6 +33,8 @@ from tests.serve.conftest import serve_args
 from tests.serve.process import ServerProcess
 from tests.serve.test_hostile import _binary, _raw
 
+pytestmark = pytest.mark.xdist_group("client-mistakes")  # one worker: its server starts once (its tests take under a second)
+
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 #: ``U``, ``I``, ``F`` (UINT64, INT64, FP32 of any length) -> the same values as ``U2``, ``I2``, ``F2``.
