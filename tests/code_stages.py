@@ -83,10 +83,14 @@ def gated(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np
 
 def matmul_when_file(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> dict[str, np.ndarray]:
     """y = x @ w @ w with w = 1/size everywhere (:func:`tests.models.slow_stage`), once the file
-    ``params["path"]`` exists: a gate that also works in another process (a Ray actor)."""
+    ``params["path"]`` exists: a gate that also works in another process (a Ray actor). With
+    ``params["entered"]``, each run first appends a byte to that file: its size counts the runs begun."""
     import os
     import time
 
+    if "entered" in params:
+        with open(params["entered"], "ab") as f:
+            f.write(b".")
     deadline = time.monotonic() + 60
     while not os.path.exists(params["path"]):
         if time.monotonic() > deadline:

@@ -1,6 +1,6 @@
 """Shared test set-up. Tiny models live in tests/models.py; real ones in the onnx wheel. The one
 real Ray cluster of the session is here, for the engine's tests and the server's on Ray (both in
-xdist group "ray", so one worker holds it)."""
+xdist group "ray", so one worker holds it: see Note: xdist groups)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,39 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnxruntime as ort
 import pytest
 
+from tests import models
+from tests.decoder_exports import LLAMA
+
 # The onnx light models carry unused initializers; onnxruntime warns about each one.
 ort.set_default_logger_severity(3)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Note: xdist groups. ``--dist loadgroup`` (pyproject's addopts) sends the tests of one
+    ``xdist_group`` to one worker, so a module- or session-scoped fixture they share (the Ray cluster,
+    the planner run of tests/planner/test_planner_concurrency.py, tests/serve/test_logs.py's servers)
+    is made once. The group travels from the worker to the scheduler as a suffix of the test's id
+    (``test_x@ray``), which pytest-xdist 3.8 writes into ``item._nodeid``; pytest 9.2 keeps the id in a
+    structured ``item._id`` and ignores it, so every group was silently spread over both workers and
+    each worker built the fixtures again (pytest-dev/pytest-xdist#1386). On a worker where xdist's
+    suffix did not take, it is written here where pytest 9.2 reads it; tests/test_xdist_groups.py
+    fails when neither took."""
+    if not getattr(config.option, "loadgroup", False) or not hasattr(config, "workerinput"):
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # a pytest before 9.2: xdist's own suffix works there
+        return
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(groups)
+        if groups and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            item._id = NodeId.parse(item.nodeid + suffix)
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +125,17 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def llama() -> onnx.ModelProto:
+    """optimum's Llama export (tests/data/decoders/optimum-llama), loaded once per module."""
+    return onnx.load(LLAMA)
+
+
+@pytest.fixture(scope="module")
+def squeezenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy of the onnx wheel's squeezenet for the module, so the profile cache written
+    next to it stays in a temporary folder and starts empty in each module."""
+    folder = tmp_path_factory.mktemp("squeezenet")
+    return Path(shutil.copy(models.light_model_path("squeezenet"), folder / "squeezenet.onnx"))

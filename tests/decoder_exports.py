@@ -35,6 +35,14 @@ def model_path(name: str) -> Path:
     return DECODERS / name / "model.onnx"
 
 
+#: optimum's Llama export: the decoder the unit tests cut by hand (the ``llama`` fixture, tests/conftest.py).
+LLAMA = model_path("optimum-llama")
+#: Between its layers 0 and 1: the residual stream, the causal mask and the rotary cos / sin the model
+#: makes once and every layer reads.
+LLAMA_CUT = ["/model/layers.0/Add_1_output_0", "/model/Expand_output_0", "/model/layers.0/self_attn/Unsqueeze_6_output_0",
+             "/model/layers.0/self_attn/Unsqueeze_7_output_0"]
+
+
 def profile_dims(name: str) -> dict[str, int]:
     """Sizes for profiling an export: batch 1, one new token over a past of 8 (the names its inputs use)."""
     session = ort.InferenceSession(str(model_path(name)), providers=["CPUExecutionProvider"])

@@ -622,6 +622,28 @@ def slow_stage(size: int = 768) -> ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def endless_stage() -> ModelProto:
+    """x[N, 4] -> y: a Loop of 2**62 trips adding 1: a run that ends only when it is cancelled
+    (onnxruntime's Loop stops at ``RunOptions.terminate``), so a test of cancelling need not race a
+    run's end. It keeps one core busy while it runs."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["v_in", "one"], ["v_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("v_out", TensorProto.FLOAT, ["N", 4])],
+        initializer=[numpy_helper.from_array(np.array(1.0, np.float32), "one")],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)],
+        "endless",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        initializer=[numpy_helper.from_array(np.array(1 << 62, np.int64), "trips"), numpy_helper.from_array(np.array(True), "cond")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def matmul_tail(columns: int) -> ModelProto:
     """``h[N,4] -> y = h @ w`` with ``w`` [4, columns] of 0.5: 16 x ``columns`` bytes of weights, enough
     for an external ``.data`` file from 1 << 16 columns on."""

@@ -32,6 +32,6 @@ def test_the_cut_between_llama_layers_is_what_the_layers_after_it_read() -> None
     import onnx
 
     from benchmarks.batching import between_layers
-    from tests.runtime.test_exported_decoders import CUT, LLAMA
+    from tests.decoder_exports import LLAMA, LLAMA_CUT
 
-    assert between_layers(onnx.load(LLAMA), 0) == sorted(CUT)
+    assert between_layers(onnx.load(LLAMA), 0) == sorted(LLAMA_CUT)

@@ -18,6 +18,7 @@ from tests.notebooks import assert_stored_clean, execute
 NOTEBOOK = Path(__file__).resolve().parents[1] / "tutorials" / "tutorial.ipynb"
 CELL_TIMEOUT = 120  # seconds per cell; the whole notebook takes ~20 s on 2 cores
 THROUGHPUT_LABELS = {"pipeline 2 stages x 1 thread", "1 session 1 thread", "1 session 2 threads", "2 replicas x 1 thread"}
+pytestmark = pytest.mark.xdist_group("tutorial")  # one worker: the notebook (about 15 s) is executed once
 
 
 @pytest.fixture(scope="module")

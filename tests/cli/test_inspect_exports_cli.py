@@ -11,12 +11,9 @@ import pytest
 
 from onnxpipe.splitter import split
 from tests.cli.helpers import ok
+from tests.decoder_exports import LLAMA, LLAMA_CUT
 from tests.models import bundle_of
-from tests.splitter.test_inspect_exports import D0, D1, D2, HALF, LLAMA, paddle_formulas
-
-# Between the llama's layers 0 and 1 (as tests/runtime/test_exported_decoders.py cuts it).
-CUT = ["/model/layers.0/Add_1_output_0", "/model/Expand_output_0", "/model/layers.0/self_attn/Unsqueeze_6_output_0",
-       "/model/layers.0/self_attn/Unsqueeze_7_output_0"]
+from tests.splitter.test_inspect_exports import D0, D1, D2, HALF, paddle_formulas
 
 
 def notes(output: str) -> list[str]:
@@ -45,7 +42,7 @@ def test_optimum_export_notes_are_short() -> None:
 
 @pytest.fixture(scope="module")
 def stream_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return bundle_of(split(onnx.load(LLAMA), [CUT], states="auto"), tmp_path_factory.mktemp("llama"))
+    return bundle_of(split(onnx.load(LLAMA), [LLAMA_CUT], states="auto"), tmp_path_factory.mktemp("llama"))
 
 
 def test_bundle_shows_state_outputs_as_state(stream_bundle: Path) -> None:

@@ -3,7 +3,6 @@ the simpler plan unless a pipeline wins every round, and no symbolic dim planned
 
 from __future__ import annotations
 
-import shutil
 import statistics
 from pathlib import Path
 
@@ -18,12 +17,6 @@ from onnxpipe.planner._rules import RULE, choose_plan
 from onnxpipe.runtime import TensorSpec, resolve_provider
 from onnxpipe.splitter import verify
 from tests import models
-
-
-@pytest.fixture(scope="module")
-def squeezenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("plan")
-    return Path(shutil.copy(models.light_model_path("squeezenet"), folder / "squeezenet.onnx"))
 
 
 def test_plan_on_two_cores_measures_pipelines_and_baselines(squeezenet: Path, tmp_path: Path) -> None:

@@ -29,6 +29,9 @@ from tests.stateful_models import decode_in_threads, decoder_feeds, gpt_decoder,
 DECODER_CUTS = {2: ["layer1.out"], 3: ["layer0.out", "layer2.out"]}
 PROMPTS = ([1, 2, 3], [5], [7, 8, 9, 10, 11], [40, 41], [3, 3, 3, 3], [9], [11, 12], [20, 21, 22, 23, 24, 25])
 TOKENS = 10
+#: The longest max_delay_ms a stage takes (a minute): a batch that waited for it cannot be mistaken
+#: for one that did not, however busy the machine.
+LONGEST_DELAY_MS = 60_000
 
 
 def batched(plan: Any, max_batch: int = 8, delay_ms: float = 0.0) -> Any:
@@ -224,18 +227,18 @@ def test_a_failing_step_inside_a_batch_fails_only_that_stream(decoder_bundles: d
 
 
 def test_a_batch_waiting_at_the_entry_leaves_once_every_member_of_its_group_is_in(tmp_path: Path) -> None:
-    """max_delay_ms=1 s, two streams in one group (micro_batches=1) stepping together: each step
-    of both leaves as one batch as soon as both are submitted, never after the wait (no other
-    step could join it), the first steps included."""
-    plan = batched(split(gpt_decoder(), DECODER_CUTS[2], states="auto"), delay_ms=1_000)
+    """max_delay_ms=60 s (the most allowed), two streams in one group (micro_batches=1) stepping
+    together: each step of both leaves as one batch as soon as both are submitted, never after the
+    wait (no other step could join it), the first steps included: every result comes long before
+    a wait could have ended."""
+    plan = batched(split(gpt_decoder(), DECODER_CUTS[2], states="auto"), delay_ms=LONGEST_DELAY_MS)
     with load(bundle_of(plan, tmp_path), micro_batches=1) as pipe:
         a, b = pipe.stream(), pipe.stream()
-        started = time.perf_counter()
         for k in range(5):
             feeds = {"input_ids": np.array([[k + 1]]), "attention_mask": np.ones((1, k + 1), np.int64), "position_ids": np.array([[k]])}
             fa, fb = a.submit(feeds), b.submit(feeds)
+            # A TimeoutError here: the batch waited although every member of its group was in it.
             np.testing.assert_array_equal(fa.result(timeout=30)["logits"], fb.result(timeout=30)["logits"])
-        assert time.perf_counter() - started < 0.9, "a batch waited although every member of its group was in it"
         sizes = [s.batch_sizes for s in pipe.stats().stages]
         a.close()
         b.close()
@@ -365,21 +368,22 @@ def test_stats_and_trace_show_batches(mlp_bundle: Path, tmp_path: Path) -> None:
 
 
 def test_steps_waiting_at_the_entry_fail_when_the_pipeline_closes(tmp_path: Path) -> None:
-    """A step waiting for its group (max_delay_ms=10 s, the other member silent) when the pipeline
-    closes: its future raises StageError at once, nothing hangs; a closed pipeline takes no more steps."""
+    """A step waiting for its group (max_delay_ms=60 s, the most allowed; the other member silent)
+    when the pipeline closes: its future raises StageError at once (long before the wait could
+    end), nothing hangs; a closed pipeline takes no more steps."""
     from onnxpipe import StageError
 
-    plan = batched(split(gpt_decoder(), DECODER_CUTS[2], states="auto"), delay_ms=10_000)
+    plan = batched(split(gpt_decoder(), DECODER_CUTS[2], states="auto"), delay_ms=LONGEST_DELAY_MS)
     pipe = load(bundle_of(plan, tmp_path), micro_batches=1)
     a, b = pipe.stream(), pipe.stream()
     waiting = a.submit({"input_ids": np.array([[1]]), "attention_mask": np.ones((1, 1), np.int64), "position_ids": np.array([[0]])})
+    # The step is offered to the entry's batcher before submit returns. The pause is only a chance
+    # for a batcher that sent a lone member early to show it: the assertion holds on any machine.
     time.sleep(0.05)
     assert not waiting.done()  # b has no step yet: a's waits for it
-    started = time.perf_counter()
     pipe.close()
     with pytest.raises(StageError, match="closed"):
-        waiting.result(timeout=5)
-    assert time.perf_counter() - started < 3.0
+        waiting.result(timeout=30)
     with pytest.raises(StreamError, match="closed"):
         b.submit({"input_ids": np.array([[1]]), "attention_mask": np.ones((1, 1), np.int64), "position_ids": np.array([[0]])})
 

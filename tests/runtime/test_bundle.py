@@ -34,19 +34,13 @@ _MAPS_IN_PLACE = pytest.mark.skipif(not maps_archive_data(), reason="this onnxru
 
 
 @pytest.fixture(scope="module")
-def good_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A two-stage bundle folder whose second stage keeps its weights in external data."""
+def pristine_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-stage bundle folder whose second stage keeps its weights in external data
+    (each test tampers with its own copy: ``bundle``, tests/runtime/conftest.py)."""
     root = tmp_path_factory.mktemp("good")
     config = models.head_then_tail(1 << 18)  # 4 MiB of weights in the tail
     x = np.ones((2, 4), np.float32)
     return export(build(config, root / "built").path, root / "bundle", reference_inputs=[{"x": x}])
-
-
-@pytest.fixture()
-def bundle(good_bundle: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "bundle"
-    shutil.copytree(good_bundle, copy)
-    return copy
 
 
 def _rehash(root: Path) -> None:
@@ -240,8 +234,8 @@ def test_not_a_bundle(tmp_path: Path, private_tmp: Path) -> None:
         load(tmp_path / "empty")
 
 
-def test_loading_needs_only_numpy_and_onnxruntime(good_bundle: Path, tmp_path: Path) -> None:
-    archive = _zip_of(good_bundle, tmp_path / "b.onnxpipe")
+def test_loading_needs_only_numpy_and_onnxruntime(pristine_bundle: Path, tmp_path: Path) -> None:
+    archive = _zip_of(pristine_bundle, tmp_path / "b.onnxpipe")
     code = (
         "import sys\n"
         "import onnxpipe.runtime as rt\n"
@@ -255,9 +249,9 @@ def test_loading_needs_only_numpy_and_onnxruntime(good_bundle: Path, tmp_path: P
 
 
 @_MAPS_IN_PLACE
-def test_exported_archive_leaves_external_data_in_place(good_bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
+def test_exported_archive_leaves_external_data_in_place(pristine_bundle: Path, tmp_path: Path, private_tmp: Path) -> None:
     """export stores .data page-aligned; loading maps it from the archive: nothing of it is unpacked."""
-    archive = export(good_bundle.parent / "built", tmp_path / "b.onnxpipe", reference_inputs=[{"x": np.ones((2, 4), np.float32)}])
+    archive = export(pristine_bundle.parent / "built", tmp_path / "b.onnxpipe", reference_inputs=[{"x": np.ones((2, 4), np.float32)}])
     with zipfile.ZipFile(archive) as zf:
         member = zf.getinfo("stages/tail.onnx.data")
         assert member.compress_type == zipfile.ZIP_STORED
@@ -271,12 +265,12 @@ def test_exported_archive_leaves_external_data_in_place(good_bundle: Path, tmp_p
 
 
 def test_an_onnxruntime_that_cannot_map_archive_data_gets_it_unpacked(
-    good_bundle: Path, tmp_path: Path, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
+    pristine_bundle: Path, tmp_path: Path, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from onnxpipe.runtime.bundle import _archive
 
     monkeypatch.setattr(_archive, "maps_archive_data", lambda: False)  # onnxruntime 1.18-1.20
-    archive = export(good_bundle.parent / "built", tmp_path / "b.onnxpipe", reference_inputs=[{"x": np.ones((2, 4), np.float32)}])
+    archive = export(pristine_bundle.parent / "built", tmp_path / "b.onnxpipe", reference_inputs=[{"x": np.ones((2, 4), np.float32)}])
     with load(archive) as pipe:
         assert pipe.bundle.in_archive == {}
         assert (pipe.bundle.root / "stages" / "tail.onnx.data").is_file()

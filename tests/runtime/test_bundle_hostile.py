@@ -42,8 +42,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def good(built: Path) -> Path:
-    """A bundle folder whose tail stage keeps its weights in stages/tail.onnx.data."""
+def pristine_bundle(built: Path) -> Path:
+    """A bundle folder whose tail stage keeps its weights in stages/tail.onnx.data
+    (each test tampers with its own copy: ``bundle``, tests/runtime/conftest.py)."""
     return export(built, built.parent / "bundle")
 
 
@@ -58,13 +59,6 @@ class Archive(bytes):
 def good_archive(built: Path) -> Archive:
     """The same bundle as the archive export writes (.data page-aligned, left in place when loaded)."""
     return Archive(export(built, built.parent / "b.onnxpipe").read_bytes())
-
-
-@pytest.fixture()
-def bundle(good: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "bundle"
-    shutil.copytree(good, copy)
-    return copy
 
 
 def _external(location: str) -> onnx.TensorProto:
@@ -413,9 +407,9 @@ def _mutate(value: Any, data: st.DataObject) -> Any:
 
 @PROPERTY
 @given(data=st.data())
-def test_mutated_json_gives_a_bundle_error_or_a_bundle(good: Path, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+def test_mutated_json_gives_a_bundle_error_or_a_bundle(pristine_bundle: Path, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
     root = tmp_path_factory.mktemp("mutated") / "bundle"
-    shutil.copytree(good, root)
+    shutil.copytree(pristine_bundle, root)
     which = data.draw(st.sampled_from([MANIFEST_NAME, "pipeline.json"]), label="file")
     (root / which).write_text(json.dumps(_mutate(json.loads((root / which).read_text()), data)))
     if which == "pipeline.json":

@@ -30,8 +30,8 @@ BIG = 50 << 20  # 50 MiB of zeros: deflates to about 50 KiB
 
 
 @pytest.fixture(scope="module")
-def small_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One stage x[N,4] -> h, g with one reference sample."""
+def pristine_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One stage x[N,4] -> h, g with one reference sample (each test tampers with its own copy: ``bundle``, tests/runtime/conftest.py)."""
     root = tmp_path_factory.mktemp("small")
     config = PipelineConfig("one")
     head = config.add_stage(models.stage_head(), "head")
@@ -39,13 +39,6 @@ def small_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     head.output("h").connect(config.output("h"))
     head.output("g").connect(config.output("g"))
     return export(build(config, root / "built").path, root / "bundle", reference_inputs=[{"x": np.ones((2, 4), np.float32)}])
-
-
-@pytest.fixture()
-def bundle(small_bundle: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "bundle"
-    shutil.copytree(small_bundle, copy)
-    return copy
 
 
 @pytest.fixture()

@@ -3,6 +3,7 @@ without ever waiting while they hold one back."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,12 @@ def _eventually(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.001)
     return condition()
+
+
+def _inside_channel(thread: threading.Thread) -> bool:
+    """The thread is in a call of the channel (``put`` or ``get``: about to wait or waiting there)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    return frame is not None and frame.f_code.co_name in {"put", "get"} and frame.f_code.co_filename.endswith("_channel.py")
 
 
 def _start(target: Callable[[], object]) -> threading.Thread:
@@ -106,7 +113,7 @@ def test_close_wakes_every_waiter_and_returns_what_was_left() -> None:
             errors.append("closed")
 
     waiters = [_start(lambda: expect_closed(lambda: full.put(8)))] + [_start(lambda: expect_closed(empty.reader().get)) for _ in range(2)]
-    time.sleep(0.02)
+    assert _eventually(lambda: all(_inside_channel(t) for t in waiters)), "a waiter never reached the channel"
     assert full.close() == [7]
     assert empty.close() == []
     for t in waiters:

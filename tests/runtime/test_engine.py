@@ -30,6 +30,40 @@ class FakeSession:
         return [value + self.add]
 
 
+class HeldSession:
+    """Holds every run until its ``RunOptions.terminate`` is set (what onnxruntime honours while it
+    runs): a run that can end only by being cancelled. Counts the runs it started."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.lock = threading.Lock()
+
+    def run(self, names: Any, feeds: dict[str, float], options: Any = None) -> list[float]:
+        with self.lock:
+            self.started += 1
+        deadline = time.monotonic() + 30
+        while not options.terminate:
+            assert time.monotonic() < deadline, "the run was never cancelled"
+            time.sleep(0.001)
+        raise RuntimeError("run stopped: RunOptions.terminate was set")
+
+
+def _collect(count: int, key: Any = None) -> tuple[dict[int, Any], Any, threading.Event]:
+    """What finished requests leave (``key(request)`` by id), the ``done`` callback that records
+    them (once each), and an event set once ``count`` have."""
+    done: dict[int, Any] = {}
+    lock, all_in = threading.Lock(), threading.Event()
+
+    def finish(r: Request) -> None:
+        with lock:
+            assert r.id not in done
+            done[r.id] = r if key is None else key(r)
+            if len(done) == count:
+                all_in.set()
+
+    return done, finish, all_in
+
+
 def _chain_spec(n: int, replicas: int) -> PipelineSpec:
     t = TensorSpec
     stages = tuple(
@@ -58,19 +92,10 @@ def _engine(
 def test_every_request_finishes_once_with_its_own_value(queue_depth: int) -> None:
     # Depths of 4 and more make the workers give slots back in batches, with 3 replicas reading one queue.
     engine, final = _engine(queue_depth=queue_depth)
-    done: dict[int, float] = {}
-    lock = threading.Lock()
-
-    def finish(r: Request) -> None:
-        with lock:
-            assert r.id not in done
-            done[r.id] = r.values[final]
-
+    done, finish, all_in = _collect(200, lambda r: r.values[final])
     for i in range(200):
         engine.submit(Request(i, {Endpoint(None, "v"): float(i)}, {}, time.perf_counter(), done=finish))
-    deadline = time.monotonic() + 10
-    while len(done) < 200 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    assert all_in.wait(60), f"{len(done)} of 200 requests finished"
     assert engine.close() == []
     assert done == {i: i + 3.0 for i in range(200)}
     # Bounded queues: nothing ever held more than its capacity.
@@ -79,12 +104,10 @@ def test_every_request_finishes_once_with_its_own_value(queue_depth: int) -> Non
 
 def test_a_failure_is_confined_to_its_request_and_later_stages_skip_it() -> None:
     engine, _ = _engine(fail_on={11.0})
-    results: dict[int, Request] = {}
+    results, finish, all_in = _collect(30)
     for i in range(30):
-        engine.submit(Request(i, {Endpoint(None, "v"): float(i)}, {}, time.perf_counter(), done=lambda r: results.__setitem__(r.id, r)))
-    deadline = time.monotonic() + 10
-    while len(results) < 30 and time.monotonic() < deadline:
-        time.sleep(0.005)
+        engine.submit(Request(i, {Endpoint(None, "v"): float(i)}, {}, time.perf_counter(), done=finish))
+    assert all_in.wait(60), f"{len(results)} of 30 requests finished"
     engine.close()
     failed = {i for i, r in results.items() if r.error is not None}
     assert failed == {10}
@@ -93,13 +116,21 @@ def test_a_failure_is_confined_to_its_request_and_later_stages_skip_it() -> None
 
 
 def test_close_returns_unfinished_requests_promptly() -> None:
-    engine, _ = _engine(delay=0.2)
-    for i in range(6):
-        engine.submit(Request(i, {Endpoint(None, "v"): float(i)}, {}, time.perf_counter(), done=lambda r: None))
-    start = time.perf_counter()
+    # Every run is held until it is cancelled: close() returns only by cancelling the runs in
+    # progress (not by waiting for them) and starts none of the queued ones.
+    plans, _ = plan_stages(_chain_spec(3, 3))
+    sessions = {p.stage.name: HeldSession() for p in plans}
+    engine = ThreadEngine(plans, lambda p, r: StageRunner(p, sessions[p.stage.name]), queue_depth=2)
+    finished: list[Request] = []
+    for i in range(3):  # the first stage's worker holds one, its queue the other 2: submit never waits
+        engine.submit(Request(i, {Endpoint(None, "v"): float(i)}, {}, time.perf_counter(), done=finished.append))
+    deadline = time.monotonic() + 30
+    while sessions["s0"].started == 0:  # the first stage's run is in progress
+        assert time.monotonic() < deadline, "the first stage never started a run"
+        time.sleep(0.001)
     left = engine.close()
-    assert time.perf_counter() - start < 1.0
-    assert left and all(isinstance(r, Request) for r in left)
+    assert sorted(r.id for r in left) == [0, 1, 2] and finished == []
+    assert [s.started for s in sessions.values()] == [1, 0, 0]  # the queued ones never ran
     assert not any(t.is_alive() for t in engine.threads)
 
 
@@ -133,14 +164,13 @@ def test_stages_hand_over_the_very_arrays_they_make() -> None:
     plans, final = plan_stages(_chain_spec(3, 1))
     sessions = {p.stage.name: RecordingSession() for p in plans}
     engine = ThreadEngine(plans, lambda p, r: StageRunner(p, sessions[p.stage.name]), queue_depth=2)
-    done: list[Request] = []
+    finished, finish, all_in = _collect(20)
     inputs = [np.full(4, float(i)) for i in range(20)]
     for i, x in enumerate(inputs):
-        engine.submit(Request(i, {Endpoint(None, "v"): x}, {}, time.perf_counter(), done=done.append))
-    deadline = time.monotonic() + 5
-    while len(done) < 20 and time.monotonic() < deadline:
-        time.sleep(0.005)
+        engine.submit(Request(i, {Endpoint(None, "v"): x}, {}, time.perf_counter(), done=finish))
+    assert all_in.wait(60), f"{len(finished)} of 20 requests finished"
     engine.close()
+    done = list(finished.values())
     assert [id(a) for a in sessions["s0"].fed] == [id(x) for x in inputs]
     assert [id(a) for a in sessions["s1"].fed] == [id(a) for a in sessions["s0"].made]
     assert [id(a) for a in sessions["s2"].fed] == [id(a) for a in sessions["s1"].made]

@@ -17,24 +17,14 @@ import pytest
 
 from onnxpipe.runtime import load
 from onnxpipe.splitter import split
+from tests.decoder_exports import LLAMA_CUT
 from tests.models import bundle_of
 from tests.stateful_models import decode_in_threads, decoder_feeds, session_generate
-
-LLAMA = Path(__file__).parents[1] / "data" / "decoders" / "optimum-llama" / "model.onnx"
-# Between layers 0 and 1: the residual stream, the causal mask and the rotary cos / sin the model
-# makes once and every layer reads.
-CUT = ["/model/layers.0/Add_1_output_0", "/model/Expand_output_0", "/model/layers.0/self_attn/Unsqueeze_6_output_0",
-       "/model/layers.0/self_attn/Unsqueeze_7_output_0"]
-
-
-@pytest.fixture(scope="module")
-def llama() -> onnx.ModelProto:
-    return onnx.load(LLAMA)
 
 
 @pytest.fixture(scope="module")
 def bundle(llama: onnx.ModelProto, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    plan = split(llama, [CUT], states="auto")
+    plan = split(llama, [LLAMA_CUT], states="auto")
     for stage in plan.config.stages:
         stage.configure(max_batch=8, max_delay_ms=20)
     return bundle_of(plan, tmp_path_factory.mktemp("llama"))

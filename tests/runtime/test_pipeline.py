@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -19,6 +21,7 @@ from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import TensorSpec, load
 from onnxpipe.splitter import split
 from tests import code_stages, models
+from tests.waiting import until
 
 BRANCHY_CUTS = {2: ["a"], 3: ["a", ["b", "c"]], 4: ["a", ["b", "c"], "e"]}
 
@@ -109,48 +112,18 @@ def test_get_output_before_ready_returns_none_without_blocking(tmp_path: Path, n
         try:
             pipe.set_input("x", np.ones((3, 4), np.float32))
             pipe.run()
-            start = time.perf_counter()
             assert pipe.get_output(block=False) is None
             assert pipe.get_output(timeout=0.0001) is None
-            assert time.perf_counter() - start < 0.5
+            # Both returned while the request was still held: neither waited for it.
+            assert not code_stages.GATE.is_set() and pipe.num_executing_pipeline == 1
         finally:
             code_stages.GATE.set()
         np.testing.assert_array_equal(pipe.get_output(timeout=30)["y"], np.ones((3, 4), np.float32))
 
 
-def _slow_bundle(tmp_path: Path, size: int = 256) -> Path:
-    config = PipelineConfig()
-    fast = config.add_stage(models.stage_head(), "fast")
-    slow = config.add_stage(models.slow_stage(size), "slow")
-    config.add_input(TensorSpec("v", "float32", ("N", 4)))
-    config.input("v").connect(fast.input("x"))
-    fast.output("h").connect(config.output("h"))
-    config.input("x").connect(slow.input("x"))
-    slow.output("y").connect(config.output("y"))
-    return models.bundle_of(config, tmp_path)
-
-
-def test_submit_without_blocking_refuses_a_full_pipeline_and_takes_nothing(tmp_path: Path, no_thread_left: object) -> None:
-    # An event loop must never wait on the pipeline: block=False says "full" at once instead.
-    request = {"x": np.ones((256, 256), np.float32), "v": np.ones((1, 4), np.float32)}
-    with load(_slow_bundle(tmp_path), queue_depth=1) as pipe:
-        taken = []
-        start = time.perf_counter()
-        with pytest.raises(BusyError, match=r"the pipeline is full \(\d+ request\(s\) in flight\): submit with block=True to wait for room"):
-            for _ in range(50):
-                taken.append(pipe.submit(request, block=False))
-        assert time.perf_counter() - start < 1.0 and 1 <= len(taken) < 50
-        assert pipe.num_executing_pipeline == len(taken)  # the refused one left no trace
-        for future in taken:
-            assert future.result()["y"].shape == (256, 256)
-        assert pipe.num_executing_pipeline == 0
-        assert pipe.stats().completed == len(taken)
-        pipe.submit(request, block=False).result()  # room again
-
-
-def test_stage_statistics_time_the_queues(tmp_path: Path, no_thread_left: object) -> None:
-    # 12 requests at once behind a stage held shut until all are queued: they wait in its queue, not
-    # in the fast one's (a held code stage makes the pile-up certain; a merely slow one raced the caller).
+def _held_bundle(tmp_path: Path) -> Path:
+    """``v -> fast (ONNX) -> h`` beside ``x -> slow -> y``, where slow is ``tests.code_stages:gated``:
+    held shut while ``code_stages.GATE`` is clear, so requests pile up in front of it for certain."""
     config = PipelineConfig()
     fast = config.add_stage(models.stage_head(), "fast")
     spec = [TensorSpec("x", "float32", ("N", 4))]
@@ -160,13 +133,55 @@ def test_stage_statistics_time_the_queues(tmp_path: Path, no_thread_left: object
     fast.output("h").connect(config.output("h"))
     config.input("x").connect(slow.input("x"))
     slow.output("y").connect(config.output("y"))
+    return models.bundle_of(config, tmp_path)
+
+
+def test_submit_without_blocking_refuses_a_full_pipeline_and_takes_nothing(tmp_path: Path, no_thread_left: object) -> None:
+    # An event loop must never wait on the pipeline: block=False says "full" at once instead. The
+    # slow stage is held shut while the submits run, so no room can appear: a submit that waited
+    # for room would still be waiting.
     request = {"x": np.ones((3, 4), np.float32), "v": np.ones((1, 4), np.float32)}
     code_stages.GATE.clear()
-    with load(models.bundle_of(config, tmp_path), queue_depth=16, allow_code=["tests.code_stages:gated"]) as pipe:
+    with load(_held_bundle(tmp_path), queue_depth=1, allow_code=["tests.code_stages:gated"]) as pipe:
+        taken: list[Future[Any]] = []
+        refused: list[BusyError] = []
+
+        def fill() -> None:
+            try:
+                for _ in range(50):
+                    taken.append(pipe.submit(request, block=False))
+            except BusyError as e:
+                refused.append(e)
+
+        try:
+            filler = threading.Thread(target=fill)
+            filler.start()
+            filler.join(30)
+            assert not filler.is_alive(), "submit(block=False) waited for room"
+            assert not code_stages.GATE.is_set() and 1 <= len(taken) < 50
+            assert pipe.num_executing_pipeline == len(taken)  # the refused one left no trace
+        finally:
+            code_stages.GATE.set()
+        assert len(refused) == 1
+        assert re.fullmatch(r"the pipeline is full \(\d+ request\(s\) in flight\): submit with block=True to wait for room", str(refused[0]))
+        for future in taken:
+            assert future.result(timeout=30)["y"].shape == (3, 4)
+        assert pipe.num_executing_pipeline == 0
+        assert pipe.stats().completed == len(taken)
+        pipe.submit(request, block=False).result()  # room again
+
+
+def test_stage_statistics_time_the_queues(tmp_path: Path, no_thread_left: object) -> None:
+    # 12 requests at once behind a stage held shut until all are queued: they wait in its queue, not
+    # in the fast one's (a held code stage makes the pile-up certain; a merely slow one raced the caller).
+    request = {"x": np.ones((3, 4), np.float32), "v": np.ones((1, 4), np.float32)}
+    code_stages.GATE.clear()
+    with load(_held_bundle(tmp_path), queue_depth=16, allow_code=["tests.code_stages:gated"]) as pipe:
         pipe.reset_stats()
         try:
             futures = [pipe.submit(request) for _ in range(12)]
-            time.sleep(0.05)  # every request is queued behind the held first one
+            # The first one held by the stage, the other 11 queued behind it.
+            until(lambda: next(s for s in pipe.stats().stages if s.stage == "slow").queue_depth == 11, "11 requests wait for the held stage")
         finally:
             code_stages.GATE.set()
         for future in futures:
@@ -174,7 +189,9 @@ def test_stage_statistics_time_the_queues(tmp_path: Path, no_thread_left: object
         by_name = {s.stage: s for s in pipe.stats().stages}
     slow_stats, fast_stats = by_name["slow"], by_name["fast"]
     assert slow_stats.count == 12 and slow_stats.queued_s > 0
-    # 11 requests waited about the 50 ms the first one was held; the runs themselves are one held and 11 instant.
+    # The k-th of the 11 waited from its submission until the held run and the k - 1 runs before
+    # it ended; the runs are one held (from the first submission on) and 11 instant: however long
+    # each took on a busy machine, the waits sum to more than twice the runs.
     assert slow_stats.queue_mean_ms > 2 * slow_stats.mean_ms
     assert slow_stats.queue_mean_ms == pytest.approx(1e3 * slow_stats.queued_s / 12)
     assert fast_stats.queue_mean_ms < slow_stats.queue_mean_ms
@@ -241,26 +258,25 @@ def test_a_failing_request_fails_alone(tmp_path: Path, no_thread_left: object) -
 
 
 def test_close_with_requests_in_flight_is_prompt_and_leaves_no_thread(tmp_path: Path, no_thread_left: object) -> None:
+    # The first stage's run never ends by itself (models.endless_stage): close() can return only by
+    # cancelling the run in progress, and must fail the queued requests without running them.
     config = PipelineConfig()
-    s0 = config.add_stage(models.slow_stage(), "slow0")
-    s1 = config.add_stage(models.slow_stage(), "slow1")
+    s0 = config.add_stage(models.endless_stage(), "endless0")
+    s1 = config.add_stage(models.endless_stage(), "endless1")
     config.input("x").connect(s0.input("x"))
     s0.output("y").connect(s1.input("x"))
     s1.output("y").connect(config.output("y"))
     pipe = load(models.bundle_of(config, tmp_path), queue_depth=4)
-    x = np.ones((256, 768), np.float32)
-    futures = [pipe.submit({"x": x}) for _ in range(8)]
-    assert pipe.num_executing_pipeline > 0
-    start = time.perf_counter()
-    workers = [t for t in threading.enumerate() if t.name.startswith("onnxpipe-slow")]
+    x = np.ones((2, 4), np.float32)
+    futures = [pipe.submit({"x": x}) for _ in range(4)]  # one runs in the first stage, 3 wait for it
+    until(lambda: pipe.stats().stages[0].queue_depth == 3, "the first stage runs one request and 3 wait")
+    assert pipe.num_executing_pipeline == 4
+    workers = [t for t in threading.enumerate() if t.name.startswith("onnxpipe-endless")]
     pipe.close()
-    assert time.perf_counter() - start < 1.0
     assert workers and not any(t.is_alive() for t in workers)
-    unfinished = [f for f in futures if f.exception(timeout=1) is not None]
-    assert unfinished, "close() came after every request finished: make the stages slower"
-    for f in unfinished:
+    for f in futures:
         with pytest.raises(StageError, match="closed before request"):
-            f.result()
+            f.result(timeout=30)
     with pytest.raises(StageError, match="the pipeline is closed"):
         pipe.submit({"x": x})
     pipe.close()  # twice is fine

@@ -55,7 +55,7 @@ def _expected(x: np.ndarray) -> np.ndarray:
     return np.maximum(x @ W1, 0) @ W2
 
 
-@pytest.mark.parametrize("engine", ["thread", "ray"])
+@pytest.mark.parametrize("engine", ["thread", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))])  # the one cluster's worker
 def test_a_stage_on_the_qnn_htp_simulator_beside_a_cpu_stage(tmp_path: Path, engine: str, request: pytest.FixtureRequest) -> None:
     if engine == "ray":
         request.getfixturevalue("ray_cluster")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -440,9 +441,12 @@ def test_a_stage_whose_only_node_is_removed_fails_its_requests_by_name(tmp_path:
             with pytest.raises(StageError, match=r"stage 'tail' cannot run request \d+: its actor died .*no live node can take it: .*onnxpipe/host=c"):
                 f.result(timeout=30)
     finally:
-        start = time.monotonic()
-        pipe.close()
-        assert time.monotonic() - start < 5
+        # close() does not wait for the dead stage to come back (restart_timeout_s=20): it returns
+        # before that could have, or the thread is still in it.
+        closing = threading.Thread(target=pipe.close)
+        closing.start()
+        closing.join(15)
+        assert not closing.is_alive(), "close() waited for the stage whose node was removed"
 
 
 def _relu(size: int) -> Any:
@@ -507,14 +511,14 @@ def test_values_lost_with_their_node_are_made_again_from_the_stage_that_made_the
 
 
 def test_a_stage_no_node_can_take_fails_load_naming_it(tmp_path: Path, ray_pids: set[int]) -> None:
+    # Both are refused by the check made before any actor is (Note: placement, onnxpipe/runtime/_ray.py),
+    # which names the cluster's nodes: not after a wait to be placed, which says "not placed within".
     bundle = _bundle(models.head_then_tail(4), tmp_path, ["a", "nowhere"])
-    start = time.monotonic()
     with pytest.raises(ConfigError, match=r"stage 'tail' asks for CPU 1 on a node labelled onnxpipe/host=nowhere; no node .* labels \{'onnxpipe/host': 'a'\}"):
         load(bundle, engine="ray")
     bundle = _bundle(models.head_then_tail(4), tmp_path / "big", ["a", "b"], intra_op_threads=3)
     with pytest.raises(ConfigError, match=r"stage 'head' asks for CPU 3 on a node labelled onnxpipe/host=a; no node"):
         load(bundle, engine="ray")
-    assert time.monotonic() - start < 30
 
 
 def test_cli_run_and_bench_on_ray(tmp_path: Path, ray_cluster: Any, ray_pids: set[int]) -> None:

@@ -1,8 +1,10 @@
 """Expiring idle streams (issue 28, item 13): longest idle first, and at a cost that does not grow
 with the streams open (see Note: expiring idle streams, onnxpipe/runtime/_stream.py).
 
-The model is tests/stateful_models.py ``recurrent()`` cut at ``state1N``: one state in each of its
-2 stages. Timeouts are real seconds; each test's margins are at least 0.2 s.
+The model is tests/stateful_models.py ``recurrent()`` cut at ``state1N`` (``rnn_bundle``, tests/runtime/conftest.py): one state in each of its
+2 stages. Timeouts are real seconds: a stream that must expire idles longer than the timeout; one
+that must stay was used just before the expiry, and a machine that stalled the whole timeout since
+skips the check (Note: fresh streams, tests/waiting.py).
 """
 
 from __future__ import annotations
@@ -17,21 +19,19 @@ import pytest
 
 from onnxpipe import StreamError
 from onnxpipe.runtime import Pipeline, load
-from onnxpipe.splitter import split
-from tests.models import bundle_of
-from tests.stateful_models import recurrent
+from tests.waiting import skip_if_stalled
 
 X = {"x": np.ones((1, 4), np.float32)}
-
-
-@pytest.fixture(scope="module")
-def rnn_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return bundle_of(split(recurrent(), ["state1N"], states="auto"), tmp_path_factory.mktemp("rnn"))
 
 
 def _held_in(pipe: Pipeline, stream_id: int) -> list[str]:
     """The stages whose runners hold a state for the stream."""
     return [stage.stage for stage in pipe.diagnostics().stages for r in stage.replicas if stream_id in r.streams]
+
+
+def _sleep_until(moment: float) -> None:
+    """Sleep until ``time.monotonic()`` reaches ``moment`` (a timeout that must elapse)."""
+    time.sleep(max(0.0, moment - time.monotonic()))
 
 
 def _idle_error(stream_id: int, timeout: float) -> str:
@@ -50,24 +50,37 @@ class _Held:
 
 
 def test_the_longest_idle_streams_close_first_and_the_active_ones_stay(rnn_bundle: Path) -> None:
+    # A step closes the longest idle stream too: 3 and 1 step while 2 and 0 are idle for half the
+    # timeout only, then the expiry comes once 2 and 0 are idle past it and 3 and 1 are not.
     timeout = 0.6
     with load(rnn_bundle, stream_timeout=timeout) as pipe:
         streams = [pipe.stream() for _ in range(4)]
+        first = time.monotonic()
         for k in (2, 0):
             streams[k].step(X)
-        time.sleep(0.35)
+        stepped = time.monotonic()
+        time.sleep(timeout / 2)
+        used = time.monotonic()
         for k in (3, 1):
             streams[k].step(X)
-        time.sleep(0.35)  # 2 and 0 idle for 0.7 s, 3 and 1 for 0.35 s
-        assert pipe.close_idle_streams() == [2, 0]  # by last use, not by id
+        stepped_again = time.monotonic()
+        skip_if_stalled(first, timeout)  # their steps came before 2 and 0 were idle past the timeout (tests/waiting.py)
+        _sleep_until(stepped + timeout + 0.05)  # 2 and 0 idle past the timeout, 3 and 1 for about half of it
+        closed = pipe.close_idle_streams()
+        skip_if_stalled(used, timeout)
+        assert closed == [2, 0]  # by last use, not by id
         assert pipe.open_streams == [1, 3]
         assert _held_in(pipe, 2) == _held_in(pipe, 0) == []
         assert _held_in(pipe, 1) == _held_in(pipe, 3) == ["stage0", "stage1"]
         with pytest.raises(StreamError, match=_idle_error(2, timeout)):
             streams[2].step(X)
+        again = time.monotonic()
         streams[1].step(X)  # active again: idle from now
-        time.sleep(0.35)  # 3 idle for 0.7 s, 1 for 0.35 s
-        assert pipe.close_idle_streams() == [3]
+        skip_if_stalled(used, timeout)  # before 3 was idle past the timeout
+        _sleep_until(stepped_again + timeout + 0.05)  # 3 idle past the timeout, 1 for about half of it
+        closed = pipe.close_idle_streams()
+        skip_if_stalled(again, timeout)
+        assert closed == [3]
         assert pipe.open_streams == [1] and _held_in(pipe, 3) == []
         streams[1].close()
         assert pipe.streams.idle == 0
@@ -97,12 +110,16 @@ def test_a_stream_with_a_step_in_flight_is_not_idle(rnn_bundle: Path) -> None:
         time.sleep(0.4)  # both last finished a step 0.4 s ago; busy's next one is in flight
         assert pipe.streams.idle == 1  # busy is not in it while its step is in flight
         # The close of the idle stream follows the held step through stage0: let the step go soon.
-        threading.Timer(0.3, held.release.set).start()
+        release = threading.Timer(0.3, held.release.set)
+        released = time.monotonic() + 0.3  # the step cannot finish before: its idle time starts after
+        release.start()
         assert pipe.close_idle_streams() == [idle.id]
         assert not busy.closed
         future.result(timeout=30)
         stage0.session = held.session
-        assert pipe.close_idle_streams() == []  # its idle time starts again when the step finishes
+        closed = pipe.close_idle_streams()
+        skip_if_stalled(released, timeout)
+        assert closed == []  # its idle time starts again when the step finishes
         assert pipe.streams.idle == 1
         busy.step(X)
         busy.close()

@@ -37,7 +37,7 @@ def _squeezenet(tmp_path: Path, *targets: str, **settings: object) -> Path:
 
 
 @records
-@pytest.mark.parametrize("engine", ["thread", "ray"])
+@pytest.mark.parametrize("engine", ["thread", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))])  # the one cluster's worker
 def test_every_node_of_a_cpu_pipeline_is_placed_on_the_cpu_and_stats_count_them(tmp_path: Path, engine: str, request: pytest.FixtureRequest) -> None:
     if engine == "ray":
         request.getfixturevalue("ray_cluster")

@@ -107,17 +107,18 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path is not None and self.log_path.exists() else ""
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Send ``sig``, wait for the exit; its exit code."""
+    def stop(self, sig: int = signal.SIGTERM, within: float = _STOP_S) -> int:
+        """Send ``sig``, wait for the exit (``within`` seconds at most: a test gives less to tell an
+        exit that did not wait for one of the server's timeouts from one that did); its exit code."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.wait(_STOP_S)
+            return self.proc.wait(within)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"onnxpipe serve did not exit within {_STOP_S:g} s of signal {sig}:\n{self.log()}") from None
+            raise AssertionError(f"onnxpipe serve did not exit within {within:g} s of signal {sig}:\n{self.log()}") from None
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -141,3 +142,20 @@ def read_head(sock: socket.socket) -> bytes:
             break
         answer += chunk
     return answer
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """What this connected client socket sent that the process at its other end has not read yet:
+    its own send queue plus the peer's receive queue (both on loopback, from /proc/net/tcp; a byte
+    the peer took but has not acknowledged yet counts twice, so it is never less than the truth)."""
+    here, there = sock.getsockname()[1], sock.getpeername()[1]
+    queued = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)
+        tx, rx = (int(v, 16) for v in fields[4].split(":"))
+        if (local, remote) == (here, there):
+            queued += tx
+        elif (local, remote) == (there, here):
+            queued += rx
+    return queued

@@ -23,7 +23,9 @@ def test_every_export_served_as_triton_sequences_decodes_the_tokens_of_the_whole
     for name in EXPORTS:
         plan = split(str(model_path(name)), [HAND_CUTS[name]], states="auto")
         for stage in plan.config.stages:
-            stage.configure(max_batch=4, max_delay_ms=20)
+            # The longest wait (a minute): a step waits for the other sequences' however busy the
+            # machine (theirs always come, or they end), so the sequences meet in batches for certain.
+            stage.configure(max_batch=4, max_delay_ms=60_000)
         bundles.append(f"{name}={bundle_of(plan, tmp_path / name)}")
     starts = prompts(4)
     count = 10

@@ -48,6 +48,11 @@ Answer = tuple[Any, InferenceServerException | None]
 class Served:
     proc: ServerProcess
     gate: Path  # while it does not exist, model 'gated' holds each request it runs
+    entered: Path  # a byte for each run of model 'gated' begun
+
+    def begun(self) -> int:
+        """The runs model 'gated' has begun (held at the gate or not)."""
+        return self.entered.stat().st_size if self.entered.exists() else 0
 
     def close(self) -> None:
         self.gate.unlink(missing_ok=True)
@@ -61,10 +66,11 @@ def served(bundles: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     """``mlp`` (batches), ``rnn`` (state per sequence) and ``gated`` (holds requests at a file gate),
     behind a token, with small limits."""
     root = tmp_path_factory.mktemp("stream")
-    gate = root / "go"
+    gate, entered = root / "go", root / "entered"
     config = PipelineConfig("gated")
     ports = [TensorSpec("x", "float32", ("N", 4))], [TensorSpec("y", "float32", ("N", 4))]
-    stage = config.add_python_stage("tests.code_stages:matmul_when_file", inputs=ports[0], outputs=ports[1], params={"path": str(gate)}, name="gate")
+    stage = config.add_python_stage("tests.code_stages:matmul_when_file", inputs=ports[0], outputs=ports[1],
+                                    params={"path": str(gate), "entered": str(entered)}, name="gate")
     config.input("x").connect(stage.input("x"))
     stage.output("y").connect(config.output("y"))
     gated = models.bundle_of(config, root / "gated")
@@ -73,7 +79,7 @@ def served(bundles: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
                        "--max-inflight", MAX_INFLIGHT, "--request-timeout", REQUEST_TIMEOUT_S, "--idle-timeout", IDLE_S,
                        "--max-body-size", MAX_BODY) as proc:
         proc.start(root / "serve.log")
-        yield Served(proc, gate)
+        yield Served(proc, gate, entered)
         gate.touch()
         if proc.proc is not None and proc.proc.poll() is None:
             assert proc.stop() == 0, proc.log()
@@ -330,8 +336,8 @@ def test_the_timeout_parameter_and_request_timeout_bound_the_wait_not_the_run(se
         running: queue.Queue[Answer] = queue.Queue()
         # Held at the gate past its own 1 s and --request-timeout:
         grpc.async_infer("gated", _inputs(_x(1)), lambda result, error: running.put((result, error)), headers=AUTH, timeout=1_000_000)
-        _until(lambda: _inflight(served) == 1)
-        time.sleep(0.2)  # it is the stage's (taken at once by an idle stage)
+        began = served.begun()
+        _until(lambda: served.begun() == began + 1)  # it is the stage's
         own = "Request timeout expired: model 'gated' had not started the request 0.2 s after it came in (its 'timeout' parameter, 200000 us); " \
               "retry later, or give it more time"
         with pytest.raises(InferenceServerException) as e:
@@ -376,7 +382,7 @@ def test_a_drain_answers_the_streams_requests_then_ends_it(served: Served) -> No
         _until(lambda: _inflight(served) == 2)
         assert served.proc.proc is not None
         served.proc.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        _until(lambda: "draining: " in served.proc.log())  # the drain began with both in flight
         served.open()
         answers = stream.take(3)
     finally:

@@ -30,8 +30,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.serve.conftest import serve_args
-from tests.serve.process import ServerProcess, read_head
+from tests.serve.process import ServerProcess, read_head, unread_bytes
 from tests.serve.test_hostile import _raw
+from tests.waiting import until
 
 MIB = 1 << 20
 #: The server of this module: small limits, so the attacks are quick to mount.
@@ -47,6 +48,19 @@ def _rss_mb(pid: int) -> float:
 
 def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _cpu_ticks(pid: int) -> tuple[int, int]:
+    """CPU time (clock ticks) of the process's main thread, where its event loop runs, and of all its threads."""
+    def ticks(stat: Path) -> int:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime
+
+    threads = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended as it was read
+            threads += ticks(task / "stat")
+    return ticks(Path(f"/proc/{pid}/task/{pid}/stat")), threads
 
 
 def _peak_from_now(pid: int) -> Callable[[], float]:
@@ -156,7 +170,7 @@ def test_a_declared_content_length_allocates_nothing_before_the_bytes_arrive(pro
         s = socket.create_connection(("127.0.0.1", proc.http_port))
         s.sendall(b"POST /v2/models/twoout/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 8388608\r\n\r\n")
         sockets.append(s)
-    time.sleep(0.5)
+    until(lambda: all(unread_bytes(s) == 0 for s in sockets), "the server has read every head")
     assert _rss_mb(proc.proc.pid) - before < 30, "memory followed the declared length, not the bytes"
     for s in sockets:
         s.close()
@@ -185,7 +199,8 @@ def test_the_bodies_held_at_once_are_bounded_across_connections(proc: ServerProc
 
 def test_slow_and_idle_connections_are_closed_at_the_idle_timeout(proc: ServerProcess) -> None:
     """--idle-timeout 1: a slowloris client (one header line every 0.3 s), one that sends nothing
-    and a kept-alive one after its answer are all closed about a second in."""
+    and a kept-alive one after its answer are all closed by it (nothing else would close them within
+    the 30 s the test waits: aiohttp keeps a connection alive 75 s)."""
     slow = socket.create_connection(("127.0.0.1", proc.http_port))
     slow.sendall(b"GET /v2/health/ready HTTP/1.1\r\n")
     silent = socket.create_connection(("127.0.0.1", proc.http_port))
@@ -196,7 +211,7 @@ def test_slow_and_idle_connections_are_closed_at_the_idle_timeout(proc: ServerPr
     closed_at: dict[str, float] = {}
     for s in (slow, silent, kept):
         s.settimeout(0.3)
-    while len(closed_at) < 3 and time.monotonic() - started < 5:
+    while len(closed_at) < 3 and time.monotonic() - started < 30:
         for name, s in (("slow", slow), ("silent", silent), ("kept", kept)):
             if name in closed_at:
                 continue
@@ -212,7 +227,6 @@ def test_slow_and_idle_connections_are_closed_at_the_idle_timeout(proc: ServerPr
     for s in (slow, silent, kept):
         s.close()
     assert set(closed_at) == {"slow", "silent", "kept"}, closed_at
-    assert all(t < 3 for t in closed_at.values()), closed_at
     _works(proc)
 
 
@@ -237,7 +251,7 @@ def test_connections_over_the_cap_are_answered_503_and_the_server_stays_reachabl
     assert refused >= 20 and 60 - refused <= 40  # earlier clients' kept-alive connections may still count
     for s in held:
         s.close()
-    time.sleep(0.3)
+    until(lambda: _fds(proc.proc.pid) <= fds + 5, "the server let the closed connections go")  # type: ignore[union-attr]
     _works(proc)
     assert "refused" in proc.log() and "--max-connections" in proc.log()
     assert _fds(proc.proc.pid) <= fds + 5
@@ -347,7 +361,7 @@ def test_a_large_json_request_is_decoded_by_the_json_worker_exactly_and_its_mist
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signals.SIGKILL)
-        time.sleep(0.3)
+            _gone(pid)
         statuses = [proc.request("POST", "/v2/models/echo/infer", body)[0] for _ in range(2)]
         assert statuses[-1] == 200 and set(statuses) <= {200, 503}, statuses
         assert proc.get("/v2/health/ready")[0] == 200
@@ -438,8 +452,9 @@ def _works_echo(proc: ServerProcess, size: int = 4) -> None:
 def test_deflate_bombs_inflate_off_the_loop_after_admission_within_the_limit(bundles: dict[str, Path], tmp_path: Path) -> None:
     """The issue's 20 deflate bombs (64 KiB inflating to 64 MiB), 4 at a time, held a health check
     2.7 s: inflated on the event loop. Now each is inflated after admission, off the loop, and
-    refused 413 at --max-body-size; a health check on its own connection stays under 100 ms
-    throughout, and the server's RSS within --max-inflight x --max-body-size."""
+    refused 413 at --max-body-size; the event loop's thread spends a small part of the CPU they cost
+    while a health check on its own connection is answered throughout, and the server's RSS stays
+    within --max-inflight x --max-body-size."""
     bomb = zlib.compress(b"\0" * (65 * MIB), 9)
     assert len(bomb) < 80 << 10
     with ServerProcess(*serve_args(bundles, "twoout"), "--max-body-size", "64MiB", "--max-inflight", "5", grpc=False) as proc:
@@ -450,14 +465,18 @@ def test_deflate_bombs_inflate_off_the_loop_after_admission_within_the_limit(bun
         # Not admitted, not inflated: an unknown model's bomb is its 404.
         status, answer = _post(proc.http_port, "/v2/models/nope/infer", bomb, {"Content-Encoding": "deflate"})
         assert status == 404 and json.loads(answer) == {"error": "unknown model 'nope'; valid: 'twoout'"}
+        loop_before, all_before = _cpu_ticks(proc.proc.pid)
         with _Prober(proc.http_port) as prober, ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda _: _post(proc.http_port, "/v2/models/twoout/infer", bomb, {"Content-Encoding": "deflate"}), range(20)))
-        worst = max(prober.latencies)
+        loop_after, all_after = _cpu_ticks(proc.proc.pid)
+        loop, others = loop_after - loop_before, (all_after - all_before) - (loop_after - loop_before)
         grown = peak() - before
         refused = {"error": "the deflate body inflates to over 67108864 bytes, the most this server takes (--max-body-size)"}
         assert all(status == 413 and json.loads(a) == refused for status, a in answers), answers
         assert len(prober.latencies) > 20  # it was probing throughout
-        assert worst < 0.1, f"a health check waited {worst * 1000:.0f} ms during the bombs"
+        # Inflated off the loop: the other threads spent far more CPU than the event loop's (which
+        # also answered every health check); on the loop, the loop's thread would have spent it all.
+        assert others > 2 * loop, f"the event loop's thread spent {loop} CPU ticks during the bombs, the others {others}"
         assert grown < 5 * 64 + 64, f"the server's RSS grew {grown:.0f} MB, past --max-inflight 5 x --max-body-size 64 MiB and a margin"
         _works(proc)
         assert proc.stop() == 0
@@ -522,12 +541,11 @@ def test_a_stuck_json_worker_holds_only_its_requests_and_is_replaced_past_json_t
                            "parameters": {"binary_data_output": True}}).encode()
         answered: list[str] = []
         with ThreadPoolExecutor(9) as pool:
-            started = time.monotonic()
 
-            def send_json(_: int) -> tuple[int, bytes, float]:
+            def send_json(_: int) -> tuple[int, bytes]:
                 status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
                 answered.append("json")
-                return status, answer, time.monotonic() - started
+                return status, answer
 
             waiting = [pool.submit(send_json, k) for k in range(8)]
             time.sleep(0.5)  # let them reach the worker's queue (the order asserted below does not depend on it)
@@ -538,14 +556,15 @@ def test_a_stuck_json_worker_holds_only_its_requests_and_is_replaced_past_json_t
         length = int(len(binary[1]) - x.nbytes)
         np.testing.assert_array_equal(np.frombuffer(binary[1][length:], np.float32), x)
         assert answered[0] == "binary", answered
-        for status, answer, seconds in refused:
+        # Each was answered by the server's --json-timeout (the 503 names it), not left for the
+        # client to give up on after 60 s (the issue: hung for the client's whole 25 s).
+        for status, answer in refused:
             assert status == 503, answer
             assert json.loads(answer)["error"] in (
                 "the request's JSON was not decoded within 3 s (--json-timeout); retry later, or send large tensors as binary data",
                 "no JSON worker was free to decode the request within 3 s (--json-timeout; --json-workers 1); retry later, or send large "
                 "tensors as binary data",
             ), answer
-            assert seconds < 2 * 3 + 10, f"a JSON request was answered after {seconds:.1f} s"
         _gone(stuck)  # killed, stopped as it was
         assert "a JSON worker process took over 3 s (--json-timeout) on a request: killed; starting another" in proc.log()
         _answered_again(proc, body)
@@ -591,12 +610,10 @@ def test_request_timeout_bounds_a_json_requests_wait_on_a_stuck_worker(tmp_path:
     to finish, is killed at --json-timeout all the same, and another takes the next request."""
     with _stuck_worker(tmp_path, "--request-timeout", "1", "--json-timeout", "3") as (proc, stuck):
         body, _ = _large_json()
-        started = time.monotonic()
         status, answer = _post(proc.http_port, "/v2/models/echo/infer", body)
-        seconds = time.monotonic() - started
+        # --request-timeout's 1 s answered, before --json-timeout's 3 s could (and long before the client's 60 s).
         assert (status, json.loads(answer)) == (503, {"error": "Request timeout expired: model 'echo' had not started the request 1 s after it "
                                                                 "came in (--request-timeout); retry later, or give it more time"})
-        assert seconds < 1 + 10, f"answered after {seconds:.1f} s"
         _gone(stuck)
         assert "a JSON worker process took over 3 s (--json-timeout) on a request: killed; starting another" in proc.log()
         _answered_again(proc, body)

@@ -20,6 +20,8 @@ from onnxpipe.serve._tensors import from_binary, from_contents, from_json, port_
 from tests import code_stages, models
 from tests.serve.process import ServerProcess
 
+pytestmark = pytest.mark.xdist_group("raw-bytes")  # one worker: its server starts once (its tests take under a second)
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:

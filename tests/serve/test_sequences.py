@@ -19,6 +19,7 @@ from onnxpipe import runtime
 from tests.serve.conftest import serve_args
 from tests.serve.process import ServerProcess
 from tests.serve.sequences import Sequences
+from tests.waiting import skip_if_stalled, until
 
 
 def _steps(seed: int, count: int) -> list[np.ndarray]:
@@ -99,15 +100,18 @@ def test_idle_sequences_are_freed_and_max_streams_refusals_are_503(bundles: dict
         proc.start(tmp_path / "serve.log")
         http = httpclient.InferenceServerClient(proc.http)
         x = _steps(1, 1)[0]
+        since = time.monotonic()
         _http_step(http, 1, x, start=True)
         _http_step(http, 2, x, start=True)
         room = r"model 'rnn' cannot start sequence 3: 2 sequences are open, the limit \(--max-streams 2\): sequence_ids 1, 2; "
         with pytest.raises(InferenceServerException, match=room) as e:
-            _http_step(http, 3, x, start=True)
+            try:
+                _http_step(http, 3, x, start=True)
+            finally:
+                skip_if_stalled(since, 0.3)  # 1 and 2 were still open (tests/waiting.py)
         assert e.value.status() == "503"
-        time.sleep(1.0)  # idle past the timeout: freed without any request (the server's own timer)
-        metrics = proc.get("/metrics")[1].decode()
-        assert 'onnxpipe_open_streams{model="rnn"} 0.0' in metrics
+        # Idle past the timeout: freed without any request (the server's own timer, every 0.075 s).
+        until(lambda: 'onnxpipe_open_streams{model="rnn"} 0.0' in proc.get("/metrics")[1].decode(), "the server's timer freed both sequences")
         idle = r"sequence_id 1 names no open sequence of model 'rnn' \(it was idle for more than --stream-timeout 0.3 s"
         with pytest.raises(InferenceServerException, match=idle):
             _http_step(http, 1, x)

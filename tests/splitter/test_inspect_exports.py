@@ -18,7 +18,6 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxpipe import InputError
 from onnxpipe.splitter import inspect_model
 
-LLAMA = Path(__file__).parents[1] / "data" / "decoders" / "optimum-llama" / "model.onnx"
 D0, D1, D2 = "DynamicDimension.0", "DynamicDimension.1", "DynamicDimension.2"  # paddle2onnx's input dims
 HALF = [f"floor({d}/2 - 1/2) + 1" for d in (D1, D2)]  # a 3x3 stride-2 Conv, pad 1, as sympy prints it
 DOUBLE = [f"2*floor({d}/2 - 1/2) + 2" for d in (D1, D2)]  # that, resized x2
@@ -95,11 +94,6 @@ def test_the_note_asks_for_the_input_dims_the_formulas_name() -> None:
     assert notes == [f"input dim(s) {D0}, {D2} counted as 1 (2 dim(s) computed from them, e.g. '{HALF[1]}', follow); give sizes with dims / --dim NAME=VALUE"]
     # Every formula sized at 1: the bytes a run at 1 x 3 x 1 x 1 makes (a: 1 x 1, c: 2 x 2).
     assert [c.bytes for c in inspect_model(paddle_formulas()).candidates] == [4 * 8, 4 * 8, 4 * 8 * 4]
-
-
-@pytest.fixture(scope="module")
-def llama() -> onnx.ModelProto:
-    return onnx.load(LLAMA)
 
 
 def test_optimum_unk_dims_are_counted_not_listed(llama: onnx.ModelProto) -> None:

@@ -17,21 +17,12 @@ from onnx import helper, numpy_helper
 
 from onnxpipe._errors import InputError
 from onnxpipe.splitter import ParamsPolicy, split, verify
+from tests.decoder_exports import LLAMA, LLAMA_CUT
 from tests.models import bundle_of
 from tests.stateful_models import decoder_feeds, recurrent
 
 DATA = Path(__file__).parents[1] / "data"
-LLAMA = DATA / "decoders" / "optimum-llama" / "model.onnx"
 DECODERS = sorted((DATA / "decoders").glob("*/model.onnx"))
-# Between layers 0 and 1 (as tests/runtime/test_exported_decoders.py cuts it): the residual stream,
-# the causal mask and the rotary cos / sin.
-CUT = ["/model/layers.0/Add_1_output_0", "/model/Expand_output_0", "/model/layers.0/self_attn/Unsqueeze_6_output_0",
-       "/model/layers.0/self_attn/Unsqueeze_7_output_0"]
-
-
-@pytest.fixture(scope="module")
-def llama() -> onnx.ModelProto:
-    return onnx.load(LLAMA)
 
 
 def _past_scaled(model: onnx.ModelProto, name: str, factor: float) -> onnx.ModelProto:
@@ -47,7 +38,7 @@ def _past_scaled(model: onnx.ModelProto, name: str, factor: float) -> onnx.Model
 
 
 def test_a_split_with_state_is_verified_by_a_stream_of_decode_steps(llama: onnx.ModelProto) -> None:
-    plan = split(llama, [CUT], states="auto")
+    plan = split(llama, [LLAMA_CUT], states="auto")
     report = verify(plan, llama)
     assert report.ok and report.steps == 4 and report.samples == 1
     assert [r.tensor for r in report.rows] == ["logits"]
@@ -63,7 +54,7 @@ def test_a_split_with_state_is_verified_by_a_stream_of_decode_steps(llama: onnx.
 def test_the_stream_feeds_the_whole_model_its_state_and_compares_every_step(llama: onnx.ModelProto) -> None:
     """A 'whole model' that reads its layer-1 past scaled by 1.5 equals the split on the first step
     (an empty past) and differs from the second on: one step passes, two do not."""
-    plan = split(llama, [CUT], states="auto")
+    plan = split(llama, [LLAMA_CUT], states="auto")
     other = _past_scaled(llama, "past_key_values.1.value", 1.5)
     assert verify(plan, other, steps=1).ok
     report = verify(plan, other, steps=2)
@@ -71,7 +62,7 @@ def test_the_stream_feeds_the_whole_model_its_state_and_compares_every_step(llam
 
 
 def test_a_stream_can_run_given_steps(llama: onnx.ModelProto) -> None:
-    plan = split(llama, [CUT], states="auto")
+    plan = split(llama, [LLAMA_CUT], states="auto")
     tokens = [5, 6, 7, 8, 9]
     steps = [decoder_feeds(tokens[:3], 0), decoder_feeds(tokens[:4], 3), decoder_feeds(tokens, 4)]
     report = verify(plan, llama, inputs=steps)
@@ -89,21 +80,21 @@ def test_a_recurrent_split_is_verified_by_a_stream_of_random_steps() -> None:
 
 
 def test_a_bundle_with_state_is_verified_by_a_stream(llama: onnx.ModelProto, tmp_path: Path) -> None:
-    bundle = bundle_of(split(llama, [CUT], states="auto"), tmp_path)
+    bundle = bundle_of(split(llama, [LLAMA_CUT], states="auto"), tmp_path)
     report = verify(bundle, LLAMA, steps=2)
     assert report.ok and report.steps == 2
 
 
 def test_a_stateless_decoder_split_verifies_without_dims(llama: onnx.ModelProto) -> None:
-    report = verify(split(llama, [CUT]), llama)
+    report = verify(split(llama, [LLAMA_CUT]), llama)
     assert report.ok and report.steps == 0
-    assert {r.tensor for r in report.rows} >= {"logits", "present.1.key", *CUT}
+    assert {r.tensor for r in report.rows} >= {"logits", "present.1.key", *LLAMA_CUT}
 
 
 def test_a_model_that_fails_on_the_sample_inputs_names_the_dims_left_at_1(llama: onnx.ModelProto) -> None:
     """A mask width given in dims (kept as given) narrower than the past and the new token together
     fails in the model's Gather: the error is the user's, and names the dims that were 1."""
-    plan = split(llama, [CUT])
+    plan = split(llama, [LLAMA_CUT])
     with pytest.raises(InputError, match=r"the whole model fails on input set 0 \(input_ids\[1, 1\], attention_mask\[1, 1\].*indices element out of data bounds"
                        r".*; dims batch_size, sequence_length, past_sequence_length not given, so 1: give their sizes with --dim NAME=N"):
         verify(plan, llama, dims={"past_sequence_length + sequence_length": 1})
