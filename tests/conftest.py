@@ -128,6 +128,20 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
+def hand(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bundle of models.hand_wired() (head -> twin -> tail, x[N,4] -> y[N,4]), built with the
+    defaults (1 thread, no pinning, 1 replica), once per module: do not modify it."""
+    return models.bundle_of(models.hand_wired(), tmp_path_factory.mktemp("hand"))
+
+
+@pytest.fixture(scope="module")
+def failing(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bundle of models.failing_config() (head -> reshape, which fails for any N but 2), once per
+    module: do not modify it."""
+    return models.bundle_of(models.failing_config("failing"), tmp_path_factory.mktemp("failing"))
+
+
+@pytest.fixture(scope="module")
 def llama() -> onnx.ModelProto:
     """optimum's Llama export (tests/data/decoders/optimum-llama), loaded once per module."""
     return onnx.load(LLAMA)

@@ -671,6 +671,18 @@ def head_then_tail(columns: int) -> Any:
     return config
 
 
+def write_requests(folder: Path, rows: list[int], seed: int = 0) -> list[Path]:
+    """One .npz request per entry of ``rows`` for :func:`hand_wired` bundles: ``x`` of shape
+    ``[rows[k], 4]`` with values of its own, named r00.npz, r01.npz, ... in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    files = []
+    for k, n in enumerate(rows):
+        files.append(folder / f"r{k:02d}.npz")
+        np.savez(files[-1], x=rng.standard_normal((n, 4)).astype(np.float32))
+    return files
+
+
 def bundle_of(config: object, folder: str | os.PathLike[str]) -> Path:
     """Build and export a PipelineConfig (or a SplitPlan's config) into ``folder/bundle``."""
     from onnxpipe.builder import build, export

@@ -25,15 +25,6 @@ REQUESTS = 30
 
 
 
-def write_requests(folder: Path, rows: list[int], seed: int = 0) -> list[Path]:
-    """One .npz per request, x of shape [rows[k], 4], named r00.npz, r01.npz, ..."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    files = []
-    for k, n in enumerate(rows):
-        files.append(folder / f"r{k:02d}.npz")
-        np.savez(files[-1], x=rng.standard_normal((n, 4)).astype(np.float32))
-    return files
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +33,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hand(work: Path) -> Path:
-    return models.bundle_of(models.hand_wired(), work / "hand")
-
-
-@pytest.fixture(scope="module")
-def failing(work: Path) -> Path:
-    return models.bundle_of(models.failing_config("failing"), work / "failing")
-
-
-@pytest.fixture(scope="module")
 def requests(work: Path) -> list[Path]:
     """30 requests of 1 to 3 rows."""
-    return write_requests(work / "requests", [1 + k % 3 for k in range(REQUESTS)])
+    return models.write_requests(work / "requests", [1 + k % 3 for k in range(REQUESTS)])
 
 
 # -- run -----------------------------------------------------------------------------------------
@@ -82,7 +63,7 @@ def test_run_a_folder_writes_each_requests_outputs_to_its_own_file(hand: Path, r
 
 
 def test_run_files_and_folders_in_order_with_json(hand: Path, requests: list[Path], tmp_path: Path) -> None:
-    extra = write_requests(tmp_path / "extra", [2], seed=9)[0].rename(tmp_path / "extra" / "zz.npz")
+    extra = models.write_requests(tmp_path / "extra", [2], seed=9)[0].rename(tmp_path / "extra" / "zz.npz")
     result = ok("run", hand, "--inputs", extra, "--inputs", requests[0].parent, "--outputs", tmp_path / "out", "--json")
     data = json.loads(result.stdout)
     assert [Path(f["inputs"]) for f in data["files"]] == [extra, *requests]
@@ -134,7 +115,7 @@ def test_run_refuses_output_names_it_cannot_keep_apart(hand: Path, requests: lis
 
 
 def test_run_checks_every_file_before_anything_runs(hand: Path, tmp_path: Path) -> None:
-    files = write_requests(tmp_path / "in", [2] * 25)
+    files = models.write_requests(tmp_path / "in", [2] * 25)
     np.savez(files[17], x=np.zeros((2, 4)))  # float64
     out = tmp_path / "out"
     args = ("run", hand, "--inputs", tmp_path / "in", "--outputs", out)
@@ -151,7 +132,7 @@ def test_run_checks_every_file_before_anything_runs(hand: Path, tmp_path: Path) 
 def test_a_request_failing_in_a_stage_stops_the_run_and_keeps_the_files_before_it(failing: Path, tmp_path: Path) -> None:
     rows = [2] * 25
     rows[12] = 3  # valid for the pipeline's inputs, refused by the reshape stage
-    files = write_requests(tmp_path / "in", rows)
+    files = models.write_requests(tmp_path / "in", rows)
     out = tmp_path / "out"
     result = run("run", failing, "--inputs", tmp_path / "in", "--outputs", out, "--trace", tmp_path / "t.json")
     assert_user_error(
@@ -165,7 +146,7 @@ def test_a_request_failing_in_a_stage_stops_the_run_and_keeps_the_files_before_i
 
 
 def test_a_first_request_failing_writes_nothing(failing: Path, tmp_path: Path) -> None:
-    file = write_requests(tmp_path / "in", [3])[0]
+    file = models.write_requests(tmp_path / "in", [3])[0]
     result = run("run", failing, "--inputs", file, "--outputs", tmp_path / "y.npz")
     assert_user_error(result, f"inputs file '{file}': stage 'reshape' failed on request 0", "; no output file was written")
     assert not (tmp_path / "y.npz").exists()

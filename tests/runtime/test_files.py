@@ -20,32 +20,6 @@ from onnxpipe.runtime import PipelineSpec, check_request_files, load, load_npz, 
 from tests import models
 
 
-def write_requests(folder: Path, rows: list[int], seed: int = 0) -> list[Path]:
-    """One .npz per request, x of shape [rows[k], 4] with values of its own, named r00.npz, r01.npz, ..."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    files = []
-    for k, n in enumerate(rows):
-        files.append(folder / f"r{k:02d}.npz")
-        save_npz(files[-1], {"x": rng.standard_normal((n, 4)).astype(np.float32)})
-    return files
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("files")
-
-
-@pytest.fixture(scope="module")
-def hand(work: Path) -> Path:
-    return models.bundle_of(models.hand_wired(), work / "hand")
-
-
-@pytest.fixture(scope="module")
-def failing(work: Path) -> Path:
-    return models.bundle_of(models.failing_config("failing"), work / "failing")
-
-
 def assert_results(pipe: object, inputs: list[Path], outputs: list[Path]) -> None:
     """Each outputs file holds what the pipeline gives for its inputs file, and nothing else."""
     for src, dst in zip(inputs, outputs, strict=True):
@@ -60,10 +34,10 @@ def assert_results(pipe: object, inputs: list[Path], outputs: list[Path]) -> Non
 
 
 def test_request_files_expand_folders_in_name_order_and_keep_the_order_given(tmp_path: Path) -> None:
-    files = write_requests(tmp_path / "in", [1, 2, 3])
+    files = models.write_requests(tmp_path / "in", [1, 2, 3])
     (tmp_path / "in" / "notes.txt").write_text("not a request")
     (tmp_path / "in" / "sub.npz").mkdir()  # a folder named like a request is not one
-    extra = write_requests(tmp_path / "extra", [2])[0]
+    extra = models.write_requests(tmp_path / "extra", [2])[0]
     assert request_files([extra, tmp_path / "in"]) == [extra, *files]
     assert request_files([str(files[2]), files[0]]) == [files[2], files[0]]
     assert request_files([]) == []
@@ -82,7 +56,7 @@ def test_request_files_refuse_what_is_not_there(tmp_path: Path) -> None:
 
 def test_check_request_files_names_the_file_and_the_mismatch(hand: Path, tmp_path: Path) -> None:
     spec = PipelineSpec.from_json((hand / "pipeline.json").read_text())
-    files = write_requests(tmp_path / "in", [2] * 5)
+    files = models.write_requests(tmp_path / "in", [2] * 5)
     check_request_files(spec.inputs, files)
     cases = [
         ({"x": np.zeros((2, 4))}, "input 'x' has dtype float64; expected float32"),
@@ -107,7 +81,7 @@ def test_check_request_files_names_the_file_and_the_mismatch(hand: Path, tmp_pat
 
 
 def test_map_files_writes_each_result_to_its_file_in_order(hand: Path, tmp_path: Path) -> None:
-    files = write_requests(tmp_path / "in", [1 + k % 3 for k in range(20)])
+    files = models.write_requests(tmp_path / "in", [1 + k % 3 for k in range(20)])
     outputs = [tmp_path / "out" / "deep" / f.name for f in files]  # the folder is made
     with load(hand) as pipe:
         yielded = list(map_files(pipe, files, outputs))
@@ -120,7 +94,7 @@ def test_map_files_writes_each_result_to_its_file_in_order(hand: Path, tmp_path:
 
 
 def test_map_files_reads_each_file_only_when_the_pipeline_takes_it(hand: Path, tmp_path: Path) -> None:
-    files = write_requests(tmp_path / "in", [2] * 60)
+    files = models.write_requests(tmp_path / "in", [2] * 60)
     outputs = [tmp_path / "out" / f.name for f in files]
     with load(hand) as pipe:
         results = map_files(pipe, files, outputs)
@@ -137,7 +111,7 @@ def test_map_files_reads_each_file_only_when_the_pipeline_takes_it(hand: Path, t
 def test_a_request_failing_in_a_stage_names_its_file_and_keeps_the_results_before_it(failing: Path, tmp_path: Path) -> None:
     rows = [2] * 12
     rows[7] = 3  # fits the pipeline's inputs, refused by the reshape stage
-    files = write_requests(tmp_path / "in", rows)
+    files = models.write_requests(tmp_path / "in", rows)
     outputs = [tmp_path / "out" / f.name for f in files]
     with load(failing) as pipe:
         pipe.reset_stats()
@@ -148,14 +122,14 @@ def test_a_request_failing_in_a_stage_names_its_file_and_keeps_the_results_befor
         assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f.name for f in files[:7]]  # no temporary file either
         for src, dst in zip(files[:7], outputs[:7], strict=True):
             np.testing.assert_array_equal(load_npz(dst)["y"], np.maximum(load_npz(src)["x"], 0))
-    first = write_requests(tmp_path / "first", [3])
+    first = models.write_requests(tmp_path / "first", [3])
     with load(failing) as pipe, pytest.raises(StageError, match="; no output file was written$"):
         list(map_files(pipe, first, [tmp_path / "y.npz"]))
     assert not (tmp_path / "y.npz").exists()
 
 
 def test_map_files_refuses_results_it_cannot_write(hand: Path, tmp_path: Path) -> None:
-    files = write_requests(tmp_path / "in", [2, 2])
+    files = models.write_requests(tmp_path / "in", [2, 2])
     (tmp_path / "afile").write_text("x")
     with load(hand) as pipe:
         with pytest.raises(ConfigError, match=f"^cannot write '{tmp_path / 'afile' / 'sub' / 'r00.npz'}': Not a directory$"):
@@ -176,7 +150,7 @@ def test_before_start_sees_the_spec_with_its_overrides(hand: Path) -> None:
 
 def test_before_start_refuses_before_any_session_starts_and_leaves_nothing_open(tmp_path: Path, private_tmp: Path) -> None:
     archive = export(build(models.hand_wired(), tmp_path / "built").path, tmp_path / "hand.onnxpipe")  # unpacked into private_tmp
-    files = write_requests(tmp_path / "in", [2, 2])
+    files = models.write_requests(tmp_path / "in", [2, 2])
     save_npz(files[1], {"x": np.zeros((2, 4))})
 
     unpacked: list[Path] = []

@@ -24,12 +24,6 @@ X = {"x": np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)}
 
 
 @pytest.fixture(scope="module")
-def hand(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three stages (head, twin, tail), built with the defaults: 1 thread, no pinning, 1 replica."""
-    return models.bundle_of(models.hand_wired(), tmp_path_factory.mktemp("hand"))
-
-
-@pytest.fixture(scope="module")
 def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One stage that batches, built with max_batch=4 (the probe checked it)."""
     config = PipelineConfig("mlp")
