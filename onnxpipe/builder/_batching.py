@@ -256,13 +256,14 @@ class _Probe:
                                  if Endpoint(runner.name, o) in member.values})
                     seen[runner.name].append(mine)
 
-    def _batched(self, runners: Sequence[StageRunner], group: list[Request], replay: set[int]) -> list[dict[str, np.ndarray]]:
+    def _batched(self, runners: Sequence[StageRunner], group: list[Request], replay: set[int],
+                 bags: list[tuple[StepBatch, dict[Endpoint, np.ndarray]]] | None = None) -> list[dict[str, np.ndarray]]:
         """Streams' steps as the runtime batches them: stacked at the entry, one request through
         every stage, split at the exit; each member's outputs. Raises :class:`_Differs` where a
         stage did not run them as one call. The stages in ``replay`` run the members one by one
         and join their outputs again, padded with the record's fills, as after a failed batched
         call, for the next stage to read batched (so a fill that would let it attend a padded
-        position is caught too)."""
+        position is caught too). ``bags``: gets the batch and its bag after each stage."""
         entry = {key.tensor: pad for key, pad in self.pads.items() if key.stage is None}
         arrays = [{key.tensor: value for key, value in r.values.items()} for r in group]
         stacked = stack_steps(arrays, entry)
@@ -283,6 +284,8 @@ class _Probe:
                 raise _Differs(runner.name, f"a request that runs alone failed batched: {request.batch.failed[0].error}")
             if runner.unbatched:
                 raise _Differs(runner.name, f"its requests did not run as one call ({runner.unbatched})")
+            if bags is not None:
+                bags.append((request.batch, dict(request.values)))
         outputs = {name: np.asarray(request.values[key]) for name, key in self.finals.items()}
         exit_pads = {name: self.pads[key] for name, key in self.finals.items() if key in self.pads}
         done = request.batch
@@ -332,7 +335,7 @@ class _Probe:
             want.append(outs)
         records = {s.name: self._grown(s, seen[s.name]) if s in growing else Batching() for s in batching}
         hints = {s.name: self._state_padding(s) for s in growing}
-        first = {name: dataclasses.replace(r, state_padding=hints.get(name) or "left") for name, r in records.items()}
+        first = self._fills({name: dataclasses.replace(r, state_padding=hints.get(name) or "left") for name, r in records.items()})
         try:
             worst = self._batched_streams(first, want, steps, batching)
             records = first
@@ -340,7 +343,8 @@ class _Probe:
             if not any(hint is None for hint in hints.values()):
                 raise
             # A module the probe cannot read (ORT format): its state measured padded on the right too.
-            records = {name: dataclasses.replace(r, state_padding="right") if name in hints and hints[name] is None else r for name, r in first.items()}
+            records = self._fills({name: dataclasses.replace(r, state_padding="right") if name in hints and hints[name] is None else r
+                                   for name, r in first.items()})
             try:
                 worst = self._batched_streams(records, want, steps, batching)
             except BuildError:
@@ -360,23 +364,60 @@ class _Probe:
         runners = self._runners(records)
         got: list[list[dict[str, np.ndarray]]] = [[], []]
         try:
-            for step in range(steps + 1):
-                group = []
-                for sid, prompt in enumerate(_PROMPTS):
-                    past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
-                    group.append(self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step))
-                if step == 0:
-                    self._through(runners, group)
-                    for sid, request in enumerate(group):
-                        got[sid].append(self._outputs(request))
-                    continue
-                # Step 1 batched throughout; steps 2 and 3 replayed by every other stage (Note: the batching probe, 4).
-                replay = {k for k in range(len(runners)) if step > 1 and k % 2 == step % 2}
-                for sid, outputs in enumerate(self._batched(runners, group, replay)):
-                    got[sid].append(outputs)
+            self._steps(runners, steps, got)
         except _Differs as e:
             raise BuildError(f"stage '{e.stage}' cannot batch streams: {e.why}; set max_batch=1 for it") from None
         return self._compare([o for outs in want for o in outs], [o for outs in got for o in outs], batching)
+
+    def _steps(self, runners: Sequence[StageRunner], steps: int, got: list[list[dict[str, np.ndarray]]],
+               bags: list[tuple[StepBatch, dict[Endpoint, np.ndarray]]] | None = None) -> None:
+        """The probe's streams through ``runners``: their prompts alone, then ``steps`` decode
+        steps batched; each stream's outputs of each step into ``got``, the first decode step's
+        bags into ``bags``. Raises :class:`_Differs`."""
+        for step in range(steps + 1):
+            group = []
+            for sid, prompt in enumerate(_PROMPTS):
+                past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
+                group.append(self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step))
+            if step == 0:
+                self._through(runners, group)
+                for sid, request in enumerate(group):
+                    got[sid].append(self._outputs(request))
+                continue
+            # Step 1 batched throughout; steps 2 and 3 replayed by every other stage (Note: the batching probe, 4).
+            replay = {k for k in range(len(runners)) if step > 1 and k % 2 == step % 2}
+            for sid, outputs in enumerate(self._batched(runners, group, replay, bags if step == 1 else None)):
+                got[sid].append(outputs)
+
+    def _fills(self, records: Mapping[str, Batching]) -> dict[str, Batching]:
+        """``records`` with the fill of each value a stage hands on padded (not a state, not a
+        pipeline input, not the stage's ``batch_pad``) measured: what the batched call itself
+        puts at the padded positions, where that is one finite value (Note: the batching probe, 3).
+        The records as they are where the batched step cannot run (the check reports why)."""
+        bags: list[tuple[StepBatch, dict[Endpoint, np.ndarray]]] = []
+        try:
+            self._steps(self._runners(records), 1, [[], []], bags)
+        except _Differs:
+            return dict(records)
+        measured: dict[Endpoint, float] = {}
+        for batch, bag in bags:
+            for key, (axis, _) in self.pads.items():
+                if key.stage is None or key in measured or key not in bag:
+                    continue
+                value = np.asarray(bag[key])
+                seen = [np.moveaxis(value[batch.rows[j]:batch.rows[j + 1]], axis, 0)[:shift] for j, shift in enumerate(batch.shifts) if shift]
+                pads = np.unique(np.concatenate([p.ravel() for p in seen])) if seen else np.zeros(0)
+                if len(pads) == 1 and np.isfinite(pads[0]):
+                    measured[key] = float(pads[0])
+        out = {}
+        for name, record in records.items():
+            stage = self.spec.stage(name)
+            states = {link.input for link in self.spec.states_of(name)}
+            padded = {port: (axis, measured.get(self.spec.source_of(Endpoint(name, port)), fill))
+                      if port not in states and port not in stage.settings.batch_pad else (axis, fill)
+                      for port, (axis, fill) in record.padded.items()}
+            out[name] = dataclasses.replace(record, padded=padded)
+        return out
 
     def _grown(self, stage: StageSpec, shapes: list[dict[str, tuple[int, ...]]]) -> Batching:
         """Which of the stage's ports grow with the past: their lengths differ by the pasts' difference."""
