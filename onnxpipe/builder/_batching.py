@@ -333,7 +333,8 @@ class _Probe:
                 self._through(alone, [request], seen if step == 1 else None)
                 outs.append(self._outputs(request))
             want.append(outs)
-        records = {s.name: self._grown(s, seen[s.name]) if s in growing else Batching() for s in batching}
+        # Every stage's ports measured, not only those of stages with a growing state: a later stage may read a cache a stage before it made.
+        records = {s.name: self._grown(s, seen[s.name]) for s in batching}
         hints = {s.name: self._state_padding(s) for s in growing}
         first = self._fills({name: dataclasses.replace(r, state_padding=hints.get(name) or "left") for name, r in records.items()})
         try:
