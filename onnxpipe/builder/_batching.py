@@ -13,9 +13,18 @@ Note: the batching probe.
        them differently, or not at all, and the mask made from ``attention_mask`` in one stage
        and read in the next has no name): two synthetic streams with pasts of 3 and 5 run one
        decode step alone, and every port of the stage whose length along an axis differs by
-       exactly 2 grows along it. Its inputs are *padded* (state inputs and int / bool masks with
-       0, a float mask made from the attention mask with the dtype's lowest value, as an
-       additive mask's blocked positions are), its outputs *stripped*. A stage whose state feeds
+       exactly 2 grows along it (every batching stage's ports, whether or not the stage keeps a
+       growing state: a later stage may read a cache an earlier one made). Its inputs are
+       *padded* (state inputs with 0, pipeline inputs as guessed below), its outputs
+       *stripped*. A value a stage hands on padded (a mask made from the attention mask; keys,
+       values, scores or softmax weights where a cut falls inside an attention) is padded with
+       what the batched call itself puts at the padded positions: measured in the streams'
+       first decode step run batched (``_Probe._fills``), where they hold one finite value
+       (0 in keys, values, scores and weights; the lowest float in an additive mask). Else the
+       guess: 0 for int / bool, the dtype's lowest value for a float (an additive mask). The
+       fill is what a stage that ran the members one by one joins their outputs with (step 4),
+       so the next stage reads what a batched call would have handed it; a guessed lowest float
+       in the softmax weights and the values made inf, then NaN, there (issue 38). A stage whose state feeds
        onnxruntime's ``GroupQueryAttention`` as its past keeps that state padded on the right
        (``Batching.state_padding``): the op reads each row's past from position 0 up to the
        row's ``seqlens_k`` (the attention mask's sum), so a left-padded past would put the padding
@@ -403,13 +412,9 @@ class _Probe:
         measured: dict[Endpoint, float] = {}
         for batch, bag in bags:
             for key, (axis, _) in self.pads.items():
-                if key.stage is None or key in measured or key not in bag:
-                    continue
-                value = np.asarray(bag[key])
-                seen = [np.moveaxis(value[batch.rows[j]:batch.rows[j + 1]], axis, 0)[:shift] for j, shift in enumerate(batch.shifts) if shift]
-                pads = np.unique(np.concatenate([p.ravel() for p in seen])) if seen else np.zeros(0)
-                if len(pads) == 1 and np.isfinite(pads[0]):
-                    measured[key] = float(pads[0])
+                fill = _padding_holds(np.asarray(bag[key]), batch, axis) if key.stage is not None and key in bag else None
+                if fill is not None:
+                    measured.setdefault(key, fill)
         out = {}
         for name, record in records.items():
             stage = self.spec.stage(name)
@@ -491,6 +496,14 @@ class _Probe:
         hint = (" (a model that mixes the rows of a batch is one cause; for streams, a mask applied other than as an additive bias or a 0/1 keep mask"
                 " is another)") if self.spec.states else " (a model that mixes the rows of a batch, e.g. a mean over dim 0, is one cause)"
         return f"stage(s) {names} cannot batch: {why}; set max_batch=1{hint}"
+
+
+def _padding_holds(value: np.ndarray, batch: StepBatch, axis: int) -> float | None:
+    """The one finite value at every padded position of a batched ``value`` (padded on the left
+    of ``axis`` by each member's shift), or ``None`` where they hold several, or none is padded."""
+    seen = [np.moveaxis(value[batch.rows[j]:batch.rows[j + 1]], axis, 0)[:shift].ravel() for j, shift in enumerate(batch.shifts) if shift]
+    held = np.unique(np.concatenate(seen)) if seen else np.zeros(0)
+    return float(held[0]) if len(held) == 1 and np.isfinite(held[0]) else None
 
 
 class _Differs(OnnxpipeError):
