@@ -81,7 +81,9 @@ def test_a_decoder_without_an_attention_mask_is_refused_for_stream_batching(tmp_
 
 def test_the_decoders_padded_ports_are_found_by_measuring(tmp_path: Path) -> None:
     """The probe finds what grows with the past: the KV caches and the mask, and, in stage 1, the
-    additive mask stage 0 makes from it (whose dims have no names), padded with float32's lowest."""
+    additive mask stage 0 makes from it (whose dims have no names), padded with what the batched
+    call puts at its padded positions: the model's own blocked value, -1e4 (issue 38: measured, no
+    longer guessed as float32's lowest)."""
     plan = split(gpt_decoder(layers=2), ["layer0.out"], states="auto")
     for stage in plan.config.stages:
         stage.configure(max_batch=4)
@@ -90,7 +92,7 @@ def test_the_decoders_padded_ports_are_found_by_measuring(tmp_path: Path) -> Non
     assert first is not None and second is not None
     assert first.padded == {"attention_mask": (1, 0.0), "past_key_values.0.key": (2, 0.0), "past_key_values.0.value": (2, 0.0)}
     assert first.stripped == {"attn_bias": 3, "present.0.key": 2, "present.0.value": 2}
-    assert second.padded["attn_bias"] == (3, float(np.finfo(np.float32).min))
+    assert second.padded["attn_bias"] == (3, -1e4)
     assert "batched and alone agree" in second.probe
 
 
