@@ -1,14 +1,15 @@
 """Padding wherever a decoder is cut (issue 38): an automatic split's cut comes from measured costs,
 so it may fall anywhere in a layer, and the tensors it hands on (the keys and values, the scores,
 the softmax's weights, the mask) are padded by the batch like the attention mask. Each export is
-cut by hand after each node of its attention in both layers (an ``assignment``: every node up to
-it in stage 0, as a measured cut may fall), built with its stages batching; the build's probe
+cut by hand after 9 nodes of each layer's attention, from the keys and values to the output
+projection (an ``assignment``: every node up to it in stage 0, as a measured cut may fall; the
+sweep behind issue 38 tried every node of all 7 exports), built with its stages batching; the build's probe
 (3 decode steps batched, every other stage replaying its members alone and joining them with the
 record's fills) must agree with alone at every cut, each fill being what the batched call itself
 puts at the padded positions (0 in the keys, values, scores and weights; the lowest float in the
-masked scores). The cut that failed in
-issue 38 (after layer 0's softmax) is then decoded by 4 streams of mixed prompt lengths as one
-batch: tokens equal the whole export alone, logits within 1e-4 and finite."""
+masked scores). The cut that failed in issue 38 (after layer 0's softmax) is then decoded by 4
+streams of mixed prompt lengths as one batch: tokens equal the whole export alone, logits within
+1e-4 and finite."""
 
 from __future__ import annotations
 

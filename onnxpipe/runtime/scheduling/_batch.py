@@ -103,8 +103,9 @@ class StepBatch:
 
 def bag_pads(spec: PipelineSpec) -> dict[Endpoint, tuple[int, float]]:
     """The bag values that grow with a stream's past, by bag key: ``(axis, fill)``, from the
-    stages' ``Batching`` records. A value a stage reads padded takes that stage's fill (0 for an
-    int mask, the lowest float for an additive one); a stage output that only grows (read by the
+    stages' ``Batching`` records. A value a stage reads padded takes that stage's fill (what the
+    build's probe measured a batched call puts at padded positions: 0 in an int mask, keys or
+    softmax weights, an additive mask's blocked value); a stage output that only grows (read by the
     pipeline, or by nobody padded) takes 0. State ports are not in the bag and not listed."""
     pads: dict[Endpoint, tuple[int, float]] = {}
     state_inputs = {(s.stage, s.input) for s in spec.states}
