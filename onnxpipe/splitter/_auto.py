@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,6 +35,16 @@ from onnxpipe.splitter._live import Sizer, live_sweep
 from onnxpipe.splitter._partition import Partition, PartitionProblem, best_partition, partition
 
 __all__ = ["POLICIES", "AutoSplit", "MeasuredPolicy", "ParamsPolicy", "SplitPolicy", "UniformPolicy", "make_policy"]
+
+
+class CutRefusal(Protocol):
+    """Where a policy may not cut (``_batchcuts.UnbatchedCuts``: where stages could not batch)."""
+
+    def __call__(self, order: Sequence[int], live: Mapping[str, tuple[int, int]]) -> set[int]:
+        """Positions of ``order`` where no cut may go, given what is live across each (``LiveSweep.live``)."""
+
+    def check(self, order: Sequence[int], cuts: Sequence[int]) -> set[int]:
+        """Of the cuts chosen together, those that may not go there after all (the policy solves again)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,7 @@ class _Options:
     max_stage_weights: int | None = None
     pinned: Mapping[str, int] = field(default_factory=dict)
     dims: Mapping[str, int] = field(default_factory=dict)
+    refuse: CutRefusal | None = None
 
     def check(self, name: str) -> None:
         if (self.stages is None) == (self.max_stages is None):
@@ -166,17 +177,23 @@ def _run(
             raise SplitError("the model has no compute node to split")
         sweep = live_sweep(index, order, sizer)
         n = len(order)
+        refused = set(options.refuse(order, sweep.live)) if options.refuse is not None else set()
         cross_bytes = [sweep.crossing[p + 1] for p in range(n - 1)]
-        problem = PartitionProblem(
-            costs=[node_cost.get(i, 0.0) for i in order],
-            crossing=[crossing_cost(b) for b in cross_bytes],
-            crossing_bytes=cross_bytes,
-            weights=[_weights_read(index, i, types, stored) for i in order] if options.max_stage_weights is not None else None,
-            max_stage_weights=options.max_stage_weights,
-            pinned=_pins(index, options.pinned, order) or None,
-            allowed_cuts=[p for p in range(n - 1) if not sweep.blocked[p + 1]],
-        )
-        result = _solve(problem, options, index, order)
+        while True:
+            problem = PartitionProblem(
+                costs=[node_cost.get(i, 0.0) for i in order],
+                crossing=[crossing_cost(b) for b in cross_bytes],
+                crossing_bytes=cross_bytes,
+                weights=[_weights_read(index, i, types, stored) for i in order] if options.max_stage_weights is not None else None,
+                max_stage_weights=options.max_stage_weights,
+                pinned=_pins(index, options.pinned, order) or None,
+                allowed_cuts=[p for p in range(n - 1) if not sweep.blocked[p + 1] and p not in refused],
+            )
+            result = _solve(problem, options, index, order)
+            wrong = options.refuse.check(order, result.cuts) - refused if options.refuse is not None else set()
+            if not wrong:
+                break
+            refused |= wrong  # cuts that fail only together (CutRefusal.check): solve again without them
         key = (result.bottleneck, result.crossing_bytes)
         if best is None or key < best[0]:
             best = (key, result, order)
@@ -204,11 +221,12 @@ class UniformPolicy:
 
     stages: int | None = None
     max_stages: int | None = None
+    refuse: CutRefusal | None = None
     name: str = "uniform"
 
     def assign(self, index: GraphIndex, types: dict[str, ValueInfoProto], model_path: str | None) -> AutoSplit:
         """Balance node counts."""
-        options = _Options(self.stages, self.max_stages)
+        options = _Options(self.stages, self.max_stages, refuse=self.refuse)
         return _run(self.name, index, types, options, dict.fromkeys(index.compute_nodes(), 1.0), lambda b: 0.0, "node count", False)
 
 
@@ -218,13 +236,14 @@ class ParamsPolicy:
 
     stages: int | None = None
     max_stages: int | None = None
+    refuse: CutRefusal | None = None
     name: str = "params"
 
     def assign(self, index: GraphIndex, types: dict[str, ValueInfoProto], model_path: str | None) -> AutoSplit:
         """Balance the weights the stages read."""
         stored = {t.name: t for t in index.model.graph.initializer}
         costs = {i: float(_weights_read(index, i, types, stored)) for i in index.compute_nodes()}
-        return _run(self.name, index, types, _Options(self.stages, self.max_stages), costs, lambda b: 0.0, "weights", False)
+        return _run(self.name, index, types, _Options(self.stages, self.max_stages, refuse=self.refuse), costs, lambda b: 0.0, "weights", False)
 
 
 @dataclass(frozen=True)
@@ -258,12 +277,13 @@ class MeasuredPolicy:
     runs: int = 5
     cache_dir: str | None = None
     remeasure: bool = False
+    refuse: CutRefusal | None = None
     name: str = "measured"
 
     def assign(self, index: GraphIndex, types: dict[str, ValueInfoProto], model_path: str | None) -> AutoSplit:
         """Profile (or reuse the profile) and minimize the slowest stage."""
         profile = self.profile or profile_model(model_path or index.model, self.settings, runs=self.runs, dims=self.dims, cache_dir=self.cache_dir)
-        options = _Options(self.stages, self.max_stages, self.max_stage_weights, self.pinned, self.dims)
+        options = _Options(self.stages, self.max_stages, self.max_stage_weights, self.pinned, self.dims, self.refuse)
         result = _run(self.name, index, types, options, profile.node_seconds, profile.crossing_seconds, profile.source, True)
         return dataclasses.replace(result, notes=(*profile.notes, *result.notes))  # with remeasure, split() checks the cut next (_remeasure)
 
