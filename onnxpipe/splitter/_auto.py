@@ -31,7 +31,7 @@ from onnxpipe.builder import tensor_nbytes, tensor_spec
 from onnxpipe.runtime import StageSettings
 from onnxpipe.splitter._cost import CostProfile, profile_model
 from onnxpipe.splitter._graph import GraphIndex
-from onnxpipe.splitter._live import Sizer, live_sweep
+from onnxpipe.splitter._live import LiveSweep, Sizer, live_sweep
 from onnxpipe.splitter._partition import Partition, PartitionProblem, best_partition, partition
 
 __all__ = ["POLICIES", "AutoSplit", "MeasuredPolicy", "ParamsPolicy", "SplitPolicy", "UniformPolicy", "make_policy"]
@@ -158,6 +158,21 @@ def _solve(problem: PartitionProblem, options: _Options, index: GraphIndex, orde
         raise SplitError(named) from None
 
 
+def _solve_refusing(problem: PartitionProblem, options: _Options, index: GraphIndex, order: list[int], sweep: LiveSweep) -> Partition:
+    """:func:`_solve` without the positions ``options.refuse`` leaves out, alone or among the cuts chosen (then solved again)."""
+    refuse = options.refuse
+    if refuse is None:
+        return _solve(problem, options, index, order)
+    refused = set(refuse(order, sweep.live))
+    while True:
+        allowed = [p for p in (problem.allowed_cuts if problem.allowed_cuts is not None else range(len(order) - 1)) if p not in refused]
+        result = _solve(dataclasses.replace(problem, allowed_cuts=allowed), options, index, order)
+        wrong = refuse.check(order, result.cuts) - refused
+        if not wrong:
+            return result
+        refused |= wrong  # cuts that fail only together (CutRefusal.check)
+
+
 def _run(
     name: str,
     index: GraphIndex,
@@ -177,23 +192,17 @@ def _run(
             raise SplitError("the model has no compute node to split")
         sweep = live_sweep(index, order, sizer)
         n = len(order)
-        refused = set(options.refuse(order, sweep.live)) if options.refuse is not None else set()
         cross_bytes = [sweep.crossing[p + 1] for p in range(n - 1)]
-        while True:
-            problem = PartitionProblem(
-                costs=[node_cost.get(i, 0.0) for i in order],
-                crossing=[crossing_cost(b) for b in cross_bytes],
-                crossing_bytes=cross_bytes,
-                weights=[_weights_read(index, i, types, stored) for i in order] if options.max_stage_weights is not None else None,
-                max_stage_weights=options.max_stage_weights,
-                pinned=_pins(index, options.pinned, order) or None,
-                allowed_cuts=[p for p in range(n - 1) if not sweep.blocked[p + 1] and p not in refused],
-            )
-            result = _solve(problem, options, index, order)
-            wrong = options.refuse.check(order, result.cuts) - refused if options.refuse is not None else set()
-            if not wrong:
-                break
-            refused |= wrong  # cuts that fail only together (CutRefusal.check): solve again without them
+        problem = PartitionProblem(
+            costs=[node_cost.get(i, 0.0) for i in order],
+            crossing=[crossing_cost(b) for b in cross_bytes],
+            crossing_bytes=cross_bytes,
+            weights=[_weights_read(index, i, types, stored) for i in order] if options.max_stage_weights is not None else None,
+            max_stage_weights=options.max_stage_weights,
+            pinned=_pins(index, options.pinned, order) or None,
+            allowed_cuts=[p for p in range(n - 1) if not sweep.blocked[p + 1]],
+        )
+        result = _solve_refusing(problem, options, index, order, sweep)
         key = (result.bottleneck, result.crossing_bytes)
         if best is None or key < best[0]:
             best = (key, result, order)
@@ -217,7 +226,7 @@ def _run(
 
 @dataclass(frozen=True)
 class UniformPolicy:
-    """Equal numbers of compute nodes per stage (for comparison)."""
+    """Equal numbers of compute nodes per stage (for comparison); ``refuse`` as :class:`MeasuredPolicy`'s."""
 
     stages: int | None = None
     max_stages: int | None = None
@@ -232,7 +241,7 @@ class UniformPolicy:
 
 @dataclass(frozen=True)
 class ParamsPolicy:
-    """Equal weight bytes per stage, DeepSpeed's "parameters" method (for comparison)."""
+    """Equal weight bytes per stage, DeepSpeed's "parameters" method (for comparison); ``refuse`` as :class:`MeasuredPolicy`'s."""
 
     stages: int | None = None
     max_stages: int | None = None
@@ -265,6 +274,8 @@ class MeasuredPolicy:
             moved cut could break.
         cache_dir: Where the profile is cached (see ``profile_model``); None: next to the model,
             or ``$ONNXPIPE_CACHE_DIR``, or the user's cache folder.
+        refuse: Positions where no cut may go (:class:`CutRefusal`); ``split`` sets it for a model
+            with states, so that its stages batch (``_batchcuts``, Note: cuts that batch).
     """
 
     stages: int | None = None
