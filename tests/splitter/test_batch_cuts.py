@@ -27,14 +27,20 @@ from tests.decoder_exports import model_path
 _EXPORTS = ("optimum-qwen2", "optimum-llama")
 
 
-def _refused(name: str) -> tuple[onnx.ModelProto, list[int], set[int]]:
-    """The export, its file order of compute nodes and the positions of that order the policies leave out."""
+def _refusal(name: str) -> tuple[onnx.ModelProto, list[int], UnbatchedCuts]:
+    """The export, its file order of compute nodes and what a policy is given with states."""
     model = onnx.load(str(model_path(name)), load_external_data=False)
     index = GraphIndex(model)
     types, _ = infer_types(model)
     pairs = pair_states([tensor_spec(types[n]) for n in index.inputs], [tensor_spec(types[n]) for n in index.outputs], "auto")
     order = index.compute_nodes()
-    return model, order, UnbatchedCuts(index, types, pairs)(order, live_sweep(index, order, Sizer(types, {})).live)
+    return model, order, UnbatchedCuts(index, types, pairs)
+
+
+def _refused(name: str) -> tuple[onnx.ModelProto, list[int], set[int]]:
+    """The export, its file order of compute nodes and the positions of that order the policies leave out."""
+    model, order, refusal = _refusal(name)
+    return model, order, refusal(order, live_sweep(refusal.index, order, Sizer(dict(refusal.types), {})).live)
 
 
 def _batching(plan: object, folder: Path) -> list[str]:
@@ -52,7 +58,8 @@ def _by_hand(name: str, model: onnx.ModelProto, order: list[int], p: int) -> obj
 
 @pytest.mark.parametrize("name", _EXPORTS)
 def test_a_policy_with_states_never_cuts_where_a_value_with_no_batch_axis_would_cross(name: str, tmp_path: Path) -> None:
-    model, order, refused = _refused(name)
+    model, order, refusal = _refusal(name)
+    refused = refusal(order, live_sweep(refusal.index, order, Sizer(dict(refusal.types), {})).live)
     at = {model.graph.node[i].name: p for p, i in enumerate(order)}
     expand = at["/model/layers.0/self_attn/Unsqueeze_21"]  # present.0.value's batch, heads... as scalars cross here
     assert {at["/model/layers.0/self_attn/ConstantOfShape"], expand} <= refused
@@ -71,6 +78,8 @@ def test_a_policy_with_states_never_cuts_where_a_value_with_no_batch_axis_would_
     plan = split(str(model_path(name)), policy=MeasuredPolicy(stages=2, profile=profile), states="auto")
     assert plan.auto is not None and plan.auto.predicted_seconds is not None and max(plan.auto.predicted_seconds) > 1.0 + 1e-6
     assert all("batched and alone agree" in p for p in _batching(plan, tmp_path / "auto"))
+    # What a re-measured cut may move to (``_remeasure``): the policy's cut, not the refused one.
+    assert refusal.batches(plan.auto.assignment) and not refusal.batches(stateless.auto.assignment)
     for stages in (3,):
         uniform = split(str(model_path(name)), policy=UniformPolicy(stages=stages), states="auto")
         assert all("batched and alone agree" in p for p in _batching(uniform, tmp_path / f"uniform{stages}"))
