@@ -17,7 +17,10 @@ Note: cuts that batch.
     A position is left out when a tensor made at or before it and read after it is such a value
     (by its inferred type) and the later side cannot compute it again: its shape cone
     (:func:`_extract._shape_cone`) reads the shape of a tensor that neither crosses the cut nor is
-    a pipeline input, and no tensor of the same dims does (``_states.StateShapes``).
+    a pipeline input, and no tensor of the same dims does (``_states.StateShapes``). Left out too,
+    as the split or the build would refuse them anyway: a cut that separates a state's readers from
+    its maker (``check_together``), and one whose earlier side would hand on nothing (shape nodes
+    only, every value computed again after it).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from onnx import ValueInfoProto
 
 from onnxpipe.builder import tensor_spec
-from onnxpipe.splitter._extract import _shape_cone, compute_boundary
+from onnxpipe.splitter._extract import SHAPE_OPS, _shape_cone, compute_boundary
 from onnxpipe.splitter._graph import GraphIndex
 from onnxpipe.splitter._states import StatePair, StateShapes
 
@@ -141,14 +144,29 @@ class UnbatchedCuts:
         position = {node: p for p, node in enumerate(order)}
         refused = self._separating(position)
         for name, (i, j) in live.items():
-            if not self._batchless(name):
-                continue
-            for p in range(i, j):
-                if p in refused:
-                    continue
-                side = _Side(position, p)
-                shapes = StateShapes(self.index, side, self.pairs, self.types)
-                reads = _Crossing(live, p)
-                if _shape_cone(self.index, side, 1, name, reads, shapes.source) is None:  # type: ignore[arg-type]
-                    refused.add(p)
-        return refused
+            if self._batchless(name):
+                refused.update(p for p in range(i, j) if p not in refused and not self._recomputed(name, position, live, p))
+        return refused | self._empty(order, position, live)
+
+    def _recomputed(self, name: str, position: Mapping[int, int], live: Mapping[str, tuple[int, int]], p: int) -> bool:
+        """Whether the side after position ``p`` computes ``name`` again instead of reading it."""
+        side = _Side(position, p)
+        shapes = StateShapes(self.index, side, self.pairs, self.types)
+        return _shape_cone(self.index, side, 1, name, _Crossing(live, p), shapes.source) is not None  # type: ignore[arg-type]
+
+    def _empty(self, order: Sequence[int], position: Mapping[int, int], live: Mapping[str, tuple[int, int]]) -> set[int]:
+        """Positions whose earlier side would hand on nothing: shape nodes only, every value computed again after the cut
+        (the build cannot run a stage that makes nothing)."""
+        made = [position[self.index.producer[o]] for o in self.index.outputs if self.index.producer.get(o) in position]
+        first = min(made, default=len(order))
+        kept = [0] * (len(order) + 1)  # tensors crossing each position that no later stage could compute again
+        for i, j in live.values():
+            if self.index.nodes[order[i]].op_type not in SHAPE_OPS:
+                kept[i] += 1
+                kept[j] -= 1
+        empty, crossing = set(), 0
+        for p in range(min(first, len(order) - 1)):
+            crossing += kept[p]
+            if crossing == 0 and all(self._recomputed(name, position, live, p) for name in _Crossing(live, p)):
+                empty.add(p)
+        return empty
