@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,10 +31,20 @@ from onnxpipe.builder import tensor_nbytes, tensor_spec
 from onnxpipe.runtime import StageSettings
 from onnxpipe.splitter._cost import CostProfile, profile_model
 from onnxpipe.splitter._graph import GraphIndex
-from onnxpipe.splitter._live import Sizer, live_sweep
+from onnxpipe.splitter._live import LiveSweep, Sizer, live_sweep
 from onnxpipe.splitter._partition import Partition, PartitionProblem, best_partition, partition
 
 __all__ = ["POLICIES", "AutoSplit", "MeasuredPolicy", "ParamsPolicy", "SplitPolicy", "UniformPolicy", "make_policy"]
+
+
+class CutRefusal(Protocol):
+    """Where a policy may not cut (``_batchcuts.UnbatchedCuts``: where stages could not batch)."""
+
+    def __call__(self, order: Sequence[int], live: Mapping[str, tuple[int, int]]) -> set[int]:
+        """Positions of ``order`` where no cut may go, given what is live across each (``LiveSweep.live``)."""
+
+    def check(self, order: Sequence[int], cuts: Sequence[int]) -> set[int]:
+        """Of the cuts chosen together, those that may not go there after all (the policy solves again)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,7 @@ class _Options:
     max_stage_weights: int | None = None
     pinned: Mapping[str, int] = field(default_factory=dict)
     dims: Mapping[str, int] = field(default_factory=dict)
+    refuse: CutRefusal | None = None
 
     def check(self, name: str) -> None:
         if (self.stages is None) == (self.max_stages is None):
@@ -147,6 +158,21 @@ def _solve(problem: PartitionProblem, options: _Options, index: GraphIndex, orde
         raise SplitError(named) from None
 
 
+def _solve_refusing(problem: PartitionProblem, options: _Options, index: GraphIndex, order: list[int], sweep: LiveSweep) -> Partition:
+    """:func:`_solve` without the positions ``options.refuse`` leaves out, alone or among the cuts chosen (then solved again)."""
+    refuse = options.refuse
+    if refuse is None:
+        return _solve(problem, options, index, order)
+    refused = set(refuse(order, sweep.live))
+    while True:
+        allowed = [p for p in (problem.allowed_cuts if problem.allowed_cuts is not None else range(len(order) - 1)) if p not in refused]
+        result = _solve(dataclasses.replace(problem, allowed_cuts=allowed), options, index, order)
+        wrong = refuse.check(order, result.cuts) - refused
+        if not wrong:
+            return result
+        refused |= wrong  # cuts that fail only together (CutRefusal.check)
+
+
 def _run(
     name: str,
     index: GraphIndex,
@@ -176,7 +202,7 @@ def _run(
             pinned=_pins(index, options.pinned, order) or None,
             allowed_cuts=[p for p in range(n - 1) if not sweep.blocked[p + 1]],
         )
-        result = _solve(problem, options, index, order)
+        result = _solve_refusing(problem, options, index, order, sweep)
         key = (result.bottleneck, result.crossing_bytes)
         if best is None or key < best[0]:
             best = (key, result, order)
@@ -200,31 +226,33 @@ def _run(
 
 @dataclass(frozen=True)
 class UniformPolicy:
-    """Equal numbers of compute nodes per stage (for comparison)."""
+    """Equal numbers of compute nodes per stage (for comparison); ``refuse`` as :class:`MeasuredPolicy`'s."""
 
     stages: int | None = None
     max_stages: int | None = None
+    refuse: CutRefusal | None = None
     name: str = "uniform"
 
     def assign(self, index: GraphIndex, types: dict[str, ValueInfoProto], model_path: str | None) -> AutoSplit:
         """Balance node counts."""
-        options = _Options(self.stages, self.max_stages)
+        options = _Options(self.stages, self.max_stages, refuse=self.refuse)
         return _run(self.name, index, types, options, dict.fromkeys(index.compute_nodes(), 1.0), lambda b: 0.0, "node count", False)
 
 
 @dataclass(frozen=True)
 class ParamsPolicy:
-    """Equal weight bytes per stage, DeepSpeed's "parameters" method (for comparison)."""
+    """Equal weight bytes per stage, DeepSpeed's "parameters" method (for comparison); ``refuse`` as :class:`MeasuredPolicy`'s."""
 
     stages: int | None = None
     max_stages: int | None = None
+    refuse: CutRefusal | None = None
     name: str = "params"
 
     def assign(self, index: GraphIndex, types: dict[str, ValueInfoProto], model_path: str | None) -> AutoSplit:
         """Balance the weights the stages read."""
         stored = {t.name: t for t in index.model.graph.initializer}
         costs = {i: float(_weights_read(index, i, types, stored)) for i in index.compute_nodes()}
-        return _run(self.name, index, types, _Options(self.stages, self.max_stages), costs, lambda b: 0.0, "weights", False)
+        return _run(self.name, index, types, _Options(self.stages, self.max_stages, refuse=self.refuse), costs, lambda b: 0.0, "weights", False)
 
 
 @dataclass(frozen=True)
@@ -246,6 +274,8 @@ class MeasuredPolicy:
             moved cut could break.
         cache_dir: Where the profile is cached (see ``profile_model``); None: next to the model,
             or ``$ONNXPIPE_CACHE_DIR``, or the user's cache folder.
+        refuse: Positions where no cut may go (:class:`CutRefusal`); ``split`` sets it for a model
+            with states, so that its stages batch (``_batchcuts``, Note: cuts that batch).
     """
 
     stages: int | None = None
@@ -258,12 +288,13 @@ class MeasuredPolicy:
     runs: int = 5
     cache_dir: str | None = None
     remeasure: bool = False
+    refuse: CutRefusal | None = None
     name: str = "measured"
 
     def assign(self, index: GraphIndex, types: dict[str, ValueInfoProto], model_path: str | None) -> AutoSplit:
         """Profile (or reuse the profile) and minimize the slowest stage."""
         profile = self.profile or profile_model(model_path or index.model, self.settings, runs=self.runs, dims=self.dims, cache_dir=self.cache_dir)
-        options = _Options(self.stages, self.max_stages, self.max_stage_weights, self.pinned, self.dims)
+        options = _Options(self.stages, self.max_stages, self.max_stage_weights, self.pinned, self.dims, self.refuse)
         result = _run(self.name, index, types, options, profile.node_seconds, profile.crossing_seconds, profile.source, True)
         return dataclasses.replace(result, notes=(*profile.notes, *result.notes))  # with remeasure, split() checks the cut next (_remeasure)
 

@@ -350,6 +350,9 @@ def _shape_cone(index: GraphIndex, stage_of: dict[int, int], s: int, name: str, 
                 continue
             read = shape_source(p, root, s, reads)
             if read is None or not (read in reads or (index.producer.get(read) is None and read in index.inputs)):
+                if rp is not None and index.nodes[rp].op_type in SHAPE_OPS:
+                    stack.append(root)  # the shape of a shape value (a Range's): the stage computes that value too
+                    continue
                 return None
             if read != root:
                 variant = NodeProto()

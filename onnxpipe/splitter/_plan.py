@@ -7,7 +7,7 @@ import functools
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +20,7 @@ from onnxpipe.builder import PipelineConfig, tensor_nbytes, tensor_spec, weights
 from onnxpipe.builder._batching import INPUT_DIMS_KEY, format_dims
 from onnxpipe.builder._modules import PROTOBUF_LIMIT, move_into_place
 from onnxpipe.runtime import ModelMetadata, PipelineSpec, TensorSpec
+from onnxpipe.splitter._batchcuts import UnbatchedCuts
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
@@ -244,12 +245,14 @@ def split(
     profiled = {**head_dims, **constants}
     if policy is not None and profiled and isinstance(getattr(policy, "dims", None), Mapping):
         policy = dataclasses.replace(policy, dims={**profiled, **policy.dims})  # type: ignore[type-var, attr-defined]  # profiled with them
+    if policy is not None and pairs and dataclasses.is_dataclass(policy) and getattr(policy, "refuse", False) is None:
+        policy = dataclasses.replace(policy, refuse=UnbatchedCuts(index, types, pairs))  # see Note: cuts that batch (_batchcuts)
     auto = None
     if policy is not None:
         auto = policy.assign(index, types, None if isinstance(model, ModelProto) else str(model))
         if _small_enough_to_remeasure(policy, auto):
             moved, note = remeasure(auto.assignment, index, model if isinstance(model, ModelProto) else str(model), policy.settings,  # type: ignore[attr-defined]
-                                    policy.dims, split)  # type: ignore[attr-defined]
+                                    policy.dims, split, _allowed(policy))  # type: ignore[attr-defined]
             # A moved cut is measured, not predicted: the profile's stage times are not its own.
             auto = dataclasses.replace(auto, assignment=moved, predicted_seconds=None if moved is not auto.assignment else auto.predicted_seconds,
                                        notes=(*auto.notes, note))
@@ -348,6 +351,12 @@ def split(
     if dropped:
         notes.append(f"{len(dropped)} dead node(s) left out (they contribute to no output): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}")
     return SplitPlan(stages=stages, config=config, dropped=dropped, notes=notes, source_dir=folder, auto=auto, states=pairs)
+
+
+def _allowed(policy: object) -> Callable[[dict[int, int]], bool] | None:
+    """Which moved cuts ``remeasure`` may keep: those whose boundaries batch, where the policy refuses the others."""
+    refuse = getattr(policy, "refuse", None)
+    return refuse.batches if isinstance(refuse, UnbatchedCuts) else None
 
 
 def _with_dims_fixed(types: dict[str, onnx.ValueInfoProto], sizes: Mapping[str, int]) -> dict[str, onnx.ValueInfoProto]:

@@ -77,11 +77,12 @@ def _slowest(plan: Any, feeds: Mapping[str, np.ndarray], settings: StageSettings
 
 
 def remeasure(assignment: dict[int, int], index: GraphIndex, model: str | ModelProto, settings: StageSettings,
-              dims: Mapping[str, int], split: Callable[..., Any]) -> tuple[dict[int, int], str]:
+              dims: Mapping[str, int], split: Callable[..., Any], allowed: Callable[[dict[int, int]], bool] | None = None) -> tuple[dict[int, int], str]:
     """The best of the predicted cut and its neighbours, measured together (see Note: small stages).
 
     Args:
         split: ``onnxpipe.splitter.split`` (passed in: it calls this).
+        allowed: Which moved assignments may be kept (the policy's refused cuts: ``_batchcuts``); default all.
 
     Returns:
         The assignment kept (or moved to), and a note saying what was measured.
@@ -96,7 +97,7 @@ def remeasure(assignment: dict[int, int], index: GraphIndex, model: str | ModelP
     for boundary in range(stages - 1):
         for delta in _MOVES:
             moved = _moved(assignment, order, boundary, delta)
-            if moved is not None:
+            if moved is not None and (allowed is None or allowed(moved)):
                 candidates[f"cut {boundary + 1} moved {delta:+d}"] = moved
     types, _ = infer_types(index.model)
     feeds, _ = random_inputs([tensor_spec(types[n]) for n in index.inputs], dims)
