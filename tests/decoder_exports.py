@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -55,6 +56,27 @@ def step_feeds(inputs: set[str], tokens: list[int], done: int) -> dict[str, np.n
     """A decode step's inputs (:func:`tests.stateful_models.decoder_feeds`) that the export has (the
     genai builder's take no ``position_ids``: its attention computes them from the mask)."""
     return {k: v for k, v in decoder_feeds(tokens, done).items() if k in inputs}
+
+
+def decode_one_driver(pipe: Any, inputs: set[str], starts: list[list[int]], counts: list[int]) -> list[tuple[list[int], list[np.ndarray]]]:
+    """Greedy decoding of ``len(starts)`` streams from one thread: every round one
+    ``submit_steps`` of the streams still going, each closed once its ``counts[k]`` tokens are
+    made (so streams leave the batch as they end). Each stream's new tokens and last-position
+    logits, step by step."""
+    texts, done = [list(p) for p in starts], [0] * len(starts)
+    logits: list[list[np.ndarray]] = [[] for _ in starts]
+    streams = [pipe.stream() for _ in starts]
+    for n in range(max(counts)):
+        going = [k for k in range(len(starts)) if n < counts[k]]
+        futures = pipe.submit_steps({streams[k]: step_feeds(inputs, texts[k], done[k]) for k in going})
+        for k in going:
+            last = futures[streams[k]].result(timeout=60)["logits"][0, -1]
+            done[k] = len(texts[k])
+            texts[k].append(int(np.argmax(last)))
+            logits[k].append(last)
+            if n + 1 == counts[k]:
+                streams[k].close()
+    return [(texts[k][len(starts[k]):], logits[k]) for k in range(len(starts))]
 
 
 class WholeModel:

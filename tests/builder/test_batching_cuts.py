@@ -23,7 +23,7 @@ from onnxpipe import BuildError
 from onnxpipe.builder import build, export
 from onnxpipe.runtime import load
 from onnxpipe.splitter import split
-from tests.decoder_exports import WholeModel, model_path, prompts, step_feeds
+from tests.decoder_exports import WholeModel, decode_one_driver, model_path, prompts
 
 #: Where a cut falls in each layer's attention: right after these nodes (their names after ``/model/layers.N/self_attn/``).
 _AFTER = ("Concat_6", "Transpose_3", "MatMul", "Where_2", "Add_2", "Softmax", "Where_3", "MatMul_1", "o_proj/MatMul")
@@ -74,23 +74,12 @@ def test_four_streams_of_mixed_lengths_cut_after_the_softmax_decode_the_tokens_o
     starts = prompts(4)  # 1 to 4 tokens: every batch is padded
     counts = [6, 8, 7, 8]
     wants = [whole.generate(starts[k], counts[k]) for k in range(4)]
-    texts, done, logits = [list(p) for p in starts], [0] * 4, [[] for _ in range(4)]  # type: ignore[var-annotated]
     with load(bundle, max_streams=8, micro_batches=1) as pipe:
-        streams = [pipe.stream() for _ in starts]
-        for n in range(max(counts)):
-            going = [k for k in range(4) if n < counts[k]]
-            futures = pipe.submit_steps({streams[k]: step_feeds(whole.inputs, texts[k], done[k]) for k in going})
-            for k in going:
-                last = futures[streams[k]].result(timeout=60)["logits"][0, -1]
-                done[k] = len(texts[k])
-                texts[k].append(int(np.argmax(last)))
-                logits[k].append(last)
-                if n + 1 == counts[k]:
-                    streams[k].close()
+        driven = decode_one_driver(pipe, whole.inputs, starts, counts)
         stats = pipe.stats()
-    for k in range(4):
-        assert texts[k][len(starts[k]):] == wants[k][0], f"stream {k}"
-        got = np.stack(logits[k])
+    for k, (tokens, logits) in enumerate(driven):
+        assert tokens == wants[k][0], f"stream {k}"
+        got = np.stack(logits)
         assert np.isfinite(got).all(), f"stream {k}"
         np.testing.assert_allclose(got, np.stack(wants[k][1]), rtol=0, atol=1e-4, err_msg=f"stream {k}")
     assert len({tuple(w[0]) for w in wants}) > 1  # the streams' tokens depend on their prompts

@@ -23,7 +23,7 @@ import pytest
 
 from onnxpipe.runtime import load
 from onnxpipe.splitter import MeasuredPolicy, split
-from tests.decoder_exports import EXPORTS, HAND_CUTS, Filtered, WholeModel, model_path, profile_dims, prompts, step_feeds
+from tests.decoder_exports import EXPORTS, HAND_CUTS, Filtered, WholeModel, decode_one_driver, model_path, profile_dims, prompts, step_feeds
 from tests.models import bundle_of
 from tests.stateful_models import decode_in_threads, generate
 
@@ -93,19 +93,10 @@ def test_one_stream_then_eight_batched_streams_decode_the_tokens_of_the_whole_ex
         assert tokens == wants[k][0], f"stream {k}"
         np.testing.assert_allclose(np.stack(logits), np.stack(wants[k][1]), rtol=0, atol=1e-4, err_msg=f"stream {k}")
     # One driver, every round one submit_steps of the streams still going (each leaves when its count is done).
-    texts, done = [list(p) for p in starts], [0] * 8
     with load(bundle, max_streams=16, micro_batches=1) as pipe:
-        streams = [pipe.stream() for _ in starts]
-        for n in range(max(counts)):
-            going = [k for k in range(8) if n < counts[k]]
-            futures = pipe.submit_steps({streams[k]: step_feeds(model.inputs, texts[k], done[k]) for k in going})
-            for k in going:
-                done[k] = len(texts[k])
-                texts[k].append(int(np.argmax(futures[streams[k]].result(timeout=60)["logits"][0, -1])))
-                if n + 1 == counts[k]:
-                    streams[k].close()
+        driven = decode_one_driver(pipe, model.inputs, starts, counts)
         stats = pipe.stats()
-    assert [texts[k][len(starts[k]):] for k in range(8)] == [w[0] for w in wants]
+    assert [tokens for tokens, _ in driven] == [w[0] for w in wants]
     for stage in stats.stages:
         assert max(stage.batch_sizes) == 8, f"{stage.stage}: {stage.batch_sizes}"
 
