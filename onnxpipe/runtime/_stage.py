@@ -34,6 +34,15 @@ Note: state blocks.
     not hold its step, each member runs alone (nothing was committed): a member that fails leaves
     the batch with its error, and the others go on to the next stage as a smaller batch.
 
+Note: state bytes copied.
+    A runner counts the bytes of streams' state that are copied for its runs (``copied``, each
+    run's share in its ``Call``, summed in ``StageStats.bytes_copied``): its own copies (a block
+    made anew from its members' states when members joined, compacted when they left, a member's
+    rows cut out of a block to run alone) and the past a session copied into a present it made
+    apart from it (a KV cache fed as an input and returned as a new array: GroupQueryAttention
+    without a shared buffer and ``Concat`` both copy the whole past, every step). A state kept in
+    place costs neither: what a step writes is its new rows.
+
 Note: batched calls.
     A stage whose ``max_batch`` is above 1 in a stateless pipeline (Triton's dynamic batcher) is
     given what its worker took from the queue, and :meth:`StageRunner.run_many` runs it in as few
@@ -253,6 +262,7 @@ class Call:
         failures: What failed in it (whole requests, or members that left a batch).
         waited: Seconds the run waited to form before it started: a worker's wait for its group
             to fill, or, in the first stage, a batch of steps' wait at the entry (set by the engine).
+        copied: Bytes of streams' state the run copied (Note: state bytes copied).
     """
 
     requests: tuple[int, ...]
@@ -261,6 +271,7 @@ class Call:
     size: int
     failures: tuple[Failure, ...] = ()
     waited: float = 0.0
+    copied: int = 0
 
 
 class Runner(Protocol):
@@ -311,6 +322,8 @@ class RunnerBase:
     for a caller outside an engine."""
 
     name: str
+    #: Bytes of streams' state copied so far (Note: state bytes copied); each run's share is its ``Call.copied``.
+    copied = 0
 
     def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Run the stage for one request (see the note on the request's bag); the members of a
@@ -322,12 +335,12 @@ class RunnerBase:
         never raises: what :meth:`_compute` raised fails the request, in the :class:`Call`."""
         batch = request.batch  # its size, inlined: run() is on every request's path through every stage
         size = 0 if request.step == CLOSE else 1 if batch is None else len(batch)
-        start = _clock()
+        start, copied = _clock(), self.copied
         try:
             failures = self._compute(request)
         except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
             failures = (Failure(request.id, self.name, str(e)),)
-        return Call((request.id,), start, _clock(), size, failures)
+        return Call((request.id,), start, _clock(), size, failures, copied=self.copied - copied)
 
     def __call__(self, request: Request) -> None:
         """Run the stage for one request, raising what the stage raised (for callers outside an
@@ -390,15 +403,20 @@ class StageRunner(RunnerBase):
         if request.batch is not None:
             return self._run_steps(request)
         values = request.values
-        results = self.session.run(self.plan.outputs, self._feeds(request), self.run_options)
+        feeds = self._feeds(request)
+        results = self._run(feeds)
         if self._state_at:
             assert request.stream is not None
-            self._commit(request, request.stream, request.step, {name: results[at] for name, at in self._state_at})
+            self._commit(request, request.stream, request.step, self._made_state(feeds, results))
         for at, key in self._kept:
             values[key] = results[at]
         for key in self._dropped:
             values.pop(key, None)
         return ()
+
+    def _run(self, feeds: dict[str, Any]) -> list[Any]:
+        """One session call: the stage's outputs, in ``plan.outputs`` order."""
+        return self.session.run(self.plan.outputs, feeds, self.run_options)
 
     def _feeds(self, request: Request) -> dict[str, np.ndarray]:
         """What the session is fed for one request alone: its inputs from the bag, its parameters,
@@ -422,6 +440,17 @@ class StageRunner(RunnerBase):
         return feeds
 
     # -- state ----------------------------------------------------------------------------------
+
+    def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any]) -> dict[str, np.ndarray]:
+        """The state outputs of a call, by state input; the past the session copied into each
+        present it made apart from it is counted (Note: state bytes copied)."""
+        state = {}
+        for name, at in self._state_at:
+            made, past = results[at], fed[name]
+            if not np.may_share_memory(made, past):
+                self.copied += past.nbytes
+            state[name] = made
+        return state
 
     def _commit(self, request: Request, stream: int, step: int, state: dict[str, np.ndarray]) -> None:
         """A stream's state after ``step``, its own arrays, and its bytes told to the request (Note: a stream's state bytes, ``_stream``)."""
@@ -456,8 +485,11 @@ class StageRunner(RunnerBase):
             return held
         block, j = held.block, held.index
         lo, hi, shift = block.rows[j], block.rows[j + 1], block.shifts[j]
-        return {name: member_rows(value, lo, hi, None if name not in self._empty else (self._empty[name], 0.0), shift, self._right)
-                for name, value in block.arrays.items()}
+        own = {name: member_rows(value, lo, hi, None if name not in self._empty else (self._empty[name], 0.0), shift, self._right)
+               for name, value in block.arrays.items()}
+        if shift:
+            self.copied += sum(a.nbytes for name, a in own.items() if name in self._empty)  # cut out without its padding
+        return own
 
     def _block_for(self, batch: StepBatch) -> dict[str, np.ndarray] | None:
         """The state a batch of steps runs on, as one block in the batch's layout (Note: state
@@ -484,7 +516,9 @@ class StageRunner(RunnerBase):
         at = [h.index for h in helds]  # type: ignore[union-attr]
         if all(block.shifts[k] == s and block.rows[k + 1] - block.rows[k] == batch.rows[j + 1] - batch.rows[j]
                for j, (k, s) in enumerate(zip(at, batch.shifts, strict=True))):
-            return {name: take_rows(value, block.rows, at) for name, value in block.arrays.items()}  # members left: one compaction
+            compacted = {name: take_rows(value, block.rows, at) for name, value in block.arrays.items()}  # members left: one compaction
+            self.copied += sum(a.nbytes for a in compacted.values())
+            return compacted
         return None
 
     def _joined_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock]) -> dict[str, np.ndarray] | None:
@@ -500,6 +534,7 @@ class StageRunner(RunnerBase):
             if axis is not None and len({p.shape[axis] + s for p, s in zip(parts, batch.shifts, strict=True)}) != 1:
                 return None
             out[name] = pad_stack(parts, axis, 0.0, batch.shifts, self._right) if axis is not None and any(batch.shifts) else np.concatenate(parts)
+        self.copied += sum(a.nbytes for a in out.values())
         return out
 
     # -- a batch of streams' steps ----------------------------------------------------------
@@ -521,7 +556,7 @@ class StageRunner(RunnerBase):
                     self.unbatched = "the members' states do not line up with the batch's padding"
                     return self._replay(request)
                 feeds.update(block)
-            results = self.session.run(self.plan.outputs, feeds, self.run_options)
+            results = self._run(feeds)
         except Exception as e:  # which member was bad is found by running each alone
             self.unbatched = f"the batched call failed: {e}"
             return self._replay(request)
@@ -530,7 +565,7 @@ class StageRunner(RunnerBase):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
             return self._replay(request)
         if self._state_at:
-            made = _Block(batch.streams, batch.rows, batch.shifts, {name: results[at] for name, at in self._state_at})
+            made = _Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results))
             states = self.states
             size, rows = sum(a.nbytes for a in made.arrays.values()), max(batch.rows[-1], 1)
             for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
@@ -558,12 +593,12 @@ class StageRunner(RunnerBase):
             try:
                 if self._state_at:
                     feeds.update(self._own(self._held(stream, step, dims)))
-                results = self.session.run(self.plan.outputs, feeds, self.run_options)
+                results = self._run(feeds)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
                 gone[j] = Failure(batch.ids[j], self.name, str(e), member=True)
                 continue
             if self._state_at:
-                self._commit(request, stream, step, {name: results[at] for name, at in self._state_at})
+                self._commit(request, stream, step, self._made_state(feeds, results))
             done.append((j, results))
         self._rejoin(values, batch, done)
         request.batch = batch.without({j: failure.error() for j, failure in gone.items()})
@@ -646,7 +681,7 @@ class StageRunner(RunnerBase):
             rows.append(rows[-1] + sizes.pop())
         joined = {name: np.concatenate([f[name] for f in feeds]) if name in stacked else value for name, value in feeds[0].items()}
         try:
-            results = self.session.run(self.plan.outputs, joined, self.run_options)
+            results = self._run(joined)
         except Exception as e:  # which member was bad is found by running each alone
             self.unbatched = f"the batched call failed: {e}"
             return run_alone(self, batch)

@@ -68,6 +68,7 @@ class StageRecorder:
         self.batches: dict[int, int] = {}  # batch size -> calls of that size (only with batching)
         self.batch_busy: dict[int, float] = {}  # batch size -> seconds its calls ran (Triton's batch_stats)
         self.batch_wait = 0.0
+        self.copied = 0  # bytes of streams' state its runs copied (Call.copied)
 
     def record(self, call: Call, requests: Sequence[Any]) -> None:
         """One run of the stage, as its runner reported it (:class:`~onnxpipe.runtime._stage.Call`,
@@ -97,6 +98,7 @@ class StageRecorder:
         self.failed += len(call.failures)
         self.busy += took
         self.queued += queued
+        self.copied += call.copied
         self.latencies.append(took)
         if self.counts_batches:
             self.calls += 1
@@ -125,6 +127,7 @@ class StageRecorder:
         """Forget everything recorded so far."""
         self.count = self.failed = self.calls = 0
         self.busy = self.queued = self.batch_wait = 0.0
+        self.copied = 0
         self.batches = {}
         self.batch_busy = {}
         self.latencies.clear()
@@ -163,6 +166,10 @@ class StageStats:
         intra_op_threads, inter_op_threads, affinity, max_batch: The stage's settings in effect
             (the bundle's, or the host's deploy-time overrides: ``load(..., overrides=...)``);
             ``replicas`` above is the workers running it.
+        bytes_copied: Bytes of streams' state its runs copied (``_stage``, Note: state bytes
+            copied): onnxpipe's own (a block made anew when members join, compacted when they
+            leave, grown) and the past a session copied into a present it made apart from it (a
+            KV cache not bound in place). Divided by ``batch_sizes``' calls: bytes per step.
     """
 
     stage: str
@@ -188,6 +195,7 @@ class StageStats:
     inter_op_threads: int = 1
     affinity: tuple[int, ...] | None = None
     max_batch: int = 1
+    bytes_copied: int = 0
 
 
 @dataclass(frozen=True)
@@ -360,6 +368,7 @@ def _stage_stats(name: str, recorders: Sequence[StageRecorder], depth: int, high
         batch_mean=batched / sum(sizes.values()) if sizes else 1.0,
         batch_wait_ms=1e3 * wait / calls if calls else 0.0,
         batch_busy_s=dict(sorted(sized.items())),
+        bytes_copied=sum(r.copied for r in recorders),
     )
 
 
