@@ -67,9 +67,9 @@ from onnxpipe.runtime._overrides import check_stream_batching
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
 from onnxpipe.runtime._stream import bind_dims, state_dims
-from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_outputs, stack_steps
+from onnxpipe.runtime.scheduling import StepBatch, bag_pads, batch_length, member_outputs, stack_steps
 
-__all__ = ["INPUT_DIMS_KEY", "MASK_NAMES", "check_batching", "format_dims", "parse_dims"]
+__all__ = ["INPUT_DIMS_KEY", "MASK_NAMES", "check_batching", "format_dims", "mark_shared_states", "parse_dims"]
 
 #: The pipeline metadata key holding the sizes of symbolic input dims the split was made for (see Note: the batching probe).
 INPUT_DIMS_KEY = "input_dims"
@@ -141,6 +141,31 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
             raise BuildError(f"stage '{growing[0].name}': cannot check that its streams batch ({e}); set max_batch=1 for it") from None
     stages = tuple(dataclasses.replace(s, batching=records[s.name]) if s.name in records else s for s in spec.stages)
     return dataclasses.replace(spec, stages=stages)
+
+
+def _shared_pasts(stage: StageSpec, folder: Path) -> set[tuple[str, str]] | None:
+    """The (past, present) pairs of a stage's module that onnxruntime's ``GroupQueryAttention``
+    reads and makes (its inputs 3, 4 and outputs 1, 2): a past it may share its buffer with its
+    present; ``None`` when the module is no ONNX file this can read (onnxruntime's ORT format)."""
+    assert stage.module is not None
+    try:
+        model = onnx.load(str(folder / stage.module), load_external_data=False)
+    except Exception:  # an ORT-format module (protobuf's DecodeError, or onnx's own error)
+        return None
+    return {(node.input[3 + k], node.output[1 + k]) for node in model.graph.node
+            if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and len(node.input) > 4 and len(node.output) > 2 for k in (0, 1)}
+
+
+def mark_shared_states(spec: PipelineSpec, folder: Path) -> PipelineSpec:
+    """The spec with ``StateLink.shared`` set on each state whose input and output are the past and
+    present of one ``GroupQueryAttention`` (their buffer may be one: the runtime keeps the state in
+    place, ``_stage``, Note: state in place)."""
+    links = []
+    for link in spec.states:
+        stage = spec.stage(link.stage)
+        shared = _shared_pasts(stage, folder) if stage.module is not None and link.empty_axis is not None else None
+        links.append(dataclasses.replace(link, shared=bool(shared) and (link.input, link.output) in shared))  # type: ignore[operator]
+    return dataclasses.replace(spec, states=tuple(links))
 
 
 def _check_batch_axes(stage: StageSpec) -> None:
@@ -280,7 +305,7 @@ class _Probe:
             raise _Differs(runners[0].name, "the steps' growing inputs do not line up when padded")
         values, rows, shifts = stacked
         batch = StepBatch(tuple(r.id for r in group), tuple(r.stream for r in group), tuple(r.step for r in group),  # type: ignore[misc]
-                          tuple(r.dims for r in group), (0.0,) * len(group), rows, shifts)
+                          tuple(r.dims for r in group), (0.0,) * len(group), rows, shifts, length=batch_length(values, entry))
         request = Request(group[0].id, {Endpoint(None, k): v for k, v in values.items()}, {}, 0.0, batch=batch)
         for k, runner in enumerate(runners):
             runner.unbatched = None
@@ -461,16 +486,11 @@ class _Probe:
         """``"right"`` for a stage whose state feeds onnxruntime's ``GroupQueryAttention`` as its
         past (Note: the batching probe, 3), ``"left"`` for another, ``None`` when its module is no
         ONNX file the probe can read (onnxruntime's ORT format)."""
-        assert stage.module is not None
         pasts = {link.input for link in self.spec.states_of(stage.name) if link.empty_axis is not None}
-        try:
-            model = onnx.load(str(self.folder / stage.module), load_external_data=False)
-        except Exception:  # an ORT-format module (protobuf's DecodeError, or onnx's own error)
+        shared = _shared_pasts(stage, self.folder)
+        if shared is None:
             return None
-        for node in model.graph.node:
-            if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and pasts & set(node.input[3:5]):
-                return "right"
-        return "left"
+        return "right" if pasts & {past for past, _ in shared} else "left"
 
     def _compare(self, want: Sequence[Mapping[str, np.ndarray]], got: Sequence[Mapping[str, np.ndarray]], batching: Sequence[StageSpec]) -> str:
         worst, where, tol = 0.0, "", 1e-4

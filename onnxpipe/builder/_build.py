@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError
 from onnx import ModelProto
 
 from onnxpipe._errors import BuildError, BundleError, SplitError
-from onnxpipe.builder._batching import check_batching
+from onnxpipe.builder._batching import check_batching, mark_shared_states
 from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Stage
 from onnxpipe.builder._modules import move_into_place, save_model
 from onnxpipe.runtime import ParamGroup, PipelineSpec, StageSettings
@@ -125,7 +125,7 @@ def build(config: PipelineConfig, out_dir: str | os.PathLike[str], *, ort_format
             reports.append(report)
         unbuilt = config.to_spec(modules)
         built = dataclasses.replace(unbuilt, stages=tuple(dataclasses.replace(s, build=records[s.name]) for s in unbuilt.stages))
-        built = check_batching(built, staging)
+        built = check_batching(mark_shared_states(built, staging), staging)
         (staging / CONFIG_FILE).write_text(built.to_json())
         move_into_place(staging, out)
     finally:

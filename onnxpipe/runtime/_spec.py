@@ -438,12 +438,17 @@ class StateLink:
         input: The stage input fed the state on the next step (``past_key_values.0.key``).
         empty_axis: The axis along which the initial state is empty (a past's sequence axis), or
             ``None`` for zeros of the full shape.
+        shared: The stage's module may write the output into the input's own buffer, so the
+            runtime keeps the state in place (``_stage``, Note: state in place): the build sets it
+            where onnxruntime's ``GroupQueryAttention`` reads the input as its past and makes the
+            output as its present (``past_present_share_buffer``).
     """
 
     stage: str
     output: str
     input: str
     empty_axis: int | None = None
+    shared: bool = False
 
     def __str__(self) -> str:
         return f"{self.stage}.{self.output} -> {self.stage}.{self.input} (next step)"
@@ -773,15 +778,18 @@ def _state_to_dict(state: StateLink) -> dict[str, Any]:
     data: dict[str, Any] = {"stage": state.stage, "output": state.output, "input": state.input}
     if state.empty_axis is not None:
         data["empty_axis"] = state.empty_axis
+    if state.shared:
+        data["shared"] = True
     return data
 
 
 def _state_from_dict(d: Mapping[str, Any], where: str) -> StateLink:
-    unknown = set(d) - {"stage", "output", "input", "empty_axis"}
+    unknown = set(d) - {"stage", "output", "input", "empty_axis", "shared"}
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid: stage, output, input, empty_axis")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid: stage, output, input, empty_axis, shared")
     axis = _need(d, "empty_axis", (int, type(None)), where, None)
-    return StateLink(_need(d, "stage", str, where), _need(d, "output", str, where), _need(d, "input", str, where), axis)
+    shared = _need(d, "shared", bool, where, False)
+    return StateLink(_need(d, "stage", str, where), _need(d, "output", str, where), _need(d, "input", str, where), axis, shared)
 
 
 def _endpoint_to_dict(ep: Endpoint, global_key: str) -> dict[str, str]:

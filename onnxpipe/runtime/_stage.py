@@ -76,6 +76,7 @@ import onnxruntime as ort
 from onnxpipe._errors import ConfigError, InputError, StageError, StreamError
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
+from onnxpipe.runtime._inplace import InSlab, arrange
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
 from onnxpipe.runtime._settings import check_cores
@@ -368,7 +369,7 @@ class StageRunner(RunnerBase):
         self.run_options = run_options()  # onnxruntime's own line of a failed run is off: the StageError says it (_session, Note: a run's failure is said once)
         self._keys = tuple(Endpoint(self.name, o) for o in plan.outputs)
         #: Per stream: (steps in the state, the state: its own arrays, or its rows of a block). See Note: state blocks.
-        self.states: dict[int, tuple[int, dict[str, np.ndarray] | _InBlock]] = {}
+        self.states: dict[int, tuple[int, dict[str, np.ndarray] | _InBlock | InSlab]] = {}
         self._state_at = tuple((s.input, plan.outputs.index(s.output)) for s in plan.states)
         #: Requests taken from the stage's queue that may run as one call (stateless requests: Note: batched calls).
         self.max_batch = plan.max_batch
@@ -389,6 +390,13 @@ class StageRunner(RunnerBase):
         #: Batched steps fed the block of state the step before left, as it was (no copy; Note:
         #: state blocks): a diagnostic (:meth:`Pipeline.diagnostics`).
         self.reused = 0
+        # States kept in place (``_inplace``, Note: state in place): each shared state input's
+        # growing axis and the present written into its buffer; in place only where every state
+        # of the stage is shared and the stage batches streams' steps.
+        links = plan.states
+        shared = bool(links) and all(s.shared and s.empty_axis is not None for s in links) and plan.batches and self._right
+        self._axes: dict[str, int] = {s.input: s.empty_axis for s in links if s.empty_axis is not None} if shared else {}
+        self._presents = {s.input: s.output for s in links} if shared else {}
 
     def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
@@ -398,7 +406,9 @@ class StageRunner(RunnerBase):
         its members that fail leave it: they are returned.
         """
         if request.step == CLOSE:
-            self.states.pop(request.stream, None)  # type: ignore[arg-type]
+            gone = self.states.pop(request.stream, None)  # type: ignore[arg-type]
+            if gone is not None and isinstance(gone[1], InSlab):
+                gone[1].slab.drop(request.stream)  # type: ignore[arg-type]
             return ()
         if request.batch is not None:
             return self._run_steps(request)
@@ -429,7 +439,7 @@ class StageRunner(RunnerBase):
         if own:
             feeds.update(own)
         if self._state_at:
-            feeds.update(self._own(self._held(request.stream, request.step, request.dims)))
+            feeds.update(self._own(self._held(request.stream, request.step, request.dims), request.stream))
         return feeds
 
     def _inputs(self, request: Request, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -454,10 +464,13 @@ class StageRunner(RunnerBase):
 
     def _commit(self, request: Request, stream: int, step: int, state: dict[str, np.ndarray]) -> None:
         """A stream's state after ``step``, its own arrays, and its bytes told to the request (Note: a stream's state bytes, ``_stream``)."""
+        before = self.states.get(stream)
+        if before is not None and isinstance(before[1], InSlab):
+            before[1].slab.drop(stream)  # its state is its own arrays now
         self.states[stream] = (step + 1, state)
         request.held.append((stream, self.name, sum(a.nbytes for a in state.values())))
 
-    def _held(self, stream: int | None, step: int, dims: Mapping[str, int]) -> dict[str, np.ndarray] | _InBlock:
+    def _held(self, stream: int | None, step: int, dims: Mapping[str, int]) -> dict[str, np.ndarray] | _InBlock | InSlab:
         """The state this step of its stream runs on (the initial one at step 0), as held.
 
         Raises:
@@ -479,8 +492,13 @@ class StageRunner(RunnerBase):
             )
         return entry[1]
 
-    def _own(self, held: dict[str, np.ndarray] | _InBlock) -> dict[str, np.ndarray]:
-        """A stream's state arrays alone: its own, or its rows of a block without its padding."""
+    def _own(self, held: dict[str, np.ndarray] | _InBlock | InSlab, stream: int | None = None) -> dict[str, np.ndarray]:
+        """A stream's state arrays alone: its own, or its rows of a block without its padding, or
+        a copy of its positions in a slab (``stream``: whose)."""
+        if isinstance(held, InSlab):
+            own = held.slab.own(stream)  # type: ignore[arg-type]
+            self.copied += sum(a.nbytes for a in own.values())
+            return own
         if not isinstance(held, _InBlock):
             return held
         block, j = held.block, held.index
@@ -502,7 +520,7 @@ class StageRunner(RunnerBase):
         kept = self._kept_block(batch, helds)
         return kept if kept is not None else self._joined_block(batch, helds)
 
-    def _kept_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock]) -> dict[str, np.ndarray] | None:
+    def _kept_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock | InSlab]) -> dict[str, np.ndarray] | None:
         """The block the step before left, when every member's state is rows of it in the batch's
         rows and padding: as it is (the same members in the same rows), or compacted once (members
         left); ``None`` otherwise."""
@@ -521,10 +539,10 @@ class StageRunner(RunnerBase):
             return compacted
         return None
 
-    def _joined_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock]) -> dict[str, np.ndarray] | None:
+    def _joined_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock | InSlab]) -> dict[str, np.ndarray] | None:
         """A new block made of each member's own state, padded to the batch's layout; ``None``
         when a member's state does not fit its rows or its padding."""
-        owns = [self._own(h) for h in helds]
+        owns = [self._own(h, s) for h, s in zip(helds, batch.streams, strict=True)]
         out: dict[str, np.ndarray] = {}
         for name, _ in self._state_at:
             parts = [own[name] for own in owns]
@@ -549,6 +567,8 @@ class StageRunner(RunnerBase):
             return ()  # every member failed in an earlier stage
         values = request.values
         feeds = self._inputs(request, {name: values[key] for name, key in self.plan.sources})
+        if self._axes and batch.length and batch.rows[-1] == len(batch):
+            return self._run_in_place(request, feeds)
         try:
             if self._state_at:
                 block = self._block_for(batch)
@@ -577,6 +597,58 @@ class StageRunner(RunnerBase):
             values.pop(key, None)
         return ()
 
+    def _run_in_place(self, request: Request, feeds: dict[str, Any]) -> tuple[Failure, ...]:
+        """A batch of steps (one row each) on its members' rows of a slab, bound as both past and
+        present (``_inplace``, Note: state in place); as :meth:`_run_steps` otherwise."""
+        batch = request.batch
+        assert batch is not None
+        try:
+            helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
+            slab, start, copied, evicted = arrange(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes)
+            self.copied += copied
+            for stream, own in evicted.items():  # open streams not in this batch keep their state as arrays of their own
+                if stream in self.states:
+                    self.states[stream] = (self.states[stream][0], own)
+            for stream in batch.streams:  # where each member's state is now, should the call fail
+                if stream in self.states:
+                    self.states[stream] = (self.states[stream][0], InSlab(slab))
+            results = self._run_bound(feeds, slab.view(start, len(batch)))
+        except Exception as e:  # which member was bad is found by running each alone (nothing was committed)
+            self.unbatched = f"the batched call failed: {e}"
+            return self._replay(request)
+        share = slab.nbytes() // slab.rows
+        for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
+            slab.lengths[stream] = batch.length - batch.shifts[j]
+            self.states[stream] = (step + 1, InSlab(slab))
+            request.held.append((stream, self.name, share))
+        values = request.values
+        for at, key in self._kept:
+            values[key] = results[at]
+        for key in self._dropped:
+            values.pop(key, None)
+        return ()
+
+    def _run_bound(self, feeds: dict[str, Any], views: Mapping[str, np.ndarray]) -> list[Any]:
+        """One session call with IOBinding: each state in ``views`` bound as its input and as its
+        present output (one buffer), the other inputs read in place, the other outputs made by
+        onnxruntime (numpy views of them, no copy); the outputs in ``plan.outputs`` order."""
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if name not in views:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        made: dict[str, Any] = {}
+        for name, view in views.items():
+            value = ort.OrtValue.ortvalue_from_numpy(view)
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(self._presents[name], value)
+            made[self._presents[name]] = view
+        rest = [o for o in self.plan.outputs if o not in made]
+        for name in rest:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding, self.run_options)
+        made.update(zip(rest, (v.numpy() for v in binding.get_outputs()[len(views):]), strict=True))
+        return [made[o] for o in self.plan.outputs]
+
     def _replay(self, request: Request) -> tuple[Failure, ...]:
         """Each member of the batch alone (nothing was committed); members that fail leave the
         batch with their error, the others go on as a smaller batch in the same layout. The
@@ -592,7 +664,7 @@ class StageRunner(RunnerBase):
             feeds = self._inputs(request, {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self.plan.sources})
             try:
                 if self._state_at:
-                    feeds.update(self._own(self._held(stream, step, dims)))
+                    feeds.update(self._own(self._held(stream, step, dims), stream))
                 results = self._run(feeds)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
                 gone[j] = Failure(batch.ids[j], self.name, str(e), member=True)
@@ -708,7 +780,7 @@ class StageRunner(RunnerBase):
         seen: set[int] = set()
         total = 0
         for _, held in self.states.copy().values():  # copy(): one step, while a run may add or drop a stream
-            arrays = held.block.arrays if isinstance(held, _InBlock) else held
+            arrays = held.block.arrays if isinstance(held, _InBlock) else held.slab.buffers if isinstance(held, InSlab) else held
             if id(arrays) not in seen:
                 seen.add(id(arrays))
                 total += sum(a.nbytes for a in arrays.values())

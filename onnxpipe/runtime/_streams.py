@@ -29,7 +29,7 @@ from onnxpipe.runtime._requests import CLOSED, STEP_CLOSED, Dispatcher, Outputs,
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, StagePlan
 from onnxpipe.runtime._stream import BY_OWNER, IdleStreams, Stream, StreamRecord, Tally, state_dims
-from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, member_outputs, stack_steps, step_key
+from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, batch_length, member_outputs, stack_steps, step_key
 
 __all__ = ["StreamRegistry", "StreamsView"]
 
@@ -305,7 +305,8 @@ class StreamRegistry:
             return
         submitted = tuple(s.submitted for s in steps)
         batch = StepBatch(tuple(range(first, first + len(steps))), tuple(s.stream for s in steps), tuple(s.number for s in steps),
-                          tuple(s.dims for s in steps), submitted, rows, shifts, waited=time.perf_counter() - min(submitted))
+                          tuple(s.dims for s in steps), submitted, rows, shifts, waited=time.perf_counter() - min(submitted),
+                          length=batch_length(values, self._entry_pads))
         request = Request(first, {Endpoint(None, k): v for k, v in values.items()}, steps[0].params, min(submitted), done=self._done, batch=batch)
         for s in steps:
             s.future.set_running_or_notify_cancel()

@@ -7,7 +7,10 @@ the exit by :func:`member_outputs`). What a stage does with a batch is the stage
 See docs/batching.md.
 """
 
-from onnxpipe.runtime.scheduling._batch import Failed, StepBatch, bag_pads, member_outputs, member_rows, pad_stack, stack_steps, take_rows
+from onnxpipe.runtime.scheduling._batch import Failed, StepBatch, bag_pads, batch_length, member_outputs, member_rows, pad_stack, stack_steps, take_rows
 from onnxpipe.runtime.scheduling._scheduler import Step, StepScheduler, step_key
 
-__all__ = ["Failed", "Step", "StepBatch", "StepScheduler", "bag_pads", "member_outputs", "member_rows", "pad_stack", "stack_steps", "step_key", "take_rows"]
+__all__ = [
+    "Failed", "Step", "StepBatch", "StepScheduler", "bag_pads", "batch_length", "member_outputs", "member_rows", "pad_stack", "stack_steps", "step_key",
+    "take_rows",
+]

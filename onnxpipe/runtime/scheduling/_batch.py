@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 
-__all__ = ["Failed", "StepBatch", "bag_pads", "member_outputs", "member_rows", "pad_stack", "stack_steps", "take_rows"]
+__all__ = ["Failed", "StepBatch", "bag_pads", "batch_length", "member_outputs", "member_rows", "pad_stack", "stack_steps", "take_rows"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class StepBatch:
         shifts: Member ``j``'s left padding on every padded axis.
         failed: Members that failed on the way and left the batch, with their errors.
         waited: Seconds its oldest member waited at the entry for the batch to leave.
+        length: The batch's length along the padded axes of its growing inputs (its attention
+            mask's): member ``j``'s stream holds ``length - shifts[j]`` positions after the step
+            (what a state kept in place counts, ``_stage``, Note: state in place); 0 when no
+            input grows.
     """
 
     ids: tuple[int, ...]
@@ -66,6 +71,7 @@ class StepBatch:
     shifts: tuple[int, ...]
     failed: tuple[Failed, ...] = field(default=())
     waited: float = 0.0
+    length: int = 0
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -89,16 +95,16 @@ class StepBatch:
             failed=self.failed + failed,
         )
 
-    def describe(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[dict[str, int], ...], tuple[int, ...], tuple[int, ...]]:
+    def describe(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[dict[str, int], ...], tuple[int, ...], tuple[int, ...], int]:
         """The layout as plain tuples (what another process needs to run the batch): ids, streams,
-        steps, dims, rows, shifts."""
-        return self.ids, self.streams, self.steps, tuple(dict(d) for d in self.dims), self.rows, self.shifts
+        steps, dims, rows, shifts, length."""
+        return self.ids, self.streams, self.steps, tuple(dict(d) for d in self.dims), self.rows, self.shifts, self.length
 
     @classmethod
-    def from_description(cls, described: Sequence[Sequence[object]]) -> StepBatch:
+    def from_description(cls, described: Sequence[Any]) -> StepBatch:
         """The batch :meth:`describe` described (submission times and failures are the driver's)."""
-        ids, streams, steps, dims, rows, shifts = described
-        return cls(tuple(ids), tuple(streams), tuple(steps), tuple(dims), (0.0,) * len(streams), tuple(rows), tuple(shifts))  # type: ignore[arg-type]
+        ids, streams, steps, dims, rows, shifts, length = described
+        return cls(tuple(ids), tuple(streams), tuple(steps), tuple(dims), (0.0,) * len(streams), tuple(rows), tuple(shifts), length=length)
 
 
 def bag_pads(spec: PipelineSpec) -> dict[Endpoint, tuple[int, float]]:
@@ -180,6 +186,16 @@ def stack_steps(steps: Sequence[Mapping[str, np.ndarray]], padded: Mapping[str, 
         else:
             values[n] = np.concatenate(parts)
     return values, tuple(rows), tuple(shifts)
+
+
+def batch_length(values: Mapping[str, np.ndarray], padded: Mapping[str, tuple[int, float]]) -> int:
+    """A stacked batch's length along its first growing input's padded axis (``StepBatch.length``);
+    0 when none of ``values`` grows."""
+    for name, (axis, _) in padded.items():
+        value = values.get(name)
+        if value is not None:
+            return int(value.shape[axis])
+    return 0
 
 
 def member_rows(value: np.ndarray, lo: int, hi: int, pad: tuple[int, float] | None, shift: int, right: bool = False) -> np.ndarray:

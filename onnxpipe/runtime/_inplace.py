@@ -1,0 +1,201 @@
+"""A stage's streams' state kept in place: one buffer per state, fed as the past and written as the present.
+
+Note: state in place.
+    A state link the build marked ``shared`` (``StateLink.shared``: the past and present of
+    onnxruntime's ``GroupQueryAttention``, which writes a step's new positions into the past's own
+    buffer when both are bound to it: ``past_present_share_buffer``, as onnxruntime-genai runs its
+    exports) is kept by a runner that batches streams' steps in a :class:`Slab`: per state one
+    buffer of ``rows`` rows and ``capacity`` positions along the state's growing axis, allocated
+    once and bound with IOBinding as both the past and the present of every batched call. Stream
+    ``s`` owns one row and holds ``lengths[s]`` positions from its start (right-padded: the op
+    reads each row's past up to its own length, from the attention mask's ``seqlens_k``), so a
+    decode step writes one position per layer and copies nothing.
+
+    - The batch's members must own rows ``0..k-1`` in the batch's order (onnxruntime takes one
+      contiguous block). When the same members step again, nothing moves. When members left,
+      the rows of those after them move up (only their positions); a member that is not in this
+      batch but still open is copied out to arrays of its own first. A member that joins (its
+      state from a step it ran alone, a prefill, or from another slab) is copied into its row.
+    - When the batch's longest stream would outgrow ``capacity``, or more members come than
+      ``rows``, the slab is made anew, 1.5 times as long (rounded up to 64 positions) or twice
+      the rows (at most ``max_batch``), and every member's positions copied once: amortized over
+      the steps that follow, as a growing list is.
+    - A step that fails after writing leaves every member's positions before its length as they
+      were (the op writes only after them), and lengths move only on success: the state is
+      unchanged, as a step's commit promises.
+    - A step that runs alone (a prefill, a replay, an unbatched stream) runs on its own arrays
+      as before: a member's positions are copied out of the slab for it (counted).
+
+    Every move and copy is counted in ``copied`` (``StageStats.bytes_copied``). Memory: a slab
+    holds up to 1.5 times its longest stream's positions in each of its rows
+    (``Stream.state_bytes`` counts the rows' share of the buffers, padding included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["InSlab", "Slab", "arrange", "capacity_for"]
+
+_ALIGN = 64  # positions: a slab's capacity is a multiple of this
+
+
+def capacity_for(need: int, old: int = 0) -> int:
+    """A slab's capacity for ``need`` positions: at least 1.5 times ``old`` (amortized growth), rounded up to 64."""
+    want = max(need, old + old // 2, 1)
+    return -(-want // _ALIGN) * _ALIGN
+
+
+class Slab:
+    """The buffers of a group of streams' state kept in place (see Note: state in place).
+
+    Args:
+        like: Per state input, an array of its dtype and shape but for dims 0 and ``axes[name]``.
+        axes: Per state input, its growing axis.
+        rows: Rows to allocate.
+        capacity: Positions to allocate along each growing axis.
+    """
+
+    def __init__(self, like: Mapping[str, np.ndarray], axes: Mapping[str, int], rows: int, capacity: int) -> None:
+        self.axes = dict(axes)
+        self.buffers: dict[str, np.ndarray] = {}
+        for name, value in like.items():
+            shape = list(value.shape)
+            shape[0], shape[self.axes[name]] = rows, capacity
+            self.buffers[name] = np.zeros(shape, value.dtype)
+        self.row: dict[int, int] = {}  # stream -> its row
+        self.lengths: dict[int, int] = {}  # stream -> positions it holds
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.buffers.values())))
+
+    @property
+    def capacity(self) -> int:
+        name, buffer = next(iter(self.buffers.items()))
+        return int(buffer.shape[self.axes[name]])
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def view(self, start: int, k: int) -> dict[str, np.ndarray]:
+        """Rows ``start..start+k-1`` of each buffer (contiguous: what a batched call binds)."""
+        return {name: buffer[start : start + k] for name, buffer in self.buffers.items()}
+
+    def _at(self, name: str, row: int | slice | list[int], length: int) -> tuple[Any, ...]:
+        return (row, *(slice(None),) * (self.axes[name] - 1), slice(0, length))
+
+    def own(self, stream: int) -> dict[str, np.ndarray]:
+        """A copy of the stream's positions, as arrays of its own (one row)."""
+        row, length = self.row[stream], self.lengths[stream]
+        return {name: buffer[self._at(name, slice(row, row + 1), length)].copy() for name, buffer in self.buffers.items()}
+
+    def put(self, stream: int, row: int, arrays: Mapping[str, np.ndarray]) -> int:
+        """Copy a stream's own state (one row, exact length) into ``row``; the bytes copied."""
+        length = 0
+        for name, value in arrays.items():
+            length = int(value.shape[self.axes[name]])
+            self.buffers[name][self._at(name, slice(row, row + 1), length)] = value
+        self.row[stream], self.lengths[stream] = row, length
+        return sum(a.nbytes for a in arrays.values())
+
+    def move(self, moves: Sequence[tuple[int, int]]) -> int:
+        """Streams to new rows (``(stream, row)``), their positions copied together (a move's
+        source is read before any is written); the bytes copied."""
+        if not moves:
+            return 0
+        src = [self.row[s] for s, _ in moves]
+        dst = [r for _, r in moves]
+        length = max(self.lengths[s] for s, _ in moves)
+        copied = 0
+        for name, buffer in self.buffers.items():
+            moved = buffer[self._at(name, src, length)]  # fancy indexing: a copy, so overlapping rows are safe
+            buffer[self._at(name, dst, length)] = moved
+            copied += moved.nbytes
+        for (stream, _), row in zip(moves, dst, strict=True):
+            self.row[stream] = row
+        return copied
+
+    def drop(self, stream: int) -> None:
+        """The stream no longer keeps its state here."""
+        self.row.pop(stream, None)
+        self.lengths.pop(stream, None)
+
+    def take(self, stream: int, source: Slab, row: int) -> int:
+        """Copy a stream's positions from another slab into ``row`` (it leaves ``source``); the bytes copied."""
+        at, length = source.row[stream], source.lengths[stream]
+        copied = 0
+        for name, buffer in self.buffers.items():
+            part = source.buffers[name][self._at(name, slice(at, at + 1), length)]
+            buffer[self._at(name, slice(row, row + 1), length)] = part
+            copied += part.nbytes
+        self.row[stream], self.lengths[stream] = row, length
+        source.drop(stream)
+        return copied
+
+
+class InSlab:
+    """A stream's state held in a slab (its row and length are the slab's)."""
+
+    __slots__ = ("slab",)
+
+    def __init__(self, slab: Slab) -> None:
+        self.slab = slab
+
+
+def arrange(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: int, axes: Mapping[str, int]
+            ) -> tuple[Slab, int, int, dict[int, dict[str, np.ndarray]]]:
+    """One slab whose rows ``start..start+k-1`` hold the batch's members in order, at least
+    ``need`` positions long (see Note: state in place): the first member's, as it is when the
+    members' rows are already those (the same members as the step before, or some of them in a
+    row), else with rows moved and joiners copied in; or a new one. Returns it, ``start``, the
+    bytes copied, and the streams copied out of it to arrays of their own (open streams not in
+    the batch whose rows the members took).
+
+    Args:
+        streams: The members, in row order.
+        helds: Each member's state as held: an :class:`InSlab`, or arrays of its own (one row, exact length).
+        need: The positions the longest member holds after the step.
+        max_rows: The most rows a slab gets (the stage's ``max_batch``).
+        axes: Per state input, its growing axis.
+    """
+    k = len(streams)
+    first = helds[0]
+    slab = first.slab if isinstance(first, InSlab) else None
+    if slab is None or slab.capacity < need or slab.rows < k:
+        return _anew(streams, helds, need, max_rows, axes, slab)
+    start = slab.row[streams[0]]
+    if start + k > slab.rows:
+        start = 0
+    targets = {s: start + j for j, s in enumerate(streams)}
+    ours = [s for s, h in zip(streams, helds, strict=True) if isinstance(h, InSlab) and h.slab is slab]
+    if len(ours) == k and all(slab.row[s] == targets[s] for s in ours):
+        return slab, start, 0, {}
+    taken = set(targets.values())
+    evicted = {s: slab.own(s) for s, row in list(slab.row.items()) if s not in targets and row in taken}
+    copied = 0
+    for s, arrays in evicted.items():
+        copied += sum(a.nbytes for a in arrays.values())
+        slab.drop(s)
+    copied += slab.move([(s, targets[s]) for s in ours if slab.row[s] != targets[s]])
+    for s, h in zip(streams, helds, strict=True):
+        if not (isinstance(h, InSlab) and h.slab is slab):
+            copied += slab.take(s, h.slab, targets[s]) if isinstance(h, InSlab) else slab.put(s, targets[s], h)
+    return slab, start, copied, evicted
+
+
+def _anew(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: int, axes: Mapping[str, int], old: Slab | None
+          ) -> tuple[Slab, int, int, dict[int, dict[str, np.ndarray]]]:
+    """A new slab for the batch, every member's positions copied in (see :func:`arrange`)."""
+    k = len(streams)
+    rows = max(k, min(max_rows, 2 * old.rows) if old is not None and old.rows < k else old.rows if old is not None else k)
+    capacity = capacity_for(need, old.capacity if old is not None and old.capacity < need else 0)
+    like = next(h for h in helds if not isinstance(h, InSlab)) if any(not isinstance(h, InSlab) for h in helds) else helds[0].slab.buffers
+    slab = Slab(like, axes, rows, capacity)
+    copied = 0
+    for j, (s, h) in enumerate(zip(streams, helds, strict=True)):
+        copied += slab.take(s, h.slab, j) if isinstance(h, InSlab) else slab.put(s, j, h)
+    return slab, 0, copied, {}
