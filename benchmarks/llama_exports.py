@@ -39,7 +39,7 @@ def make(out: Path, name: str, builder_python: str) -> Path:
     folder = out / name
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())

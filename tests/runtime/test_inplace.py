@@ -1,0 +1,197 @@
+"""Streams' KV state kept in place (issue 38, runtime/_inplace.py, Note: state in place).
+
+The slab's arithmetic on plain arrays: the same members cost nothing, a member that leaves moves
+only the rows after it, an open stream whose row is taken is copied out exactly, a joiner is copied
+in, a slab outgrown is made anew with every member's positions kept. And onnxruntime-genai's
+Llama export (tests/data/decoders/genai-llama), split and batching, its GroupQueryAttention caches
+bound in place: tokens equal the whole export alone (mixed prompts, streams leaving, a member that
+fails, on threads and on Ray), and a decode step copies nothing, however long the context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from onnxpipe.runtime import load
+from onnxpipe.runtime._inplace import InSlab, Slab, arrange, capacity_for
+from onnxpipe.splitter import split
+from tests.decoder_exports import HAND_CUTS, WholeModel, decode_one_driver, model_path, prompts, step_feeds
+from tests.models import bundle_of
+
+AXES = {"k": 2}
+
+
+def _own(length: int, value: float) -> dict[str, np.ndarray]:
+    """One stream's state of its own: 1 row, 2 heads, ``length`` positions, 3 dims, all ``value``."""
+    return {"k": np.full((1, 2, length, 3), value, np.float32)}
+
+
+def _positions(slab: Slab, stream: int) -> np.ndarray:
+    return slab.own(stream)["k"]
+
+
+def _slab(lengths: list[int], rows: int | None = None, capacity: int = 64) -> tuple[Slab, list[InSlab]]:
+    """A slab holding streams 0..n-1 in rows 0..n-1, stream ``s`` filled with ``s + 1``."""
+    slab = Slab(_own(0, 0.0), AXES, rows or len(lengths), capacity)
+    for s, n in enumerate(lengths):
+        slab.put(s, s, _own(n, s + 1.0))
+    return slab, [InSlab(slab) for _ in lengths]
+
+
+def test_the_same_members_in_the_same_rows_copy_nothing() -> None:
+    slab, helds = _slab([3, 5, 4])
+    got, start, copied, evicted = arrange([0, 1, 2], helds, need=6, max_rows=8, axes=AXES)
+    assert (got, start, copied, evicted) == (slab, 0, 0, {})
+
+
+def test_members_in_a_row_anywhere_in_the_slab_run_where_they_are() -> None:
+    slab, helds = _slab([3, 5, 4, 2])
+    got, start, copied, evicted = arrange([2, 3], helds[2:], need=5, max_rows=8, axes=AXES)
+    assert (got, start, copied, evicted) == (slab, 2, 0, {})
+    assert got.view(start, 2)["k"].shape == (2, 2, 64, 3)
+
+
+def test_a_member_that_left_moves_only_the_rows_after_it() -> None:
+    slab, helds = _slab([3, 5, 4, 2])
+    got, start, copied, evicted = arrange([0, 2, 3], [helds[0], helds[2], helds[3]], need=5, max_rows=8, axes=AXES)
+    assert got is slab and start == 0
+    # stream 1, still open and in the way, copied out (5 positions x 2 heads x 3 dims, float32); then
+    # streams 2 and 3 move up one row each (the longest of them: 4 positions, of 2 rows)
+    assert copied == 5 * 2 * 3 * 4 + 2 * 4 * 2 * 3 * 4
+    assert [slab.row[s] for s in (0, 2, 3)] == [0, 1, 2]
+    assert list(evicted) == [1]
+    assert np.array_equal(evicted[1]["k"], _own(5, 2.0)["k"])
+    for s, n in ((0, 3), (2, 4), (3, 2)):
+        assert np.array_equal(_positions(slab, s), _own(n, s + 1.0)["k"])
+
+
+def test_a_joiner_is_copied_into_its_row_and_the_others_stay() -> None:
+    slab, helds = _slab([3, 5], rows=4)
+    joiner = _own(7, 9.0)
+    got, start, copied, _ = arrange([0, 1, 7], [*helds, joiner], need=8, max_rows=8, axes=AXES)
+    assert got is slab and start == 0
+    assert copied == joiner["k"].nbytes
+    assert np.array_equal(_positions(slab, 7), joiner["k"]) and slab.row[7] == 2
+
+
+def test_an_outgrown_slab_is_made_anew_longer_with_every_members_positions() -> None:
+    slab, helds = _slab([60, 64])
+    got, start, copied, _ = arrange([0, 1], helds, need=65, max_rows=8, axes=AXES)
+    assert got is not slab and start == 0
+    assert got.capacity == capacity_for(65, 64) == 128
+    assert copied == (60 + 64) * 2 * 3 * 4
+    for s, n in ((0, 60), (1, 64)):
+        assert np.array_equal(_positions(got, s), _own(n, s + 1.0)["k"])
+    assert not slab.row  # the members left the old slab
+
+
+def test_more_members_than_rows_double_the_rows_up_to_max_batch() -> None:
+    _, helds = _slab([2, 2, 2])
+    got, _, _, _ = arrange([0, 1, 2, 5], [*helds, _own(1, 6.0)], need=3, max_rows=5, axes=AXES)
+    assert got.rows == 5
+
+
+# -- onnxruntime-genai's export, bound in place ------------------------------------------------
+
+NAME = "genai-llama"
+
+
+@pytest.fixture(scope="module")
+def whole() -> WholeModel:
+    return WholeModel(NAME)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    plan = split(str(model_path(NAME)), [HAND_CUTS[NAME]], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(max_batch=8, max_delay_ms=60_000)  # one driver hands every step at once: the delay never runs out
+    return bundle_of(plan, tmp_path_factory.mktemp("genai"))
+
+
+def test_the_build_marks_group_query_attention_caches_shared(bundle: Path) -> None:
+    with load(bundle) as pipe:
+        assert pipe.spec.states and all(link.shared for link in pipe.spec.states)
+
+
+def test_streams_decoded_in_place_give_the_whole_exports_tokens(bundle: Path, whole: WholeModel) -> None:
+    starts = prompts(6)
+    counts = [9, 6, 9, 4, 9, 7]  # streams leave from the middle of the batch
+    with load(bundle, micro_batches=1) as pipe:  # one group: all 6 in one slab
+        got = decode_one_driver(pipe, whole.inputs, starts, counts)
+        stats = pipe.stats()
+    for k, prompt in enumerate(starts):
+        want, logits = whole.generate(prompt, counts[k])
+        assert got[k][0] == want, f"stream {k}"
+        assert all(np.all(np.isfinite(a)) for a in got[k][1])
+        np.testing.assert_allclose(np.stack(got[k][1]), np.stack(logits), atol=1e-4)
+    assert all(max(s.batch_sizes) == 6 for s in stats.stages)
+
+
+def _copied_by_decode_steps(pipe: Any, inputs: set[str], length: int) -> list[int]:
+    """Bytes each stage copied over 5 decode steps of 4 streams in lockstep, after their prompts
+    of ``length`` tokens (and a first batched step, where they join) are in."""
+    streams = [pipe.stream() for _ in range(4)]
+    texts = [[(5 * k + 7 * t + 1) % 200 for t in range(length)] for k in range(4)]
+    done = [0] * 4
+
+    def round_() -> None:
+        futures = pipe.submit_steps({s: step_feeds(inputs, texts[k], done[k]) for k, s in enumerate(streams)})
+        for k, s in enumerate(streams):
+            done[k] = len(texts[k])
+            texts[k].append(int(np.argmax(futures[s].result(timeout=60)["logits"][0, -1])))
+
+    round_()
+    round_()
+    pipe.reset_stats()
+    for _ in range(5):
+        round_()
+    copied = [s.bytes_copied for s in pipe.stats().stages]
+    for s in streams:
+        s.close()
+    return copied
+
+
+def test_a_decode_step_in_place_copies_nothing_at_any_context(bundle: Path, whole: WholeModel) -> None:
+    with load(bundle) as pipe:
+        assert _copied_by_decode_steps(pipe, whole.inputs, 8) == [0, 0]
+        assert _copied_by_decode_steps(pipe, whole.inputs, 200) == [0, 0]
+
+
+def test_a_member_that_fails_leaves_and_the_others_decode_the_whole_exports_tokens(bundle: Path, whole: WholeModel) -> None:
+    """Stream 1's third step names a token past the vocabulary: the batched call fails, each member
+    runs alone from its state as it was, stream 1 fails, the others go on (and batch again)."""
+    starts = prompts(3)
+    with load(bundle) as pipe:
+        streams = [pipe.stream() for _ in starts]
+        texts, done = [list(p) for p in starts], [0, 0, 0]
+        for n in range(6):
+            going = [k for k in range(3) if k != 1 or n <= 2]
+            feeds = {streams[k]: step_feeds(whole.inputs, texts[k], done[k]) for k in going}
+            if n == 2:
+                feeds[streams[1]]["input_ids"] = np.array([[10**6]], np.int64)
+            futures = pipe.submit_steps(feeds)
+            for k in going:
+                if k == 1 and n == 2:
+                    with pytest.raises(Exception, match="stage"):
+                        futures[streams[k]].result(timeout=60)
+                    continue
+                done[k] = len(texts[k])
+                texts[k].append(int(np.argmax(futures[streams[k]].result(timeout=60)["logits"][0, -1])))
+        batched = pipe.stats().stages[0].batch_sizes
+    for k in (0, 2):
+        assert texts[k][len(starts[k]):] == whole.generate(starts[k], 6)[0], f"stream {k}"
+    assert batched.get(2, 0) >= 3  # streams 0 and 2 batched again after stream 1 left
+
+
+@pytest.mark.xdist_group("ray")
+def test_streams_in_place_on_ray_give_the_whole_exports_tokens(ray_cluster: Any, bundle: Path, whole: WholeModel) -> None:
+    starts = prompts(4)
+    counts = [6, 4, 6, 5]
+    with load(bundle, engine="ray") as pipe:
+        got = decode_one_driver(pipe, whole.inputs, starts, counts)
+    for k, prompt in enumerate(starts):
+        assert got[k][0] == whole.generate(prompt, counts[k])[0], f"stream {k}"
