@@ -11,11 +11,13 @@ Note: state in place.
     reads each row's past up to its own length, from the attention mask's ``seqlens_k``), so a
     decode step writes one position per layer and copies nothing.
 
-    - The batch's members must own rows ``0..k-1`` in the batch's order (onnxruntime takes one
-      contiguous block). When the same members step again, nothing moves. When members left,
-      the rows of those after them move up (only their positions); a member that is not in this
-      batch but still open is copied out to arrays of its own first. A member that joins (its
-      state from a step it ran alone, a prefill, or from another slab) is copied into its row.
+    - The batch's members must own consecutive rows in the batch's order (onnxruntime takes one
+      contiguous block). When the same members step again, or some of them that are in a row
+      anywhere in the slab, nothing moves. Otherwise the members are put in rows from their first
+      one's (or from 0): members that left make the rows after them move up (only their
+      positions); an open stream not in this batch whose row is taken is copied out to arrays of
+      its own first; a member that joins (its state from a step it ran alone, a prefill, or from
+      another slab) is copied into its row.
     - When the batch's longest stream would outgrow ``capacity``, or more members come than
       ``rows``, the slab is made anew, 1.5 times as long (rounded up to 64 positions) or twice
       the rows (at most ``max_batch``), and every member's positions copied once: amortized over

@@ -30,7 +30,10 @@ Note: state blocks.
     members in the same rows, that block is fed back as it is; when members joined or left, the
     block is made anew once (one compaction, or one pad of each member's rows to the new layout).
     A step that runs alone (a prefill, an unbatched stream) runs on its stream's rows without
-    their padding and commits arrays of its own. Should a batched call fail, or a member's state
+    their padding and commits arrays of its own. A stage whose states are all ``shared``
+    (GroupQueryAttention's past and present) keeps its batches' state in place instead
+    (``_inplace``, Note: state in place): a slab bound as both past and present, so a decode step
+    copies nothing (:meth:`StageRunner._run_in_place`). Should a batched call fail, or a member's state
     not hold its step, each member runs alone (nothing was committed): a member that fails leaves
     the batch with its error, and the others go on to the next stage as a smaller batch.
 
