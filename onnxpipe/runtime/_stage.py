@@ -79,7 +79,7 @@ import onnxruntime as ort
 from onnxpipe._errors import ConfigError, InputError, StageError, StreamError
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
-from onnxpipe.runtime._inplace import InSlab, arrange
+from onnxpipe.runtime._inplace import InSlab, Slab, arrange
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
 from onnxpipe.runtime._settings import check_cores
@@ -124,6 +124,8 @@ class Request:
         held: ``(stream, stage, bytes)`` for each state a stage with state committed for one of
             the request's steps: the bytes it holds for that stream now (Note: a stream's state
             bytes, ``_stream``).
+        length: For a stream's step alone: the positions its state holds after the step (its
+            attention mask's length), what a state kept in place counts (``_inplace``); 0: unknown.
     """
 
     id: int
@@ -139,6 +141,7 @@ class Request:
     batch: StepBatch | None = None
     claim: Callable[[], bool] | None = field(default=None, repr=False)
     held: list[tuple[int, str, int]] = field(default_factory=list, repr=False)
+    length: int = 0
 
     def __post_init__(self) -> None:
         self.queued_at = self.queued_at or self.submitted
@@ -397,9 +400,12 @@ class StageRunner(RunnerBase):
         # growing axis and the present written into its buffer; in place only where every state
         # of the stage is shared and the stage batches streams' steps.
         links = plan.states
-        shared = bool(links) and all(s.shared and s.empty_axis is not None for s in links) and plan.batches and self._right
-        self._axes: dict[str, int] = {s.input: s.empty_axis for s in links if s.empty_axis is not None} if shared else {}
+        shared = bool(links) and all(s.shared and s.empty_axis is not None for s in links)
         self._presents = {s.input: s.output for s in links} if shared else {}
+        #: Each state's growing axis, for a step alone in place ...
+        self._lone_axes: dict[str, int] = {s.input: s.empty_axis for s in links if s.empty_axis is not None} if shared else {}
+        #: ... and for a batch in place (its states right-padded, as the build's probe found).
+        self._axes = self._lone_axes if plan.batches and self._right else {}
 
     def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
@@ -415,16 +421,18 @@ class StageRunner(RunnerBase):
             return ()
         if request.batch is not None:
             return self._run_steps(request)
-        values = request.values
+        if self._lone_axes and request.length and request.stream is not None:
+            return self._run_alone_in_place(request)
+        return self._run_alone(request)
+
+    def _run_alone(self, request: Request) -> tuple[Failure, ...]:
+        """One request alone: its feeds (its stream's state as arrays), one call, its state committed as the outputs came."""
         feeds = self._feeds(request)
         results = self._run(feeds)
         if self._state_at:
             assert request.stream is not None
             self._commit(request, request.stream, request.step, self._made_state(feeds, results))
-        for at, key in self._kept:
-            values[key] = results[at]
-        for key in self._dropped:
-            values.pop(key, None)
+        self._hand_on(request.values, results)
         return ()
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
@@ -608,13 +616,7 @@ class StageRunner(RunnerBase):
         try:
             helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
             slab, start, copied, evicted = arrange(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes)
-            self.copied += copied
-            for stream, own in evicted.items():  # open streams not in this batch keep their state as arrays of their own
-                if stream in self.states:
-                    self.states[stream] = (self.states[stream][0], own)
-            for stream in batch.streams:  # where each member's state is now, should the call fail
-                if stream in self.states:
-                    self.states[stream] = (self.states[stream][0], InSlab(slab))
+            self._place(slab, batch.streams, copied, evicted)
             results = self._run_bound(feeds, slab.view(start, len(batch)))
         except Exception as e:  # which member was bad is found by running each alone (nothing was committed)
             self.unbatched = f"the batched call failed: {e}"
@@ -624,12 +626,46 @@ class StageRunner(RunnerBase):
             slab.lengths[stream] = batch.length - batch.shifts[j]
             self.states[stream] = (step + 1, InSlab(slab))
             request.held.append((stream, self.name, share))
-        values = request.values
+        self._hand_on(request.values, results)
+        return ()
+
+    def _run_alone_in_place(self, request: Request) -> tuple[Failure, ...]:
+        """A stream's step alone on its row of a slab (one of its own, or its group's), bound as
+        both past and present (``_inplace``, Note: state in place); its own arrays as before when
+        they hold more than one row."""
+        stream = request.stream
+        assert stream is not None
+        held = self._held(stream, request.step, request.dims)
+        if isinstance(held, _InBlock) or (isinstance(held, dict) and any(len(a) != 1 for a in held.values())):
+            return self._run_alone(request)  # a block of a batch kept as it came (never, with every state shared), or rows of its own
+        slab, start, copied, evicted = arrange([stream], [held], request.length, 1, self._lone_axes)
+        self._place(slab, (stream,), copied, evicted)
+        feeds = self._inputs(request, {name: request.values[key] for name, key in self.plan.sources})
+        results = self._run_bound(feeds, slab.view(start, 1))
+        slab.lengths[stream] = request.length
+        self.states[stream] = (request.step + 1, InSlab(slab))
+        request.held.append((stream, self.name, slab.nbytes() // slab.rows))
+        self._hand_on(request.values, results)
+        return ()
+
+    def _place(self, slab: Slab, streams: Sequence[int], copied: int, evicted: Mapping[int, dict[str, np.ndarray]]) -> None:
+        """After :func:`~onnxpipe.runtime._inplace.arrange`: the copies counted, the streams copied
+        out hold arrays of their own, the members' states are in ``slab`` (their steps unchanged,
+        should the call fail)."""
+        self.copied += copied
+        for stream, own in evicted.items():
+            if stream in self.states:
+                self.states[stream] = (self.states[stream][0], own)
+        for stream in streams:
+            if stream in self.states:
+                self.states[stream] = (self.states[stream][0], InSlab(slab))
+
+    def _hand_on(self, values: dict[Endpoint, Any], results: Sequence[Any]) -> None:
+        """The outputs a later stage or the pipeline reads into the bag; the values nothing reads any more out of it."""
         for at, key in self._kept:
             values[key] = results[at]
         for key in self._dropped:
             values.pop(key, None)
-        return ()
 
     def _run_bound(self, feeds: dict[str, Any], views: Mapping[str, np.ndarray]) -> list[Any]:
         """One session call with IOBinding: each state in ``views`` bound as its input and as its

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe._errors import Closure, InputError, StageError, StreamError
+from onnxpipe.runtime._inputs import DecoderInputs
 from onnxpipe.runtime._requests import CLOSED, STEP_CLOSED, Dispatcher, Outputs, settle
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, StagePlan
@@ -68,6 +69,8 @@ class StreamRegistry:
         pads = plans[0].pads if plans else {}  # scheduling.bag_pads, worked out once by plan_stages
         self._entry_pads = {key.tensor: pad for key, pad in pads.items() if key.stage is None}
         self._exit_pads = {name: pads[key] for name, key in finals.items() if key in pads}
+        mask = DecoderInputs.of(spec.inputs).mask if any(s.shared for s in spec.states) else None
+        self._mask = mask.name if mask is not None else None  # a state kept in place counts its positions by it (Request.length)
         self._lock = threading.Lock()  # guards the dicts below and the numbering of streams
         self._open: dict[int, StreamRecord] = {}
         self._closing: dict[int, StreamRecord] = {}  # closed, their close request still in the pipeline: their steps in flight report to them
@@ -277,12 +280,18 @@ class StreamRegistry:
             raise
         dispatch = self._dispatch
         request = Request(rid, {Endpoint(None, n): a for n, a in arrays.items()}, dispatch.params if params is None else params,
-                          submitted or time.perf_counter(), done=self._done, stream=record.id, step=step, dims=record.dims)
+                          submitted or time.perf_counter(), done=self._done, stream=record.id, step=step, dims=record.dims,
+                          length=self._length(arrays))
         future.set_running_or_notify_cancel()  # a stream's steps are never withdrawn (Note: withdrawn requests, _pipeline)
         if step != CLOSE:
             self._recorder.submitted(request.submitted)
         dispatch.send(request)
         return future
+
+    def _length(self, arrays: Mapping[str, np.ndarray]) -> int:
+        """The positions a stream's state holds after a step alone: its attention mask's length (``Request.length``); 0 without one."""
+        mask = arrays.get(self._mask) if self._mask is not None else None
+        return int(mask.shape[-1]) if mask is not None and mask.ndim == 2 else 0
 
     def _step(self, record: StreamRecord, number: int, arrays: Mapping[str, np.ndarray]) -> Step:
         """A stream's checked step, for the scheduler (with the parameters as they are now)."""

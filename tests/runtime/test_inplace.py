@@ -195,3 +195,32 @@ def test_streams_in_place_on_ray_give_the_whole_exports_tokens(ray_cluster: Any,
         got = decode_one_driver(pipe, whole.inputs, starts, counts)
     for k, prompt in enumerate(starts):
         assert got[k][0] == whole.generate(prompt, counts[k])[0], f"stream {k}"
+
+
+@pytest.fixture(scope="module")
+def unbatched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    plan = split(str(model_path(NAME)), [HAND_CUTS[NAME]], states="auto")
+    return bundle_of(plan, tmp_path_factory.mktemp("genai-unbatched"))  # max_batch 1: every step alone
+
+
+def test_a_stream_alone_in_place_copies_only_when_its_slab_grows(unbatched: Path, whole: WholeModel) -> None:
+    """One stream of a stage that does not batch: its prompt of 60 tokens is written into a slab of
+    its own (64 positions), each step after it adds one position in place; the step that makes it
+    65 long copies its 64 positions once into a slab of 128 (per stage: 64 positions x the stage's
+    caches), and its tokens are the whole export's."""
+    prompt = [(3 * t + 1) % 200 for t in range(60)]
+    with load(unbatched) as pipe:
+        stream = pipe.stream()
+        tokens, done, copied = list(prompt), 0, []
+        for _ in range(8):
+            pipe.reset_stats()
+            out = stream.step(step_feeds(whole.inputs, tokens, done))
+            done = len(tokens)
+            tokens.append(int(np.argmax(out["logits"][0, -1])))
+            copied.append([s.bytes_copied for s in pipe.stats().stages])
+        held = stream.state_bytes
+    assert tokens[60:] == whole.generate(prompt, 8)[0]
+    grew = [k for k, c in enumerate(copied) if any(c)]
+    assert grew == [5]  # positions 61..65: the step that writes position 65
+    per_position = held / 2 / 128  # 2 stages, a slab of 128 positions now
+    assert copied[5] == [64 * per_position] * 2
