@@ -18,10 +18,11 @@ Note: state in place.
       positions); an open stream not in this batch whose row is taken is copied out to arrays of
       its own first; a member that joins (its state from a step it ran alone, a prefill, or from
       another slab) is copied into its row.
-    - When the batch's longest stream would outgrow ``capacity``, or more members come than
-      ``rows``, the slab is made anew, 1.5 times as long (rounded up to 64 positions) or twice
-      the rows (at most ``max_batch``), and every member's positions copied once: amortized over
-      the steps that follow, as a growing list is.
+    - A slab is made with room for a quarter more positions than its longest stream needs (at
+      least 256). When the batch's longest stream would outgrow ``capacity``, or more members come
+      than ``rows``, the slab is made anew, at least 1.5 times as long (rounded up to 64
+      positions) or twice the rows (at most ``max_batch``), and every member's positions copied
+      once: amortized over the steps that follow, as a growing list is.
     - A step that fails after writing leaves every member's positions before its length as they
       were (the op writes only after them), and lengths move only on success: the state is
       unchanged, as a step's commit promises.
@@ -29,7 +30,7 @@ Note: state in place.
       as before: a member's positions are copied out of the slab for it (counted).
 
     Every move and copy is counted in ``copied`` (``StageStats.bytes_copied``). Memory: a slab
-    holds up to 1.5 times its longest stream's positions in each of its rows
+    holds up to 1.5 times its longest stream's positions (or 256 more) in each of its rows
     (``Stream.state_bytes`` counts the rows' share of the buffers, padding included).
 """
 
@@ -43,11 +44,14 @@ import numpy as np
 __all__ = ["InSlab", "Slab", "arrange", "capacity_for"]
 
 _ALIGN = 64  # positions: a slab's capacity is a multiple of this
+_ROOM = 256  # positions a new slab has beyond what its longest stream needs, at least
 
 
 def capacity_for(need: int, old: int = 0) -> int:
-    """A slab's capacity for ``need`` positions: at least 1.5 times ``old`` (amortized growth), rounded up to 64."""
-    want = max(need, old + old // 2, 1)
+    """A slab's capacity for ``need`` positions: room for a quarter more (at least 256 positions) so
+    that a stream decodes a while before its slab grows, and at least 1.5 times ``old`` (amortized
+    growth); rounded up to 64."""
+    want = max(need + max(need // 4, _ROOM), old + old // 2)
     return -(-want // _ALIGN) * _ALIGN
 
 
