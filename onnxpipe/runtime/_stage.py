@@ -76,6 +76,7 @@ import onnxruntime as ort
 from onnxpipe._errors import ConfigError, InputError, StageError, StreamError
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
+from onnxpipe.runtime._handoff import Handoff, handoff_for
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
 from onnxpipe.runtime._settings import check_cores
@@ -389,6 +390,9 @@ class StageRunner(RunnerBase):
         #: Batched steps fed the block of state the step before left, as it was (no copy; Note:
         #: state blocks): a diagnostic (:meth:`Pipeline.diagnostics`).
         self.reused = 0
+        #: Runs the session call through IOBinding, leaving outputs on the stage's device (``_handoff``,
+        #: Note: hand-offs as OrtValues); ``None``: ``session.run`` and numpy. Set by :func:`make_runner`.
+        self.handoff: Handoff | None = None
 
     def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
@@ -415,7 +419,9 @@ class StageRunner(RunnerBase):
         return ()
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
-        """One session call: the stage's outputs, in ``plan.outputs`` order."""
+        """One session call: the stage's outputs, in ``plan.outputs`` order (``OrtValue`` where the hand-off leaves them on a device)."""
+        if self.handoff is not None:
+            return self.handoff(feeds)
         return self.session.run(self.plan.outputs, feeds, self.run_options)
 
     def _feeds(self, request: Request) -> dict[str, np.ndarray]:
@@ -887,7 +893,9 @@ def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | Non
         raise ConfigError(f"stage '{stage.name}': {e}") from None
     if stage.is_code:
         return CodeRunner(plan, resolve_entry(stage))
-    return StageRunner(plan, _stage_session(bundle, stage, replica, target))
+    runner = StageRunner(plan, _stage_session(bundle, stage, replica, target))
+    runner.handoff = handoff_for(bundle.spec, stage, plan.outputs, runner.session, runner.run_options, plan.batches, target)
+    return runner
 
 
 def _stage_session(bundle: Bundle, stage: StageSpec, replica: int, target: str | None) -> ort.InferenceSession:

@@ -1,0 +1,169 @@
+"""Stage hand-offs as ``OrtValue``: a stage on a device leaves what the next stage on it reads there.
+
+Note: hand-offs as OrtValues.
+    A stage whose provider keeps its tensors in device memory (CUDA, TensorRT, ROCm, MIGraphX,
+    DirectML, CANN, WebGPU: :data:`DEVICE_TYPES`) runs its session call through a
+    :class:`Handoff`: the call's inputs are bound with IOBinding (an ``OrtValue`` as it is, a numpy
+    array in place), and each output is bound either on the stage's device or in host memory. An
+    output goes on the device, and into the request's bag as an ``OrtValue``, when every stage
+    that reads it is an ONNX stage on the same kind of device that does not batch
+    (:func:`handoff_for`); so a CUDA -> CUDA hop on one device never touches the host. A hop to
+    another device of the same kind binds the ``OrtValue`` as the next session's input, and
+    onnxruntime copies it device to device when it is bound (``IOBinding::BindInput`` copies an
+    input across devices with the session's data transfer: for CUDA a ``cudaMemcpy`` device to
+    device). Everything else is bound in host memory and goes on as numpy: the pipeline's outputs
+    (the caller's), what a code stage or a batching stage reads (slicing and stacking rows is
+    numpy's), a stage's state (it stays in its runner: issue 38's first part), and, on the Ray
+    engine, whatever crosses the object store (:func:`host` where an actor returns its values).
+    The exit turns any ``OrtValue`` still in the bag into numpy (:func:`host`), so a caller never
+    sees one (``run_with_ort_values`` and ``io_binding()`` of the drop-in give them back as
+    ``OrtValue`` again).
+
+Note: why a CPU stage keeps numpy.
+    On the CPU there is nothing to save: ``session.run`` reads numpy inputs in place and its
+    outputs are numpy arrays over the buffer onnxruntime allocated (no copy), and a CPU
+    ``OrtValue``'s ``numpy()`` is a view. Measured on a 100 MB float32 tensor through an
+    ``Identity``-free graph (``benchmarks/gpu_check.py --cpu-copies`` prints it): ``session.run``
+    and the IOBinding call take the same time, ``ortvalue_from_numpy`` and ``numpy()`` take under
+    a millisecond (a copy of 100 MB takes tens), and the output shares memory with nothing it
+    was not allocated for. A CPU stage therefore keeps ``session.run`` and numpy, the path with the
+    least Python per call; :data:`DEVICE_TYPES` is the one place that says which providers hand
+    on ``OrtValue`` (a test adds the CPU provider to it to run the ``OrtValue`` path for real).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import onnxruntime as ort
+
+from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
+
+__all__ = ["DEVICE_TYPES", "Device", "Handoff", "handoff_for", "host", "session_device"]
+
+#: Provider -> the ``OrtDevice`` type its outputs live on (onnxruntime's ``bind_output`` names).
+#: A provider not here (CPU, OpenVINO, QNN, CoreML, DNNL, ...) gives its outputs in host memory.
+DEVICE_TYPES: dict[str, str] = {
+    "CUDAExecutionProvider": "cuda",
+    "TensorrtExecutionProvider": "cuda",
+    "NvTensorRTRTXExecutionProvider": "cuda",
+    "ROCMExecutionProvider": "gpu",
+    "MIGraphXExecutionProvider": "gpu",
+    "DmlExecutionProvider": "dml",
+    "CANNExecutionProvider": "cann",
+    "WebGpuExecutionProvider": "webgpu",
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where an ``OrtValue`` lives: an ``OrtDevice`` type (``"cuda"``, ``"cpu"``, ...) and its number."""
+
+    type: str
+    id: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.type}:{self.id}"
+
+
+def session_device(session: ort.InferenceSession) -> Device | None:
+    """The device a session's first provider keeps its tensors on, or ``None`` for host memory."""
+    provider = session.get_providers()[0]
+    kind = DEVICE_TYPES.get(provider)
+    if kind is None:
+        return None
+    given = session.get_provider_options().get(provider, {}).get("device_id") or 0
+    return Device(kind, int(given))
+
+
+def host(value: Any) -> Any:
+    """``value`` as numpy where it is an ``OrtValue`` (a view for one in host memory, a copy to the
+    host for one on a device); anything else as it is."""
+    return value.numpy() if isinstance(value, ort.OrtValue) else value
+
+
+class Handoff:
+    """One session call through IOBinding: inputs numpy or ``OrtValue``, each output bound on a
+    given device (an ``OrtValue`` comes back) or in host memory (numpy comes back).
+
+    A new binding per call: onnxruntime writes a run's outputs into those a binding already holds
+    when the shapes match, so outputs handed on earlier would change under their reader.
+
+    Args:
+        session: The stage's session.
+        outputs: The outputs to fetch, in the order the call returns them.
+        devices: For each output, the device to leave it on (``None``: host memory, as numpy).
+        run_options: The stage's run options.
+    """
+
+    def __init__(self, session: ort.InferenceSession, outputs: Sequence[str], devices: Sequence[Device | None],
+                 run_options: ort.RunOptions | None = None) -> None:
+        if len(outputs) != len(devices):
+            raise ValueError(f"{len(outputs)} outputs but {len(devices)} devices")
+        self.session = session
+        self.outputs = tuple(outputs)
+        self.devices = tuple(devices)
+        self.run_options = run_options
+        self._bound = tuple((name, d or Device("cpu")) for name, d in zip(outputs, devices, strict=True))
+        self._host = tuple(d is None for d in devices)
+
+    def __call__(self, feeds: Mapping[str, Any]) -> list[Any]:
+        """Run once: the outputs in ``outputs`` order, an ``OrtValue`` where a device was given, numpy where not."""
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+        for name, device in self._bound:
+            binding.bind_output(name, device.type, device.id)
+        self.session.run_with_iobinding(binding, self.run_options)
+        values = binding.get_outputs()
+        return [v.numpy() if on_host else v for v, on_host in zip(values, self._host, strict=True)]
+
+    def on_device(self) -> tuple[str, ...]:
+        """The outputs this hand-off leaves on a device."""
+        return tuple(name for name, d in zip(self.outputs, self.devices, strict=True) if d is not None)
+
+
+def handoff_for(spec: PipelineSpec, stage: StageSpec, outputs: Sequence[str], session: ort.InferenceSession, run_options: ort.RunOptions | None,
+                batches: bool, target: str | None = None) -> Handoff | None:
+    """The hand-off of one stage's runner, or ``None`` for ``session.run`` and numpy (Note: hand-offs as OrtValues).
+
+    Args:
+        spec: The pipeline's spec (who reads each output).
+        stage: The stage.
+        outputs: Its outputs, in the runner's order.
+        session: Its session (its first provider says its device).
+        run_options: Its run options.
+        batches: The stage batches (its rows are sliced and stacked as numpy).
+        target: The target every stage runs on instead of its own, if any.
+    """
+    device = session_device(session)
+    if device is None or batches:
+        return None
+    readers: dict[str, list[Endpoint]] = {}
+    for link in spec.links:
+        if link.src.stage == stage.name:
+            readers.setdefault(link.src.tensor, []).append(link.dst)
+    states = {s.output for s in spec.states_of(stage.name)}
+    devices = [device if o not in states and _all_on(spec, readers.get(o, []), device.type, target) else None for o in outputs]
+    if all(d is None for d in devices):
+        return None
+    return Handoff(session, outputs, devices, run_options)
+
+
+def _all_on(spec: PipelineSpec, readers: Sequence[Endpoint], kind: str, target: str | None) -> bool:
+    """Every reader is an ONNX stage on a device of type ``kind`` that does not batch (none is the pipeline's exit)."""
+    if not readers:
+        return False
+    for reader in readers:
+        if reader.stage is None:
+            return False
+        stage = spec.stage(reader.stage)
+        settings = stage.settings if target is None else stage.settings.replace(target=target, provider_options={}, ep_package=None, ep_device=None)
+        if stage.is_code or stage.batching is not None or DEVICE_TYPES.get(settings.provider) != kind:
+            return False
+    return True
