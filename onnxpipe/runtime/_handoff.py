@@ -19,6 +19,17 @@ Note: hand-offs as OrtValues.
     sees one (``run_with_ort_values`` and ``io_binding()`` of the drop-in give them back as
     ``OrtValue`` again).
 
+Note: bytes across the edge.
+    Each :class:`Handoff` counts what it binds across its session's edge (:class:`Transfers`,
+    summed over a process by :func:`transfers`): host arrays bound as inputs of a session on a
+    device (onnxruntime copies them host -> device, unless only nodes it placed on the CPU read
+    them), outputs bound in host memory (device -> host), and ``OrtValue`` inputs on another kind
+    of device. Copies inside a session (``MemcpyToHost`` / ``MemcpyFromHost`` nodes around nodes
+    that fell back to the CPU) are not at its edge: onnxruntime's profile lists them with their
+    sizes, and ``benchmarks/gpu_check.py`` reads both. onnxruntime's Python cannot tell an
+    ``OrtValue``'s device number, so a hop between two devices of one kind is not counted here
+    (onnxruntime copies it device to device when it is bound; the check times it).
+
 Note: why a CPU stage keeps numpy.
     On the CPU there is nothing to save: ``session.run`` reads numpy inputs in place and its
     outputs are numpy arrays over the buffer onnxruntime allocated (no copy), and a CPU
@@ -33,6 +44,7 @@ Note: why a CPU stage keeps numpy.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +53,7 @@ import onnxruntime as ort
 
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
 
-__all__ = ["DEVICE_TYPES", "Device", "Handoff", "handoff_for", "host", "session_device"]
+__all__ = ["DEVICE_TYPES", "Device", "Handoff", "Transfers", "handoff_for", "host", "session_device", "transfers"]
 
 #: Provider -> the ``OrtDevice`` type its outputs live on (onnxruntime's ``bind_output`` names).
 #: A provider not here (CPU, OpenVINO, QNN, CoreML, DNNL, ...) gives its outputs in host memory.
@@ -66,6 +78,35 @@ class Device:
 
     def __str__(self) -> str:
         return f"{self.type}:{self.id}"
+
+
+@dataclass
+class Transfers:
+    """Bytes that crossed between host and device memory at a session's edge, as bound (Note:
+    bytes across the edge): ``to_device``, host arrays bound as a device session's inputs;
+    ``to_host``, a device session's outputs bound in host memory; ``across``, ``OrtValue`` inputs
+    on another device than the session's (copied device to device); ``calls``, session calls."""
+
+    to_device: int = 0
+    to_host: int = 0
+    across: int = 0
+    calls: int = 0
+
+    def __add__(self, other: Transfers) -> Transfers:
+        return Transfers(self.to_device + other.to_device, self.to_host + other.to_host, self.across + other.across, self.calls + other.calls)
+
+
+#: Every hand-off alive in this process, for :func:`transfers`.
+_LIVE: weakref.WeakSet[Handoff] = weakref.WeakSet()
+
+
+def transfers() -> Transfers:
+    """The bytes every hand-off alive in this process moved across a session's edge, summed (a
+    diagnostic: ``benchmarks/gpu_check.py`` reads it before and after a hop or a decode step)."""
+    total = Transfers()
+    for handoff in list(_LIVE):
+        total = total + handoff.moved
+    return total
 
 
 def session_device(session: ort.InferenceSession) -> Device | None:
@@ -96,10 +137,11 @@ class Handoff:
         outputs: The outputs to fetch, in the order the call returns them.
         devices: For each output, the device to leave it on (``None``: host memory, as numpy).
         run_options: The stage's run options.
+        device: The session's device (default: the first of ``devices`` given; else ``cpu``).
     """
 
     def __init__(self, session: ort.InferenceSession, outputs: Sequence[str], devices: Sequence[Device | None],
-                 run_options: ort.RunOptions | None = None) -> None:
+                 run_options: ort.RunOptions | None = None, device: Device | None = None) -> None:
         if len(outputs) != len(devices):
             raise ValueError(f"{len(outputs)} outputs but {len(devices)} devices")
         self.session = session
@@ -108,6 +150,11 @@ class Handoff:
         self.run_options = run_options
         self._bound = tuple((name, d or Device("cpu")) for name, d in zip(outputs, devices, strict=True))
         self._host = tuple(d is None for d in devices)
+        #: The session's own device (given, or where its outputs handed on are); ``cpu`` counts nothing.
+        self.device = device or next((d for d in devices if d is not None), Device("cpu"))
+        #: What this hand-off's calls moved across the session's edge (Note: bytes across the edge).
+        self.moved = Transfers()
+        _LIVE.add(self)
 
     def __call__(self, feeds: Mapping[str, Any]) -> list[Any]:
         """Run once: the outputs in ``outputs`` order, an ``OrtValue`` where a device was given, numpy where not."""
@@ -121,16 +168,36 @@ class Handoff:
             binding.bind_output(name, device.type, device.id)
         self.session.run_with_iobinding(binding, self.run_options)
         values = binding.get_outputs()
+        self.moved.calls += 1
+        if self.device.type != "cpu":
+            self._count(feeds, values)
         return [v.numpy() if on_host else v for v, on_host in zip(values, self._host, strict=True)]
+
+    def _count(self, feeds: Mapping[str, Any], values: Sequence[ort.OrtValue]) -> None:
+        moved, here = self.moved, self.device.type
+        for value in feeds.values():
+            if not isinstance(value, ort.OrtValue):
+                moved.to_device += getattr(value, "nbytes", 0)
+            elif value.device_name() != here:  # Python cannot read an OrtValue's device number: another kind of device only
+                moved.across += _nbytes(value)
+        moved.to_host += sum(_nbytes(v) for v, on_host in zip(values, self._host, strict=True) if on_host)
 
     def on_device(self) -> tuple[str, ...]:
         """The outputs this hand-off leaves on a device."""
         return tuple(name for name, d in zip(self.outputs, self.devices, strict=True) if d is not None)
 
 
+def _nbytes(value: ort.OrtValue) -> int:
+    """Bytes of a tensor ``OrtValue`` (0 for a non-tensor one)."""
+    return int(value.tensor_size_in_bytes()) if value.is_tensor() else 0
+
+
 def handoff_for(spec: PipelineSpec, stage: StageSpec, outputs: Sequence[str], session: ort.InferenceSession, run_options: ort.RunOptions | None,
                 batches: bool, target: str | None = None) -> Handoff | None:
     """The hand-off of one stage's runner, or ``None`` for ``session.run`` and numpy (Note: hand-offs as OrtValues).
+
+    Every ONNX stage on a device that does not batch gets one (so what it binds across its edge is
+    counted), with the outputs that every reader takes on the same kind of device left there.
 
     Args:
         spec: The pipeline's spec (who reads each output).
@@ -150,9 +217,7 @@ def handoff_for(spec: PipelineSpec, stage: StageSpec, outputs: Sequence[str], se
             readers.setdefault(link.src.tensor, []).append(link.dst)
     states = {s.output for s in spec.states_of(stage.name)}
     devices = [device if o not in states and _all_on(spec, readers.get(o, []), device.type, target) else None for o in outputs]
-    if all(d is None for d in devices):
-        return None
-    return Handoff(session, outputs, devices, run_options)
+    return Handoff(session, outputs, devices, run_options, device)
 
 
 def _all_on(spec: PipelineSpec, readers: Sequence[Endpoint], kind: str, target: str | None) -> bool:

@@ -73,9 +73,9 @@ def test_ortvalues_reach_the_next_stage_and_numpy_leaves_the_pipeline(cpu_hands_
     plans, finals = plan_stages(bundle.spec)
     runners = [make_runner(bundle, p, 0) for p in plans]
     read = {link.src for link in bundle.spec.links if link.src.stage is not None and link.dst.stage is not None}
-    for runner, plan in zip(runners, plans, strict=True):  # a hand-off where a later stage reads an output, none where only the caller does
-        assert isinstance(runner, StageRunner)
-        assert (runner.handoff is not None) == any(Endpoint(plan.stage.name, o) in read for o in plan.outputs)
+    for runner, plan in zip(runners, plans, strict=True):  # on the device: what a later stage reads, not what only the caller does
+        assert isinstance(runner, StageRunner) and runner.handoff is not None
+        assert set(runner.handoff.on_device()) == {o for o in plan.outputs if Endpoint(plan.stage.name, o) in read}
     whole = _session(model)
     feeds = {i.name: np.random.default_rng(1).standard_normal([d if isinstance(d, int) else 2 for d in i.shape]).astype(np.float32)
              for i in whole.get_inputs()}
@@ -115,7 +115,7 @@ def test_streams_keep_their_state_as_numpy_and_decode_the_whole_models_tokens(cp
     path = models.bundle_of(split(model, ["layer0.out", "layer2.out"], states="auto"), tmp_path)
     bundle = read_bundle(path)
     plans, _ = plan_stages(bundle.spec)
-    for plan in plans[:-1]:
+    for plan in plans:
         runner = make_runner(bundle, plan, 0)
         assert isinstance(runner, StageRunner) and runner.handoff is not None
         states = {s.output for s in plan.states}
@@ -136,6 +136,7 @@ def test_outputs_a_batching_or_host_stage_reads_go_on_as_numpy(cpu_hands_on: Non
     assert handoff_for(spec, first, outputs, session, None, batches=True) is None  # its rows are sliced and stacked as numpy
     made = handoff_for(spec, first, outputs, session, None, batches=False)
     assert made is not None and set(made.on_device()) == set(outputs)
+    assert made.moved.calls == 0 and made.moved.to_device == made.moved.to_host == 0
     # The same stage read by a stage on the host: nothing to hand on as OrtValue.
     monkeypatch.delitem(DEVICE_TYPES, "CPUExecutionProvider")  # the provider keeps its tensors in host memory: session.run and numpy
     assert handoff_for(spec, first, outputs, session, None, batches=False) is None
