@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import onnxruntime as ort
 
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
@@ -150,6 +151,7 @@ class Handoff:
         self.run_options = run_options
         self._bound = tuple((name, d or Device("cpu")) for name, d in zip(outputs, devices, strict=True))
         self._host = tuple(d is None for d in devices)
+        self._inputs = frozenset(i.name for i in session.get_inputs())
         #: The session's own device (given, or where its outputs handed on are); ``cpu`` counts nothing.
         self.device = device or next((d for d in devices if d is not None), Device("cpu"))
         #: What this hand-off's calls moved across the session's edge (Note: bytes across the edge).
@@ -157,7 +159,13 @@ class Handoff:
         _LIVE.add(self)
 
     def __call__(self, feeds: Mapping[str, Any]) -> list[Any]:
-        """Run once: the outputs in ``outputs`` order, an ``OrtValue`` where a device was given, numpy where not."""
+        """Run once: the outputs in ``outputs`` order, an ``OrtValue`` where a device was given, numpy where not.
+
+        A call that feeds an initializer (a parameter override: IOBinding binds graph inputs only)
+        runs through ``session.run``, its outputs all numpy.
+        """
+        if not self._inputs.issuperset(feeds):
+            return self._run_plain(feeds)
         binding = self.session.io_binding()
         for name, value in feeds.items():
             if isinstance(value, ort.OrtValue):
@@ -172,6 +180,14 @@ class Handoff:
         if self.device.type != "cpu":
             self._count(feeds, values)
         return [v.numpy() if on_host else v for v, on_host in zip(values, self._host, strict=True)]
+
+    def _run_plain(self, feeds: Mapping[str, Any]) -> list[Any]:
+        results: list[Any] = self.session.run(self.outputs, dict(feeds), self.run_options)
+        self.moved.calls += 1
+        if self.device.type != "cpu":
+            self.moved.to_device += sum(getattr(v, "nbytes", 0) for v in feeds.values() if not isinstance(v, ort.OrtValue))
+            self.moved.to_host += sum(r.nbytes for r in results if isinstance(r, np.ndarray))
+        return results
 
     def _count(self, feeds: Mapping[str, Any], values: Sequence[ort.OrtValue]) -> None:
         moved, here = self.moved, self.device.type
