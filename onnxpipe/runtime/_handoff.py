@@ -31,19 +31,21 @@ Note: bytes across the edge.
     (onnxruntime copies it device to device when it is bound; the check times it).
 
 Note: why a CPU stage keeps numpy.
-    On the CPU there is nothing to save: ``session.run`` reads numpy inputs in place and its
-    outputs are numpy arrays over the buffer onnxruntime allocated (no copy), and a CPU
-    ``OrtValue``'s ``numpy()`` is a view. Measured on a 100 MB float32 tensor through an
-    ``Identity``-free graph (``benchmarks/gpu_check.py --cpu-copies`` prints it): ``session.run``
-    and the IOBinding call take the same time, ``ortvalue_from_numpy`` and ``numpy()`` take under
-    a millisecond (a copy of 100 MB takes tens), and the output shares memory with nothing it
-    was not allocated for. A CPU stage therefore keeps ``session.run`` and numpy, the path with the
-    least Python per call; :data:`DEVICE_TYPES` is the one place that says which providers hand
-    on ``OrtValue`` (a test adds the CPU provider to it to run the ``OrtValue`` path for real).
+    On the CPU there is nothing to save: ``session.run`` reads a contiguous numpy input in place
+    and returns numpy arrays over the buffers onnxruntime allocated (they do not own their memory:
+    no copy), and a CPU ``OrtValue``'s ``numpy()`` is a view. Measured on a 100 MB float32 tensor
+    through a ``Relu`` (1 thread, medians of 5; ``python -m benchmarks.gpu_check`` prints it on any
+    host): a numpy copy of it 10.4 ms, ``session.run`` 7.3 ms, the same fed a strided view, which
+    onnxruntime must copy first, 24.2 ms, the call through IOBinding (a :class:`Handoff` on device
+    ``cpu``) 6.5 ms, ``ortvalue_from_numpy`` and ``numpy()`` under 0.01 ms. A CPU stage therefore
+    keeps ``session.run`` and numpy, the path with the least Python per call; :data:`DEVICE_TYPES`
+    is the one place that says which providers hand on ``OrtValue`` (a test adds the CPU provider
+    to it to run the ``OrtValue`` path for real).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -97,15 +99,18 @@ class Transfers:
         return Transfers(self.to_device + other.to_device, self.to_host + other.to_host, self.across + other.across, self.calls + other.calls)
 
 
-#: Every hand-off alive in this process, for :func:`transfers`.
+#: Every hand-off alive in this process, for :func:`transfers` (the lock: runners are made on several threads).
 _LIVE: weakref.WeakSet[Handoff] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
 
 
 def transfers() -> Transfers:
     """The bytes every hand-off alive in this process moved across a session's edge, summed (a
     diagnostic: ``benchmarks/gpu_check.py`` reads it before and after a hop or a decode step)."""
     total = Transfers()
-    for handoff in list(_LIVE):
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for handoff in live:
         total = total + handoff.moved
     return total
 
@@ -156,7 +161,8 @@ class Handoff:
         self.device = device or next((d for d in devices if d is not None), Device("cpu"))
         #: What this hand-off's calls moved across the session's edge (Note: bytes across the edge).
         self.moved = Transfers()
-        _LIVE.add(self)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def __call__(self, feeds: Mapping[str, Any]) -> list[Any]:
         """Run once: the outputs in ``outputs`` order, an ``OrtValue`` where a device was given, numpy where not.

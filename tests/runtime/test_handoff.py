@@ -140,3 +140,18 @@ def test_outputs_a_batching_or_host_stage_reads_go_on_as_numpy(cpu_hands_on: Non
     # The same stage read by a stage on the host: nothing to hand on as OrtValue.
     monkeypatch.delitem(DEVICE_TYPES, "CPUExecutionProvider")  # the provider keeps its tensors in host memory: session.run and numpy
     assert handoff_for(spec, first, outputs, session, None, batches=False) is None
+
+
+def test_a_call_that_overrides_an_initializer_runs_through_session_run() -> None:
+    # IOBinding binds graph inputs only; a parameter override feeds an initializer by name.
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["x", "w"], ["y"])], "add",
+        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in ("x", "w")],  # w: an input with a default, overridable
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])], initializer=[onnx.numpy_helper.from_array(np.ones(2, np.float32), "w")])
+    session = _session(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+    call = Handoff(session, ["y"], [Device("cpu")])
+    x = np.array([1.0, 2.0], np.float32)
+    assert call({"x": x})[0].numpy().tolist() == [2.0, 3.0]  # bound: an OrtValue
+    overridden = call({"x": x, "w": np.array([10.0, 20.0], np.float32)})[0]
+    assert isinstance(overridden, np.ndarray) and overridden.tolist() == [11.0, 22.0]
+    assert call.moved.calls == 2
