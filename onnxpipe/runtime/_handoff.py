@@ -28,7 +28,8 @@ Note: bytes across the edge.
     that fell back to the CPU) are not at its edge: onnxruntime's profile lists them with their
     sizes, and ``benchmarks/gpu_check.py`` reads both. onnxruntime's Python cannot tell an
     ``OrtValue``'s device number, so a hop between two devices of one kind is not counted here
-    (onnxruntime copies it device to device when it is bound; the check times it).
+    (onnxruntime copies it device to device when it is bound, ``IOBinding::BindInput`` ->
+    ``CopyOneInputAcrossDevices``; the check times the stage call that reads it).
 
 Note: why a CPU stage keeps numpy.
     On the CPU there is nothing to save: ``session.run`` reads a contiguous numpy input in place
