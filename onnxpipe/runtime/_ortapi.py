@@ -2,9 +2,10 @@
 
 :class:`InferenceSessionAPI` gives :class:`~onnxpipe.runtime.Pipeline` onnxruntime's session face:
 ``get_inputs`` / ``get_outputs`` (:class:`NodeArg`), ``get_modelmeta`` (:class:`ModelMetadata`),
-``get_providers``, ``run(output_names, input_feed, run_options)``, ``run_async`` and
-``run_with_ort_values``. Everything is answered from the bundle's spec and the stages' sessions;
-nothing here knows how the stages run.
+``get_providers``, ``run(output_names, input_feed, run_options)``, ``run_async``,
+``run_with_ort_values`` and ``io_binding`` / ``run_with_iobinding`` (:class:`PipelineIOBinding`).
+Everything is answered from the bundle's spec and the stages' sessions; nothing here knows how the
+stages run.
 
 Note: matching onnxruntime where a client can notice.
     Checked against onnxruntime 1.32 (tests/runtime/test_dropin.py compares field by field with a
