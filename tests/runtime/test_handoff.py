@@ -155,3 +155,16 @@ def test_a_call_that_overrides_an_initializer_runs_through_session_run() -> None
     overridden = call({"x": x, "w": np.array([10.0, 20.0], np.float32)})[0]
     assert isinstance(overridden, np.ndarray) and overridden.tolist() == [11.0, 22.0]
     assert call.moved.calls == 2
+
+
+def test_what_a_code_stage_reads_goes_on_as_numpy(cpu_hands_on: None, tmp_path: Path) -> None:
+    from tests import code_stages
+
+    path = models.bundle_of(code_stages.config(), tmp_path)
+    bundle = read_bundle(path, allow_code=["tests.*"])
+    plans, _ = plan_stages(bundle.spec)
+    head = make_runner(bundle, plans[0], 0)
+    assert isinstance(head, StageRunner) and head.handoff is not None and head.handoff.on_device() == ()  # its reader takes numpy
+    x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+    with load(path, allow_code=["tests.*"]) as pipe:
+        np.testing.assert_allclose(pipe.run(None, {"x": x})[0], code_stages.expected(x), rtol=RTOL, atol=ATOL)
