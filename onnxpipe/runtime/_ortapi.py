@@ -2,9 +2,10 @@
 
 :class:`InferenceSessionAPI` gives :class:`~onnxpipe.runtime.Pipeline` onnxruntime's session face:
 ``get_inputs`` / ``get_outputs`` (:class:`NodeArg`), ``get_modelmeta`` (:class:`ModelMetadata`),
-``get_providers``, ``run(output_names, input_feed, run_options)``, ``run_async`` and
-``run_with_ort_values``. Everything is answered from the bundle's spec and the stages' sessions;
-nothing here knows how the stages run.
+``get_providers``, ``run(output_names, input_feed, run_options)``, ``run_async``,
+``run_with_ort_values`` and ``io_binding`` / ``run_with_iobinding`` (:class:`PipelineIOBinding`).
+Everything is answered from the bundle's spec and the stages' sessions; nothing here knows how the
+stages run.
 
 Note: matching onnxruntime where a client can notice.
     Checked against onnxruntime 1.32 (tests/runtime/test_dropin.py compares field by field with a
@@ -29,7 +30,9 @@ Note: matching onnxruntime where a client can notice.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
 from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest
 from onnxpipe.runtime._dtypes import numpy_dtype, ort_type
+from onnxpipe.runtime._handoff import Device
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import placement
 from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
@@ -55,6 +59,7 @@ __all__ = [
     "MissingInputError",
     "ModelMetadata",
     "NodeArg",
+    "PipelineIOBinding",
     "RunFailedError",
     "SessionFacts",
     "UnsupportedError",
@@ -279,13 +284,23 @@ class InferenceSessionAPI:
         """
         raise UnsupportedError("a pipeline has one set of session options per stage, not one; read pipeline.spec.stages[i].settings instead")
 
-    def io_binding(self) -> Any:
-        """Not available. Raises :class:`UnsupportedError` naming :meth:`run` and ``submit``."""
-        raise UnsupportedError("a pipeline has no IOBinding: its stages hand tensors to each other; use run(output_names, input_feed) or submit(inputs)")
+    def io_binding(self) -> PipelineIOBinding:
+        """``InferenceSession.io_binding``: a :class:`PipelineIOBinding` for :meth:`run_with_iobinding`."""
+        return PipelineIOBinding(self)
 
-    def run_with_iobinding(self, iobinding: Any, run_options: Any = None) -> None:
-        """Not available. Raises :class:`UnsupportedError` naming :meth:`run` and ``submit``."""
-        self.io_binding()
+    def run_with_iobinding(self, iobinding: PipelineIOBinding, run_options: ort.RunOptions | None = None) -> None:
+        """``InferenceSession.run_with_iobinding``: one request with the binding's inputs; its
+        outputs go where the binding put them (:meth:`PipelineIOBinding.get_outputs`).
+
+        Raises:
+            UnsupportedError: ``iobinding`` is not one this pipeline's :meth:`io_binding` made (an
+                onnxruntime ``IOBinding`` belongs to its own session), or an output is bound to a
+                raw device pointer.
+            InputError, RunFailedError: as :meth:`run`.
+        """
+        if not isinstance(iobinding, PipelineIOBinding) or iobinding.pipeline is not self:
+            raise UnsupportedError(f"run_with_iobinding takes the IOBinding this pipeline's io_binding() made, not {type(iobinding).__name__}")
+        iobinding.run(run_options)
 
     def end_profiling(self) -> str:
         """Not available. Raises :class:`UnsupportedError` naming ``load(trace=True)`` and ``save_trace``."""
@@ -349,7 +364,10 @@ class InferenceSessionAPI:
         self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, Any], run_options: ort.RunOptions | None = None
     ) -> list[ort.OrtValue]:
         """``InferenceSession.run_with_ort_values``: like :meth:`run` with ``OrtValue`` inputs and
-        outputs. Values go through host memory (the stages exchange numpy arrays)."""
+        outputs, in host memory as onnxruntime gives them. An ``OrtValue`` in host memory is fed to
+        the first stages in place (its ``numpy()`` is a view) and each output is an ``OrtValue``
+        over the pipeline's own array (no copy); an input on a device is read to the host once
+        (Note: hand-offs as OrtValues, ``_handoff``)."""
         outputs = self._ort_run(output_names, input_dict_ort_values, run_options)
         return [ort.OrtValue.ortvalue_from_numpy(a) for a in outputs]
 
@@ -408,3 +426,131 @@ def _as_arrays(spec: PipelineSpec, feed: Mapping[str, Any]) -> dict[str, Any]:
                 raise FeedError(f"input '{name}': cannot make a {dtypes[name]} array of {type(value).__name__}: {e}") from None
         feeds[name] = value
     return feeds
+
+
+class PipelineIOBinding:
+    """onnxruntime's ``IOBinding`` for a pipeline (:meth:`InferenceSessionAPI.io_binding`): the
+    same methods, for code written against a session's binding.
+
+    Inputs bound in host memory (``bind_cpu_input``, ``bind_input`` on ``"cpu"``, a host
+    ``OrtValue``) are fed to the pipeline in place; an ``OrtValue`` on a device is read to the host
+    once. Outputs go where they are bound: a device by name (``bind_output(name, "cuda", 0)``: the
+    output is copied there once, as a new ``OrtValue``), a caller's host buffer
+    (``bind_output(..., buffer_ptr=...)`` on ``"cpu"``) or ``OrtValue`` (``bind_ortvalue_output``,
+    host or device): written into it. :meth:`get_outputs` gives them as ``OrtValue`` in the order
+    they were bound. The run is synchronous, so the ``synchronize_*`` methods have nothing to wait
+    for. A raw device pointer (``bind_input``/``bind_output`` with ``buffer_ptr`` on a device) is
+    refused: the pipeline cannot read or write device memory it was not given as an ``OrtValue``.
+
+    Args:
+        pipeline: The pipeline that runs it.
+    """
+
+    def __init__(self, pipeline: InferenceSessionAPI) -> None:
+        self.pipeline = pipeline
+        self._inputs: dict[str, Any] = {}
+        self._outputs: dict[str, Device | np.ndarray | ort.OrtValue] = {}
+        self._results: list[ort.OrtValue] = []
+
+    def bind_cpu_input(self, name: str, arr_on_cpu: Any) -> None:
+        """Bind an input to an array in host memory (read in place; kept until unbound)."""
+        self._inputs[name] = arr_on_cpu
+
+    def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any, shape: Sequence[int], buffer_ptr: int) -> None:
+        """Bind an input to memory at ``buffer_ptr`` (host memory only).
+
+        Raises:
+            UnsupportedError: ``device_type`` is not ``"cpu"``.
+        """
+        self._inputs[name] = _host_buffer(f"input '{name}'", device_type, element_type, shape, buffer_ptr, "bind_ortvalue_input")
+
+    def bind_ortvalue_input(self, name: str, ortvalue: ort.OrtValue) -> None:
+        """Bind an input to an ``OrtValue``."""
+        self._inputs[name] = ortvalue
+
+    def synchronize_inputs(self) -> None:
+        """Nothing to wait for: inputs are read when the pipeline runs."""
+
+    def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0, element_type: Any = None, shape: Sequence[int] | None = None,
+                    buffer_ptr: int | None = None) -> None:
+        """Bind an output to a device (a new ``OrtValue`` there each run) or to host memory at ``buffer_ptr``.
+
+        Raises:
+            ValueError: ``buffer_ptr`` without ``element_type`` and ``shape`` (as onnxruntime).
+            UnsupportedError: ``buffer_ptr`` on a device.
+        """
+        if buffer_ptr is None:
+            self._outputs[name] = Device(device_type, device_id)
+            return
+        if element_type is None or shape is None:
+            raise ValueError("`element_type` and `shape` are to be provided if pre-allocated memory is provided")
+        self._outputs[name] = _host_buffer(f"output '{name}'", device_type, element_type, shape, buffer_ptr, "bind_ortvalue_output")
+
+    def bind_ortvalue_output(self, name: str, ortvalue: ort.OrtValue) -> None:
+        """Bind an output to an ``OrtValue``: each run writes into it (host or device)."""
+        self._outputs[name] = ortvalue
+
+    def synchronize_outputs(self) -> None:
+        """Nothing to wait for: outputs are in place when :meth:`run_with_iobinding` returns."""
+
+    def get_outputs(self) -> list[ort.OrtValue]:
+        """The outputs of the last run, as ``OrtValue``, in the order they were bound."""
+        return list(self._results)
+
+    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
+        """The outputs of the last run as numpy arrays of their own."""
+        return [np.array(v.numpy()) for v in self._results]
+
+    def clear_binding_inputs(self) -> None:
+        """Unbind every input."""
+        self._inputs.clear()
+
+    def clear_binding_outputs(self) -> None:
+        """Unbind every output."""
+        self._outputs.clear()
+
+    def run(self, run_options: ort.RunOptions | None = None) -> None:
+        """Run the pipeline once on the bound inputs and put each output where it is bound.
+
+        Raises:
+            FeedError: no output is bound, or a value does not fit the buffer it is bound to.
+        """
+        if not self._outputs:
+            raise FeedError("no output is bound: bind at least one with bind_output or bind_ortvalue_output (onnxruntime asks for one too)")
+        names = list(self._outputs)
+        arrays = self.pipeline._ort_run(names, self._inputs, run_options)
+        self._results = [_put(name, array, self._outputs[name]) for name, array in zip(names, arrays, strict=True)]
+
+
+#: onnx ``TensorProto`` element types -> numpy, for ``element_type`` given as a number.
+_ONNX_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_, 10: np.float16,
+               11: np.float64, 12: np.uint32, 13: np.uint64}
+
+
+def _host_buffer(what: str, device_type: str, element_type: Any, shape: Sequence[int], buffer_ptr: int, instead: str) -> np.ndarray:
+    """A numpy view over a caller's host memory; a device pointer is refused."""
+    if device_type != "cpu":
+        raise UnsupportedError(f"{what}: a pipeline cannot read or write a raw {device_type} pointer; bind an OrtValue with {instead} instead")
+    try:
+        dtype = np.dtype(_ONNX_TYPES[element_type] if isinstance(element_type, int) else element_type)
+    except (KeyError, TypeError) as e:
+        raise FeedError(f"{what}: unknown element_type {element_type!r}") from e
+    size = math.prod(shape) * dtype.itemsize
+    return np.frombuffer(memoryview((ctypes.c_char * size).from_address(buffer_ptr)).cast("B"), dtype=dtype).reshape(tuple(shape))
+
+
+def _put(name: str, array: np.ndarray, where: Device | np.ndarray | ort.OrtValue) -> ort.OrtValue:
+    """An output put where it is bound: a new ``OrtValue`` on a device (host: over the array), or written into a caller's buffer."""
+    if isinstance(where, Device):
+        try:
+            return ort.OrtValue.ortvalue_from_numpy(array, where.type, where.id)
+        except Exception as e:  # onnxruntime's own types: no such device here
+            raise UnsupportedError(f"output '{name}': cannot put it on device {where}: {e}") from e
+    shape = tuple(where.shape) if isinstance(where, np.ndarray) else tuple(where.shape())
+    if shape != array.shape:
+        raise FeedError(f"output '{name}' has shape {list(array.shape)}; the buffer bound to it has shape {list(shape)}")
+    if isinstance(where, np.ndarray):
+        np.copyto(where, array, casting="no")
+        return ort.OrtValue.ortvalue_from_numpy(where)
+    where.update_inplace(np.ascontiguousarray(array))
+    return where

@@ -24,6 +24,7 @@ import numpy as np
 from onnxpipe._errors import BusyError, StageError, StreamError
 from onnxpipe.runtime._channel import Closed, Full
 from onnxpipe.runtime._engine import Engine
+from onnxpipe.runtime._handoff import host
 from onnxpipe.runtime._inputs import InputCheck
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import Request
@@ -209,8 +210,9 @@ class Dispatcher:
         request.done(request)
 
     def outputs(self, request: Request) -> Outputs:
-        """A finished request's global outputs by name."""
-        return {name: request.values[key] for name, key in self._finals.items()}
+        """A finished request's global outputs by name, numpy (an ``OrtValue`` a stage left on its
+        device comes to the host here: ``_handoff``, Note: hand-offs as OrtValues)."""
+        return {name: host(request.values[key]) for name, key in self._finals.items()}
 
     def _finish(self, request: Request) -> None:
         """A stateless request left the pipeline: record it and settle its future."""

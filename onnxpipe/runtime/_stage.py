@@ -79,6 +79,7 @@ import onnxruntime as ort
 from onnxpipe._errors import ConfigError, InputError, StageError, StreamError
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._dtypes import numpy_dtype
+from onnxpipe.runtime._handoff import Handoff, handoff_for, session_device
 from onnxpipe.runtime._inplace import InSlab, Slab, arrange
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
@@ -398,14 +399,19 @@ class StageRunner(RunnerBase):
         self.reused = 0
         # States kept in place (``_inplace``, Note: state in place): each shared state input's
         # growing axis and the present written into its buffer; in place only where every state
-        # of the stage is shared and the stage batches streams' steps.
+        # of the stage is shared.
         links = plan.states
-        shared = bool(links) and all(s.shared and s.empty_axis is not None for s in links)
+        # On a device the slab would have to live there too (its moves made by device copies): not yet,
+        # so a stage whose session keeps its tensors on a device copies its state as before (docs/limitations.md).
+        shared = bool(links) and all(s.shared and s.empty_axis is not None for s in links) and session_device(session) is None
         self._presents = {s.input: s.output for s in links} if shared else {}
         #: Each state's growing axis, for a step alone in place ...
         self._lone_axes: dict[str, int] = {s.input: s.empty_axis for s in links if s.empty_axis is not None} if shared else {}
         #: ... and for a batch in place (its states right-padded, as the build's probe found).
         self._axes = self._lone_axes if plan.batches and self._right else {}
+        #: Runs the session call through IOBinding, leaving outputs on the stage's device (``_handoff``,
+        #: Note: hand-offs as OrtValues); ``None``: ``session.run`` and numpy. Set by :func:`make_runner`.
+        self.handoff: Handoff | None = None
 
     def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Read the inputs from the request's bag, run, put the outputs back, drop dead values.
@@ -436,7 +442,9 @@ class StageRunner(RunnerBase):
         return ()
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
-        """One session call: the stage's outputs, in ``plan.outputs`` order."""
+        """One session call: the stage's outputs, in ``plan.outputs`` order (``OrtValue`` where the hand-off leaves them on a device)."""
+        if self.handoff is not None:
+            return self.handoff(feeds)
         return self.session.run(self.plan.outputs, feeds, self.run_options)
 
     def _feeds(self, request: Request) -> dict[str, np.ndarray]:
@@ -998,7 +1006,9 @@ def make_runner(bundle: Bundle, plan: StagePlan, replica: int, target: str | Non
         raise ConfigError(f"stage '{stage.name}': {e}") from None
     if stage.is_code:
         return CodeRunner(plan, resolve_entry(stage))
-    return StageRunner(plan, _stage_session(bundle, stage, replica, target))
+    runner = StageRunner(plan, _stage_session(bundle, stage, replica, target))
+    runner.handoff = handoff_for(bundle.spec, stage, plan.outputs, runner.session, runner.run_options, plan.batches, target)
+    return runner
 
 
 def _stage_session(bundle: Bundle, stage: StageSpec, replica: int, target: str | None) -> ort.InferenceSession:

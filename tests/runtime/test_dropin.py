@@ -307,8 +307,7 @@ def test_concurrent_callers_each_get_their_own_outputs(bundles: Callable[[str], 
 def test_what_a_pipeline_cannot_do_names_the_alternative(bundles: Callable[[str], Path]) -> None:
     with load(bundles("symbolic_batch")) as pipe:
         for call, message in [
-            (pipe.io_binding, "use run\\(output_names, input_feed\\) or submit\\(inputs\\)"),
-            (lambda: pipe.run_with_iobinding(None), "use run\\(output_names, input_feed\\)"),
+            (lambda: pipe.run_with_iobinding(None), "takes the IOBinding this pipeline's io_binding\\(\\) made, not NoneType"),
             (pipe.get_session_options, "read pipeline.spec.stages\\[i\\].settings"),
             (pipe.end_profiling, "load it with trace=True and call save_trace"),
             (lambda: pipe.set_providers(["CUDAExecutionProvider"]), r"stages use \['CPUExecutionProvider'\]; load it again with load\(path, target=...\)"),
@@ -318,3 +317,84 @@ def test_what_a_pipeline_cannot_do_names_the_alternative(bundles: Callable[[str]
             assert isinstance(err.value, NotImplementedError)
         pipe.set_providers(["CPUExecutionProvider"])  # nothing to change: accepted, as applications call it
         pipe.set_providers([("CPUExecutionProvider", {})])
+
+
+def test_run_with_ort_values_gives_host_ortvalues_like_onnxruntime(bundles: Callable[[str], Path]) -> None:
+    whole = _whole(models.two_outputs())
+    x = np.random.default_rng(3).standard_normal((1, 4)).astype(np.float32)
+    want = whole.run_with_ort_values(None, {"X": ort.OrtValue.ortvalue_from_numpy(x)})
+    with load(bundles("two_outputs")) as pipe:
+        got = pipe.run_with_ort_values(None, {"X": ort.OrtValue.ortvalue_from_numpy(x)})
+    assert [type(v) for v in got] == [type(v) for v in want]
+    assert [v.device_name() for v in got] == [v.device_name() for v in want] == ["cpu", "cpu"]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape() == w.shape() and g.data_type() == w.data_type()
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=RTOL, atol=ATOL)
+
+
+def _bind_all(binding: Any, x: np.ndarray, m_out: ort.OrtValue, y_out: np.ndarray) -> None:
+    """The same bindings on a session's IOBinding and a pipeline's: X by pointer, M into an
+    OrtValue, Y into a caller's buffer, then X again as an OrtValue (the last binding counts)."""
+    binding.bind_input("X", "cpu", 0, np.float32, list(x.shape), x.ctypes.data)
+    binding.bind_ortvalue_output("M", m_out)
+    binding.bind_output("Y", "cpu", 0, np.float32, list(y_out.shape), y_out.ctypes.data)
+    binding.bind_ortvalue_input("X", ort.OrtValue.ortvalue_from_numpy(x))
+    binding.synchronize_inputs()
+
+
+def test_io_binding_behaves_as_onnxruntimes(bundles: Callable[[str], Path]) -> None:
+    whole = _whole(models.two_outputs())
+    x = np.random.default_rng(4).standard_normal((1, 4)).astype(np.float32)
+    m, y = whole.run(["M", "Y"], {"X": x})
+    with load(bundles("two_outputs")) as pipe:
+        for session in (whole, pipe):  # each checked against the same expectations
+            binding = session.io_binding()
+            binding.bind_cpu_input("X", x)
+            binding.bind_output("Y")  # a device by name: a new OrtValue each run
+            binding.bind_output("M", "cpu", 0)
+            session.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+            outs = binding.get_outputs()
+            assert [o.device_name() for o in outs] == ["cpu", "cpu"]  # in the order bound
+            np.testing.assert_allclose(outs[0].numpy(), y, rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(outs[1].numpy(), m, rtol=RTOL, atol=ATOL)
+            copied = binding.copy_outputs_to_cpu()
+            assert all(isinstance(c, np.ndarray) for c in copied)
+            np.testing.assert_allclose(copied[0], y, rtol=RTOL, atol=ATOL)
+            # Into the caller's memory: an OrtValue and a raw host buffer, written in place.
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            m_out = ort.OrtValue.ortvalue_from_numpy(np.zeros_like(m))
+            y_out = np.zeros_like(y)
+            _bind_all(binding, x, m_out, y_out)
+            session.run_with_iobinding(binding, ort.RunOptions())
+            np.testing.assert_allclose(m_out.numpy(), m, rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(y_out, y, rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(binding.get_outputs()[1].numpy(), y, rtol=RTOL, atol=ATOL)
+
+
+def test_io_binding_refuses_what_a_pipeline_cannot_serve_by_name(bundles: Callable[[str], Path]) -> None:
+    whole = _whole(models.two_outputs())
+    x = np.zeros((1, 4), np.float32)
+    with load(bundles("two_outputs")) as pipe:
+        binding = pipe.io_binding()
+        refused = "input 'X': a pipeline cannot read or write a raw cuda pointer; bind an OrtValue with bind_ortvalue_input"
+        with pytest.raises(OnnxpipeError, match=refused) as err:
+            binding.bind_input("X", "cuda", 0, np.float32, [1, 4], 1234)
+        assert isinstance(err.value, NotImplementedError)
+        with pytest.raises(OnnxpipeError, match="output 'Y': a pipeline cannot read or write a raw cuda pointer; bind an OrtValue with bind_ortvalue_output"):
+            binding.bind_output("Y", "cuda", 0, np.float32, [1, 4], 1234)
+        with pytest.raises(ValueError, match="`element_type` and `shape` are to be provided"):
+            binding.bind_output("Y", "cpu", 0, None, None, x.ctypes.data)
+        binding.bind_cpu_input("X", x)
+        with pytest.raises(InputError, match="no output is bound"):
+            pipe.run_with_iobinding(binding)
+        binding.bind_ortvalue_output("Y", ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32)))
+        with pytest.raises(InputError, match="output 'Y' has shape \\[1, 4\\]; the buffer bound to it has shape \\[2, 4\\]"):
+            pipe.run_with_iobinding(binding)
+        binding.clear_binding_inputs()
+        binding.bind_output("Y")
+        with pytest.raises(InputError, match="missing input"):
+            pipe.run_with_iobinding(binding)
+        with pytest.raises(OnnxpipeError, match="takes the IOBinding this pipeline's io_binding\\(\\) made, not IOBinding"):
+            pipe.run_with_iobinding(whole.io_binding())

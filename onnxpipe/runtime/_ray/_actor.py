@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxpipe._errors import BundleError, OnnxpipeError
+from onnxpipe.runtime._handoff import host
 from onnxpipe.runtime._ortapi import SessionFacts
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime._stage import CLOSE, Call, Failure, Request, Runner, make_runner, plan_stages
@@ -168,7 +169,7 @@ class _StageActor:
         batch = request.batch
         if batch is not None and not len(batch):
             return None
-        kept: Values = {(name, o): request.values[Endpoint(name, o)] for o in self._returns}
+        kept: Values = {(name, o): host(request.values[Endpoint(name, o)]) for o in self._returns}  # the object store takes numpy, not OrtValue
         if batch is not None:
             kept[LAYOUT] = batch.describe()
         return kept
