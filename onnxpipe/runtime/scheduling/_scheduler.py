@@ -14,13 +14,14 @@ Note: groups, micro-batches and when a batch leaves.
     A stream's step waits at the entry in its group until the group's next batch leaves, which is
     when (the first that holds):
 
-    - every member of the group has a step waiting, but members whose step in flight has another
-      shape (a new stream's prefill: it runs beside the decode batch, never inside it) and members
-      that can take no more steps (their state is no longer valid): nothing else can join;
-    - ``delay`` seconds have passed since its oldest waiting step came (the stages' largest
-      ``max_delay_ms``), or at once when that is 0 (take what is there, never wait);
+    - the group is *full*: every member has a step waiting, but members whose step in flight has
+      another shape (a new stream's prefill: it runs beside the decode batch, never inside it) and
+      members that can take no more steps (their state is no longer valid): nothing else can join;
     - a caller hands many steps at once (``Pipeline.submit_steps``: they are what comes), or a
-      member closes (its steps go before the close).
+      member closes (its steps go before the close);
+    - the pipeline can take it (see Note: continuous batching): the first stage is free and no
+      member the group's last batch brought back is still to submit its next step, or ``delay``
+      (the stages' largest ``max_delay_ms``) has passed since the oldest waiting step.
 
     A batch holds at most one step of each stream and only steps of one shape (the scheduler's
     key: equal shapes but for the batch axis and the axes that grow with the past, and the same
@@ -33,13 +34,41 @@ Note: groups, micro-batches and when a batch leaves.
     and retires streams, offers their steps and says when each leaves. The thread engine, the Ray
     engine and the server's sequences all sit behind it.
 
+Note: continuous batching.
+    Where the engine tells the scheduler when its first stage finishes a request (``told``: the
+    thread engine, through ``StreamRegistry``), a group's next batch leaves when the pipeline can
+    take it, as a virtual engine of vLLM's pipeline-parallel scheduler schedules its next batch
+    when its previous one has come back, not when a timer says. The scheduler counts the requests
+    of steps it sent that the first stage has not finished (:meth:`entered`, :meth:`left_entry`):
+
+    - while the first stage is busy, a group's steps that are not a full batch wait: sent now,
+      they would only wait in its queue, and whatever else comes meanwhile would be a batch of its
+      own. When it frees up (the count falls to 0) the groups with steps waiting send them, each
+      with everything of it that is ready, as the next rule allows (the releaser thread does: the
+      stage's worker that freed it never submits into a pipeline, so a full pipeline can always
+      drain);
+    - while the first stage is free, steps wait only for the members the group's last batch
+      brought back (its exit settled their futures; their threads are computing their next
+      inputs), never for a member that was idle before, nor for one whose step is still in
+      flight (it would wait a whole trip). That window (from a batch's exit to its members'
+      threads resubmitting: a wake-up and the caller's own work, tens of microseconds to a few
+      milliseconds on a loaded host) ends when the last of them submits; ``delay`` bounds it, and
+      a member that missed the window once is not waited for again until it comes back in a batch
+      (a thread that stopped stepping holds its group back once). With ``delay`` 0 nothing waits
+      while the first stage is free.
+
+    Where the engine cannot tell (the Ray engine: its stages' calls return to a collector thread
+    under the engine's lock; telling the scheduler from there is left for later), the scheduler
+    keeps the conservative rule: a group waits for every member (full), at most ``delay``.
+
 Note: locks.
     ``_lock`` guards the groups and is never held while waiting on anything. A group's ``order``
     lock is held from forming its batches until they are submitted, so the batches of one group
     enter the pipeline in the order they were formed even when several threads (the callers, the
-    deadline timer, a close) form them; a submission that waits for room in the pipeline holds
-    only that. The pipeline's exit tells the scheduler a step is done (:meth:`done`), which
-    takes ``_lock`` alone, so a full pipeline can always drain.
+    releaser, a close) form them; a submission that waits for room in the pipeline holds
+    only that. The pipeline's exit tells the scheduler a step is done (:meth:`done`), and the
+    first stage that it finished one (:meth:`left_entry`); both take ``_lock`` alone and submit
+    nothing (the releaser thread does), so a full pipeline can always drain.
 """
 
 from __future__ import annotations
@@ -87,6 +116,7 @@ class _Group:
         self.members: list[int] = []
         self.waiting: list[Step] = []
         self.since: float | None = None  # when its oldest waiting step came
+        self.late: set[int] = set()  # members a batch left without after ``delay``, until they submit again (Note: continuous batching)
         self.order = threading.Lock()  # held from forming its batches until they are submitted
 
 
@@ -99,15 +129,20 @@ class StepScheduler:
         micro_batches: Groups to spread streams over (batches in flight at once).
         delay: Seconds a waiting step may wait for its group's other members (0: never waits).
         pin: The replicas a stream's state lives on (streams with different pins never share a group).
+        told: Whether the engine tells when its first stage finishes a request (:meth:`left_entry`):
+            batches then leave when the pipeline can take them (Note: continuous batching); else
+            a group waits for every member, at most ``delay``.
     """
 
     def __init__(self, send: Callable[[list[Step]], None], limit: int, micro_batches: int, delay: float,
-                 pin: Callable[[int], Hashable] = lambda stream: ()) -> None:
+                 pin: Callable[[int], Hashable] = lambda stream: (), told: bool = False) -> None:
         self._send = send
         self.limit = limit
         self.micro_batches = micro_batches
         self.delay = delay
         self._pin = pin
+        self.told = told
+        self._entering = 0  # requests of steps sent that the first stage has not finished (told only)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._groups: list[_Group] = []
@@ -119,6 +154,8 @@ class StepScheduler:
         #: Batches sent, and steps in them (for diagnostics and tests).
         self.batches = 0
         self.steps = 0
+        #: Batches that left because ``delay`` passed (Note: continuous batching: rarely, where told).
+        self.expired = 0
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -149,6 +186,7 @@ class StepScheduler:
                 self._retired.discard(stream)
                 if stream in group.members:
                     group.members.remove(stream)
+                group.late.discard(stream)
                 flush = any(s.stream == stream for s in group.waiting)
                 batches = self._form(group) if group.waiting and (flush or self._ready(group)) else []
                 if not group.members and not group.waiting:
@@ -160,6 +198,9 @@ class StepScheduler:
         for it. Takes only the scheduler's lock (the pipeline's exit calls it)."""
         with self._lock:
             self._retired.add(stream)
+            group = self._group_of.get(stream)
+            if group is not None and group.waiting:
+                self._arm()  # its group may no longer wait for it
 
     def group_of(self, stream: int) -> list[int]:
         """The members of the stream's group, in row order (for diagnostics and tests)."""
@@ -186,10 +227,11 @@ class StepScheduler:
                     if group.since is None:
                         group.since = mine[0].submitted
                     group.waiting.extend(mine)
-                    if not (flush or not self.delay or self._ready(group)):
+                    group.late.difference_update(s.stream for s in mine)
+                    batches = self._form(group) if flush else self._leave(group, time.perf_counter())
+                    if batches is None:
                         self._arm()
                         continue
-                    batches = self._form(group)
                 self._submit(batches)
 
     def done(self, stream: int) -> None:
@@ -206,16 +248,33 @@ class StepScheduler:
                     del keys[0]
                     if not keys:
                         del busy[stream]
+                group = self._group_of.get(stream)
+                if group is not None and group.waiting and self.told:
+                    group.since = time.perf_counter()  # its window to submit opens now (Note: continuous batching)
+                    self._arm()
+
+    def entered(self, requests: int = 1) -> None:
+        """``requests`` requests of steps went into the first stage (the registry submitted them)."""
+        with self._lock:
+            self._entering += requests
+
+    def left_entry(self) -> None:
+        """The first stage finished a request of steps (the engine's hook, on its worker: takes only
+        ``_lock`` and submits nothing); once it is free, the releaser sends what may go."""
+        with self._lock:
+            self._entering = max(0, self._entering - 1)
+            if not self._entering and any(g.waiting for g in self._groups):
+                self._arm()
 
     def close(self) -> None:
-        """Stop the deadline timer (it ends once any submission it is in returns: :meth:`wait_stopped`);
+        """Stop the releaser (it ends once any submission it is in returns: :meth:`wait_stopped`);
         steps still waiting stay unsent (the pipeline fails them)."""
         with self._lock:
             self._closed = True
             self._wake.notify_all()
 
     def wait_stopped(self, timeout: float = 5.0) -> None:
-        """Wait for the deadline timer to end, after :meth:`close` (and after the engine closed, so
+        """Wait for the releaser to end, after :meth:`close` (and after the engine closed, so
         that a submission it waits in returns)."""
         if self._timer is not None and self._timer is not threading.current_thread():
             self._timer.join(timeout)
@@ -230,6 +289,56 @@ class StepScheduler:
             return left
 
     # -- the policy ---------------------------------------------------------------------------
+
+    def _verdict(self, group: _Group, now: float) -> str | None:
+        """Why the group's waiting steps may leave now (``"full"``, ``"free"``: the first stage is
+        free and nobody is to come, ``"delay"``), or ``None``: they wait (see Notes: groups, ...;
+        continuous batching). ``_lock`` held, ``group.waiting`` not empty; changes nothing."""
+        if self._ready(group):
+            return "full"
+        if self.told and self._entering:
+            return None  # the first stage is busy: they go when it frees up
+        if self.told and not any(self._missing(group)):
+            return "free"
+        deadline = self._deadline(group)
+        return "delay" if not self.delay or (deadline is not None and deadline <= now) else None
+
+    def _leave(self, group: _Group, now: float) -> list[list[Step]] | None:
+        """The group's batches if its waiting steps may leave now, else ``None`` (``_lock`` held). A
+        batch that leaves because ``delay`` passed stops waiting for the members that missed it."""
+        verdict = self._verdict(group, now)
+        if verdict is None:
+            return None
+        if verdict == "delay":
+            self.expired += 1
+            if self.told:
+                group.late.update(self._missing(group)[0])  # not waited for again until they submit
+        return self._form(group)
+
+    def _deadline(self, group: _Group) -> float | None:
+        """When ``delay`` lets the group's waiting steps leave (``None``: no timer does; something
+        else wakes the releaser: the first stage freeing up, a member coming back or submitting)."""
+        if group.since is None or (self.told and (self._entering or self._missing(group)[1])):
+            return None  # members in flight come back without a timer
+        return group.since + self.delay
+
+    def _missing(self, group: _Group) -> tuple[list[int], list[int]]:
+        """The members the group's next batch waits for while the first stage is free: those whose
+        caller is to submit their next step (no step waiting or in flight; neither retired nor
+        late), and those whose step of the batch's shape is in flight (Note: continuous batching)."""
+        key = group.waiting[0].key
+        waiting = {s.stream for s in group.waiting}
+        gone = self._retired | group.late
+        coming, flying = [], []
+        for member in group.members:
+            if member in waiting or member in gone:
+                continue
+            busy = self._busy.get(member)
+            if not busy:
+                coming.append(member)
+            elif key in busy:
+                flying.append(member)
+        return coming, flying
 
     def _ready(self, group: _Group) -> bool:
         """Whether nothing else can join the group's next batch (see Note: groups, ...)."""
@@ -266,6 +375,8 @@ class StepScheduler:
             pending = rest
         group.waiting = []
         group.since = None
+        if self.told:
+            self._entering += len(batches)
         for batch in batches:
             for step in batch:
                 self._busy.setdefault(step.stream, []).append(step.key)
@@ -277,39 +388,47 @@ class StepScheduler:
         for batch in batches:
             self._send(batch)
 
-    # -- the deadline -------------------------------------------------------------------------
+    # -- the releaser ---------------------------------------------------------------------------
 
     def _arm(self) -> None:
-        """Make sure the deadline timer runs (``_lock`` held)."""
+        """Make sure the releaser runs, and have it look again (``_lock`` held)."""
         if self._timer is None:
-            self._timer = threading.Thread(target=self._expire, name="onnxpipe-step-scheduler", daemon=True)
+            self._timer = threading.Thread(target=self._release, name="onnxpipe-step-scheduler", daemon=True)
             self._timer.start()
         else:
             self._wake.notify()
 
-    def _expire(self) -> None:
-        """The timer: sends each group's batches once its oldest waiting step has waited ``delay``."""
-        clock = time.perf_counter
+    def _release(self) -> None:
+        """The releaser: sends each group's waiting steps once they may leave (the first stage freed
+        up, or ``delay`` passed: Note: continuous batching), and sleeps until the next deadline or
+        :meth:`left_entry` wakes it."""
         while True:
             with self._lock:
                 if self._closed:
                     return
-                now = clock()
-                due = [g for g in self._groups if g.since is not None and g.since + self.delay <= now]
+                due = self._due()
                 if not due:
-                    nexts = [g.since + self.delay for g in self._groups if g.since is not None]
-                    self._wake.wait(min(nexts) - now if nexts else None)
                     continue
             for group in due:
                 self._send_due(group)
 
+    def _due(self) -> list[_Group]:
+        """The groups whose waiting steps may leave now; when none, first waits (``_lock`` held,
+        let go while waiting) until the next deadline or a wake-up."""
+        now = time.perf_counter()
+        waiting = [g for g in self._groups if g.waiting]
+        due = [g for g in waiting if self._verdict(g, now)]
+        if not due:
+            nexts = [t for t in map(self._deadline, waiting) if t is not None]
+            self._wake.wait(max(0.0, min(nexts) - now) if nexts else None)
+        return due
+
     def _send_due(self, group: _Group) -> None:
         with group.order:
             with self._lock:
-                if group.since is None or group.since + self.delay > time.perf_counter():
-                    return  # sent meanwhile
-                batches = self._form(group)
-            self._submit(batches)
+                batches = self._leave(group, time.perf_counter()) if group.waiting else None
+            if batches is not None:  # else sent meanwhile
+                self._submit(batches)
 
 
 def step_key(arrays: Mapping[str, np.ndarray], padded: Mapping[str, tuple[int, float]], params: Any) -> tuple[Any, ...]:
