@@ -19,9 +19,10 @@ Note: groups, micro-batches and when a batch leaves.
       members that can take no more steps (their state is no longer valid): nothing else can join;
     - a caller hands many steps at once (``Pipeline.submit_steps``: they are what comes), or a
       member closes (its steps go before the close);
-    - the pipeline can take it (see Note: continuous batching): the first stage is free and no
-      member the group's last batch brought back is still to submit its next step, or ``delay``
-      (the stages' largest ``max_delay_ms``) has passed since the oldest waiting step.
+    - the pipeline can take it (see Note: continuous batching): where the engine tells when its
+      first stage frees up, once it is free and every member that must come is in; else (and
+      as the bound of the first) ``delay`` (the stages' largest ``max_delay_ms``) after the
+      oldest waiting step, or at once when that is 0.
 
     A batch holds at most one step of each stream and only steps of one shape (the scheduler's
     key: equal shapes but for the batch axis and the axes that grow with the past, and the same
@@ -35,31 +36,33 @@ Note: groups, micro-batches and when a batch leaves.
     engine and the server's sequences all sit behind it.
 
 Note: continuous batching.
-    Where the engine tells the scheduler when its first stage finishes a request (``told``: the
-    thread engine, through ``StreamRegistry``), a group's next batch leaves when the pipeline can
-    take it, as a virtual engine of vLLM's pipeline-parallel scheduler schedules its next batch
-    when its previous one has come back, not when a timer says. The scheduler counts the requests
-    of steps it sent that the first stage has not finished (:meth:`entered`, :meth:`left_entry`):
+    Where the engine tells the scheduler when its first stage is done with a request (``told``:
+    the thread engine, through ``Engine.watch_entry`` and the stream registry), a group's next
+    batch leaves when the pipeline can take it, as a virtual engine of vLLM's pipeline-parallel
+    scheduler schedules its next batch when its previous one has come back, not when a timer
+    says. The scheduler counts the requests of steps it sent that the first stage has not
+    finished (:meth:`entered`, :meth:`left_entry`):
 
     - while the first stage is busy, a group's steps that are not a full batch wait: sent now,
-      they would only wait in its queue, and whatever else comes meanwhile would be a batch of its
-      own. When it frees up (the count falls to 0) the groups with steps waiting send them, each
-      with everything of it that is ready, as the next rule allows (the releaser thread does: the
-      stage's worker that freed it never submits into a pipeline, so a full pipeline can always
-      drain);
-    - while the first stage is free, steps wait only for the members the group's last batch
-      brought back (its exit settled their futures; their threads are computing their next
-      inputs), never for a member that was idle before, nor for one whose step is still in
-      flight (it would wait a whole trip). That window (from a batch's exit to its members'
-      threads resubmitting: a wake-up and the caller's own work, tens of microseconds to a few
-      milliseconds on a loaded host) ends when the last of them submits; ``delay`` bounds it, and
-      a member that missed the window once is not waited for again until it comes back in a batch
-      (a thread that stopped stepping holds its group back once). With ``delay`` 0 nothing waits
-      while the first stage is free.
+      they would only wait in its queue, and what came meanwhile would be a batch of its own.
+      When it frees up (the count falls to 0), the releaser thread sends every group's waiting
+      steps that the next rule lets go (the stage's worker that freed it only wakes the releaser:
+      it never submits into the pipeline, so a full pipeline can always drain);
+    - while the first stage is free, a group's steps wait only for the members that must come
+      (:meth:`_missing`): those whose step of the same shape is in flight (they come back: no
+      timer; so a group whose members fell out of step steps in lockstep again, as one driver's
+      do), and those whose last step came back and whose caller is computing the next one. That
+      window, from a batch's exit to its members' threads resubmitting (a thread's wake-up and the
+      caller's own work: tens of microseconds to a few milliseconds on a loaded 2-core host),
+      ends when the last of them submits; ``delay`` bounds it, counted from the group's oldest
+      waiting step or the last member coming back, whichever is later. A member that misses the window (a thread that stopped stepping without
+      closing) becomes *late*: it holds its group back once, and is not waited for again until
+      it submits. With ``delay`` 0 nothing waits while the first stage is free.
 
+    ``expired`` counts the batches that left because ``delay`` passed (``StreamsView.delayed``).
     Where the engine cannot tell (the Ray engine: its stages' calls return to a collector thread
-    under the engine's lock; telling the scheduler from there is left for later), the scheduler
-    keeps the conservative rule: a group waits for every member (full), at most ``delay``.
+    under the engine's lock, and no hook is wired there yet), the scheduler keeps the conservative
+    rule: a group waits for every member (full), at most ``delay``.
 
 Note: locks.
     ``_lock`` guards the groups and is never held while waiting on anything. A group's ``order``
