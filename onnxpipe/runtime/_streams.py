@@ -300,8 +300,8 @@ class StreamRegistry:
         """The scheduler's batch, stacked once and submitted as one request (see ``scheduling``);
         one step alone travels as a plain step. Never raises: a step that cannot go fails its future."""
         if len(steps) == 1 or (stacked := stack_steps([s.arrays for s in steps], self._entry_pads)) is None:
-            if len(steps) > 1 and self._scheduler is not None and self._scheduler.told:
-                self._scheduler.entered(len(steps) - 1)  # the scheduler counted one request
+            if len(steps) > 1:
+                self._scheduler.entered(len(steps) - 1)  # type: ignore[union-attr]  # it counted one request: here are len(steps)
             for s in steps:
                 self._send_alone(s)
             return

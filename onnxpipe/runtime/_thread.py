@@ -93,7 +93,7 @@ class ThreadEngine:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = False
-        self._entry_hook: Callable[[Request], None] | None = None  # watch_entry's callback
+        self._entry_hook: Callable[[Request], None] = _ignore  # watch_entry's callback
         self._start()
 
     def _start(self) -> None:
@@ -153,7 +153,7 @@ class ThreadEngine:
             except Closed:
                 self._orphan([request])
                 return
-            if entry and self._entry_hook is not None:
+            if entry:
                 self._entry_hook(request)
             # Let go before waiting: a finished request refers to its pipeline (request.done).
             del request
@@ -332,3 +332,7 @@ class ThreadEngine:
     def threads(self) -> list[threading.Thread]:
         """The worker threads (for tests and diagnostics)."""
         return list(self._threads)
+
+
+def _ignore(request: Request) -> None:
+    """The first stage's callback until ``watch_entry`` sets one."""

@@ -257,9 +257,11 @@ class StepScheduler:
                     self._arm()
 
     def entered(self, requests: int = 1) -> None:
-        """``requests`` requests of steps went into the first stage (the registry submitted them)."""
-        with self._lock:
-            self._entering += requests
+        """``requests`` more requests of steps went into the first stage than the batches formed (the
+        registry sent a batch's steps alone); counted where the engine tells (``told``)."""
+        if self.told:
+            with self._lock:
+                self._entering += requests
 
     def left_entry(self) -> None:
         """The first stage finished a request of steps (the engine's hook, on its worker: takes only
