@@ -288,6 +288,21 @@ def test_steps_from_independent_threads_batch_as_full_batches_without_waiting_fo
         assert results[k][0] == whole_generate(decoder, p, TOKENS)[0], f"stream {k}"
 
 
+def test_steps_from_independent_threads_with_no_delay_decode_the_tokens_each_makes_alone(tmp_path: Path, decoder: ModelProto) -> None:
+    """max_delay_ms 0 (the default: nothing waits while the first stage is free; steps that come
+    while it is busy leave together when it frees up): 8 threads, each stepping its own stream;
+    every step ran once in some batch, and the tokens equal the whole model alone."""
+    prompts = [[3 + k, 5, 7][: 1 + k % 3] for k in range(8)]
+    plan = batched(split(decoder, DECODER_CUTS[2], states="auto"))
+    with load(bundle_of(plan, tmp_path), max_streams=8) as pipe:
+        results = _step_in_threads(pipe, prompts, TOKENS)
+        stats = pipe.stats()
+    for stage in stats.stages:
+        assert sum(k * v for k, v in stage.batch_sizes.items()) == stage.count == 8 * TOKENS
+    for k, p in enumerate(prompts):
+        assert results[k][0] == whole_generate(decoder, p, TOKENS)[0], f"stream {k}"
+
+
 def test_a_thread_that_stops_stepping_holds_its_group_back_once(tmp_path: Path, decoder: ModelProto) -> None:
     """Two streams in one group, max_delay_ms 200: stream b steps once and goes quiet without
     closing. a's next step waits for b once (the delay: one batch left delayed), then a steps alone
