@@ -275,7 +275,9 @@ class ThreadEngine:
 
     def watch_entry(self, callback: Callable[[Request], None]) -> bool:
         """Have the first stage's workers call ``callback(request)`` after handing each request on
-        (see ``Engine.watch_entry``); told: ``True``."""
+        (see ``Engine.watch_entry``); told: ``True``. (The workers of a pipeline with state run the
+        plain loop of :meth:`_work`, which calls it; a worker that batches stateless requests
+        serves no stream and tells nothing.)"""
         self._entry_hook = callback
         return True
 
