@@ -257,6 +257,9 @@ class StepScheduler:
                 if group is not None and group.waiting and self.told:
                     group.since = time.perf_counter()  # its window to submit opens now (Note: continuous batching)
                     self._arm()
+            if not busy and self._entering:  # no step in flight, so none in the first stage: a lost word cannot hold steps back
+                self._entering = 0
+                self._arm()
 
     def entered(self, requests: int = 1) -> None:
         """``requests`` more requests of steps went into the first stage than the batches formed (the
