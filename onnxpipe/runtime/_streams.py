@@ -218,7 +218,7 @@ class StreamRegistry:
                 self._fail_step(step, StageError(STEP_CLOSED))
 
     def join(self) -> None:
-        """Wait for the step scheduler's timer to end (after the engine closed: :meth:`close_all`)."""
+        """Wait for the step scheduler's releaser thread to end (after the engine closed: :meth:`close_all`)."""
         if self._scheduler is not None:
             self._scheduler.wait_stopped()
 

@@ -155,7 +155,7 @@ class StepScheduler:
         self._busy: dict[int, list[Hashable]] = {}  # stream -> the keys of its steps in flight
         self._retired: set[int] = set()
         self._closed = False
-        self._timer: threading.Thread | None = None
+        self._releaser: threading.Thread | None = None
         #: Batches sent, and steps in them (for diagnostics and tests).
         self.batches = 0
         self.steps = 0
@@ -286,8 +286,8 @@ class StepScheduler:
     def wait_stopped(self, timeout: float = 5.0) -> None:
         """Wait for the releaser to end, after :meth:`close` (and after the engine closed, so
         that a submission it waits in returns)."""
-        if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.join(timeout)
+        if self._releaser is not None and self._releaser is not threading.current_thread():
+            self._releaser.join(timeout)
 
     def waiting(self) -> list[Step]:
         """Every step still waiting at the entry, and none of them any more (a closing pipeline fails them)."""
@@ -402,9 +402,9 @@ class StepScheduler:
 
     def _arm(self) -> None:
         """Make sure the releaser runs, and have it look again (``_lock`` held)."""
-        if self._timer is None:
-            self._timer = threading.Thread(target=self._release, name="onnxpipe-step-scheduler", daemon=True)
-            self._timer.start()
+        if self._releaser is None:
+            self._releaser = threading.Thread(target=self._release, name="onnxpipe-step-scheduler", daemon=True)
+            self._releaser.start()
         else:
             self._wake.notify()
 
