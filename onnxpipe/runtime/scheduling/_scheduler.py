@@ -89,6 +89,9 @@ import numpy as np
 
 __all__ = ["Step", "StepScheduler", "step_key"]
 
+#: Seconds the releaser thread waits with no step waiting before it ends (see ``_ended_idle``).
+_IDLE_S = 0.5
+
 
 @dataclass(eq=False)
 class Step:
@@ -253,12 +256,25 @@ class StepScheduler:
                     del keys[0]
                     if not keys:
                         del busy[stream]
-                group = self._group_of.get(stream)
-                if group is not None and group.waiting and self.told:
-                    group.since = time.perf_counter()  # its window to submit opens now (Note: continuous batching)
-                    self._arm()
-            if not busy and self._entering:  # no step in flight, so none in the first stage: a lost word cannot hold steps back
-                self._entering = 0
+                if self.told:
+                    self._came_back(stream)
+            if self.told and not busy:
+                self._drained()
+
+    def _came_back(self, stream: int) -> None:
+        """A step of ``stream`` left the pipeline, where the engine tells: its group's window for
+        it to submit opens now (Note: continuous batching). ``_lock`` held."""
+        group = self._group_of.get(stream)
+        if group is not None and group.waiting:
+            group.since = time.perf_counter()
+            self._arm()
+
+    def _drained(self) -> None:
+        """No step is in flight, so none is in the first stage, whatever the engine told: a lost
+        word cannot hold steps back. ``_lock`` held."""
+        if self._entering:
+            self._entering = 0
+            if any(g.waiting for g in self._groups):
                 self._arm()
 
     def entered(self, requests: int = 1) -> None:
@@ -414,7 +430,7 @@ class StepScheduler:
         :meth:`left_entry` wakes it."""
         while True:
             with self._lock:
-                if self._closed:
+                if self._closed or self._ended_idle():
                     return
                 due = self._due()
                 if not due:
@@ -422,13 +438,24 @@ class StepScheduler:
             for group in due:
                 self._send_due(group)
 
+    def _ended_idle(self) -> bool:
+        """With no step waiting, wait up to :data:`_IDLE_S` for one; still none: the releaser ends
+        (``_arm`` starts another), so a pipeline dropped without ``close`` leaves no thread behind.
+        ``_lock`` held (let go while waiting)."""
+        if any(g.waiting for g in self._groups):
+            return False
+        if self._wake.wait(_IDLE_S) or any(g.waiting for g in self._groups):
+            return self._closed
+        self._releaser = None
+        return True
+
     def _due(self) -> list[_Group]:
         """The groups whose waiting steps may leave now; when none, first waits (``_lock`` held,
         let go while waiting) until the next deadline or a wake-up."""
         now = time.perf_counter()
         waiting = [g for g in self._groups if g.waiting]
         due = [g for g in waiting if self._verdict(g, now)]
-        if not due:
+        if waiting and not due:
             nexts = [t for t in map(self._deadline, waiting) if t is not None]
             self._wake.wait(max(0.0, min(nexts) - now) if nexts else None)
         return due
