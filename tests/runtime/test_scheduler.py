@@ -240,3 +240,24 @@ def test_a_member_that_missed_a_batch_after_the_delay_is_not_waited_for_until_it
     s.close()
     s.wait_stopped()
     assert sent.sent == [[(0, 0)], [(0, 1)], [(0, 2), (1, 0)]] and s.expired == 1
+
+
+def test_the_releaser_thread_ends_once_nothing_waits() -> None:
+    """A scheduler left without close (its pipeline dropped) leaves no thread behind: the releaser
+    that sent the delayed batch ends once no step waits."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    s, sent = told(delay=0.01)
+    for stream in range(2):
+        s.join(stream)
+    s.offer(step(0, 0))
+    wait_for(sent, 1)
+
+    def releasers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "onnxpipe-step-scheduler" and t.ident not in before]
+
+    deadline = time.monotonic() + 10
+    while releasers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent.sent == [[(0, 0)]] and releasers() == []
