@@ -451,9 +451,9 @@ class StreamsView:
     @property
     def delayed(self) -> int:
         """How many batches of steps left the entry because ``max_delay_ms`` passed while a member
-        was still to come (``onnxpipe.runtime.scheduling``, Note: continuous batching); where the
-        engine tells the scheduler when its first stage frees up, only a member that went quiet
-        without closing makes one."""
+        was still to come (``onnxpipe.runtime.scheduling``, Note: continuous batching): a member
+        slower to submit than ``max_delay_ms``, or one that went quiet without closing; with
+        ``max_delay_ms`` 0, every batch that left without a member that must come."""
         return self._registry.delayed
 
     def group_of(self, stream: int) -> list[int]:
