@@ -232,13 +232,15 @@ class StepScheduler:
         for group, mine in by_group.values():
             with group.order:
                 with self._lock:
-                    if group.since is None:
+                    fresh = group.since is None
+                    if fresh:
                         group.since = mine[0].submitted
                     group.waiting.extend(mine)
                     group.late.difference_update(s.stream for s in mine)
                     batches = self._form(group) if flush else self._leave(group, time.perf_counter())
                     if batches is None:
-                        self._arm()
+                        if fresh:  # a later step moves no deadline (Note: continuous batching)
+                            self._arm()
                         continue
                 self._submit(batches)
 
@@ -322,12 +324,15 @@ class StepScheduler:
         continuous batching). ``_lock`` held, ``group.waiting`` not empty; changes nothing."""
         if self._ready(group):
             return "full"
-        if self.told and self._entering:
+        passed = not self.delay or (group.since is not None and group.since + self.delay <= now)
+        if not self.told:
+            return "delay" if passed else None
+        if self._entering:
             return None  # the first stage is busy: they go when it frees up
-        if self.told and not any(self._missing(group)):
+        coming, flying = self._missing(group)
+        if not (coming or flying):
             return "free"
-        deadline = self._deadline(group)
-        return "delay" if not self.delay or (deadline is not None and deadline <= now) else None
+        return "delay" if passed and (not flying or not self.delay) else None  # members in flight come back without a timer
 
     def _leave(self, group: _Group, now: float) -> list[list[Step]] | None:
         """The group's batches if its waiting steps may leave now, else ``None`` (``_lock`` held). A
