@@ -19,7 +19,7 @@ Note: the engine boundary.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from onnxpipe._errors import ConfigError
@@ -49,6 +49,12 @@ class Engine(Protocol):
             Closed: the engine is closed.
             Full: ``block`` is false and the pipeline cannot take the request now.
         """
+
+    def watch_entry(self, callback: Callable[[Request], None]) -> bool:
+        """Call ``callback(request)`` each time the first stage has finished with a request (run
+        it, or passed it on failed), on the thread that did, which must not wait on anything in
+        it; whether the engine will (``False``: it cannot tell cheaply). The step scheduler sends
+        batches when the first stage frees up (``scheduling``, Note: continuous batching)."""
 
     def close(self) -> list[Request]:
         """Stop every worker promptly; return the requests that did not finish."""

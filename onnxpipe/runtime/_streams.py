@@ -79,6 +79,8 @@ class StreamRegistry:
         self._held = Tally()  # bytes of the open streams' state (Note: a stream's state bytes, _stream.py)
         self._next = 0
         self._scheduler = _scheduler_for(spec, plans, micro_batches, self._send_batch)
+        if self._scheduler is not None:  # batches leave when the first stage frees up (scheduling, Note: continuous batching)
+            self._scheduler.told = dispatch.engine.watch_entry(self._left_entry)
 
     # -- what it looks like (StreamsView) --------------------------------------------------------
 
@@ -107,6 +109,11 @@ class StreamRegistry:
     def batched(self) -> bool:
         """Whether streams' steps travel in batches (every stage batches them; ``scheduling``)."""
         return self._scheduler is not None
+
+    @property
+    def delayed(self) -> int:
+        """Batches of steps that left the entry because ``max_delay_ms`` passed (``scheduling``)."""
+        return self._scheduler.expired if self._scheduler is not None else 0
 
     def group_of(self, stream: int) -> list[int]:
         """The members of the stream's group, in row order (``[]`` when steps are not batched or it is closed)."""
@@ -214,7 +221,7 @@ class StreamRegistry:
                 self._fail_step(step, StageError(STEP_CLOSED))
 
     def join(self) -> None:
-        """Wait for the step scheduler's timer to end (after the engine closed: :meth:`close_all`)."""
+        """Wait for the step scheduler's releaser thread to end (after the engine closed: :meth:`close_all`)."""
         if self._scheduler is not None:
             self._scheduler.wait_stopped()
 
@@ -302,6 +309,8 @@ class StreamRegistry:
         """The scheduler's batch, stacked once and submitted as one request (see ``scheduling``);
         one step alone travels as a plain step. Never raises: a step that cannot go fails its future."""
         if len(steps) == 1 or (stacked := stack_steps([s.arrays for s in steps], self._entry_pads)) is None:
+            if len(steps) > 1:
+                self._scheduler.entered(len(steps) - 1)  # type: ignore[union-attr]  # it counted one request: here are len(steps)
             for s in steps:
                 self._send_alone(s)
             return
@@ -332,6 +341,12 @@ class StreamRegistry:
         except StageError as e:  # the pipeline closed meanwhile (_enqueue told the stream)
             self._scheduler.done(step.stream)  # type: ignore[union-attr]
             step.future.set_exception(e)
+
+    def _left_entry(self, request: Request) -> None:
+        """The engine's first stage finished a request (``Engine.watch_entry``): one of steps tells
+        the scheduler (Note: continuous batching, ``scheduling``); a stream's close does not."""
+        if request.batch is not None or (request.stream is not None and request.step != CLOSE):
+            self._scheduler.left_entry()  # type: ignore[union-attr]  # watched only with a scheduler
 
     def _fail_step(self, step: Step, error: BaseException) -> None:
         """A step the scheduler held that will never run (the pipeline closed)."""
@@ -442,6 +457,14 @@ class StreamsView:
         """Whether streams' steps travel the stages in batches: every stage batches them
         (``max_batch`` above 1 and the build's batching record); else each step travels alone."""
         return self._registry.batched
+
+    @property
+    def delayed(self) -> int:
+        """How many batches of steps left the entry because ``max_delay_ms`` passed while a member
+        was still to come (``onnxpipe.runtime.scheduling``, Note: continuous batching): a member
+        slower to submit than ``max_delay_ms``, or one that went quiet without closing; with
+        ``max_delay_ms`` 0, every batch that left without a member that must come."""
+        return self._registry.delayed
 
     def group_of(self, stream: int) -> list[int]:
         """The streams whose steps share batches with ``stream``'s, in row order, itself included

@@ -93,6 +93,7 @@ class ThreadEngine:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        self._entry_hook: Callable[[Request], None] = _ignore  # watch_entry's callback
         self._start()
 
     def _start(self) -> None:
@@ -131,7 +132,7 @@ class ThreadEngine:
             return
         # Hot loop: bound methods looked up once, the hand-on inlined (see _pass_on).
         take, run, record = reader.get, runner.run, self._recorders[i][r].record
-        entry = i == 0  # records the wait of batches of steps at the entry
+        entry = i == 0  # records the wait of batches of steps at the entry, and tells watch_entry's callback
         while True:
             try:
                 request = take()
@@ -152,6 +153,8 @@ class ThreadEngine:
             except Closed:
                 self._orphan([request])
                 return
+            if entry:
+                self._entry_hook(request)
             # Let go before waiting: a finished request refers to its pipeline (request.done).
             del request
 
@@ -270,6 +273,14 @@ class ThreadEngine:
         """Enqueue for the first stage; blocks while its queue is full (raises ``Full`` instead when ``block`` is false)."""
         self._channel(0, request).put(request, block)
 
+    def watch_entry(self, callback: Callable[[Request], None]) -> bool:
+        """Have the first stage's workers call ``callback(request)`` after handing each request on
+        (see ``Engine.watch_entry``); told: ``True``. (The workers of a pipeline with state run the
+        plain loop of :meth:`_work`, which calls it; a worker that batches stateless requests
+        serves no stream and tells nothing.)"""
+        self._entry_hook = callback
+        return True
+
     def close(self) -> list[Request]:
         """Close the channels, cancel runs in progress, join the workers."""
         self._closing = True
@@ -323,3 +334,7 @@ class ThreadEngine:
     def threads(self) -> list[threading.Thread]:
         """The worker threads (for tests and diagnostics)."""
         return list(self._threads)
+
+
+def _ignore(request: Request) -> None:
+    """The first stage's callback until ``watch_entry`` sets one."""

@@ -24,7 +24,7 @@ from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import Pipeline, ReplicaDiagnostics, StageSettings, load
 from onnxpipe.splitter import split
 from tests.models import bundle_of, embed_mlp
-from tests.stateful_models import decode_in_threads, decoder_feeds, gpt_decoder, recurrent, whole_generate, whole_recurrent
+from tests.stateful_models import decode_in_threads, decoder_feeds, generate, gpt_decoder, recurrent, whole_generate, whole_recurrent
 
 DECODER_CUTS = {2: ["layer1.out"], 3: ["layer0.out", "layer2.out"]}
 PROMPTS = ([1, 2, 3], [5], [7, 8, 9, 10, 11], [40, 41], [3, 3, 3, 3], [9], [11, 12], [20, 21, 22, 23, 24, 25])
@@ -243,6 +243,83 @@ def test_a_batch_waiting_at_the_entry_leaves_once_every_member_of_its_group_is_i
         a.close()
         b.close()
     assert sizes == [{2: 5}, {2: 5}]
+
+
+def _step_in_threads(pipe: Pipeline, prompts: list[list[int]], count: int) -> list[tuple[list[int], list[np.ndarray]]]:
+    """Each prompt greedy-decoded for ``count`` tokens by a thread of its own (what a server's
+    sequences are), its stream opened first, so every group's members are known before a step."""
+    import threading
+
+    streams = [pipe.stream() for _ in prompts]
+    results: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = generate(lambda feeds: streams[k].submit(feeds).result(timeout=60), prompts[k], count)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for s in streams:
+        s.close()
+    return [results[k] for k in range(len(prompts))]
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_steps_from_independent_threads_batch_as_full_batches_without_waiting_for_a_timer(micro: int, tmp_path: Path, decoder: ModelProto) -> None:
+    """8 streams, each stepped by a thread of its own, with max_delay_ms a minute (continuous
+    batching, ``scheduling`` Note: continuous batching): every batch of every stage holds a whole
+    group (8 steps, or 4 with 2 micro-batches), however the threads' wake-ups fall, and none waited
+    for the minute (a step that had would fail its 60 s result). Tokens equal the whole model alone."""
+    prompts = [[3 + k, 5, 7] for k in range(8)]  # equal lengths: the prompts batch too
+    plan = batched(split(decoder, DECODER_CUTS[2], states="auto"), delay_ms=LONGEST_DELAY_MS)
+    with load(bundle_of(plan, tmp_path), max_streams=8, micro_batches=micro) as pipe:
+        results = _step_in_threads(pipe, prompts, TOKENS)
+        sizes = [s.batch_sizes for s in pipe.stats().stages]
+        delayed = pipe.streams.delayed
+    assert sizes == [{8 // micro: micro * TOKENS}] * 2 and delayed == 0
+    for k, p in enumerate(prompts):
+        assert results[k][0] == whole_generate(decoder, p, TOKENS)[0], f"stream {k}"
+
+
+def test_steps_from_independent_threads_with_no_delay_decode_the_tokens_each_makes_alone(tmp_path: Path, decoder: ModelProto) -> None:
+    """max_delay_ms 0 (the default: nothing waits while the first stage is free; steps that come
+    while it is busy leave together when it frees up): 8 threads, each stepping its own stream;
+    every step ran once in some batch, and the tokens equal the whole model alone."""
+    prompts = [[3 + k, 5, 7][: 1 + k % 3] for k in range(8)]
+    plan = batched(split(decoder, DECODER_CUTS[2], states="auto"))
+    with load(bundle_of(plan, tmp_path), max_streams=8) as pipe:
+        results = _step_in_threads(pipe, prompts, TOKENS)
+        stats = pipe.stats()
+    for stage in stats.stages:
+        assert sum(k * v for k, v in stage.batch_sizes.items()) == stage.count == 8 * TOKENS
+    for k, p in enumerate(prompts):
+        assert results[k][0] == whole_generate(decoder, p, TOKENS)[0], f"stream {k}"
+
+
+def test_a_thread_that_stops_stepping_holds_its_group_back_once(tmp_path: Path, decoder: ModelProto) -> None:
+    """Two streams in one group, max_delay_ms 200: stream b steps once and goes quiet without
+    closing. a's next step waits for b once (the delay: one batch left delayed), then a steps alone
+    without waiting for it again (no other batch was delayed); tokens equal the whole model alone."""
+    plan = batched(split(decoder, DECODER_CUTS[2], states="auto"), delay_ms=200)
+    with load(bundle_of(plan, tmp_path), micro_batches=1) as pipe:
+        a, b = pipe.stream(), pipe.stream()
+        futures = pipe.submit_steps({a: decoder_feeds([1, 2], 0), b: decoder_feeds([4], 0)})  # prompts of 2 and 1: two batches of 1
+        futures[b].result(timeout=60)
+        tokens = [1, 2, int(np.argmax(futures[a].result(timeout=60)["logits"][0, -1]))]
+        for _ in range(4):
+            out = a.submit(decoder_feeds(tokens, len(tokens) - 1)).result(timeout=60)
+            tokens.append(int(np.argmax(out["logits"][0, -1])))
+        sizes = [s.batch_sizes for s in pipe.stats().stages]
+        delayed = pipe.streams.delayed
+    assert sizes == [{1: 6}] * 2 and delayed == 1
+    assert tokens[2:] == whole_generate(decoder, [1, 2], 5)[0]
 
 
 def test_recurrent_streams_batch_without_padding(tmp_path: Path) -> None:

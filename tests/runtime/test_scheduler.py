@@ -170,3 +170,94 @@ def test_a_batch_without_its_failed_members_keeps_the_others_rows() -> None:
 def test_pad_stack_fills_the_padding(fill: float) -> None:
     out = pad_stack([np.ones((1, 2), np.float32), np.ones((1, 3), np.float32)], 1, fill, [1, 0])
     np.testing.assert_array_equal(out, [[fill, 1, 1], [1, 1, 1]])
+
+
+# -- continuous batching: the engine tells when its first stage frees up ---------------------------
+
+
+def told(limit: int = 8, micro: int = 1, delay: float = 60.0) -> tuple[StepScheduler, Recorder]:
+    """A scheduler whose engine tells it when the first stage finishes a request (``left_entry``)."""
+    sent = Recorder()
+    return StepScheduler(sent, limit, micro, delay, told=True), sent
+
+
+def wait_for(sent: Recorder, batches: int) -> None:
+    """Poll, with a deadline, until the releaser thread has sent ``batches`` batches."""
+    deadline = time.monotonic() + 10
+    while len(sent.sent) < batches and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def test_while_the_first_stage_is_busy_steps_wait_for_it_to_free_up_and_leave_together() -> None:
+    """No delay (never wait), yet a step that comes while the first stage runs a batch waits for
+    it, and leaves with everything else that came meanwhile: one batch, not one per step."""
+    s, sent = told(delay=0.0)
+    for stream in range(4):
+        s.join(stream)
+    s.offer_many([step(0, 0, key="prompt")])  # in the first stage now
+    s.offer(step(1, 0))
+    s.offer(step(2, 0))
+    assert sent.sent == [[(0, 0)]]  # the first stage is busy: they wait
+    s.left_entry()  # it frees up: the releaser sends what waits
+    wait_for(sent, 2)
+    s.close()
+    s.wait_stopped()
+    assert sent.sent == [[(0, 0)], [(1, 0), (2, 0)]]
+
+
+def test_while_the_first_stage_is_free_a_batch_waits_for_no_timer_once_every_member_is_in() -> None:
+    """A delay of 60 s: the members' steps come one by one while the first stage is free, and the
+    batch leaves with the last of them, at once; a member with a step in flight (a prompt) is not
+    waited for."""
+    s, sent = told()
+    for stream in range(4):
+        s.join(stream)
+    s.offer_many([step(3, 0, key="prompt")])
+    s.left_entry()
+    for stream in range(3):
+        assert len(sent.sent) == 1
+        s.offer(step(stream, 5))
+    assert sent.sent == [[(3, 0)], [(0, 5), (1, 5), (2, 5)]]
+
+
+def test_a_member_that_missed_a_batch_after_the_delay_is_not_waited_for_until_it_submits() -> None:
+    """Stream 1 stops stepping without closing: its group waits for it once (the delay), then not
+    until it submits again."""
+    s, sent = told(delay=0.02)
+    for stream in range(2):
+        s.join(stream)
+    s.offer(step(0, 0))
+    wait_for(sent, 1)
+    assert sent.sent == [[(0, 0)]] and s.expired == 1
+    s.left_entry()
+    s.done(0)
+    s.offer(step(0, 1))  # stream 1 is late: not waited for
+    assert sent.sent == [[(0, 0)], [(0, 1)]]
+    s.left_entry()
+    s.done(0)
+    s.offer(step(1, 0))  # it submits again: waited for again
+    s.offer(step(0, 2))
+    s.close()
+    s.wait_stopped()
+    assert sent.sent == [[(0, 0)], [(0, 1)], [(0, 2), (1, 0)]] and s.expired == 1
+
+
+def test_the_releaser_thread_ends_once_nothing_waits() -> None:
+    """A scheduler left without close (its pipeline dropped) leaves no thread behind: the releaser
+    that sent the delayed batch ends once no step waits."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    s, sent = told(delay=0.01)
+    for stream in range(2):
+        s.join(stream)
+    s.offer(step(0, 0))
+    wait_for(sent, 1)
+
+    def releasers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "onnxpipe-step-scheduler" and t.ident not in before]
+
+    deadline = time.monotonic() + 10
+    while releasers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent.sent == [[(0, 0)]] and releasers() == []

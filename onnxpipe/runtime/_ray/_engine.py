@@ -80,7 +80,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from onnxpipe._errors import ConfigError
@@ -192,6 +192,11 @@ class RayEngine:
         """Start a request; blocks while the pipeline holds its capacity of requests (raises
         ``Full`` instead when ``block`` is false)."""
         self._dispatch.submit(request, block)
+
+    def watch_entry(self, callback: Callable[[Request], None]) -> bool:
+        """Not told: the first stage's calls return to the collector thread under the engine's lock,
+        and the step scheduler keeps its conservative rule (``scheduling``, Note: continuous batching)."""
+        return False
 
     def close(self) -> list[Request]:
         """Remove the actors' files, kill the actors, return the requests that did not finish."""
