@@ -180,6 +180,13 @@ def arrange(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: i
     ours = [s for s, h in zip(streams, helds, strict=True) if isinstance(h, InSlab) and h.slab is slab]
     if len(ours) == k and all(slab.row[s] == targets[s] for s in ours):
         return slab, start, 0, {}
+    copied, evicted = _rearrange(slab, targets, ours, dict(zip(streams, helds, strict=True)))
+    return slab, start, copied, evicted
+
+
+def _rearrange(slab: Slab, targets: Mapping[int, int], ours: Sequence[int], helds: Mapping[int, Any]) -> tuple[int, dict[int, dict[str, np.ndarray]]]:
+    """The members into their ``targets`` rows of ``slab`` (``ours``: those already in it): open
+    streams in the way copied out, members moved, joiners copied in (see :func:`arrange`)."""
     taken = set(targets.values())
     evicted = {s: slab.own(s) for s, row in list(slab.row.items()) if s not in targets and row in taken}
     copied = 0
@@ -187,10 +194,11 @@ def arrange(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: i
         copied += sum(a.nbytes for a in arrays.values())
         slab.drop(s)
     copied += slab.move([(s, targets[s]) for s in ours if slab.row[s] != targets[s]])
-    for s, h in zip(streams, helds, strict=True):
-        if not (isinstance(h, InSlab) and h.slab is slab):
+    mine = set(ours)
+    for s, h in helds.items():
+        if s not in mine:
             copied += slab.take(s, h.slab, targets[s]) if isinstance(h, InSlab) else slab.put(s, targets[s], h)
-    return slab, start, copied, evicted
+    return copied, evicted
 
 
 def _anew(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: int, axes: Mapping[str, int], old: Slab | None

@@ -26,7 +26,7 @@ Note: state blocks.
     formed at the pipeline's entry) is one request: the runner feeds the session the bag's values
     as they are (already stacked and padded in the batch's layout) and the batch's state as ONE
     block, runs once, and commits the call's state outputs as the new block, each member's state
-    being its rows of it (``_InBlock``: no copy, no split). When the next step holds the same
+    being its rows of it (``InBlock``: no copy, no split). When the next step holds the same
     members in the same rows, that block is fed back as it is; when members joined or left, the
     block is made anew once (one compaction, or one pad of each member's rows to the new layout).
     A step that runs alone (a prefill, an unbatched stream) runs on its stream's rows without
@@ -78,13 +78,13 @@ import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, InputError, StageError, StreamError
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
-from onnxpipe.runtime._dtypes import numpy_dtype
-from onnxpipe.runtime._handoff import Handoff, handoff_for, session_device
-from onnxpipe.runtime._inplace import InSlab, Slab, arrange
+from onnxpipe.runtime._handoff import Handoff, handoff_for
+from onnxpipe.runtime._inplace import InSlab
 from onnxpipe.runtime._inputs import check_inputs
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
 from onnxpipe.runtime._settings import check_cores
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
+from onnxpipe.runtime._states import Block, Held, InBlock, StateKeeper, in_place_axes
 from onnxpipe.runtime.bundle import Bundle
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, member_rows, pad_stack, take_rows
 
@@ -361,7 +361,7 @@ def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
     return [runner.run(request) for request in requests if request.error is None]
 
 
-class StageRunner(RunnerBase):
+class StageRunner(StateKeeper, RunnerBase):
     """Runs one stage of a request with one onnxruntime session.
 
     Args:
@@ -376,7 +376,7 @@ class StageRunner(RunnerBase):
         self.run_options = run_options()  # onnxruntime's own line of a failed run is off: the StageError says it (_session, Note: a run's failure is said once)
         self._keys = tuple(Endpoint(self.name, o) for o in plan.outputs)
         #: Per stream: (steps in the state, the state: its own arrays, or its rows of a block). See Note: state blocks.
-        self.states: dict[int, tuple[int, dict[str, np.ndarray] | _InBlock | InSlab]] = {}
+        self.states: dict[int, tuple[int, Held]] = {}
         self._state_at = tuple((s.input, plan.outputs.index(s.output)) for s in plan.states)
         #: Requests taken from the stage's queue that may run as one call (stateless requests: Note: batched calls).
         self.max_batch = plan.max_batch
@@ -398,17 +398,8 @@ class StageRunner(RunnerBase):
         #: state blocks): a diagnostic (:meth:`Pipeline.diagnostics`).
         self.reused = 0
         # States kept in place (``_inplace``, Note: state in place): each shared state input's
-        # growing axis and the present written into its buffer; in place only where every state
-        # of the stage is shared.
-        links = plan.states
-        # On a device the slab would have to live there too (its moves made by device copies): not yet,
-        # so a stage whose session keeps its tensors on a device copies its state as before (docs/limitations.md).
-        shared = bool(links) and all(s.shared and s.empty_axis is not None for s in links) and session_device(session) is None
-        self._presents = {s.input: s.output for s in links} if shared else {}
-        #: Each state's growing axis, for a step alone in place ...
-        self._lone_axes: dict[str, int] = {s.input: s.empty_axis for s in links if s.empty_axis is not None} if shared else {}
-        #: ... and for a batch in place (its states right-padded, as the build's probe found).
-        self._axes = self._lone_axes if plan.batches and self._right else {}
+        # present, and its growing axis for a step alone and for a batch (empty: not in place).
+        self._presents, self._lone_axes, self._axes = in_place_axes(plan, session, self._right)
         #: Runs the session call through IOBinding, leaving outputs on the stage's device (``_handoff``,
         #: Note: hand-offs as OrtValues); ``None``: ``session.run`` and numpy. Set by :func:`make_runner`.
         self.handoff: Handoff | None = None
@@ -468,112 +459,6 @@ class StageRunner(RunnerBase):
             feeds.update(own)
         return feeds
 
-    # -- state ----------------------------------------------------------------------------------
-
-    def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any]) -> dict[str, np.ndarray]:
-        """The state outputs of a call, by state input; the past the session copied into each
-        present it made apart from it is counted (Note: state bytes copied)."""
-        state = {}
-        for name, at in self._state_at:
-            made, past = results[at], fed[name]
-            if not np.may_share_memory(made, past):
-                self.copied += past.nbytes
-            state[name] = made
-        return state
-
-    def _commit(self, request: Request, stream: int, step: int, state: dict[str, np.ndarray]) -> None:
-        """A stream's state after ``step``, its own arrays, and its bytes told to the request (Note: a stream's state bytes, ``_stream``)."""
-        before = self.states.get(stream)
-        if before is not None and isinstance(before[1], InSlab):
-            before[1].slab.drop(stream)  # its state is its own arrays now
-        self.states[stream] = (step + 1, state)
-        request.held.append((stream, self.name, sum(a.nbytes for a in state.values())))
-
-    def _held(self, stream: int | None, step: int, dims: Mapping[str, int]) -> dict[str, np.ndarray] | _InBlock | InSlab:
-        """The state this step of its stream runs on (the initial one at step 0), as held.
-
-        Raises:
-            StageError: the state does not hold exactly ``step`` steps (an earlier step failed).
-        """
-        if stream is None:
-            raise StageError(f"stage '{self.name}' keeps state per stream ({self.plan.states[0]}): run the pipeline through pipe.stream()", stage=self.name)
-        if step == 0:
-            if stream in self.states:
-                raise AssertionError(f"stream {stream} started twice in stage '{self.name}'")
-            return initial_state(self.plan, dims)
-        entry = self.states.get(stream)
-        if entry is None or entry[0] != step:
-            held = "no state of it" if entry is None else f"its state after step {entry[0] - 1}"
-            raise StageError(
-                f"stage '{self.name}' holds {held}, not after step {step - 1}: "
-                f"an earlier step of stream {stream} failed, so step {step} cannot run on its state",
-                stage=self.name,
-            )
-        return entry[1]
-
-    def _own(self, held: dict[str, np.ndarray] | _InBlock | InSlab, stream: int | None = None) -> dict[str, np.ndarray]:
-        """A stream's state arrays alone: its own, or its rows of a block without its padding, or
-        a copy of its positions in a slab (``stream``: whose)."""
-        if isinstance(held, InSlab):
-            own = held.slab.own(stream)  # type: ignore[arg-type]
-            self.copied += sum(a.nbytes for a in own.values())
-            return own
-        if not isinstance(held, _InBlock):
-            return held
-        block, j = held.block, held.index
-        lo, hi, shift = block.rows[j], block.rows[j + 1], block.shifts[j]
-        own = {name: member_rows(value, lo, hi, None if name not in self._empty else (self._empty[name], 0.0), shift, self._right)
-               for name, value in block.arrays.items()}
-        if shift:
-            self.copied += sum(a.nbytes for name, a in own.items() if name in self._empty)  # cut out without its padding
-        return own
-
-    def _block_for(self, batch: StepBatch) -> dict[str, np.ndarray] | None:
-        """The state a batch of steps runs on, as one block in the batch's layout (Note: state
-        blocks); ``None`` when the members' states do not line up with the batch's padding.
-
-        Raises:
-            StageError: a member's state does not hold its step's number of steps.
-        """
-        helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
-        kept = self._kept_block(batch, helds)
-        return kept if kept is not None else self._joined_block(batch, helds)
-
-    def _kept_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock | InSlab]) -> dict[str, np.ndarray] | None:
-        """The block the step before left, when every member's state is rows of it in the batch's
-        rows and padding: as it is (the same members in the same rows), or compacted once (members
-        left); ``None`` otherwise."""
-        first = helds[0]
-        block = first.block if isinstance(first, _InBlock) else None
-        if block is None or not all(isinstance(h, _InBlock) and h.block is block for h in helds):
-            return None
-        if block.streams == batch.streams and block.shifts == batch.shifts and block.rows == batch.rows:
-            self.reused += 1
-            return block.arrays  # the same members as the step before, in the same rows
-        at = [h.index for h in helds]  # type: ignore[union-attr]
-        if all(block.shifts[k] == s and block.rows[k + 1] - block.rows[k] == batch.rows[j + 1] - batch.rows[j]
-               for j, (k, s) in enumerate(zip(at, batch.shifts, strict=True))):
-            compacted = {name: take_rows(value, block.rows, at) for name, value in block.arrays.items()}  # members left: one compaction
-            self.copied += sum(a.nbytes for a in compacted.values())
-            return compacted
-        return None
-
-    def _joined_block(self, batch: StepBatch, helds: Sequence[dict[str, np.ndarray] | _InBlock | InSlab]) -> dict[str, np.ndarray] | None:
-        """A new block made of each member's own state, padded to the batch's layout; ``None``
-        when a member's state does not fit its rows or its padding."""
-        owns = [self._own(h, s) for h, s in zip(helds, batch.streams, strict=True)]
-        out: dict[str, np.ndarray] = {}
-        for name, _ in self._state_at:
-            parts = [own[name] for own in owns]
-            if any(len(p) != batch.rows[j + 1] - batch.rows[j] for j, p in enumerate(parts)):
-                return None
-            axis = self._empty.get(name)
-            if axis is not None and len({p.shape[axis] + s for p, s in zip(parts, batch.shifts, strict=True)}) != 1:
-                return None
-            out[name] = pad_stack(parts, axis, 0.0, batch.shifts, self._right) if axis is not None and any(batch.shifts) else np.concatenate(parts)
-        self.copied += sum(a.nbytes for a in out.values())
-        return out
-
     # -- a batch of streams' steps ----------------------------------------------------------
 
     def _run_steps(self, request: Request) -> tuple[Failure, ...]:
@@ -604,97 +489,17 @@ class StageRunner(RunnerBase):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
             return self._replay(request)
         if self._state_at:
-            made = _Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results))
+            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results))
             states = self.states
             size, rows = sum(a.nbytes for a in made.arrays.values()), max(batch.rows[-1], 1)
             for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
-                states[stream] = (step + 1, _InBlock(made, j))
+                states[stream] = (step + 1, InBlock(made, j))
                 request.held.append((stream, self.name, size * (batch.rows[j + 1] - batch.rows[j]) // rows))  # its rows' share, padding in
         for at, key in self._kept:
             values[key] = results[at]
         for key in self._dropped:
             values.pop(key, None)
         return ()
-
-    def _run_in_place(self, request: Request, feeds: dict[str, Any]) -> tuple[Failure, ...]:
-        """A batch of steps (one row each) on its members' rows of a slab, bound as both past and
-        present (``_inplace``, Note: state in place); as :meth:`_run_steps` otherwise."""
-        batch = request.batch
-        assert batch is not None
-        try:
-            helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
-            slab, start, copied, evicted = arrange(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes)
-            self._place(slab, batch.streams, copied, evicted)
-            results = self._run_bound(feeds, slab.view(start, len(batch)))
-        except Exception as e:  # which member was bad is found by running each alone (nothing was committed)
-            self.unbatched = f"the batched call failed: {e}"
-            return self._replay(request)
-        share = slab.nbytes() // slab.rows
-        for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
-            slab.lengths[stream] = batch.length - batch.shifts[j]
-            self.states[stream] = (step + 1, InSlab(slab))
-            request.held.append((stream, self.name, share))
-        self._hand_on(request.values, results)
-        return ()
-
-    def _run_alone_in_place(self, request: Request) -> tuple[Failure, ...]:
-        """A stream's step alone on its row of a slab (one of its own, or its group's), bound as
-        both past and present (``_inplace``, Note: state in place); its own arrays as before when
-        they hold more than one row."""
-        stream = request.stream
-        assert stream is not None
-        held = self._held(stream, request.step, request.dims)
-        if isinstance(held, _InBlock) or (isinstance(held, dict) and any(len(a) != 1 for a in held.values())):
-            return self._run_alone(request)  # a block of a batch kept as it came (never, with every state shared), or rows of its own
-        slab, start, copied, evicted = arrange([stream], [held], request.length, 1, self._lone_axes)
-        self._place(slab, (stream,), copied, evicted)
-        feeds = self._inputs(request, {name: request.values[key] for name, key in self.plan.sources})
-        results = self._run_bound(feeds, slab.view(start, 1))
-        slab.lengths[stream] = request.length
-        self.states[stream] = (request.step + 1, InSlab(slab))
-        request.held.append((stream, self.name, slab.nbytes() // slab.rows))
-        self._hand_on(request.values, results)
-        return ()
-
-    def _place(self, slab: Slab, streams: Sequence[int], copied: int, evicted: Mapping[int, dict[str, np.ndarray]]) -> None:
-        """After :func:`~onnxpipe.runtime._inplace.arrange`: the copies counted, the streams copied
-        out hold arrays of their own, the members' states are in ``slab`` (their steps unchanged,
-        should the call fail)."""
-        self.copied += copied
-        for stream, own in evicted.items():
-            if stream in self.states:
-                self.states[stream] = (self.states[stream][0], own)
-        for stream in streams:
-            if stream in self.states:
-                self.states[stream] = (self.states[stream][0], InSlab(slab))
-
-    def _hand_on(self, values: dict[Endpoint, Any], results: Sequence[Any]) -> None:
-        """The outputs a later stage or the pipeline reads into the bag; the values nothing reads any more out of it."""
-        for at, key in self._kept:
-            values[key] = results[at]
-        for key in self._dropped:
-            values.pop(key, None)
-
-    def _run_bound(self, feeds: dict[str, Any], views: Mapping[str, np.ndarray]) -> list[Any]:
-        """One session call with IOBinding: each state in ``views`` bound as its input and as its
-        present output (one buffer), the other inputs read in place, the other outputs made by
-        onnxruntime (numpy views of them, no copy); the outputs in ``plan.outputs`` order."""
-        binding = self.session.io_binding()
-        for name, value in feeds.items():
-            if name not in views:
-                binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        made: dict[str, Any] = {}
-        for name, view in views.items():
-            value = ort.OrtValue.ortvalue_from_numpy(view)
-            binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_output(self._presents[name], value)
-            made[self._presents[name]] = view
-        rest = [o for o in self.plan.outputs if o not in made]
-        for name in rest:
-            binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding, self.run_options)
-        made.update(zip(rest, (v.numpy() for v in binding.get_outputs()[len(views):]), strict=True))
-        return [made[o] for o in self.plan.outputs]
 
     def _replay(self, request: Request) -> tuple[Failure, ...]:
         """Each member of the batch alone (nothing was committed); members that fail leave the
@@ -827,7 +632,7 @@ class StageRunner(RunnerBase):
         seen: set[int] = set()
         total = 0
         for _, held in self.states.copy().values():  # copy(): one step, while a run may add or drop a stream
-            arrays = held.block.arrays if isinstance(held, _InBlock) else held.slab.buffers if isinstance(held, InSlab) else held
+            arrays = held.block.arrays if isinstance(held, InBlock) else held.slab.buffers if isinstance(held, InSlab) else held
             if id(arrays) not in seen:
                 seen.add(id(arrays))
                 total += sum(a.nbytes for a in arrays.values())
@@ -836,50 +641,6 @@ class StageRunner(RunnerBase):
     def cancel(self) -> None:
         """Make a run in progress return early (onnxruntime's ``RunOptions.terminate``)."""
         self.run_options.terminate = True
-
-
-@dataclass(frozen=True, eq=False)
-class _Block:
-    """The state outputs of one batched call, whole: the streams it ran and its layout (as in
-    ``StepBatch``)."""
-
-    streams: tuple[int, ...]
-    rows: tuple[int, ...]
-    shifts: tuple[int, ...]
-    arrays: dict[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class _InBlock:
-    """A stream's state held as member ``index`` of a block."""
-
-    block: _Block
-    index: int
-
-
-def initial_state(plan: StagePlan, dims: Mapping[str, int]) -> dict[str, np.ndarray]:
-    """A stream's first state in one stage: zeros, sized as in ``StateLink``'s Note: initial values.
-
-    Raises:
-        InputError: a symbolic dim of a state has no size in ``dims`` (a bug once the spec is valid,
-            but named for the user all the same).
-    """
-    state = {}
-    for link in plan.states:
-        spec = plan.stage.input(link.input)
-        assert spec.shape is not None  # PipelineSpec.validate
-        shape = []
-        for axis, d in enumerate(spec.shape):
-            if axis == link.empty_axis:
-                shape.append(0)
-            elif isinstance(d, int):
-                shape.append(d)
-            elif isinstance(d, str) and d in dims:
-                shape.append(dims[d])
-            else:
-                raise InputError(f"state '{link.input}' of stage '{plan.stage.name}': no size for dim {axis} ({d}); known: {dict(dims)}")
-        state[link.input] = np.zeros(shape, numpy_dtype(spec.dtype))
-    return state
 
 
 class CodeRunner(RunnerBase):
