@@ -384,14 +384,16 @@ def between_layers(model: Any, k: int) -> list[str]:
 
 def _generator(folder: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
     """onnxruntime-genai's Generator on its own export: the S prompts as one batch, greedy, ``tokens`` new tokens each
-    (``max_length`` the prompt + ``tokens``: its shared KV buffer's capacity)."""
+    (``max_length`` the prompt + ``tokens``: its shared KV buffer's capacity). A stream that picks
+    the export's end-of-sequence token ends there (``stops_at``); the batch goes on: a ``min_length``
+    would keep it going by masking that token, and so pick other tokens than the whole model's."""
     import onnxruntime_genai as og
 
     model = _og_model(folder)
 
     def generator(length: int) -> Any:
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=length + tokens, min_length=length + tokens, batch_size=streams, do_sample=False)
+        params.set_search_options(max_length=length + tokens, batch_size=streams, do_sample=False)
         made = og.Generator(model, params)
         made.append_tokens(np.array([_prompt(k, length, vocab) for k in range(streams)], np.int32))
         return made
@@ -404,6 +406,8 @@ def _generator(folder: Path, streams: int, past: int, tokens: int, vocab: int) -
     first = [time.perf_counter() - start]
     logits = np.empty(0)
     for n in range(tokens - 1):
+        if made.is_done():  # every stream ended
+            break
         began = time.perf_counter()
         if n == tokens - 2:
             logits = made.get_logits()[:, -1]  # the last step's (asking runs it; asking after the last token would run one more)
@@ -411,8 +415,9 @@ def _generator(folder: Path, streams: int, past: int, tokens: int, vocab: int) -
         times.append(time.perf_counter() - began)
     elapsed = time.perf_counter() - start
     texts = [[int(t) for t in made.get_sequence(k)] for k in range(streams)]
+    eos = json.loads((folder / "genai_config.json").read_text())["model"]["eos_token_id"]
     return {**_rates(streams, tokens, elapsed, elapsed - first[0], first, times), "tokens": [t[past:] for t in texts],
-            "logits": logits if tokens > 1 else np.empty(0)}
+            "logits": logits if tokens > 1 else np.empty(0), "stops_at": set(eos if isinstance(eos, list) else [eos])}
 
 
 _OG_MODELS: dict[Path, Any] = {}
@@ -622,17 +627,28 @@ def _runners(llama: Path, exporter: str, model: Any, bundle: Path) -> dict[str, 
             "numpy": partial(_lockstep, model, threads=2)}
 
 
+def _until(tokens: list[int], stops: set[int]) -> list[int]:
+    """``tokens`` up to the first of ``stops``, that one included."""
+    return next((tokens[: k + 1] for k, t in enumerate(tokens) if t in stops), tokens)
+
+
 def _check(results: Mapping[str, Mapping[str, Any]], context: int, streams: int) -> float:
     """Every row's tokens equal the first row's and its last step's logits are within
-    :data:`LOGITS_ATOL` of them; the largest difference. Raises RuntimeError naming the rows otherwise."""
+    :data:`LOGITS_ATOL` of them; the largest difference. Raises RuntimeError naming the rows otherwise.
+    A row that ends a stream at one of its ``stops_at`` tokens (``og.Generator``) is compared up to
+    it, and its last logits only on the streams that did not end."""
     (first, ref), *others = results.items()
     worst = 0.0
     for name, r in others:
         where = f"context {context}, {streams} streams: {name!r} against {first!r}"
-        if r["tokens"] != ref["tokens"]:
-            k = next(k for k, (a, b) in enumerate(zip(r["tokens"], ref["tokens"], strict=True)) if a != b)
-            raise RuntimeError(f"{where}: stream {k}'s tokens differ: {r['tokens'][k]} against {ref['tokens'][k]}")
-        diff = float(np.abs(np.asarray(r["logits"]) - ref["logits"]).max()) if len(r["logits"]) else 0.0
+        stops = r.get("stops_at", set())
+        want = [_until(t, stops) for t in ref["tokens"]]
+        got = [t[: len(w)] for t, w in zip(r["tokens"], want, strict=True)]
+        if got != want:
+            k = next(k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+            raise RuntimeError(f"{where}: stream {k}'s tokens differ: {got[k]} against {want[k]}")
+        going = [k for k, t in enumerate(ref["tokens"]) if not stops & set(t)]
+        diff = float(np.abs(np.asarray(r["logits"])[going] - ref["logits"][going]).max()) if len(r["logits"]) and going else 0.0
         if diff > LOGITS_ATOL:
             raise RuntimeError(f"{where}: the last step's logits differ by {diff:.2e}, more than {LOGITS_ATOL:g}")
         worst = max(worst, diff)
@@ -685,7 +701,7 @@ def _measure_contexts(rows: Mapping[str, Callable[[int, int], dict[str, Any]]], 
                 results = {name: row(s, c) for name, row in rows.items()}
                 worst = max(worst, _check(results, c, s))
                 for name, r in results.items():
-                    measured.setdefault((c, s, name), []).append({k: v for k, v in r.items() if k not in ("tokens", "logits")})
+                    measured.setdefault((c, s, name), []).append({k: v for k, v in r.items() if k not in ("tokens", "logits", "stops_at")})
     return measured, worst
 
 

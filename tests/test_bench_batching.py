@@ -94,6 +94,19 @@ def test_a_row_whose_tokens_or_last_logits_differ_fails_the_run() -> None:
         _check({"a": ref, "b": ref, "c": {**ref, "logits": np.full((2, 5), 1e-2)}}, 128, 2)
 
 
+def test_a_row_that_ends_a_stream_at_its_end_token_is_compared_up_to_it() -> None:
+    """og.Generator ends a stream at the export's end-of-sequence token (2 here) where the others go on."""
+    from benchmarks.batching import _check
+
+    ref = {"tokens": [[5, 2, 7], [3, 4, 6]], "logits": np.zeros((2, 5), np.float32)}
+    ended = {"tokens": [[5, 2, 2], [3, 4, 6]], "logits": np.array([[9.0] * 5, [0.0] * 5]), "stops_at": {2}}
+    assert _check({"a": ref, "og": ended}, 128, 2) == 0.0
+    with pytest.raises(RuntimeError, match="stream 1's tokens differ: \\[3, 4, 5\\] against \\[3, 4, 6\\]"):
+        _check({"a": ref, "og": {**ended, "tokens": [[5, 2, 2], [3, 4, 5]]}}, 128, 2)
+    with pytest.raises(RuntimeError, match="stream 0's tokens differ: \\[5, 3\\] against \\[5, 2\\]"):
+        _check({"a": ref, "og": {**ended, "tokens": [[5, 3, 2], [3, 4, 6]]}}, 128, 2)
+
+
 def test_the_context_ratios_are_paired_by_round_and_the_step_added_is_the_longest_context_less_the_shortest() -> None:
     from benchmarks.batching import CONTEXT_ROWS, _paired, _step_added
 
