@@ -171,9 +171,18 @@ $(GENAI_BUILDER)/.installed:
 $(LLAMAS)/24m/about.json: $(DECODERS)/.installed $(GENAI_BUILDER)/.installed benchmarks/llama_exports.py
 	$(DECODERS)/bin/python -m benchmarks.llama_exports --out $(LLAMAS) --builder-python $(GENAI_BUILDER)/bin/python
 
+# Issue 38's rows: onnxpipe batched (one driver, a thread per stream), og.Generator (genai export) and a
+# plain session with its KV bound or fed numpy, at each context, for each Llama and export.
+# The optimum export materialises a batch of prompts' attention scores (streams x heads x context^2 per
+# layer): at 2048 it outgrows a 23 GB machine, so it runs the shorter contexts.
+CONTEXTS := 128,512,2048
+OPTIMUM_CONTEXTS := 128,512
+
 bench-decoders: $(LLAMAS)/24m/about.json
-	$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/tiny --streams 8,16 --rounds 3
-	$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/24m --streams 8,16 --rounds 3
+	for llama in tiny 24m; do \
+		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export genai --contexts $(CONTEXTS) --streams 8,16 --rounds 3 || exit 1; \
+		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export optimum --contexts $(OPTIMUM_CONTEXTS) --streams 8,16 --rounds 3 || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(OPENVINO_MIXED) $(KSERVE) $(PYTRITON) $(DECODERS) $(GENAI_BUILDER) $(DEMO_OUT) .pytest_cache .hypothesis

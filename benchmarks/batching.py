@@ -9,10 +9,12 @@ in, at most 2 ms after the first: ``onnxpipe.runtime.scheduling``); unbatched on
 ``max_batch=1``. For S = 1, 2, 4, 8, 16 streams:
 
 - **thread per stream**: S threads each decode their own prompt through ``pipe.stream()``,
-  started a little apart, so streams join (and leave) while others decode;
+  started a little apart, so streams join while others step their prompts; each waits for every
+  prompt's step (the statistics start there), then decodes on its own;
 - **one driver**: one thread steps all S streams, submitting each stream's next step
   (``Stream.submit``) as soon as its result is in (``concurrent.futures.wait``, first completed):
-  a generation loop that keeps every micro-batch in flight;
+  a generation loop that keeps every micro-batch in flight; every prompt's step first, then the
+  decode steps;
 - **one driver, 1 micro-batch**: the same with ``load(micro_batches=1)``: all streams in one
   group, so one batch is in flight and the stages take turns (the choice the default, one group
   per stage, is measured against);
@@ -40,6 +42,22 @@ layer (``tests.models.embed_mlp``, 16 ids per request) of width 64 (per-call ove
 and 1024 (compute dominates), one stage x 1 thread, 2,000 requests through ``pipe.map`` with
 ``max_batch=8`` against 1.
 
+With ``--llama FOLDER --contexts 128,512,2048`` (issue 38) the rows are others, at each context
+(each stream's prompt that many tokens, then ``--tokens``, default 64, greedy tokens) and stream
+count, in one interleaved run (:data:`CONTEXT_ROWS`): onnxpipe batched (2 stages x 1 thread, as
+above) by one driver and by a thread per stream; ``og.Generator`` at batch S (``--export genai``
+only; ``max_length`` the context + ``--tokens``); and the whole export in one plain onnxruntime
+session x 2 threads stepping the S streams as one batch, its KV bound with IOBinding
+(``benchmarks._kv_sessions``: on the genai export one preallocated buffer of context + tokens
+positions bound as past and present, ``GroupQueryAttention``'s shared buffer; on optimum's, presents
+bound as outputs and bound as the next step's pasts) or fed numpy in and out. Reported: decode
+tokens/s (the steps after every prompt's), p50 / p99 ms per token, TTFT; each row's p50 added from
+the shortest context to the longest; onnxpipe / og, onnxpipe / the bound session and thread per
+stream / one driver, paired per round; for onnxpipe's rows, per stage, the bytes of streams' state
+copied per decode step (``StageStats.bytes_copied`` over the stage's calls) beside one stream's KV
+per stage. Every row's tokens must equal the first's, and its last step's logits be within
+:data:`LOGITS_ATOL`, or the run fails.
+
 ``--only TEXT[,TEXT...]`` measures only the rows whose name contains one of the texts (and of one
 stream's step, a round's breakdown and the stateless requests, those whose name does).
 
@@ -55,6 +73,7 @@ by round.
     python -m benchmarks.batching [--layers 4] [--hidden 128] [--past 32] [--tokens 32] [--rounds 3] [--streams 8,16]
         [--only TEXT[,TEXT...]] [--against REV] [--json]
     python -m benchmarks.batching --llama bench-out/llama/tiny --streams 8,16 [--export genai]   # in make bench-decoders' venv
+    python -m benchmarks.batching --llama bench-out/llama/24m --export genai --contexts 128,512,2048 --streams 8,16 [--tokens 64]
 """
 
 from __future__ import annotations
@@ -77,7 +96,9 @@ import numpy as np
 import onnxruntime as ort
 
 from benchmarks._checkout import checkout, compare, interleaved, print_comparison, revision
-from benchmarks._timing import timed_threads
+from benchmarks._kv_sessions import PAST, FedBackKV, NumpyKV, SharedKV, Step
+from benchmarks._kv_sessions import lockstep as kv_lockstep
+from benchmarks._timing import spread, timed_threads
 from benchmarks.pipeline_efficiency import _stream as map_rate
 from onnxpipe.builder import build, export
 from onnxpipe.runtime import load
@@ -141,82 +162,135 @@ class _Feeds:
         return feeds
 
 
-def _decode(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], prompt: list[int], count: int, first: list[float],
-            times: list[float], feeds: _Feeds) -> None:
-    """Greedy decoding through ``step``: the prompt's step's seconds (the time to the first token)
-    appended to ``first``, each later step's to ``times``."""
-    tokens, done = list(prompt), 0
-    for n in range(count):
+def _decode(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], tokens: list[int], count: int, times: list[float],
+            feeds: _Feeds, done: int = 0) -> np.ndarray:
+    """``count`` greedy steps through ``step``, feeding ``tokens[done:]`` first (``tokens`` grows in
+    place): each step's seconds appended to ``times``; the last step's logits."""
+    logits = np.empty(0)
+    for _ in range(count):
         start = time.perf_counter()
-        out = step(feeds(tokens, done))
-        (times if n else first).append(time.perf_counter() - start)
+        logits = step(feeds(tokens, done))["logits"][0, -1]
+        times.append(time.perf_counter() - start)
         done = len(tokens)
-        tokens.append(int(np.argmax(out["logits"][0, -1])))
+        tokens.append(int(np.argmax(logits)))
+    return logits
 
 
 def _latency(first: list[float], times: list[float]) -> dict[str, float]:
     """The median time to a stream's first token (its prompt's step), and p50 / p99 of the time
     per later token (each decode step's), in ms: the prompt, many tokens at once, is left out of
     the per-token figures, as serving benchmarks report TTFT and time per output token apart."""
-    times = sorted(times)
+    times = sorted(times) or [0.0]
     return {"ttft_ms": 1e3 * statistics.median(first), "p50_ms": 1e3 * times[len(times) // 2],
             "p99_ms": 1e3 * times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]}
 
 
+def _rates(streams: int, tokens: int, elapsed: float, decoding: float, first: list[float], times: list[float]) -> dict[str, float]:
+    """Tokens/s over the whole run (prompts included) and over the decode steps alone (the
+    ``tokens - 1`` steps per stream after every prompt's), with :func:`_latency`."""
+    return {"tokens_per_s": streams * tokens / elapsed, "decode_per_s": streams * (tokens - 1) / max(decoding, 1e-9), **_latency(first, times)}
+
+
+def _generated(texts: list[list[int]], past: int, logits: list[np.ndarray]) -> dict[str, Any]:
+    """What every row's tokens are checked by: each stream's new tokens and its last step's logits."""
+    return {"tokens": [t[past:] for t in texts], "logits": np.stack(logits)}
+
+
+def _stage_figures(stats: Any) -> dict[str, Any]:
+    """Per stage, over the decode steps: requests per call and bytes of streams' state copied per
+    call (``StageStats.bytes_copied`` over its calls)."""
+    calls = [sum(s.batch_sizes.values()) or s.count for s in stats.stages]
+    return {"batch_mean": [round(s.batch_mean, 2) for s in stats.stages],
+            "copied": [s.bytes_copied / max(n, 1) for s, n in zip(stats.stages, calls, strict=True)]}
+
+
 def _warm(pipe: Any, past: int, vocab: int, feeds: _Feeds) -> None:
     with pipe.stream() as warm:
-        _decode(warm.step, _prompt(99, past, vocab), 4, [], [], feeds)
+        _decode(warm.step, _prompt(99, past, vocab), 4, [], feeds)
     pipe.reset_stats()
 
 
 def _threads(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micro: int | None) -> dict[str, Any]:
+    """A thread per stream: started a little apart, each steps its prompt, waits for every
+    stream's (the statistics start there: the decode steps' alone), then decodes on its own."""
     feeds = _Feeds(past + tokens + 1)
     with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH, micro_batches=micro) as pipe:
         _warm(pipe, past, vocab, feeds)
         times: list[list[float]] = [[] for _ in range(streams)]
         first: list[float] = []
+        texts = [_prompt(k, past, vocab) for k in range(streams)]
+        logits: list[np.ndarray] = [np.empty(0)] * streams
+        decoding: list[float] = []
+
+        def decode_from_here() -> None:  # run once, by the last stream to finish its prompt
+            pipe.reset_stats()
+            decoding.append(time.perf_counter())
+
+        prompted = threading.Barrier(streams, action=decode_from_here)
 
         def run(k: int, start_line: threading.Barrier) -> None:
             start_line.wait()
-            time.sleep(0.0005 * k)  # streams join while others decode
+            time.sleep(0.0005 * k)  # streams join while others step their prompts
             with pipe.stream() as s:
-                _decode(s.step, _prompt(k, past, vocab), tokens, first, times[k], feeds)
+                logits[k] = _decode(s.step, texts[k], 1, first, feeds)
+                prompted.wait()
+                logits[k] = _decode(s.step, texts[k], tokens - 1, times[k], feeds, done=past)
 
         elapsed = timed_threads(run, streams)
+        end = time.perf_counter()
         stats = pipe.stats()
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, [x for ts in times for x in ts]),
-            "batch_mean": [round(s.batch_mean, 2) for s in stats.stages], "compute_ms": sum(s.mean_ms for s in stats.stages)}
+    return {**_rates(streams, tokens, elapsed, end - decoding[0], first, [x for ts in times for x in ts]), **_stage_figures(stats),
+            **_generated(texts, past, logits), "compute_ms": sum(s.mean_ms for s in stats.stages)}
+
+
+def _drive(opened: list[Any], texts: list[list[int]], fed: list[int], steps: int, times: list[float], logits: list[np.ndarray],
+           feeds: _Feeds) -> None:
+    """Each stream's next ``steps`` greedy steps, each submitted as soon as the stream's step
+    before is in (every micro-batch kept in flight): ``texts`` grow in place, each step's seconds
+    go to ``times``, each stream's last logits to ``logits``."""
+    left = [steps] * len(opened)
+
+    def submit(k: int) -> Future[Any]:
+        return opened[k].submit(feeds(texts[k], fed[k]))
+
+    pending: dict[Future[Any], tuple[int, float]] = {submit(k): (k, time.perf_counter()) for k in range(len(opened)) if steps}
+    while pending:
+        ready, _ = wait(pending, return_when=FIRST_COMPLETED)
+        now = time.perf_counter()
+        for future in ready:
+            k, began = pending.pop(future)
+            times.append(now - began)
+            logits[k] = future.result()["logits"][0, -1]
+            fed[k] = len(texts[k])
+            texts[k].append(int(np.argmax(logits[k])))
+            left[k] -= 1
+            if left[k]:
+                pending[submit(k)] = (k, time.perf_counter())
 
 
 def _driver(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micro: int | None) -> dict[str, Any]:
     """One thread steps the S streams, each stream's next step submitted as soon as its result is
-    in: no thread per stream, every micro-batch kept in flight."""
+    in: no thread per stream, every micro-batch kept in flight; the prompts' steps first (the
+    statistics start after them: the decode steps' alone)."""
     feeds = _Feeds(past + tokens + 1)
     with load(bundle, max_streams=streams + 1, queue_depth=MAX_BATCH, micro_batches=micro) as pipe:
         _warm(pipe, past, vocab, feeds)
         opened = [pipe.stream() for _ in range(streams)]
         texts = [_prompt(k, past, vocab) for k in range(streams)]
-        left = [tokens] * streams
+        fed = [0] * streams
+        logits: list[np.ndarray] = [np.empty(0)] * streams
         times: list[float] = []
         first: list[float] = []
         start = time.perf_counter()
-        pending: dict[Future[Any], tuple[int, float]] = {opened[k].submit(feeds(texts[k], 0)): (k, start) for k in range(streams)}
-        while pending:
-            ready, _ = wait(pending, return_when=FIRST_COMPLETED)
-            now = time.perf_counter()
-            for future in ready:
-                k, began = pending.pop(future)
-                (times if left[k] < tokens else first).append(now - began)
-                done = len(texts[k])
-                texts[k].append(int(np.argmax(future.result()["logits"][0, -1])))
-                left[k] -= 1
-                if left[k]:
-                    pending[opened[k].submit(feeds(texts[k], done))] = (k, time.perf_counter())
-        elapsed = time.perf_counter() - start
+        _drive(opened, texts, fed, 1, first, logits, feeds)
+        pipe.reset_stats()
+        decoding = time.perf_counter()
+        _drive(opened, texts, fed, tokens - 1, times, logits, feeds)
+        end = time.perf_counter()
         stats = pipe.stats()
         for s in opened:
             s.close()
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, times), "batch_mean": [round(s.batch_mean, 2) for s in stats.stages]}
+    return {**_rates(streams, tokens, end - start, end - decoding, first, times), **_stage_figures(stats), **_generated(texts, past, logits)}
 
 
 def _rounds(bundle: Path, streams: int, past: int, tokens: int, vocab: int, micro: int | None) -> dict[str, Any]:
@@ -309,24 +383,41 @@ def between_layers(model: Any, k: int) -> list[str]:
 
 
 def _generator(folder: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
-    """onnxruntime-genai's Generator on its own export: the S prompts as one batch, greedy, ``tokens`` new tokens each."""
+    """onnxruntime-genai's Generator on its own export: the S prompts as one batch, greedy, ``tokens`` new tokens each
+    (``max_length`` the prompt + ``tokens``: its shared KV buffer's capacity). A stream that picks
+    the export's end-of-sequence token ends there (``stops_at``); the batch goes on: a ``min_length``
+    would keep it going by masking that token, and so pick other tokens than the whole model's."""
     import onnxruntime_genai as og
 
     model = _og_model(folder)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=past + tokens, min_length=past + tokens, batch_size=streams, do_sample=False)
-    generator = og.Generator(model, params)
-    ids = np.array([_prompt(k, past, vocab) for k in range(streams)], np.int32)
+
+    def generator(length: int) -> Any:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=length + tokens, batch_size=streams, do_sample=False)
+        made = og.Generator(model, params)
+        made.append_tokens(np.array([_prompt(k, length, vocab) for k in range(streams)], np.int32))
+        return made
+
+    generator(min(past, 8)).generate_next_token()  # warm-up
     times: list[float] = []
     start = time.perf_counter()
-    generator.append_tokens(ids)
+    made = generator(past)
+    made.generate_next_token()  # the prompt's logits were computed by append_tokens: this picks the first token
     first = [time.perf_counter() - start]
-    while not generator.is_done():
+    logits = np.empty(0)
+    for n in range(tokens - 1):
+        if made.is_done():  # every stream ended
+            break
         began = time.perf_counter()
-        generator.generate_next_token()
+        if n == tokens - 2:
+            logits = made.get_logits()[:, -1]  # the last step's (asking runs it; asking after the last token would run one more)
+        made.generate_next_token()
         times.append(time.perf_counter() - began)
     elapsed = time.perf_counter() - start
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, times)}
+    texts = [[int(t) for t in made.get_sequence(k)] for k in range(streams)]
+    eos = json.loads((folder / "genai_config.json").read_text())["model"]["eos_token_id"]
+    return {**_rates(streams, tokens, elapsed, elapsed - first[0], first, times), "tokens": [t[past:] for t in texts],
+            "logits": logits if tokens > 1 else np.empty(0), "stops_at": set(eos if isinstance(eos, list) else [eos])}
 
 
 _OG_MODELS: dict[Path, Any] = {}
@@ -341,35 +432,28 @@ def _og_model(folder: Path) -> Any:
     return _OG_MODELS[folder]
 
 
-def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, threads: int = 1) -> dict[str, Any]:
+#: What a plain session's KV cache is, by ``--llama`` row: :mod:`benchmarks._kv_sessions`.
+CACHES = {"numpy": NumpyKV, "shared": SharedKV, "fed back": FedBackKV}
+
+
+def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, threads: int = 1, kv: str = "numpy") -> dict[str, Any]:
+    """The whole model in one session x ``threads`` stepping the S streams as one batch, its KV
+    cache kept as ``kv`` says (:data:`CACHES`)."""
     session = decoder_session(model, threads)
-    shapes = {i.name: i.shape for i in session.get_inputs()}
-    names = [o.name for o in session.get_outputs()]
-    pasts = [n for n in shapes if n.startswith("past_key_values.")]
+    head = next(i.shape[3] for i in session.get_inputs() if i.name.startswith(PAST))
+    head = head if isinstance(head, int) else HEAD_SIZE[0]
 
-    def generate(count: int, first: list[float], times: list[float]) -> None:
-        cache = {n: np.zeros((streams, shapes[n][1], 0, shapes[n][3] if isinstance(shapes[n][3], int) else HEAD_SIZE[0]), np.float32) for n in pasts}
-        ids = np.array([_prompt(k, past, vocab) for k in range(streams)], np.int64)
-        total = 0
-        for _ in range(count):
-            seq = ids.shape[1]
-            start = time.perf_counter()
-            feeds = {"input_ids": ids, "attention_mask": np.ones((streams, total + seq), np.int64),
-                     "position_ids": np.broadcast_to(np.arange(total, total + seq), (streams, seq)).astype(np.int64), **cache}
-            feeds = {k: v for k, v in feeds.items() if k in shapes}
-            out = dict(zip(names, session.run(names, feeds), strict=True))
-            total += seq
-            cache = {n: out[n.replace("past_key_values.", "present.")] for n in pasts}
-            ids = np.argmax(out["logits"][:, -1], axis=-1)[:, None].astype(np.int64)
-            (times if total > seq else first).append(time.perf_counter() - start)
+    def caches(length: int) -> Step:
+        extra = {"capacity": length + tokens} if kv == "shared" else {}
+        made: Step = CACHES[kv](session, streams, head, **extra)
+        return made
 
-    generate(2, [], [])  # warm-up
-    times: list[float] = []
-    first: list[float] = []
-    start = time.perf_counter()
-    generate(tokens, first, times)
-    elapsed = time.perf_counter() - start
-    return {"tokens_per_s": streams * tokens / elapsed, **_latency(first, times)}
+    prompts = np.array([_prompt(k, past, vocab) for k in range(streams)], np.int64)
+    kv_lockstep(caches(min(past, 8)), prompts[:, :8], 2)  # warm-up
+    out = kv_lockstep(caches(past), prompts, tokens)
+    decoding = sum(out["times"])
+    return {**_rates(streams, tokens, out["first"][0] + decoding, decoding, out["first"], out["times"]),
+            "tokens": out["tokens"], "logits": out["logits"]}
 
 
 def _overhead(bundle: Path, past: int, tokens: int, vocab: int) -> dict[str, float]:
@@ -379,7 +463,9 @@ def _overhead(bundle: Path, past: int, tokens: int, vocab: int) -> dict[str, flo
         _warm(pipe, past, vocab, feeds)
         times: list[float] = []
         with pipe.stream() as s:
-            _decode(s.step, _prompt(97, past, vocab), tokens, [], times, feeds)
+            prompt = _prompt(97, past, vocab)
+            _decode(s.step, prompt, 1, [], feeds)
+            _decode(s.step, prompt, tokens - 1, times, feeds, done=past)
         stats = pipe.stats()
     step = 1e3 * statistics.median(times)
     compute = sum(st.p50_ms for st in stats.stages)
@@ -406,6 +492,33 @@ def _stateless(width: int, max_batch: int, requests: int = 2000) -> float:
 HEAD_SIZE = [0]
 
 
+def _llama(llama: Path, exporter: str) -> tuple[Any, dict[str, Any], list[str]]:
+    """The export ``exporter`` of the Llama in ``llama`` (``benchmarks.llama_exports``), what
+    about.json says of it, and the cut between its middle layers."""
+    import onnx
+
+    described = json.loads((llama / "about.json").read_text())
+    described["export"] = exporter
+    model = onnx.load(llama / exporter / "model.onnx")  # the genai export's external data loaded too: split and the lockstep rows read it
+    if exporter == "genai":
+        INPUTS.discard("position_ids")
+        decoder = json.loads((llama / "genai" / "genai_config.json").read_text())["model"]
+        HEAD_SIZE[0] = decoder["decoder"]["head_size"]
+        described["context_length"] = decoder["context_length"]
+    return model, described, between_layers(model, described["layers"] // 2 - 1)
+
+
+def _bundle(model: Any, cut: list[str], batch: int, where: Path) -> Path:
+    """``model`` split at ``cut`` into 2 stages x 1 thread (pinned to a core each where there are
+    2), batching up to ``batch`` steps a call: the bundle."""
+    cores = sorted(os.sched_getaffinity(0))
+    plan = split(model, [cut], states="auto", dims={"kv_cache_dim": HEAD_SIZE[0]} if HEAD_SIZE[0] else None)
+    for c, stage in enumerate(plan.config.stages):
+        stage.configure(intra_op_threads=1, affinity=[cores[c]] if len(cores) >= 2 else None, max_batch=batch,
+                        max_delay_ms=DELAY_MS if batch > 1 else 0.0)
+    return export(build(plan.config, where / "built").path, where / "bundle")
+
+
 def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: int, streams: tuple[int, ...] = STREAMS,
         llama: Path | None = None, exporter: str = "optimum", only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Every row at every stream count, and the rest (:data:`ONE_STREAM`, :data:`ROUND`,
@@ -422,28 +535,14 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
         cut: list[str] = [f"layer{layers // 2 - 1}.out"]
         described = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
     else:
-        import onnx
-
-        described = json.loads((llama / "about.json").read_text())
-        described["export"] = exporter
-        vocab, layers = described["vocab"], described["layers"]
-        model = onnx.load(llama / exporter / "model.onnx")  # the genai export's external data loaded too: split and the lockstep rows read it
-        if exporter == "genai":
-            INPUTS.discard("position_ids")
-            HEAD_SIZE[0] = json.loads((llama / "genai" / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
-        cut = between_layers(model, layers // 2 - 1)
+        model, described, cut = _llama(llama, exporter)
+        vocab = described["vocab"]
         rows_measured.append(GENERATOR)
     rows_measured = [r for r in rows_measured if wanted(r[0])]
     cores = sorted(os.sched_getaffinity(0))
     clients = {"threads": _threads, "driver": _driver, "rounds": _rounds}
     with tempfile.TemporaryDirectory() as tmp:
-        bundles = {}
-        for how, batch in (("unbatched", 1), ("batched", MAX_BATCH)):
-            plan = split(model, [cut], states="auto", dims={"kv_cache_dim": HEAD_SIZE[0]} if HEAD_SIZE[0] else None)
-            for c, stage in enumerate(plan.config.stages):
-                stage.configure(intra_op_threads=1, affinity=[cores[c]] if len(cores) >= 2 else None, max_batch=batch,
-                                max_delay_ms=DELAY_MS if batch > 1 else 0.0)
-            bundles[how] = export(build(plan.config, Path(tmp) / f"built-{how}").path, Path(tmp) / f"bundle-{how}")
+        bundles = {how: _bundle(model, cut, batch, Path(tmp) / how) for how, batch in (("unbatched", 1), ("batched", MAX_BATCH))}
         configs: dict[tuple[str, int], Callable[[], dict[str, Any]]] = {}
         for s in streams:
             for name, bundle, client, micro in rows_measured:
@@ -501,6 +600,159 @@ def run(layers: int, hidden: int, heads: int, past: int, tokens: int, rounds: in
     }
 
 
+#: The rows of ``--contexts`` (issue 38), in the order each round runs them: (name, runner).
+CONTEXT_ROWS = (
+    ("onnxpipe batched, one driver", "driver"),
+    ("onnxpipe batched, thread per stream", "threads"),
+    ("og.Generator, batch S", "generator"),
+    ("onnxruntime session x 2 threads, KV bound (IOBinding)", "bound"),
+    ("onnxruntime session x 2 threads, numpy in / out", "numpy"),
+)
+#: The ratios of ``--contexts``, decode tokens/s paired per round: (name, numerator row, denominator row).
+CONTEXT_RATIOS = (
+    ("onnxpipe one driver / og.Generator", CONTEXT_ROWS[0][0], CONTEXT_ROWS[2][0]),
+    ("onnxpipe one driver / bound session", CONTEXT_ROWS[0][0], CONTEXT_ROWS[3][0]),
+    ("thread per stream / one driver", CONTEXT_ROWS[1][0], CONTEXT_ROWS[0][0]),
+)
+#: The most two rows' last-step logits may differ by (their tokens must be equal).
+LOGITS_ATOL = 1e-3
+
+
+def _runners(llama: Path, exporter: str, model: Any, bundle: Path) -> dict[str, Callable[..., dict[str, Any]]]:
+    """Each ``--contexts`` row's runner, called as ``runner(streams, context, tokens, vocab)``;
+    the bound session's KV is the export's: one shared buffer (genai) or presents fed back (optimum)."""
+    return {"driver": partial(_driver, bundle, micro=None), "threads": partial(_threads, bundle, micro=None),
+            "generator": partial(_generator, llama / "genai"),
+            "bound": partial(_lockstep, model, threads=2, kv="shared" if exporter == "genai" else "fed back"),
+            "numpy": partial(_lockstep, model, threads=2)}
+
+
+def _until(tokens: list[int], stops: set[int]) -> list[int]:
+    """``tokens`` up to the first of ``stops``, that one included."""
+    return next((tokens[: k + 1] for k, t in enumerate(tokens) if t in stops), tokens)
+
+
+def _check(results: Mapping[str, Mapping[str, Any]], context: int, streams: int) -> float:
+    """Every row's tokens equal the first row's and its last step's logits are within
+    :data:`LOGITS_ATOL` of them; the largest difference. Raises RuntimeError naming the rows otherwise.
+    A row that ends a stream at one of its ``stops_at`` tokens (``og.Generator``) is compared up to
+    it, and its last logits only on the streams that did not end."""
+    (first, ref), *others = results.items()
+    worst = 0.0
+    for name, r in others:
+        where = f"context {context}, {streams} streams: {name!r} against {first!r}"
+        stops = r.get("stops_at", set())
+        want = [_until(t, stops) for t in ref["tokens"]]
+        got = [t[: len(w)] for t, w in zip(r["tokens"], want, strict=True)]
+        if got != want:
+            k = next(k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+            raise RuntimeError(f"{where}: stream {k}'s tokens differ: {got[k]} against {want[k]}")
+        going = [k for k, t in enumerate(ref["tokens"]) if not stops & set(t)]
+        diff = float(np.abs(np.asarray(r["logits"])[going] - ref["logits"][going]).max()) if len(r["logits"]) and going else 0.0
+        if diff > LOGITS_ATOL:
+            raise RuntimeError(f"{where}: the last step's logits differ by {diff:.2e}, more than {LOGITS_ATOL:g}")
+        worst = max(worst, diff)
+    return worst
+
+
+def _context_row(how: str, streams: int, context: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's medians over its rounds: decode tokens/s (min-max), p50 / p99 ms per token, TTFT;
+    for onnxpipe's, per stage the bytes copied per decode step and the batch mean."""
+    rates = [r["decode_per_s"] for r in runs]
+    row = {"how": how, "streams": streams, "context": context, "tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+           **{k: statistics.median(r[k] for r in runs) for k in ("ttft_ms", "p50_ms", "p99_ms")}}
+    if "copied" in runs[0]:
+        row["copied"] = [statistics.median(r["copied"][i] for r in runs) for i in range(len(runs[0]["copied"]))]
+        row["batch_mean"] = runs[len(runs) // 2]["batch_mean"]
+    return row
+
+
+def _paired(measured: Mapping[tuple[int, int, str], list[dict[str, Any]]], contexts: tuple[int, ...],
+            streams: tuple[int, ...]) -> list[dict[str, Any]]:
+    """:data:`CONTEXT_RATIOS` of decode tokens/s, round k over round k, with their spread."""
+    out = []
+    for name, a, b in CONTEXT_RATIOS:
+        for c in contexts:
+            for s in streams:
+                if (c, s, a) in measured and (c, s, b) in measured:
+                    pairs = zip(measured[(c, s, a)], measured[(c, s, b)], strict=True)
+                    out.append({"ratio": name, "context": c, "streams": s, **spread([x["decode_per_s"] / y["decode_per_s"] for x, y in pairs])})
+    return out
+
+
+def _step_added(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per row and stream count, the p50 ms per token at the longest context less that at the shortest."""
+    by = {(r["how"], r["streams"], r["context"]): r["p50_ms"] for r in rows}
+    contexts = sorted({r["context"] for r in rows})
+    return [{"how": how, "streams": s, "ms": by[(how, s, contexts[-1])] - by[(how, s, contexts[0])]}
+            for how, s in dict.fromkeys((r["how"], r["streams"]) for r in rows)]
+
+
+def _measure_contexts(rows: Mapping[str, Callable[[int, int], dict[str, Any]]], contexts: tuple[int, ...], streams: tuple[int, ...],
+                      rounds: int) -> tuple[dict[tuple[int, int, str], list[dict[str, Any]]], float]:
+    """Each round, at each context and stream count, every row (``row(streams, context)``) in
+    turn, checked by :func:`_check`: (context, streams, row) -> each round's figures, and the largest
+    difference of last logits."""
+    measured: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    worst = 0.0
+    for _ in range(rounds):
+        for c in contexts:
+            for s in streams:
+                results = {name: row(s, c) for name, row in rows.items()}
+                worst = max(worst, _check(results, c, s))
+                for name, r in results.items():
+                    measured.setdefault((c, s, name), []).append({k: v for k, v in r.items() if k not in ("tokens", "logits", "stops_at")})
+    return measured, worst
+
+
+def run_contexts(llama: Path, exporter: str, contexts: tuple[int, ...], streams: tuple[int, ...], tokens: int, rounds: int,
+                 only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Issue 38's decoder rows (:data:`CONTEXT_ROWS`; ``og.Generator`` on the genai export only)
+    at each context and stream count, ``rounds`` interleaved rounds, every row's tokens and
+    last logits checked against the first's in each (:func:`_check`)."""
+    model, described, cut = _llama(llama, exporter)
+    if exporter == "genai" and max(contexts) + tokens > described["context_length"]:
+        raise SystemExit(f"{llama / 'genai'} holds {described['context_length']} positions (its cos_cache), fewer than context "
+                         f"{max(contexts)} + {tokens} tokens: remake the Llamas (benchmarks.llama_exports) or give shorter --contexts")
+    rows = [r for r in CONTEXT_ROWS if (exporter == "genai" or r[1] != "generator") and (not only or any(t in r[0] for t in only))]
+    with tempfile.TemporaryDirectory() as tmp:
+        runners = _runners(llama, exporter, model, _bundle(model, cut, MAX_BATCH, Path(tmp)))
+        named = {name: partial(runners[how], tokens=tokens, vocab=described["vocab"]) for name, how in rows}
+        measured, worst = _measure_contexts(named, contexts, streams, rounds)
+    table = [_context_row(how, s, c, runs) for (c, s, how), runs in measured.items()]
+    layers, head = described["layers"], described["hidden"] // described["heads"]
+    state = [[n * 2 * described["kv_heads"] * head * 4 * (c + tokens) for n in (layers // 2, layers - layers // 2)] for c in contexts]
+    return {"model": {**described, "contexts": list(contexts), "tokens": tokens, "cut": cut}, "cores": len(os.sched_getaffinity(0)),
+            "rounds": rounds, "rows": table, "ratios": _paired(measured, contexts, streams), "step_added_ms": _step_added(table),
+            "logits_max_diff": worst, "state_bytes_per_stream": dict(zip(map(str, contexts), state, strict=True))}
+
+
+def print_contexts(result: dict[str, Any]) -> None:
+    """:func:`run_contexts`' result as tables."""
+    m = result["model"]
+    print(f"{m['name']} Llama, {m['parameters'] / 1e6:.1f} M parameters, {m['export']} export (random weights); each stream a prompt of the "
+          f"context's tokens then {m['tokens']} greedy tokens; {result['cores']} cores; onnxpipe: 2 stages x 1 thread, max_batch {MAX_BATCH}, "
+          f"max_delay_ms {DELAY_MS:g}; median (min-max) of {result['rounds']} interleaved rounds")
+    print(f"{'how':<54} {'streams':>7} {'context':>7} {'decode tok/s':>12} {'(min-max)':>13} {'p50 ms':>7} {'p99 ms':>7} {'TTFT ms':>8}"
+          "  bytes copied per decode step, per stage (batch mean)")
+    order = [name for name, _ in CONTEXT_ROWS]
+    for r in sorted(result["rows"], key=lambda r: (r["streams"], order.index(r["how"]), r["context"])):
+        copied = ", ".join(f"{b / 1e6:.2f} MB ({n})" for b, n in zip(r["copied"], r["batch_mean"], strict=True)) if "copied" in r else ""
+        between = f"({r['min']:.0f}-{r['max']:.0f})"
+        print(f"{r['how']:<54} {r['streams']:>7} {r['context']:>7} {r['tokens_per_s']:>12.0f} {between:>13} "
+              f"{r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['ttft_ms']:>8.1f}  {copied}")
+    state = "; ".join(f"context {c}: " + ", ".join(f"{b / 1e6:.2f} MB" for b in per) for c, per in result["state_bytes_per_stream"].items())
+    print(f"one stream's KV per stage at the context's end (context + {m['tokens']} tokens): {state}")
+    first, last = m["contexts"][0], m["contexts"][-1]
+    print(f"p50 ms per token added from context {first} to {last}:")
+    for a in result["step_added_ms"]:
+        print(f"  {a['how']:<54} {a['streams']:>2} streams  {a['ms']:+.2f} ms")
+    print("decode tokens/s ratios, paired per round: median (min-max)")
+    for q in result["ratios"]:
+        print(f"  {q['ratio']:<38} context {q['context']:>5}, {q['streams']:>2} streams  {q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f})")
+    print(f"tokens equal across every row; last step's logits within {result['logits_max_diff']:.1e} (allowed {LOGITS_ATOL:g})")
+
+
 #: What ``--against`` compares unless ``--only`` says otherwise: the one-driver rows and one stream's step.
 AGAINST = f"one driver,{ONE_STREAM}"
 
@@ -508,10 +760,11 @@ AGAINST = f"one driver,{ONE_STREAM}"
 def _figures(result: dict[str, Any]) -> dict[str, float | None]:
     """The figures ``--against`` compares, from one round's JSON result."""
     out: dict[str, float | None] = {}
-    for r in sorted(result["rows"], key=lambda r: (r["streams"], r["how"])):
-        out[f"{r['how']}, {r['streams']} streams: tokens/s"] = r["tokens_per_s"]
-        out[f"{r['how']}, {r['streams']} streams: p50 ms per token"] = r["p50_ms"]
-    if (o := result["one_stream_step"]) is not None:
+    for r in sorted(result["rows"], key=lambda r: (r["streams"], r["how"], r.get("context", 0))):
+        where = f"{r['how']}, {r['streams']} streams" + (f", context {r['context']}" if "context" in r else "")
+        out[f"{where}: tokens/s"] = r["tokens_per_s"]
+        out[f"{where}: p50 ms per token"] = r["p50_ms"]
+    if (o := result.get("one_stream_step")) is not None:
         out["one stream, unbatched: step ms"] = o["step_ms"]
         out["one stream, unbatched: step ms beyond its stages' compute"] = o["overhead_ms"]
     return out
@@ -524,43 +777,15 @@ def against(rev: str, args: argparse.Namespace, only: tuple[str, ...]) -> dict[s
              "--tokens", str(args.tokens), "--streams", args.streams, "--export", args.export, "--only", ",".join(only)]
     if args.llama is not None:
         child += ["--llama", str(args.llama.resolve())]
+    if args.contexts:
+        child += ["--contexts", args.contexts]
     with checkout(rev) as old:
         samples = interleaved("benchmarks.batching", child, old, rev, args.rounds, _figures)
     return compare(samples)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--past", type=int, default=32, help="prompt tokens per stream")
-    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per stream")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--streams", default=",".join(map(str, STREAMS)), help="stream counts, comma-separated")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON only")
-    parser.add_argument("--llama", type=Path, help="a folder of benchmarks.llama_exports: its optimum export, and og.Generator on its genai export")
-    parser.add_argument("--export", choices=("optimum", "genai"), default="optimum",
-                        help="with --llama: which export onnxpipe splits (genai: the very file og.Generator runs)")
-    parser.add_argument("--only", metavar="TEXT[,TEXT...]",
-                        help=f"measure only the rows (and of {ONE_STREAM!r}, {ROUND!r}, {STATELESS!r}) whose name contains one of the TEXTs")
-    parser.add_argument("--against", metavar="REV", help="measure this checkout beside git revision REV, rounds interleaved, and print new / old "
-                        f"(of --only's rows, by default {AGAINST!r})")
-    args = parser.parse_args()
-    only = tuple(t.strip() for t in args.only.split(",")) if args.only else ()
-    if args.against:
-        compared = against(args.against, args, only or tuple(AGAINST.split(",")))
-        if args.json:
-            print(json.dumps(compared, indent=2))
-            return
-        print_comparison(compared, revision(args.against), args.rounds)
-        print("(tokens/s: higher is better; ms: lower is faster)")
-        return
-    result = run(args.layers, args.hidden, args.heads, args.past, args.tokens, args.rounds, tuple(int(s) for s in args.streams.split(",")),
-                 args.llama, args.export, only)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
+def print_rows(result: dict[str, Any]) -> None:
+    """:func:`run`'s result as tables."""
     m = result["model"]
     exporter = "onnxruntime-genai builder" if m.get("export") == "genai" else "optimum-onnx"
     size = f", {m['parameters'] / 1e6:.1f} M parameters ({exporter} export, random weights)" if "parameters" in m else ""
@@ -570,8 +795,8 @@ def main() -> None:
     print(f"{'how':<36} {'streams':>7} {'tokens/s':>9} {'(min-max)':>15} {'TTFT ms':>8} {'p50 ms':>7} {'p99 ms':>7}  batch mean per stage"
           "  (p50 / p99: per token after the first)")
     for r in sorted(result["rows"], key=lambda r: (r["streams"], r["how"])):
-        spread = f"({r['min']:.0f}-{r['max']:.0f})"
-        print(f"{r['how']:<36} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {spread:>15} {r['ttft_ms']:>8.2f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  "
+        between = f"({r['min']:.0f}-{r['max']:.0f})"
+        print(f"{r['how']:<36} {r['streams']:>7} {r['tokens_per_s']:>9.0f} {between:>15} {r['ttft_ms']:>8.2f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}  "
               f"{r.get('batch_mean', '')}")
     for name in next(iter(result["ratios"].values())):
         print(f"{name:<56} " + "  ".join(f"{s} streams {q[name]:.2f}x" for s, q in result["ratios"].items()))
@@ -592,6 +817,49 @@ def main() -> None:
         print(f"  width {width:>4}: max_batch=1 {one['requests_per_s']:.0f} req/s ({one['min']:.0f}-{one['max']:.0f}), "
               f"max_batch=8 {eight['requests_per_s']:.0f} req/s ({eight['min']:.0f}-{eight['max']:.0f}): "
               f"{eight['requests_per_s'] / one['requests_per_s']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--past", type=int, default=32, help="prompt tokens per stream")
+    parser.add_argument("--tokens", type=int, help="tokens generated per stream (default 32, with --contexts 64)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", default=",".join(map(str, STREAMS)), help="stream counts, comma-separated")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON only")
+    parser.add_argument("--llama", type=Path, help="a folder of benchmarks.llama_exports: its optimum export, and og.Generator on its genai export")
+    parser.add_argument("--export", choices=("optimum", "genai"), default="optimum",
+                        help="with --llama: which export onnxpipe splits (genai: the very file og.Generator runs)")
+    parser.add_argument("--contexts", metavar="N[,N...]", help="with --llama: issue 38's rows (onnxpipe batched by one driver and by a "
+                        "thread per stream, og.Generator, a bound and a numpy-fed session) with prompts of each N tokens, decode tokens/s")
+    parser.add_argument("--only", metavar="TEXT[,TEXT...]",
+                        help=f"measure only the rows (and of {ONE_STREAM!r}, {ROUND!r}, {STATELESS!r}) whose name contains one of the TEXTs")
+    parser.add_argument("--against", metavar="REV", help="measure this checkout beside git revision REV, rounds interleaved, and print new / old "
+                        f"(of --only's rows, by default {AGAINST!r})")
+    args = parser.parse_args()
+    args.tokens = args.tokens or (64 if args.contexts else 32)
+    only = tuple(t.strip() for t in args.only.split(",")) if args.only else ()
+    if args.against:
+        compared = against(args.against, args, only or tuple(AGAINST.split(",")))
+        if args.json:
+            print(json.dumps(compared, indent=2))
+            return
+        print_comparison(compared, revision(args.against), args.rounds)
+        print("(tokens/s: higher is better; ms: lower is faster)")
+        return
+    if args.contexts and args.llama is None:
+        parser.error("--contexts needs --llama")
+    streams = tuple(int(s) for s in args.streams.split(","))
+    if args.contexts:
+        result = run_contexts(args.llama, args.export, tuple(int(c) for c in args.contexts.split(",")), streams, args.tokens, args.rounds, only)
+    else:
+        result = run(args.layers, args.hidden, args.heads, args.past, args.tokens, args.rounds, streams, args.llama, args.export, only)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        (print_contexts if args.contexts else print_rows)(result)
 
 
 if __name__ == "__main__":

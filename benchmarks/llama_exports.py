@@ -25,6 +25,9 @@ SIZES = {
     "tiny": (256, 4, 4, 2, 512, 1024),
     "24m": (512, 8, 8, 4, 1408, 1024),
 }
+#: Positions the exports hold: the genai builder's rotary cache (``cos_cache``) and ``context_length``
+#: stop there, and ``benchmarks.batching --contexts`` goes to 2048 + 64 tokens.
+POSITIONS = 4096
 
 
 def make(out: Path, name: str, builder_python: str) -> Path:
@@ -39,7 +42,7 @@ def make(out: Path, name: str, builder_python: str) -> Path:
     folder = out / name
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=POSITIONS,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
@@ -54,7 +57,7 @@ def make(out: Path, name: str, builder_python: str) -> Path:
         subprocess.run([builder_python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(folder / "genai"), "-p", "fp32",
                         "-e", "cpu", "-c", str(Path(tmp) / "cache")], check=True)
     (folder / "about.json").write_text(json.dumps({"name": name, "parameters": params, "hidden": hidden, "layers": layers, "heads": heads,
-                                                   "kv_heads": kv_heads, "intermediate": intermediate, "vocab": vocab}, indent=2))
+                                                   "kv_heads": kv_heads, "intermediate": intermediate, "vocab": vocab, "positions": POSITIONS}, indent=2))
     return folder
 
 

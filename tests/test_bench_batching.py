@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
 from benchmarks.batching import run
 
 
@@ -35,3 +41,78 @@ def test_the_cut_between_llama_layers_is_what_the_layers_after_it_read() -> None
     from tests.decoder_exports import LLAMA, LLAMA_CUT
 
     assert between_layers(onnx.load(LLAMA), 0) == sorted(LLAMA_CUT)
+
+
+def _llama_folder(where: Path) -> Path:
+    """A folder as benchmarks.llama_exports makes one, of the committed small Llama's two exports."""
+    from tests.decoder_exports import DECODERS
+
+    (where / "genai").symlink_to(DECODERS / "genai-llama", target_is_directory=True)
+    (where / "optimum").symlink_to(DECODERS / "optimum-llama", target_is_directory=True)
+    model = json.loads((DECODERS / "genai-llama" / "genai_config.json").read_text())["model"]
+    d = model["decoder"]
+    (where / "about.json").write_text(json.dumps({"name": "test", "parameters": 0, "hidden": d["hidden_size"], "layers": d["num_hidden_layers"],
+                                                  "heads": d["num_attention_heads"], "kv_heads": d["num_key_value_heads"], "vocab": model["vocab_size"]}))
+    return where
+
+
+@pytest.mark.parametrize("exporter", ["genai", "optimum"])
+def test_the_context_rows_decode_the_same_tokens_and_report_the_bytes_copied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exporter: str) -> None:
+    """--contexts on a Llama folder (without og.Generator's row, which needs onnxruntime-genai):
+    every row at every context, tokens checked equal, onnxpipe's bytes copied per stage."""
+    from benchmarks import batching
+
+    monkeypatch.setattr(batching, "INPUTS", set(batching.INPUTS))  # the genai export drops position_ids for the process
+    monkeypatch.setattr(batching, "HEAD_SIZE", [0])
+    result = batching.run_contexts(_llama_folder(tmp_path), exporter, (4, 8), (2,), tokens=3, rounds=1, only=("onnxpipe", "session"))
+    names = [name for name, how in batching.CONTEXT_ROWS if how != "generator"]
+    assert {(r["how"], r["streams"], r["context"]) for r in result["rows"]} == {(n, 2, c) for n in names for c in (4, 8)}
+    assert all(r["tokens_per_s"] > 0 and r["p99_ms"] > 0 and r["ttft_ms"] > 0 for r in result["rows"])
+    assert all(len(r["copied"]) == 2 and min(r["copied"]) >= 0 for r in result["rows"] if r["how"].startswith("onnxpipe"))
+    assert {q["ratio"] for q in result["ratios"]} == {"onnxpipe one driver / bound session", "thread per stream / one driver"}
+    assert {(a["how"], a["streams"]) for a in result["step_added_ms"]} == {(n, 2) for n in names}
+    assert result["logits_max_diff"] <= batching.LOGITS_ATOL and set(result["state_bytes_per_stream"]) == {"4", "8"}
+
+
+def test_a_genai_export_shorter_than_the_context_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import batching
+
+    monkeypatch.setattr(batching, "INPUTS", set(batching.INPUTS))
+    monkeypatch.setattr(batching, "HEAD_SIZE", [0])
+    with pytest.raises(SystemExit, match="holds 256 positions .* fewer than context 250 \\+ 8 tokens"):
+        batching.run_contexts(_llama_folder(tmp_path), "genai", (250,), (2,), tokens=8, rounds=1)
+
+
+def test_a_row_whose_tokens_or_last_logits_differ_fails_the_run() -> None:
+    from benchmarks.batching import _check
+
+    ref = {"tokens": [[1, 2], [3, 4]], "logits": np.zeros((2, 5), np.float32)}
+    assert _check({"a": ref, "b": {**ref, "logits": np.full((2, 5), 1e-4)}}, 128, 2) == pytest.approx(1e-4)
+    with pytest.raises(RuntimeError, match="context 128, 2 streams: 'b' against 'a': stream 1's tokens differ: \\[3, 5\\] against \\[3, 4\\]"):
+        _check({"a": ref, "b": {**ref, "tokens": [[1, 2], [3, 5]]}}, 128, 2)
+    with pytest.raises(RuntimeError, match="'c' against 'a': the last step's logits differ by 1.00e-02, more than 0.001"):
+        _check({"a": ref, "b": ref, "c": {**ref, "logits": np.full((2, 5), 1e-2)}}, 128, 2)
+
+
+def test_a_row_that_ends_a_stream_at_its_end_token_is_compared_up_to_it() -> None:
+    """og.Generator ends a stream at the export's end-of-sequence token (2 here) where the others go on."""
+    from benchmarks.batching import _check
+
+    ref = {"tokens": [[5, 2, 7], [3, 4, 6]], "logits": np.zeros((2, 5), np.float32)}
+    ended = {"tokens": [[5, 2, 2], [3, 4, 6]], "logits": np.array([[9.0] * 5, [0.0] * 5]), "stops_at": {2}}
+    assert _check({"a": ref, "og": ended}, 128, 2) == 0.0
+    with pytest.raises(RuntimeError, match="stream 1's tokens differ: \\[3, 4, 5\\] against \\[3, 4, 6\\]"):
+        _check({"a": ref, "og": {**ended, "tokens": [[5, 2, 2], [3, 4, 5]]}}, 128, 2)
+    with pytest.raises(RuntimeError, match="stream 0's tokens differ: \\[5, 3\\] against \\[5, 2\\]"):
+        _check({"a": ref, "og": {**ended, "tokens": [[5, 3, 2], [3, 4, 6]]}}, 128, 2)
+
+
+def test_the_context_ratios_are_paired_by_round_and_the_step_added_is_the_longest_context_less_the_shortest() -> None:
+    from benchmarks.batching import CONTEXT_ROWS, _paired, _step_added
+
+    driver, og = CONTEXT_ROWS[0][0], CONTEXT_ROWS[2][0]
+    measured = {(128, 8, driver): [{"decode_per_s": 100.0}, {"decode_per_s": 50.0}], (128, 8, og): [{"decode_per_s": 200.0}, {"decode_per_s": 25.0}]}
+    assert _paired(measured, (128,), (8,)) == [{"ratio": "onnxpipe one driver / og.Generator", "context": 128, "streams": 8,
+                                                "median": 1.25, "min": 0.5, "max": 2.0}]
+    rows = [{"how": driver, "streams": 8, "context": c, "p50_ms": ms} for c, ms in ((2048, 30.0), (128, 10.0), (512, 15.0))]
+    assert _step_added(rows) == [{"how": driver, "streams": 8, "ms": 20.0}]
