@@ -15,9 +15,11 @@ Note: state in place.
       contiguous block). When the same members step again, or some of them that are in a row
       anywhere in the slab, nothing moves. Otherwise the members are put in rows from their first
       one's (or from 0): members that left make the rows after them move up (only their
-      positions); an open stream not in this batch whose row is taken is copied out to arrays of
-      its own first; a member that joins (its state from a step it ran alone, a prefill, or from
-      another slab) is copied into its row.
+      positions); an open stream not in this batch whose row is taken moves to a free row after
+      them (or, with none free, is copied out to arrays of its own); a member that joins (its
+      state from a step it ran alone, a prefill, or from another slab) is copied into its row.
+      The scheduler puts members that missed a batch after it in their group's order from then
+      on, so the next batch of all of them finds the rows as this one left them.
     - A slab is made with room for a quarter more positions than its longest stream needs (at
       least 256). When the batch's longest stream would outgrow ``capacity``, or more members come
       than ``rows``, the slab is made anew, at least 1.5 times as long (rounded up to 64
@@ -188,12 +190,21 @@ def _rearrange(slab: Slab, targets: Mapping[int, int], ours: Sequence[int], held
     """The members into their ``targets`` rows of ``slab`` (``ours``: those already in it): open
     streams in the way copied out, members moved, joiners copied in (see :func:`arrange`)."""
     taken = set(targets.values())
-    evicted = {s: slab.own(s) for s, row in list(slab.row.items()) if s not in targets and row in taken}
+    others = {s: row for s, row in slab.row.items() if s not in targets}
+    free = [r for r in range(slab.rows) if r not in taken and r not in others.values()]
+    moves = [(s, targets[s]) for s in ours if slab.row[s] != targets[s]]
+    evicted = {}
+    for s, row in others.items():  # open streams in the way move to a free row, or out to arrays of their own
+        if row in taken:
+            if free:
+                moves.append((s, free.pop(0)))
+            else:
+                evicted[s] = slab.own(s)
     copied = 0
     for s, arrays in evicted.items():
         copied += sum(a.nbytes for a in arrays.values())
         slab.drop(s)
-    copied += slab.move([(s, targets[s]) for s in ours if slab.row[s] != targets[s]])
+    copied += slab.move(moves)
     mine = set(ours)
     for s, h in helds.items():
         if s not in mine:

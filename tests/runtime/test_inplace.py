@@ -54,18 +54,27 @@ def test_members_in_a_row_anywhere_in_the_slab_run_where_they_are() -> None:
     assert got.view(start, 2)["k"].shape == (2, 2, 64, 3)
 
 
-def test_a_member_that_left_moves_only_the_rows_after_it() -> None:
+def test_a_member_that_missed_a_batch_moves_after_it_and_the_rows_after_it_move_up() -> None:
     slab, helds = _slab([3, 5, 4, 2])
     got, start, copied, evicted = arrange([0, 2, 3], [helds[0], helds[2], helds[3]], need=5, max_rows=8, axes=AXES)
-    assert got is slab and start == 0
-    # stream 1, still open and in the way, copied out (5 positions x 2 heads x 3 dims, float32); then
-    # streams 2 and 3 move up one row each (the longest of them: 4 positions, of 2 rows)
-    assert copied == 5 * 2 * 3 * 4 + 2 * 4 * 2 * 3 * 4
-    assert [slab.row[s] for s in (0, 2, 3)] == [0, 1, 2]
-    assert list(evicted) == [1]
-    assert np.array_equal(evicted[1]["k"], _own(5, 2.0)["k"])
-    for s, n in ((0, 3), (2, 4), (3, 2)):
+    assert got is slab and start == 0 and evicted == {}
+    # streams 2 and 3 move up a row, stream 1 (still open, in the way) to the row freed after them:
+    # 3 rows of the longest moved (5 positions) x 2 heads x 3 dims, float32, nothing copied out
+    assert copied == 3 * 5 * 2 * 3 * 4
+    assert [slab.row[s] for s in (0, 2, 3, 1)] == [0, 1, 2, 3]
+    for s, n in ((0, 3), (1, 5), (2, 4), (3, 2)):
         assert np.array_equal(_positions(slab, s), _own(n, s + 1.0)["k"])
+    # the next batch of all four, in the order the scheduler gives after it, moves nothing
+    assert arrange([0, 2, 3, 1], [InSlab(slab)] * 4, need=6, max_rows=8, axes=AXES)[1:] == (0, 0, {})
+
+
+def test_an_open_stream_in_the_way_with_no_free_row_is_copied_out_exactly() -> None:
+    slab, helds = _slab([3, 5, 4])
+    got, _, copied, evicted = arrange([0, 2, 9], [helds[0], helds[2], _own(2, 9.0)], need=5, max_rows=3, axes=AXES)
+    assert got is slab and list(evicted) == [1]
+    assert np.array_equal(evicted[1]["k"], _own(5, 2.0)["k"])
+    assert 1 not in slab.row and [slab.row[s] for s in (0, 2, 9)] == [0, 1, 2]
+    assert copied == (5 + 4 + 2) * 2 * 3 * 4  # stream 1 out, stream 2 up a row, the joiner in
 
 
 def test_a_joiner_is_copied_into_its_row_and_the_others_stay() -> None:

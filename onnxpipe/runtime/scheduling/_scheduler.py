@@ -24,6 +24,10 @@ Note: groups, micro-batches and when a batch leaves.
       as the bound of the first) ``delay`` (the stages' largest ``max_delay_ms``) after the
       oldest waiting step, or at once when that is 0.
 
+    A batch that some members missed puts them after it in the group's order from then on, so
+    the next batch of all members has the rows the last one left (a stage keeping its state in
+    place moves nothing: ``_inplace``, Note: state in place).
+
     A batch holds at most one step of each stream and only steps of one shape (the scheduler's
     key: equal shapes but for the batch axis and the axes that grow with the past, and the same
     parameters); a stream's later steps, and steps of other shapes, leave in the batches after
@@ -404,6 +408,9 @@ class StepScheduler:
             batch.sort(key=lambda s: rank.get(s.stream, len(rank)))
             batches.append(batch)
             pending = rest
+            if len(batch) > 1 and len(batch) < len(group.members):  # some members missed it: they go after it from now on
+                ran = [s.stream for s in batch]
+                group.members[:] = ran + [m for m in group.members if m not in set(ran)]
         group.waiting = []
         group.since = None
         if self.told:
