@@ -128,6 +128,16 @@ def compare(samples: Samples) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def report(rows: dict[str, dict[str, Any]], rev: str, rounds: int, as_json: bool, legend: str) -> None:
+    """Print a benchmark's ``--against REV`` result: as JSON, or as :func:`print_comparison`'s
+    table followed by ``legend`` (which way is better)."""
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    print_comparison(rows, revision(rev), rounds)
+    print(legend)
+
+
 def print_comparison(rows: dict[str, dict[str, Any]], old_label: str, rounds: int) -> None:
     """The comparison of :func:`compare` as a table: a figure per line, each side's median
     (min-max), new / old; ``old_label`` names the older side in the header."""

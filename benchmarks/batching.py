@@ -95,7 +95,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from benchmarks._checkout import checkout, compare, interleaved, print_comparison, revision
+from benchmarks._checkout import checkout, compare, interleaved, report
 from benchmarks._kv_sessions import PAST, FedBackKV, NumpyKV, SharedKV, Step
 from benchmarks._kv_sessions import lockstep as kv_lockstep
 from benchmarks._timing import spread, timed_threads
@@ -843,11 +843,7 @@ def main() -> None:
     only = tuple(t.strip() for t in args.only.split(",")) if args.only else ()
     if args.against:
         compared = against(args.against, args, only or tuple(AGAINST.split(",")))
-        if args.json:
-            print(json.dumps(compared, indent=2))
-            return
-        print_comparison(compared, revision(args.against), args.rounds)
-        print("(tokens/s: higher is better; ms: lower is faster)")
+        report(compared, args.against, args.rounds, args.json, "(tokens/s: higher is better; ms: lower is faster)")
         return
     if args.contexts and args.llama is None:
         parser.error("--contexts needs --llama")

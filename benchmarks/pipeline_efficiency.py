@@ -57,7 +57,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from benchmarks._checkout import checkout, compare, interleaved, print_comparison, revision
+from benchmarks._checkout import checkout, compare, interleaved, report
 from benchmarks._timing import median_seconds
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import Pipeline, load
@@ -471,11 +471,7 @@ def main() -> None:
     cuts = dict(c.split("=", 1) for c in args.cut)
     if args.against:
         compared = against(args.against, args)
-        if args.json:
-            print(json.dumps(compared, indent=2))
-            return
-        print_comparison(compared, revision(args.against), args.rounds)
-        print("(us: lower is faster; efficiency and req/s: higher is better)")
+        report(compared, args.against, args.rounds, args.json, "(us: lower is faster; efficiency and req/s: higher is better)")
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

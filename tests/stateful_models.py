@@ -236,10 +236,12 @@ def session_generate(session: ort.InferenceSession, prompt: list[int], count: in
     return generate(step, prompt, count)
 
 
-def decode_in_threads(pipe: Any, prompts: list[list[int]], counts: list[int], apart: float) -> list[tuple[list[int], list[np.ndarray]]]:
+def decode_in_threads(pipe: Any, prompts: list[list[int]], counts: list[int], apart: float, opened: bool = False) -> list[tuple[list[int], list[np.ndarray]]]:
     """Each prompt greedy-decoded through a stream of its own (``pipe.stream()``), in a thread of its
     own, the threads started ``apart`` seconds after one another (so streams join while others
-    decode, and leave when their count is done); each stream's tokens and logits, in order.
+    decode, and leave when their count is done); each stream's tokens and logits, in order. With
+    ``opened``, every stream is opened before any thread starts (so every group's members are known
+    before a step, as a server's sequences are) and closed after all are done.
 
     Raises:
         AssertionError: a thread failed (with its errors).
@@ -250,9 +252,14 @@ def decode_in_threads(pipe: Any, prompts: list[list[int]], counts: list[int], ap
     results: dict[int, tuple[list[int], list[np.ndarray]]] = {}
     errors: list[BaseException] = []
 
+    ready = [pipe.stream() for _ in prompts] if opened else None
+
     def run(k: int) -> None:
         time.sleep(apart * k)
         try:
+            if ready is not None:
+                results[k] = generate(ready[k].step, prompts[k], counts[k])
+                return
             with pipe.stream() as s:
                 results[k] = generate(s.step, prompts[k], counts[k])
         except BaseException as e:
@@ -264,6 +271,8 @@ def decode_in_threads(pipe: Any, prompts: list[list[int]], counts: list[int], ap
     for t in threads:
         t.join(120)
     assert not errors, errors
+    for stream in ready or ():
+        stream.close()
     return [results[k] for k in range(len(prompts))]
 
 

@@ -24,7 +24,7 @@ from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import Pipeline, ReplicaDiagnostics, StageSettings, load
 from onnxpipe.splitter import split
 from tests.models import bundle_of, embed_mlp
-from tests.stateful_models import decode_in_threads, decoder_feeds, generate, gpt_decoder, recurrent, whole_generate, whole_recurrent
+from tests.stateful_models import decode_in_threads, decoder_feeds, gpt_decoder, recurrent, whole_generate, whole_recurrent
 
 DECODER_CUTS = {2: ["layer1.out"], 3: ["layer0.out", "layer2.out"]}
 PROMPTS = ([1, 2, 3], [5], [7, 8, 9, 10, 11], [40, 41], [3, 3, 3, 3], [9], [11, 12], [20, 21, 22, 23, 24, 25])
@@ -245,32 +245,6 @@ def test_a_batch_waiting_at_the_entry_leaves_once_every_member_of_its_group_is_i
     assert sizes == [{2: 5}, {2: 5}]
 
 
-def _step_in_threads(pipe: Pipeline, prompts: list[list[int]], count: int) -> list[tuple[list[int], list[np.ndarray]]]:
-    """Each prompt greedy-decoded for ``count`` tokens by a thread of its own (what a server's
-    sequences are), its stream opened first, so every group's members are known before a step."""
-    import threading
-
-    streams = [pipe.stream() for _ in prompts]
-    results: dict[int, tuple[list[int], list[np.ndarray]]] = {}
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            results[k] = generate(lambda feeds: streams[k].submit(feeds).result(timeout=60), prompts[k], count)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    for s in streams:
-        s.close()
-    return [results[k] for k in range(len(prompts))]
-
-
 @pytest.mark.parametrize("micro", [1, 2])
 def test_steps_from_independent_threads_batch_as_full_batches_without_waiting_for_a_timer(micro: int, tmp_path: Path, decoder: ModelProto) -> None:
     """8 streams, each stepped by a thread of its own, with max_delay_ms a minute (continuous
@@ -280,7 +254,7 @@ def test_steps_from_independent_threads_batch_as_full_batches_without_waiting_fo
     prompts = [[3 + k, 5, 7] for k in range(8)]  # equal lengths: the prompts batch too
     plan = batched(split(decoder, DECODER_CUTS[2], states="auto"), delay_ms=LONGEST_DELAY_MS)
     with load(bundle_of(plan, tmp_path), max_streams=8, micro_batches=micro) as pipe:
-        results = _step_in_threads(pipe, prompts, TOKENS)
+        results = decode_in_threads(pipe, prompts, [TOKENS] * len(prompts), 0.0, opened=True)
         sizes = [s.batch_sizes for s in pipe.stats().stages]
         delayed = pipe.streams.delayed
     assert sizes == [{8 // micro: micro * TOKENS}] * 2 and delayed == 0
@@ -295,7 +269,7 @@ def test_steps_from_independent_threads_with_no_delay_decode_the_tokens_each_mak
     prompts = [[3 + k, 5, 7][: 1 + k % 3] for k in range(8)]
     plan = batched(split(decoder, DECODER_CUTS[2], states="auto"))
     with load(bundle_of(plan, tmp_path), max_streams=8) as pipe:
-        results = _step_in_threads(pipe, prompts, TOKENS)
+        results = decode_in_threads(pipe, prompts, [TOKENS] * len(prompts), 0.0, opened=True)
         stats = pipe.stats()
     for stage in stats.stages:
         assert sum(k * v for k, v in stage.batch_sizes.items()) == stage.count == 8 * TOKENS
