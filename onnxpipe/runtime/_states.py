@@ -20,7 +20,7 @@ from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime.scheduling import StepBatch, member_rows, pad_stack, take_rows
 
 if TYPE_CHECKING:
-    from onnxpipe.runtime._stage import Failure, Request, StagePlan
+    from onnxpipe.runtime._records import Failure, Request, StagePlan
 
 __all__ = ["Block", "Held", "InBlock", "StateKeeper", "in_place_axes", "initial_state"]
 
