@@ -31,8 +31,9 @@ Note: groups, micro-batches and when a batch leaves.
     A batch holds at most one step of each stream and only steps of one shape (the scheduler's
     key: equal shapes but for the batch axis and the axes that grow with the past, and the same
     parameters); a stream's later steps, and steps of other shapes, leave in the batches after
-    it, in order. Its members are in the order they joined the group, so the same members give
-    the same rows every step.
+    it, in order. Its members are in the group's order (the order they joined, but for members
+    that missed a batch, which go after it from then on: above), so the same members give the
+    same rows every step.
 
     The scheduler decides; it never runs anything. ``send`` (the pipeline's stream registry,
     ``_streams.StreamRegistry``) stacks a batch and submits it as one request; the registry joins
