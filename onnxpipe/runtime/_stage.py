@@ -211,6 +211,7 @@ class StageRunner(StateKeeper, RunnerBase):
         # States kept in place (``_inplace``, Note: state in place): each shared state input's
         # present, and its growing axis for a step alone and for a batch (empty: not in place).
         self._presents, self._lone_axes, self._axes = in_place_axes(plan, session, self._right)
+        self._made_apart = tuple(o for o in plan.outputs if o not in set(self._presents.values()))  # outputs a call in place does not bind to a state
         #: Runs the session call through IOBinding, leaving outputs on the stage's device (``_handoff``,
         #: Note: hand-offs as OrtValues); ``None``: ``session.run`` and numpy. Set by :func:`make_runner`.
         self.handoff: Handoff | None = None
@@ -229,8 +230,8 @@ class StageRunner(StateKeeper, RunnerBase):
             return ()
         if request.batch is not None:
             return self._run_steps(request)
-        if self._lone_axes and request.length and request.stream is not None:
-            return self._run_alone_in_place(request)
+        if self._lone_axes and request.length and request.stream is not None and not request.params.get(self.name):
+            return self._run_alone_in_place(request)  # (parameter overrides are initializers, which IOBinding cannot bind: not in place)
         return self._run_alone(request)
 
     def _run_alone(self, request: Request) -> tuple[Failure, ...]:
@@ -282,7 +283,7 @@ class StageRunner(StateKeeper, RunnerBase):
             return ()  # every member failed in an earlier stage
         values = request.values
         feeds = self._inputs(request, {name: values[key] for name, key in self.plan.sources})
-        if self._axes and batch.length and batch.rows[-1] == len(batch):
+        if self._axes and batch.length and batch.rows[-1] == len(batch) and not request.params.get(self.name):
             return self._run_in_place(request, feeds)
         try:
             if self._state_at:

@@ -103,6 +103,7 @@ class StateKeeper:
     _presents: dict[str, str]
     _lone_axes: dict[str, int]
     _axes: dict[str, int]
+    _made_apart: tuple[str, ...]
     _kept: tuple[tuple[int, Endpoint], ...]
     _dropped: tuple[Endpoint, ...]
 
@@ -282,7 +283,9 @@ class StateKeeper:
     def _run_bound(self, feeds: dict[str, Any], views: Mapping[str, np.ndarray]) -> list[Any]:
         """One session call with IOBinding: each state in ``views`` bound as its input and as its
         present output (one buffer), the other inputs read in place, the other outputs made by
-        onnxruntime (numpy views of them, no copy); the outputs in ``plan.outputs`` order."""
+        onnxruntime (numpy views of them, no copy); the outputs in ``plan.outputs`` order. Never
+        with a parameter override: an initializer, which IOBinding cannot bind (the caller runs
+        such a call through ``session.run``, its state copied as before)."""
         binding = self.session.io_binding()
         for name, value in feeds.items():
             if name not in views:
@@ -293,7 +296,7 @@ class StateKeeper:
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(self._presents[name], value)
             made[self._presents[name]] = view
-        rest = [o for o in self.plan.outputs if o not in made]
+        rest = self._made_apart
         for name in rest:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding, self.run_options)

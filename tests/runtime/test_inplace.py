@@ -230,3 +230,26 @@ def test_a_stream_alone_in_place_copies_nothing(unbatched: Path, whole: WholeMod
     assert tokens[60:] == whole.generate(prompt, 8)[0]
     assert copied == [0, 0]
     assert capacity_for(60) == 320 and held % 320 == 0
+
+
+def test_a_stream_with_a_parameter_override_runs_its_state_copied_and_decodes_the_whole_exports_tokens(tmp_path: Path, whole: WholeModel) -> None:
+    """A parameter override is an initializer, which IOBinding cannot bind: such a call runs
+    through ``session.run`` (its state copied, as before state in place) instead of failing. The
+    override here is the weight's own value, so the tokens are the whole export's."""
+    import onnx
+
+    plan = split(str(model_path(NAME)), [HAND_CUTS[NAME]], states="auto")
+    stage = plan.config.stages[1]
+    name = next(n for n in stage.weights if "norm" in n)
+    plan.config.add_param_group("norm", stage, [name])
+    for s in plan.config.stages:
+        s.configure(max_batch=8, max_delay_ms=60_000)
+    stored = next(onnx.numpy_helper.to_array(t) for t in onnx.load(str(model_path(NAME))).graph.initializer if t.name == name)
+    starts = prompts(3)
+    with load(bundle_of(plan, tmp_path)) as pipe:
+        pipe.set_params("norm", {name: stored})
+        got = decode_one_driver(pipe, whole.inputs, starts, [5, 5, 5])
+        copied = pipe.stats().stages[1].bytes_copied
+    for k, prompt in enumerate(starts):
+        assert got[k][0] == whole.generate(prompt, 5)[0], f"stream {k}"
+    assert copied > 0  # stage 1's state went through session.run: its presents made apart from its pasts
