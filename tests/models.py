@@ -40,6 +40,8 @@ __all__ = [
     "long_names",
     "matmul_tail",
     "matmuls_then_chain",
+    "nan_output",
+    "overflowing_mask",
     "outer_scope",
     "sequence_boundary",
     "symbolic_batch",
@@ -786,3 +788,46 @@ def matmuls_then_chain(rows: int = 256, width: int = 512, matmuls: int = 8, chai
     graph = helper.make_graph(nodes, "matmuls_then_chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, columns])], initializer=inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def nan_output() -> ModelProto:
+    """A model whose output is NaN whatever its input: the log of a negative number.
+
+    ``X -relu0-> a -neg1-> b -sub2(one)-> c -log3-> Y``: ``b`` and ``c`` are finite, ``Y`` all NaN.
+    """
+    return _parse(
+        _HEADER
+        + """
+        nan_output (float[1,4] X) => (float[1,4] Y) <float[1] one = {1.0}> {
+            [relu0] a = Relu(X)
+            [neg1] b = Neg(a)
+            [sub2] c = Sub(b, one)
+            [log3] Y = Log(c)
+        }
+        """
+    )
+
+
+def overflowing_mask() -> ModelProto:
+    """T5's attention mask, ``(1 - mask) * finfo(float32).min`` added to the scores: a mask of ones
+    and zeros gives finite logits, a mask value of 3 overflows to +inf and the softmax gives NaN.
+
+    ``encoder_attention_mask -cast0-> m -sub1(one - m)-> inv -mul2(min)-> bias``, ``hidden,
+    bias -add3-> scores -softmax4-> probs -matmul5(W)-> logits``; inputs ``hidden`` float[1,4],
+    ``encoder_attention_mask`` int64[1,4]; the cut the tests use: ``scores``.
+    """
+    return _parse(
+        _HEADER
+        + """
+        overflowing_mask (float[1,4] hidden, int64[1,4] encoder_attention_mask) => (float[1,4] logits)
+            <float[1] one = {1.0}, float[1] lowest = {-3.4028235e38}, float[4,4] W = {1.0, 0.5, -0.5, 0.25, 0.0, 1.0, 0.5, -1.0,
+             0.25, 0.0, 1.0, 0.5, -0.5, 0.25, 0.0, 1.0}> {
+            [cast0] m = Cast<to = 1>(encoder_attention_mask)
+            [sub1] inv = Sub(one, m)
+            [mul2] bias = Mul(inv, lowest)
+            [add3] scores = Add(hidden, bias)
+            [softmax4] probs = Softmax<axis = -1>(scores)
+            [matmul5] logits = MatMul(probs, W)
+        }
+        """
+    )

@@ -27,6 +27,7 @@ from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.builder._modules import move_into_place
 from onnxpipe.runtime import PipelineSpec, SequentialPipeline, check_allowed
 from onnxpipe.runtime._code import CodeNotAllowedError
+from onnxpipe.runtime._compare import nonfinite_count
 from onnxpipe.runtime._inputs import feed_shapes
 from onnxpipe.runtime._overrides import Overrides, apply_overrides
 from onnxpipe.runtime.bundle import (
@@ -57,6 +58,7 @@ def export(
     reference_model: str | os.PathLike[str] | onnx.ModelProto | None = None,
     overwrite: bool = False,
     allow_code: Sequence[str] = (),
+    allow_nonfinite: bool = False,
 ) -> Path:
     """Write the bundle of a built pipeline.
 
@@ -71,6 +73,8 @@ def export(
         overwrite: Replace ``out`` if it exists.
         allow_code: fnmatch patterns of the Python (code stages, custom-op packages) this host may
             run to compute reference outputs with the pipeline itself; only needed then.
+        allow_nonfinite: Store reference outputs that hold NaN or inf (a model whose outputs hold
+            ``-inf`` by design); by default they are refused: a check against them proves nothing.
 
     Returns:
         The bundle's path.
@@ -82,7 +86,7 @@ def export(
             allow (a :class:`BundleError`; nothing is imported).
         InputError: ``reference_model`` fails on a reference input set (the sizes of its symbolic
             dims, most often); computing the outputs with the pipeline, a stage fails on one
-            (:class:`StageError`).
+            (:class:`StageError`); a reference output holds NaN or inf and ``allow_nonfinite`` is off.
     """
     src = Path(build_dir)
     out = Path(out)
@@ -95,7 +99,7 @@ def export(
 
     def fill(staging: Path) -> tuple[Mapping[str, object], None]:
         _copy_files(src, staging, spec)
-        reference = _write_reference(staging, spec, reference_inputs, reference_outputs, allow_code)
+        reference = _write_reference(staging, spec, reference_inputs, reference_outputs, allow_code, allow_nonfinite)
         return _manifest_fields(staging, spec, reference), None
 
     return _write_bundle(out, overwrite, fill)
@@ -254,6 +258,7 @@ def _write_reference(
     inputs: Sequence[Mapping[str, np.ndarray]],
     outputs: Sequence[Mapping[str, np.ndarray]] | None,
     allow_code: Sequence[str],
+    allow_nonfinite: bool = False,
 ) -> list[tuple[str, str]]:
     if not inputs:
         return []
@@ -268,6 +273,8 @@ def _write_reference(
         outputs = [runner.run(feeds) for feeds in inputs]
     if len(outputs) != len(inputs):
         raise BuildError(f"{len(inputs)} reference input set(s) but {len(outputs)} output set(s)")
+    if not allow_nonfinite:
+        _check_finite(outputs)
     (root / "reference").mkdir()
     pairs = []
     for i, (feeds, expected) in enumerate(zip(inputs, outputs, strict=True)):
@@ -276,6 +283,20 @@ def _write_reference(
         save_npz(root / pair[1], expected)
         pairs.append(pair)
     return pairs
+
+
+def _check_finite(outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """Refuse reference outputs that hold NaN or inf (Note: non-finite values prove nothing, in
+    ``runtime/_compare.py``): a bundle checked against them would pass whatever it computes there."""
+    for k, values in enumerate(outputs):
+        for name, value in values.items():
+            array = np.asarray(value)
+            if array.dtype.kind in "fc" and not (finite := np.isfinite(array)).all():
+                raise InputError(
+                    f"reference output '{name}' of input set {k} is not finite ({nonfinite_count(array[~finite], array.size)}): a check against it "
+                    "would prove nothing; store inputs on which the outputs are finite, or allow non-finite references "
+                    "(allow_nonfinite=True, --allow-nonfinite) when the outputs hold inf or NaN by design"
+                )
 
 
 def _used_opsets(model: onnx.ModelProto) -> dict[str, int]:

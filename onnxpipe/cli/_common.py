@@ -150,6 +150,13 @@ ALLOW_CODE = click.option(
     help="Let the bundle run the Python it names (code stages, custom-op libraries) when it matches this fnmatch pattern, e.g. 'mypkg.*' "
     "(repeatable; default: none, and such a bundle is refused before anything is imported).",
 )
+ALLOW_NONFINITE = click.option(
+    "--allow-nonfinite",
+    "allow_nonfinite",
+    is_flag=True,
+    help="Accept reference outputs that hold NaN or inf, for a model whose outputs hold them by design (-inf masks); "
+    "by default they fail: a check against them proves nothing.",
+)
 TARGET = click.option(
     "--target", "target", metavar="TARGET", help="Run every stage on this target instead of its own, e.g. cpu for a bundle built for a GPU this host lacks."
 )

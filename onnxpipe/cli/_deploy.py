@@ -19,6 +19,7 @@ import click
 
 from onnxpipe.cli._common import (
     ALLOW_CODE,
+    ALLOW_NONFINITE,
     DIM,
     TARGET,
     UserError,
@@ -211,6 +212,7 @@ def allowing_code(command: str) -> Iterator[None]:
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the first random reference set.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @ALLOW_CODE
+@ALLOW_NONFINITE
 @click.pass_context
 def export(
     ctx: click.Context,
@@ -223,6 +225,7 @@ def export(
     seed: int,
     overwrite: bool,
     allow_code: Sequence[str],
+    allow_nonfinite: bool,
 ) -> None:
     """Write the bundle of BUILDDIR (a build folder) to OUT: what a deployment host loads.
 
@@ -230,7 +233,8 @@ def export(
     sha256, checked whenever the bundle is read. With reference input sets (--reference N random
     ones, --reference-inputs files) it also stores their expected outputs, which 'onnxpipe verify
     BUNDLE' checks on the deployment host: computed by the whole --model if given (the strongest
-    check), else by the pipeline on this host.
+    check), else by the pipeline on this host. Reference outputs that hold NaN or inf are refused
+    (a check against them proves nothing) unless --allow-nonfinite.
 
     \b
     Examples:
@@ -238,7 +242,7 @@ def export(
       onnxpipe export built -o bundle/ --reference-inputs cat.npz --reference-inputs dog.npz
       onnxpipe export built -o model.onnxpipe --reference 4 --dim batch=8 --seed 7 --overwrite
     """
-    loose = given(ctx, "model", "dims", "seed")
+    loose = given(ctx, "model", "dims", "seed", "allow_nonfinite")
     if loose and not random_sets and not input_files:
         raise click.UsageError(f"{', '.join(loose)}: only used for reference samples; give --reference N or --reference-inputs FILE.npz too")
     from onnxpipe._errors import InputError, StageError
@@ -259,7 +263,8 @@ def export(
             raise UserError(f"model file '{model}' does not exist")
     try:
         with allowing_code("export"):
-            path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite, allow_code=allow_code)
+            path = export_bundle(builddir, out, reference_inputs=inputs, reference_model=model, overwrite=overwrite, allow_code=allow_code,
+                                 allow_nonfinite=allow_nonfinite)
     except (InputError, StageError) as e:  # computing the reference outputs failed
         if not hint:
             raise

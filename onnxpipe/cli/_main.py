@@ -24,7 +24,21 @@ import click
 
 from onnxpipe import __version__
 from onnxpipe.cli._autosplit import POLICY_NAMES
-from onnxpipe.cli._common import ALLOW_CODE, DIM, PROFILE_THREADS, TARGET, Group, PinType, SizeType, UserError, bundle_size, given, quiet_onnxruntime, read_json
+from onnxpipe.cli._common import (
+    ALLOW_CODE,
+    ALLOW_NONFINITE,
+    DIM,
+    PROFILE_THREADS,
+    TARGET,
+    Group,
+    PinType,
+    SizeType,
+    UserError,
+    bundle_size,
+    given,
+    quiet_onnxruntime,
+    read_json,
+)
 from onnxpipe.cli._deploy import SET, allowing_code, bench, build, export, rebundle, run
 from onnxpipe.cli._serve import serve
 from onnxpipe.cli._stageopts import StageOption, deploy_overrides
@@ -576,6 +590,7 @@ def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int)
 @TARGET
 @ALLOW_CODE
 @SET
+@ALLOW_NONFINITE
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON, nothing else (infinite errors as null).")
 @click.pass_context
 def verify(
@@ -591,6 +606,7 @@ def verify(
     target: str | None,
     allow_code: Sequence[str],
     settings: Sequence[StageOption],
+    allow_nonfinite: bool,
     as_json: bool,
 ) -> None:
     """Check a split folder or a bundle against the whole model, or a bundle against its stored reference.
@@ -606,6 +622,10 @@ def verify(
     Without --model, a bundle runs the reference inputs stored in it ('onnxpipe export
     --reference') and compares with the stored outputs: one row per output per sample; with --set,
     on the deploy-time settings given (as 'onnxpipe run/serve --set' would load it).
+
+    A NaN or inf on one side only is a mismatch. An output the whole model (or the stored
+    reference) gives NaN or inf for fails too, since the check proves nothing there, unless
+    --allow-nonfinite says the model's outputs hold them by design (-inf masks).
 
     Exits 0 when everything is within tolerance and 1, naming the tensors, when something is not.
 
@@ -628,23 +648,35 @@ def verify(
         model_only = given(ctx, "dims", "samples", "seed", "no_boundaries")
         if model_only:
             raise click.UsageError(f"{', '.join(model_only)}: only used with --model; a bundle's stored reference has its own inputs")
-        _verify_reference(path, rtol, atol, target, allow_code, as_json, settings)
+        _verify_reference(path, rtol, atol, target, allow_code, as_json, settings, allow_nonfinite)
         return
     if settings:
         raise click.UsageError("--set: only for a bundle's stored reference (without --model); a split folder's stages run with their own settings")
     from onnxpipe.cli import _render
     from onnxpipe.splitter import verify as verify_split
 
-    report = verify_split(path, model, dims=dict(dims), samples=samples, seed=seed, rtol=rtol, atol=atol, boundaries=not no_boundaries, target=target)
+    report = verify_split(path, model, dims=dict(dims), samples=samples, seed=seed, rtol=rtol, atol=atol, boundaries=not no_boundaries, target=target,
+                          allow_nonfinite=allow_nonfinite)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
         _render.verify_report(report)
-    _fail_past_tolerance([repr(r.tensor) for r in report.rows if not r.ok], len(report.rows), "tensor(s)", rtol, atol)
+    mismatched = [r for r in report.rows if not r.ok and not r.unproven]
+    if not mismatched and report.unproven:
+        shown = ", ".join(f"'{r.tensor}' ({r.nonfinite})" for r in report.unproven[:5])
+        inputs = "the random inputs" if report.steps == 0 else "the stream's steps"
+        raise UserError(f"the whole model's output(s) {shown} are not finite on {inputs}: the check proves nothing; give sizes (--dim) or a --seed "
+                        "on which they are finite, or --allow-nonfinite if the outputs hold inf or NaN by design")
+    _fail_past_tolerance([_named(repr(r.tensor), r.problem) for r in report.rows if not r.ok], len(report.rows), "tensor(s)", rtol, atol)
+
+
+def _named(name: str, problem: str) -> str:
+    """A failed check in the error's list: its name, and what is wrong beyond the tolerance."""
+    return f"{name} ({problem})" if problem else name
 
 
 def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, allow_code: Sequence[str], as_json: bool,
-                      settings: Sequence[StageOption] = ()) -> None:
+                      settings: Sequence[StageOption] = (), allow_nonfinite: bool = False) -> None:
     from onnxpipe.cli import _render
     from onnxpipe.runtime import Pipeline, read_bundle
 
@@ -653,12 +685,12 @@ def _verify_reference(path: Path, rtol: float, atol: float, target: str | None, 
         if not bundle.manifest.reference:
             raise UserError(f"bundle '{path}' stores no reference; pass --model MODEL.onnx to compare with the whole model (or export with --reference N)")
         with Pipeline(bundle, target) as pipe:
-            rows = pipe.check(rtol=rtol, atol=atol)
+            rows = pipe.check(rtol=rtol, atol=atol, allow_nonfinite=allow_nonfinite)
     if as_json:
         click.echo(json.dumps(_reference_dict(rows, rtol, atol), indent=2))
     else:
         _render.reference_checks(rows, rtol, atol)
-    _fail_past_tolerance([f"sample {r.sample} {r.output!r}" for r in rows if not r.ok], len(rows), "reference check(s)", rtol, atol)
+    _fail_past_tolerance([_named(f"sample {r.sample} {r.output!r}", r.problem) for r in rows if not r.ok], len(rows), "reference check(s)", rtol, atol)
 
 
 def _reference_dict(rows: list[ReferenceCheck], rtol: float, atol: float) -> dict[str, Any]:

@@ -465,7 +465,7 @@ def reference_checks(rows: list[ReferenceCheck], rtol: float, atol: float) -> No
     for column in ("sample", "output", "max abs err", "ok"):
         table.add_column(column, justify="right" if column in ("sample", "max abs err") else "left")
     for r in rows:
-        verdict = Text("ok", style="green") if r.ok else Text("FAIL", style="bold red")
+        verdict = Text("ok", style="green") if r.ok else Text("FAIL" + (f": {r.problem}" if r.problem else ""), style="bold red")
         table.add_row(str(r.sample), Text(r.output), f"{r.max_abs:.3g}", verdict)
     _table(console, table)
     if all(r.ok for r in rows):

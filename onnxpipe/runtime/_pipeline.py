@@ -44,6 +44,7 @@ import onnxruntime as ort
 
 from onnxpipe._errors import ConfigError, StageError
 from onnxpipe.runtime._code import check_allowed
+from onnxpipe.runtime._compare import difference
 from onnxpipe.runtime._diagnostics import Diagnostics
 from onnxpipe.runtime._engine import DEFAULT_QUEUE_DEPTH, ENGINES, Engine, engine_class
 from onnxpipe.runtime._ortapi import ArgumentTypeError, InferenceSessionAPI, SessionFacts
@@ -68,12 +69,23 @@ DEFAULT_MAX_STREAMS = 64
 
 @dataclass(frozen=True)
 class ReferenceCheck:
-    """One output of one reference sample, compared (see :meth:`Pipeline.check`)."""
+    """One output of one reference sample, compared (see :meth:`Pipeline.check`).
+
+    Attributes:
+        sample: The reference sample's number.
+        output: The output's name.
+        max_abs: The largest ``|got - want|`` over the values finite on both sides (``inf`` for
+            a mismatch of shape, dtype, integers or non-finite values).
+        ok: Within tolerance, and (unless allowed) the stored output finite.
+        problem: Why not, beyond the tolerance: a mismatch of shape or dtype, NaN or inf on one
+            side only, a stored output that is not finite.
+    """
 
     sample: int
     output: str
     max_abs: float
     ok: bool
+    problem: str = ""
 
 
 class Pipeline(TVMProtocol, InferenceSessionAPI):
@@ -301,26 +313,28 @@ class Pipeline(TVMProtocol, InferenceSessionAPI):
         """
         return self._streams.expire_idle()
 
-    def check(self, rtol: float = 1e-4, atol: float = 1e-5) -> list[ReferenceCheck]:
+    def check(self, rtol: float = 1e-4, atol: float = 1e-5, allow_nonfinite: bool = False) -> list[ReferenceCheck]:
         """Run the bundle's reference inputs and compare with its reference outputs.
 
-        Values match when ``|got - want| <= atol + rtol * |want|`` everywhere (NaN equals NaN);
-        integer, boolean and string outputs when they are equal.
+        Values match when ``|got - want| <= atol + rtol * |want|`` everywhere; integer, boolean
+        and string outputs when they are equal. A NaN or inf on one side only is a mismatch, and a
+        stored output that holds NaN or inf fails (the check proves nothing there) unless
+        ``allow_nonfinite`` and the pipeline gives the same (Note: non-finite values prove
+        nothing, in ``runtime/_compare.py``).
         """
         rows = []
         samples = self.bundle.reference()
         for i, ((_, expected), got) in enumerate(zip(samples, self.map(s[0] for s in samples), strict=True)):
             for name, want in expected.items():
                 value = got.get(name)
-                if value is None or value.shape != want.shape or value.dtype != want.dtype:
-                    rows.append(ReferenceCheck(i, name, float("inf"), False))
+                if value is None:
+                    rows.append(ReferenceCheck(i, name, float("inf"), False, "the pipeline has no such output"))
                     continue
-                if want.dtype.kind not in "fc":  # integers, bools, strings: equal or not
-                    equal = bool(np.array_equal(value, want))
-                    rows.append(ReferenceCheck(i, name, 0.0 if equal else float("inf"), equal))
+                d = difference(value, want, rtol, atol, ("the pipeline", "the stored reference"))
+                if d.nonfinite and not allow_nonfinite and d.ok:
+                    rows.append(ReferenceCheck(i, name, d.max_abs, False, f"the stored reference is not finite ({d.nonfinite}): the check proves nothing"))
                     continue
-                diff = float(np.nanmax(np.abs(value.astype(np.float64) - want.astype(np.float64)))) if want.size else 0.0
-                rows.append(ReferenceCheck(i, name, diff, bool(np.allclose(value, want, rtol=rtol, atol=atol, equal_nan=True))))
+                rows.append(ReferenceCheck(i, name, d.max_abs, d.ok, d.problem))
         return rows
 
     def idle_runners(self) -> list[Runner]:

@@ -248,7 +248,8 @@ class _Server:
         bad = [r for r in rows if not r.ok]
         if bad:
             r = bad[0]
-            raise BundleError(f"reference sample {r.sample}, output '{r.output}', differs from the bundle's stored outputs by {r.max_abs:.3g} on this host")
+            how = r.problem or f"differs from the bundle's stored outputs by {r.max_abs:.3g}"
+            raise BundleError(f"reference sample {r.sample}, output '{r.output}', {how} on this host")
         return f"verified against {len({r.sample for r in rows})} reference sample(s)"
 
     async def _drain(self, bodies: BodyBudget) -> None:

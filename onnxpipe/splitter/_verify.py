@@ -3,7 +3,9 @@
 Both run in onnxruntime (CPU, default optimizations). Every pipeline output is compared, and by
 default every tensor that crosses a stage boundary too, against the same tensor of the whole model
 (exposed as an extra output). Values match when ``|split - whole| <= atol + rtol * |whole|`` for
-every element (numpy's ``allclose``, NaN equal to NaN); integer and boolean tensors must be equal.
+every element; integer and boolean tensors must be equal. A NaN or inf on one side only is a
+mismatch, and an output the whole model gives non-finite values for fails the check unless
+``allow_nonfinite`` (Note: non-finite values prove nothing, in ``runtime/_compare.py``).
 The defaults, ``rtol=1e-4`` and ``atol=1e-5``, allow for the different kernel fusions onnxruntime
 applies on either side of a cut, which reorder float sums.
 
@@ -28,7 +30,7 @@ import contextlib
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -55,6 +57,7 @@ from onnxpipe.runtime import (
     random_inputs,
     read_bundle,
 )
+from onnxpipe.runtime._compare import difference
 from onnxpipe.runtime._inputs import DecoderInputs, defaulted_dims, dim_key, dims_hint, feed_shapes
 from onnxpipe.runtime._stream import bind_dims
 from onnxpipe.splitter._graph import load_model
@@ -80,6 +83,10 @@ class Comparison:
     max_rel: float
     ok: bool
     problem: str = ""
+    #: The non-finite values of the whole model's tensor, the same in the split (``"12 of 12 values NaN"``).
+    nonfinite: str = ""
+    #: An output the whole model gives non-finite values for (``nonfinite``), not allowed: the check proves nothing.
+    unproven: bool = False
 
 
 @dataclass
@@ -105,8 +112,14 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        """True when every compared tensor is within tolerance."""
+        """True when every compared tensor is within tolerance (and every output finite, unless allowed)."""
         return all(r.ok for r in self.rows)
+
+    @property
+    def unproven(self) -> list[Comparison]:
+        """The outputs the whole model gives non-finite values for, which the check cannot prove
+        (Note: non-finite values prove nothing, in ``runtime/_compare.py``)."""
+        return [r for r in self.rows if r.unproven]
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form."""
@@ -141,6 +154,7 @@ def verify(
     boundaries: bool = True,
     target: str | None = None,
     steps: int = DEFAULT_STEPS,
+    allow_nonfinite: bool = False,
 ) -> VerifyReport:
     """Run the chained stages and the whole model on the same inputs and compare.
 
@@ -161,6 +175,10 @@ def verify(
         target: Run every stage on this target instead of its own (e.g. ``"cpu"`` for a bundle
             built for a provider this host lacks).
         steps: The steps of each random stream, for a split with state.
+        allow_nonfinite: Accept outputs the whole model gives NaN or inf for, where the split
+            gives the same (a model whose outputs hold ``-inf`` by design); by default such an
+            output fails (``Comparison.unproven``): the check proves nothing there. A NaN or
+            inf on one side only fails either way.
 
     Returns:
         The :class:`VerifyReport`; ``report.ok`` says whether everything matched.
@@ -182,14 +200,17 @@ def verify(
             source = Path(split)
             spec = _read_spec(source)
         if spec.states:
-            return _verify_streams(spec, source, model, Path(tmp), inputs, dict(dims or {}), samples, seed, rtol, atol, boundaries, target, steps)
+            return _verify_streams(spec, source, model, Path(tmp), inputs, dict(dims or {}), samples, seed, rtol, atol, boundaries, target, steps,
+                                   allow_nonfinite)
         pipeline = SequentialPipeline(spec, source, target=target)
         proto, model_dir = load_model(model)
         crossing = _crossing(spec) if boundaries else []
         notes: list[str] = []
         whole = _whole_session(proto, model_dir, [ep.tensor for ep in crossing], Path(tmp))
         hint = ""
+        given = "the given inputs"
         if inputs is None:
+            given = "the random inputs"
             generated: list[Mapping[str, np.ndarray]] = []
             for k in range(samples):
                 sample, dim_notes = random_inputs(spec.inputs, dims, seed + k)
@@ -203,10 +224,10 @@ def verify(
             expected = dict(zip(names, _run_whole(whole, names, feeds, f"input set {k}", hint), strict=True))
             values = _run_split(pipeline.run_all, feeds, hint)
             for t in spec.outputs:
-                _merge(rows, _compare(t.name, "output", values[spec.source_of(Endpoint(None, t.name))], expected[t.name], rtol, atol))
+                _merge(rows, _compare(t.name, "output", values[spec.source_of(Endpoint(None, t.name))], expected[t.name], rtol, atol, allow_nonfinite, given))
             for ep in crossing:
                 _merge(rows, _compare(ep.tensor, "boundary", values[ep], expected[ep.tensor], rtol, atol))
-    return VerifyReport(list(rows.values()), rtol, atol, len(inputs), notes)
+    return VerifyReport(list(rows.values()), rtol, atol, len(inputs), notes + _nonfinite_notes(rows.values()))
 
 
 def _run_whole(whole: ort.InferenceSession, names: Sequence[str], feeds: Mapping[str, np.ndarray], what: str, hint: str) -> list[np.ndarray]:
@@ -246,6 +267,7 @@ def _verify_streams(
     boundaries: bool,
     target: str | None,
     steps: int,
+    allow_nonfinite: bool,
 ) -> VerifyReport:
     """:func:`verify` of a split with state (Note: verifying a split with state)."""
     if steps < 1:
@@ -273,7 +295,7 @@ def _verify_streams(
                     expected = dict(zip(names, _run_whole(whole, names, {**_pipeline_inputs(spec, feeds), **state}, what, hint), strict=True))
                     got = _run_split(stream.step, _pipeline_inputs(spec, feeds), hint)
                     for t in spec.outputs:
-                        _merge(rows, _compare(t.name, "output", got[t.name], expected[t.name], rtol, atol))
+                        _merge(rows, _compare(t.name, "output", got[t.name], expected[t.name], rtol, atol, allow_nonfinite, "the stream's steps"))
     if given is not None:
         what = "the given inputs"
     elif feeder.logits is not None:
@@ -281,7 +303,7 @@ def _verify_streams(
     else:
         what = "random inputs"
     notes = [f"ran {streams} stream(s) of {count} step(s) ({what}), the state kept in the stages and fed back by hand to the whole model",
-             *(feeder.notes if given is None else [])]
+             *(feeder.notes if given is None else []), *_nonfinite_notes(rows.values())]
     if boundaries and _crossing(spec):
         notes.append("tensors crossing stage boundaries are not compared in a stream (a stream returns the pipeline's outputs only)")
     return VerifyReport(list(rows.values()), rtol, atol, streams, notes, steps=count)
@@ -393,21 +415,20 @@ def _quiet() -> ort.SessionOptions:
     return options
 
 
-def _compare(name: str, kind: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> Comparison:
-    got, want = np.asarray(got), np.asarray(want)
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return Comparison(name, kind, tuple(want.shape), np.inf, np.inf, False, f"got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}")
-    if want.size == 0:
-        return Comparison(name, kind, tuple(want.shape), 0.0, 0.0, True)
-    if want.dtype.kind not in "fc":
-        equal = bool(np.array_equal(got, want))
-        return Comparison(name, kind, tuple(want.shape), 0.0 if equal else np.inf, 0.0 if equal else np.inf, equal)
-    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    both_nan = np.isnan(got) & np.isnan(want)
-    diff = np.where(both_nan, 0.0, diff)
-    rel = diff / np.maximum(np.abs(want.astype(np.float64)), atol)
-    ok = bool(np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True))
-    return Comparison(name, kind, tuple(want.shape), float(np.nanmax(diff)), float(np.nanmax(rel)), ok)
+def _compare(name: str, kind: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float, allow_nonfinite: bool = True, inputs: str = "") -> Comparison:
+    """One tensor compared (Note: non-finite values prove nothing, in ``runtime/_compare.py``): an
+    output the whole model gives non-finite values for on ``inputs`` fails unless ``allow_nonfinite``."""
+    d = difference(got, want, rtol, atol, ("the split", "the whole model"))
+    shape = tuple(np.shape(want))
+    unproven = bool(d.nonfinite) and not allow_nonfinite and d.ok  # a mismatch fails as one, whatever else
+    problem = d.problem or (f"the whole model's output is not finite on {inputs} ({d.nonfinite}): the check proves nothing" if unproven else "")
+    return Comparison(name, kind, shape, d.max_abs, d.max_rel, d.ok and not unproven, problem, d.nonfinite, unproven)
+
+
+def _nonfinite_notes(rows: Iterable[Comparison]) -> list[str]:
+    """What the report says of the non-finite values both sides share where they do not fail it."""
+    return [f"{r.kind} '{r.tensor}' is not finite in the whole model ({r.nonfinite}), and the same in the split"
+            + (": allowed (allow_nonfinite)" if r.kind == "output" else "") for r in rows if r.nonfinite and not r.unproven]
 
 
 def _merge(rows: dict[str, Comparison], new: Comparison) -> None:
@@ -418,3 +439,5 @@ def _merge(rows: dict[str, Comparison], new: Comparison) -> None:
     old.max_abs, old.max_rel = max(old.max_abs, new.max_abs), max(old.max_rel, new.max_rel)
     old.ok = old.ok and new.ok
     old.problem = old.problem or new.problem
+    old.nonfinite = old.nonfinite or new.nonfinite
+    old.unproven = old.unproven or new.unproven

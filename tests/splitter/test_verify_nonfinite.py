@@ -1,0 +1,77 @@
+"""verify cannot pass on NaN (issue 39, item 1): an output the whole model gives non-finite values
+for fails (the check proves nothing) unless allowed; NaN or inf on one side only fails, naming the
+tensor; no numpy warning comes out of the comparison."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxpipe.splitter import split, verify
+from tests import models
+
+#: T5's pattern (Note: non-finite values prove nothing): a mask of 3 overflows to +inf, the softmax gives NaN.
+OVERFLOWING = {"hidden": np.zeros((1, 4), np.float32), "encoder_attention_mask": np.array([[3, 2, 1, 0]], np.int64)}
+MASK_OF_ONES = {"hidden": np.arange(4, dtype=np.float32).reshape(1, 4), "encoder_attention_mask": np.ones((1, 4), np.int64)}
+
+
+@pytest.fixture(autouse=True)
+def _no_numpy_warnings() -> None:
+    warnings.simplefilter("error", RuntimeWarning)  # pytest restores the filters after each test
+
+
+def test_a_model_whose_output_is_nan_does_not_pass() -> None:
+    model = models.nan_output()
+    report = verify(split(model, ["b"]), model, samples=2)
+    assert not report.ok
+    (row,) = report.unproven
+    assert (row.tensor, row.kind, row.nonfinite) == ("Y", "output", "4 of 4 values NaN")
+    assert row.problem == "the whole model's output is not finite on the random inputs (4 of 4 values NaN): the check proves nothing"
+    assert report.to_dict()["tensors"][0]["unproven"] is True
+
+
+def test_t5s_overflowing_mask_gives_nan_logits_that_verify_refuses() -> None:
+    model = models.overflowing_mask()
+    plan = split(model, ["scores"])
+    report = verify(plan, model, inputs=[OVERFLOWING])
+    assert not report.ok and [r.tensor for r in report.unproven] == ["logits"]
+    assert "on the given inputs (4 of 4 values NaN)" in report.unproven[0].problem
+    # the boundary holds +inf on both sides: said, not failed (the outputs are what must be finite)
+    scores = next(r for r in report.rows if r.tensor == "scores")
+    assert scores.ok and scores.nonfinite == "1 of 4 values inf"
+    assert "boundary 'scores' is not finite in the whole model (1 of 4 values inf), and the same in the split" in report.notes
+    assert verify(plan, model, inputs=[MASK_OF_ONES]).ok  # a mask of ones: finite logits, a check that proves something
+
+
+def test_allow_nonfinite_accepts_the_same_nan_on_both_sides() -> None:
+    model = models.overflowing_mask()
+    report = verify(split(model, ["scores"]), model, inputs=[OVERFLOWING], allow_nonfinite=True)
+    assert report.ok and not report.unproven
+    assert "output 'logits' is not finite in the whole model (4 of 4 values NaN), and the same in the split: allowed (allow_nonfinite)" in report.notes
+
+
+def _log_of_negative() -> onnx.ModelProto:
+    """A stage 1 of ``chain`` cut at ``a`` and ``c`` that gives NaN where the whole model does not."""
+    return onnx.parser.parse_model(
+        """<ir_version: 8, opset_import: ["" : 17]>
+        wrong (float[1,4] a) => (float[1,4] c) <float[1] one = {1.0}> {
+            b = Add(a, one)
+            nb = Neg(b)
+            c = Log(nb)
+        }"""
+    )
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_nan_on_one_side_fails_naming_the_tensor(allow: bool, tmp_path: Path) -> None:
+    model = models.chain()
+    folder = split(model, ["a", "c"]).save(tmp_path / "split")
+    onnx.save(_log_of_negative(), folder / "stage1.onnx")
+    report = verify(folder, model, allow_nonfinite=allow)
+    assert not report.ok and not report.unproven
+    failed = {r.tensor: r.problem for r in report.rows if not r.ok}
+    assert failed == {t: "not finite on one side: the split has 4 NaN where the whole model has other values" for t in ("c", "Y")}
