@@ -75,3 +75,16 @@ def test_nan_on_one_side_fails_naming_the_tensor(allow: bool, tmp_path: Path) ->
     assert not report.ok and not report.unproven
     failed = {r.tensor: r.problem for r in report.rows if not r.ok}
     assert failed == {t: "not finite on one side: the split has 4 NaN where the whole model has other values" for t in ("c", "Y")}
+
+
+def test_the_corpus_t5_decoder_with_a_mask_of_2s_and_3s_gives_nan_logits_that_verify_refuses() -> None:
+    """optimum's T5 decoder (tests/data/corpus): ``(1 - mask) * finfo.min`` overflows for a mask of
+    2s and 3s (what sample inputs once drew), and every logit is NaN on both sides of any cut."""
+    path = Path(__file__).parents[1] / "data" / "corpus" / "t5" / "decoder_model.onnx"
+    plan = split(path, ["/decoder/block.1/layer.0/layer_norm/Cast_output_0"])
+    feeds = {"encoder_attention_mask": np.array([[2, 3, 1, 0, 2]], np.int64), "input_ids": np.array([[0, 5, 7]], np.int64),
+             "encoder_hidden_states": np.random.default_rng(0).standard_normal((1, 5, 32)).astype(np.float32)}
+    report = verify(plan, path, inputs=[feeds])
+    assert not report.ok
+    assert {r.tensor: r.nonfinite for r in report.unproven}["logits"] == "384 of 384 values NaN"
+    assert verify(plan, path, inputs=[feeds | {"encoder_attention_mask": np.ones((1, 5), np.int64)}]).ok
