@@ -14,12 +14,28 @@ Note: a stream's errors carry facts, each layer says them.
     'sequence_start': true"; ``serve/_models.py``, Note: a client's terms). No layer rewrites
     another's text. An error that wraps a step's failure (``cause``) renders the cause in the same
     words when it is a stream's error too, and as its own text otherwise (a stage's failure).
+
+Note: onnxruntime's words, said short.
+    onnxruntime's exceptions carry a head (``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :``), the
+    node a run failed in as its graph optimizer renamed it (``Non-zero status code returned while
+    running Conv node. Name:'/conv/Conv_output_0_nchwc' Status Message:``), its C++ source
+    (``/onnxruntime_src/.../reshape_helper.h:91 onnxruntime::ReshapeHelper::ReshapeHelper(...)
+    input_shape_size == requested_shape_size was false.``) and advice that fits no user of
+    onnxpipe (``Please fix either the inputs/outputs or the model.``). :func:`ort_message` keeps
+    what went wrong, on one line: ``Conv node '/conv/Conv': Input channels C is not equal to
+    kernel channels * group. C: 5 kernel channels: 3 group: 1``, the node named as the model names
+    it where its optimized name allows (``_nchwc`` and ``_token_N`` are onnxruntime's suffixes; an
+    NCHWc node is named after its output, which a torch export names ``NODE_output_0``). Each
+    caller says first what the user did that onnxruntime refused ("the whole model fails on input
+    set 0 (x[1, 5, 8, 8]): ..."). The whole text stays on the error's ``__cause__``, and a stage's
+    failure keeps it as ``StageError.detail`` for a server's log.
 """
 
 from __future__ import annotations
 
 import difflib
 import enum
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -40,7 +56,9 @@ __all__ = [
     "StreamError",
     "StreamTerms",
     "closest",
+    "ort_message",
     "said",
+    "without_source",
 ]
 
 
@@ -70,12 +88,15 @@ class StageError(OnnxpipeError):
     Attributes:
         stage: The stage that failed, when one did.
         request: The request's number, when the error belongs to one request.
+        detail: The whole text of what failed where the message says it short (onnxruntime's,
+            with its source: Note: onnxruntime's words, said short), for a log; else ``None``.
     """
 
-    def __init__(self, message: str, *, stage: str | None = None, request: int | None = None) -> None:
+    def __init__(self, message: str, *, stage: str | None = None, request: int | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.stage = stage
         self.request = request
+        self.detail = detail
 
 
 class BusyError(OnnxpipeError):
@@ -336,3 +357,55 @@ def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
     if every:
         return f"valid: {listing}"
     return f"valid: {', '.join(repr(c) for c in pool[:n])} (and {len(pool) - n} more)"
+
+
+#: onnxruntime's C++ source in its messages (Note: onnxruntime's words, said short): a source file
+#: and line, then the function (``__PRETTY_FUNCTION__``: a return type and a qualified name with
+#: its arguments; or ``__FUNCTION__``, a bare name), and an ORT_ENFORCE's condition when a message
+#: follows it; and a source file in a folder found elsewhere. Every repetition is bounded and a file
+#: begins a word, so that the time taken grows with the text's length (a megabyte of the worst text
+#: found took 0.2-0.5 s).
+_FOLDER = r"[\w.+-]{1,128}/"
+_FILE = r"[\w.+-]{1,128}\.(?:h|hh|hpp|hxx|inc|c|cc|cpp|cxx|cu|cuh)(?![\w+-])"
+_PRETTY = (r"(?:[\w:<>,*&~]{1,256} ){0,8}?[\w<>~,]{0,256}(?:::[\w<>~,]{1,256}){1,16}"  # [return type] qualified::name
+           r"\((?:[^()\n]|\([^()\n]{0,256}\)){0,1024}\)(?: const)?(?: \[with [^\]\n]{0,1024}\])?")  # (arguments) const [with T = float]
+_ORT_WHERE = re.compile(rf"(?<![\w.+/-])/?(?:{_FOLDER}){{0,32}}{_FILE}:\d{{1,9}} (?:{_PRETTY} |\w{{1,256}} )(?:[^\n]{{1,1024}}? was false\. (?=\S))?")
+_ORT_PATH = re.compile(rf"(?<![\w.+/-])/?(?:{_FOLDER}){{1,32}}{_FILE}(?::\d{{1,9}})?")
+#: onnxruntime's head (``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : ``), and the node a run failed in.
+_ORT_HEAD = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_ORT_NODE = re.compile(r"Non-zero status code returned while running (\w+) node\. Name:'([^']*)' Status Message: ?")
+#: Suffixes onnxruntime's optimizer gives the nodes it makes, and torch's name of a node's output.
+_ORT_SUFFIX = re.compile(r"(?:_nchwc|_token_\d+)+$")
+_TORCH_OUTPUT = re.compile(r"(.+)_output_\d+$")
+#: Advice of onnxruntime's that says nothing to a user of onnxpipe.
+_ORT_ADVICE = " Please fix either the inputs/outputs or the model."
+
+
+def without_source(text: str) -> str:
+    """``text`` without onnxruntime's C++ source files, functions and failed checks, on one line
+    (Note: onnxruntime's words, said short)."""
+    return " ".join(_ORT_PATH.sub("", _ORT_WHERE.sub("", text)).split())
+
+
+def ort_message(error: BaseException | str) -> str:
+    """onnxruntime's error said short, on one line (Note: onnxruntime's words, said short): without
+    its head, its source and its advice, the node it failed in named as the model names it
+    (``Conv node '/conv/Conv': Input channels C is not equal to ...``). Any other error's text is
+    returned as it is."""
+    text = str(error)
+    if not (_ORT_HEAD.search(text) or _ORT_NODE.search(text)):
+        return text
+    text = without_source(text.split("Stacktrace:", 1)[0])
+    text = _ORT_NODE.sub(lambda m: _node(m[1], m[2]), _ORT_HEAD.sub("", text))
+    return text.replace(_ORT_ADVICE, "").strip()
+
+
+def _node(op: str, name: str) -> str:
+    """The node onnxruntime failed in, as the model names it where its optimized name allows."""
+    base = _ORT_SUFFIX.sub("", name)
+    if base != name and name.endswith("_nchwc"):  # an NCHWc node, named after its output
+        made = _TORCH_OUTPUT.fullmatch(base)
+        if made and re.fullmatch(rf"(?:.*/)?{op}(?:_\d+)?", made[1]):  # torch's node '/conv/Conv' makes '/conv/Conv_output_0'
+            return f"{op} node '{made[1]}': "
+        return f"{op} node making '{base}': "  # fused with the node that made it (a Conv with its Relu)
+    return f"{op} node '{base}': " if base else f"{op} node: "

@@ -30,7 +30,7 @@ import onnxruntime as ort
 from google.protobuf.message import DecodeError
 from onnx import ModelProto
 
-from onnxpipe._errors import BuildError, BundleError, SplitError
+from onnxpipe._errors import BuildError, BundleError, SplitError, ort_message
 from onnxpipe.builder._batching import check_batching, mark_shared_states
 from onnxpipe.builder._config import CONFIG_FILE, PipelineConfig, Stage
 from onnxpipe.builder._modules import move_into_place, save_model
@@ -262,4 +262,4 @@ def _open(path: Path, stage: Stage, options: ort.SessionOptions, providers: list
     try:
         ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
-        raise BuildError(f"stage '{stage.name}': onnxruntime cannot {why} ({providers[0][0]}): {e}") from e
+        raise BuildError(f"stage '{stage.name}': onnxruntime cannot {why} ({providers[0][0]}): {ort_message(e)}") from e

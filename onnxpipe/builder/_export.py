@@ -22,7 +22,7 @@ import onnx
 import onnxruntime as ort
 
 import onnxpipe
-from onnxpipe._errors import BuildError, ConfigError, InputError
+from onnxpipe._errors import BuildError, ConfigError, InputError, ort_message
 from onnxpipe.builder._config import CONFIG_FILE
 from onnxpipe.builder._modules import move_into_place
 from onnxpipe.runtime import PipelineSpec, SequentialPipeline, check_allowed
@@ -215,7 +215,7 @@ def _model_outputs(
     try:
         session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own types
-        raise BuildError(f"cannot load the reference model: {e}") from e
+        raise BuildError(f"cannot load the reference model: {ort_message(e)}") from e
     names = [t.name for t in spec.outputs]
     missing = [n for n in names if n not in {o.name for o in session.get_outputs()}]
     if missing:
@@ -225,8 +225,7 @@ def _model_outputs(
         try:
             outputs.append(dict(zip(names, session.run(names, dict(feeds)), strict=True)))
         except Exception as e:  # onnxruntime's own types: the model cannot run these inputs
-            message = " ".join(str(e).split())
-            raise InputError(f"the reference model fails on reference input set {k} ({feed_shapes(feeds)}): {message}") from e
+            raise InputError(f"the reference model fails on reference input set {k} ({feed_shapes(feeds)}): {ort_message(e)}") from e
     return outputs
 
 

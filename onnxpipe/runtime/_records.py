@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxpipe._errors import StageError, StreamError
+from onnxpipe._errors import StageError, StreamError, ort_message
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads
 
@@ -143,11 +143,12 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
     return plans, finals
 
 
-def stage_failed(stage: str, request: int, cause: object, attempts: int | None = None) -> StageError:
+def stage_failed(stage: str, request: int, cause: object, attempts: int | None = None, detail: str | None = None) -> StageError:
     """The error of a request a stage failed on: the one place its words are made (every engine,
-    every batching mode)."""
+    every batching mode); ``detail``: the whole text of a ``cause`` said short (onnxruntime's)."""
     after = f" after {attempts} attempts" if attempts is not None else ""
-    return StageError(f"stage '{stage}' failed on request {request}{after}: {cause}", stage=stage, request=request)
+    head = f"stage '{stage}' failed on request {request}{after}: "
+    return StageError(f"{head}{cause}", stage=stage, request=request, detail=None if detail is None else f"{head}{detail}")
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,8 @@ class Failure:
         member: A member of a batch of steps: it left the batch, and the batch went on without it.
         state_lost: The step's stream lost its state there (its actor died): the stream cannot go on.
         streams: With ``state_lost``: the streams whose state died.
+        detail: The whole text of what the stage raised where ``cause`` says it short
+            (onnxruntime's: Note: onnxruntime's words, said short, in ``onnxpipe._errors``).
     """
 
     request: int
@@ -171,12 +174,19 @@ class Failure:
     member: bool = False
     state_lost: bool = False
     streams: tuple[int, ...] = ()
+    detail: str | None = None
+
+    @classmethod
+    def of(cls, request: int, stage: str, error: BaseException, member: bool = False) -> Failure:
+        """The failure of ``request`` in ``stage`` that raised ``error``: onnxruntime's said short."""
+        cause, whole = ort_message(error), str(error)
+        return cls(request, stage, cause, member, detail=None if cause == whole else whole)
 
     def error(self) -> StageError:
         """The error the request (or member) fails with."""
         if self.state_lost:
             return StreamError.state_lost(self.stage, self.streams, self.cause, request=self.request)
-        return stage_failed(self.stage, self.request, self.cause)
+        return stage_failed(self.stage, self.request, self.cause, detail=self.detail)
 
 
 @dataclass(slots=True)

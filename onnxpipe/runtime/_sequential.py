@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest
+from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest, ort_message
 from onnxpipe.runtime._code import check_allowed, resolve_entry
-from onnxpipe.runtime._session import make_session
+from onnxpipe.runtime._session import make_session, run_options
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec
 from onnxpipe.runtime._stage import CodeRunner, StagePlan
 from onnxpipe.runtime.bundle import Bundle
@@ -93,11 +93,13 @@ class SequentialPipeline:
                     computed = runner.compute(stage_feeds)
                     results = [computed[t.name] for t in stage.outputs]
                 else:
-                    results = runner.run([t.name for t in stage.outputs], stage_feeds)
+                    results = runner.run([t.name for t in stage.outputs], stage_feeds, run_options())  # its failure is the StageError below, said once
             except OnnxpipeError:
                 raise
             except Exception as e:  # onnxruntime raises several unrelated types; a code stage any
-                raise StageError(f"stage '{stage.name}' failed: {e}") from e
+                cause = ort_message(e)
+                whole = None if cause == str(e) else f"stage '{stage.name}' failed: {e}"
+                raise StageError(f"stage '{stage.name}' failed: {cause}", stage=stage.name, detail=whole) from e
             for t, value in zip(stage.outputs, results, strict=True):
                 values[Endpoint(stage.name, t.name)] = value
         return values

@@ -30,7 +30,6 @@ Note: a run's failure is said once.
 from __future__ import annotations
 
 import posixpath
-import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from onnxpipe._errors import BundleError, ConfigError
+from onnxpipe._errors import BundleError, ConfigError, ort_message
 from onnxpipe.runtime._code import custom_ops_library, package_library
 from onnxpipe.runtime._distributions import conflict
 from onnxpipe.runtime._settings import StageSettings
@@ -52,7 +51,6 @@ __all__ = [
     "make_session",
     "maps_archive_data",
     "open_session",
-    "ort_message",
     "placement",
     "plugin_devices",
     "run_options",
@@ -74,7 +72,6 @@ PROVIDER_PACKAGES: dict[str, str] = {
     "DnnlExecutionProvider": "an onnxruntime built with oneDNN (--use_dnnl)",
     "CoreMLExecutionProvider": "onnxruntime on macOS",
 }
-_ORT_HEAD = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
 _FALLBACK_REFUSED = "fallback to CPU EP has been explicitly disabled"
 #: onnxruntime's log severity for what only a crash would say (0 verbose ... 3 error, 4 fatal).
 _FATAL_ONLY = 4
@@ -291,8 +288,3 @@ def run_options() -> ort.RunOptions:
     options = ort.RunOptions()
     options.log_severity_level = _FATAL_ONLY
     return options
-
-
-def ort_message(error: BaseException) -> str:
-    """onnxruntime's message on one line, without its ``[ONNXRuntimeError] : 1 : FAIL :`` head."""
-    return _ORT_HEAD.sub("", " ".join(str(error).split()))

@@ -158,7 +158,7 @@ class RunnerBase:
         try:
             failures = self._compute(request)
         except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
-            failures = (Failure(request.id, self.name, str(e)),)
+            failures = (Failure.of(request.id, self.name, e),)
         return Call((request.id,), start, _clock(), size, failures, copied=self.copied - copied)
 
     def __call__(self, request: Request) -> None:
@@ -331,7 +331,7 @@ class StageRunner(StateKeeper, RunnerBase):
                     feeds.update(self._own(self._held(stream, step, dims), stream))
                 results = self._run(feeds)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
-                gone[j] = Failure(batch.ids[j], self.name, str(e), member=True)
+                gone[j] = Failure.of(batch.ids[j], self.name, e, member=True)
                 continue
             if self._state_at:
                 self._commit(request, stream, step, self._made_state(feeds, results))

@@ -97,7 +97,6 @@ import asyncio
 import collections
 import contextlib
 import os
-import re
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -107,7 +106,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from onnxpipe import __version__
-from onnxpipe._errors import BusyError, InputError, Remedy, StageError, StreamError, StreamTerms, said
+from onnxpipe._errors import BusyError, InputError, Remedy, StageError, StreamError, StreamTerms, ort_message, said, without_source
 from onnxpipe.runtime import UNKNOWN_DIM_NAMES, Pipeline, PipelineStats, StageStats, Stream
 from onnxpipe.serve._errors import MESSAGE_MOST, RequestError, bad_request, near, shown
 from onnxpipe.serve._options import MAX_SEQUENCE_STATE, SEQUENCE_STATE_BUDGET
@@ -156,20 +155,10 @@ class _SequenceTerms(StreamTerms):
 #: A client's words, where no sequence is named.
 _SEQUENCE_TERMS = _SequenceTerms()
 
-#: onnxruntime's C++ source in its messages (see Note: what a failure shows): a source file and line,
-#: then the function (``__PRETTY_FUNCTION__``: a return type and a qualified name with its
-#: arguments; or ``__FUNCTION__``, a bare name), and an ORT_ENFORCE's condition when a message
-#: follows it; and a source file in a folder found elsewhere. Every repetition is bounded and a file
-#: begins a word, so that the time taken grows with the text's length (a megabyte of the worst text
-#: found took 0.2-0.5 s), and no more than :data:`_CLEANED` characters are looked at (a code stage's
-#: message may hold what a request sent; the answer shows at most ``MESSAGE_MOST`` of them anyway).
+#: No more than this many characters of a stage's failure are cleaned of onnxruntime's source (a
+#: code stage's message may hold what a request sent; the answer shows at most ``MESSAGE_MOST`` of
+#: them anyway); the patterns are ``onnxpipe._errors``' (Note: onnxruntime's words, said short).
 _CLEANED = 4 * MESSAGE_MOST
-_FOLDER = r"[\w.+-]{1,128}/"
-_FILE = r"[\w.+-]{1,128}\.(?:h|hh|hpp|hxx|inc|c|cc|cpp|cxx|cu|cuh)(?![\w+-])"
-_PRETTY = (r"(?:[\w:<>,*&~]{1,256} ){0,8}?[\w<>~,]{0,256}(?:::[\w<>~,]{1,256}){1,16}"  # [return type] qualified::name
-           r"\((?:[^()\n]|\([^()\n]{0,256}\)){0,1024}\)(?: const)?(?: \[with [^\]\n]{0,1024}\])?")  # (arguments) const [with T = float]
-_ORT_WHERE = re.compile(rf"(?<![\w.+/-])/?(?:{_FOLDER}){{0,32}}{_FILE}:\d{{1,9}} (?:{_PRETTY} |\w{{1,256}} )(?:[^\n]{{1,1024}}? was false\. (?=\S))?")
-_ORT_PATH = re.compile(rf"(?<![\w.+/-])/?(?:{_FOLDER}){{1,32}}{_FILE}(?::\d{{1,9}})?")
 
 SequenceId = int | str
 Outputs = dict[str, np.ndarray]
@@ -840,14 +829,24 @@ def _request_error(error: InputError | StageError, text: str) -> RequestError:
     if error.stage is None:  # the pipeline closed under the request: the server is stopping
         return RequestError(503, text)
     shown = client_text(text)
-    return RequestError(500, shown, None if shown == text else text)
+    whole = _whole_text(error, text)
+    return RequestError(500, shown, None if shown == whole else whole)
+
+
+def _whole_text(error: StageError, text: str) -> str:
+    """``text`` with onnxruntime's whole words where the runtime said them short (``StageError.detail``;
+    Note: onnxruntime's words, said short, in ``onnxpipe._errors``), for the server's log."""
+    failed = error.cause if isinstance(error, StreamError) and isinstance(error.cause, StageError) else error
+    if failed.detail is None:
+        return text
+    return text.replace(str(failed), failed.detail, 1) if failed is not error else failed.detail
 
 
 def client_text(text: str) -> str:
     """A stage's failure as a client is answered (see Note: what a failure shows): without
     onnxruntime's source files, functions and failed checks, on one line."""
     more = f"… ({len(text)} characters)" if len(text) > _CLEANED else ""
-    text = " ".join(_ORT_PATH.sub("", _ORT_WHERE.sub("", text[:_CLEANED])).split())
+    text = ort_message(without_source(text[:_CLEANED]))
     return text.replace(" ; ", "; ") + more  # onnxruntime's text ends in a line break: the runtime's words after it follow a space
 
 

@@ -39,10 +39,9 @@ import onnx
 import onnxruntime as ort
 from onnx import ModelProto
 
-from onnxpipe._errors import SplitError
+from onnxpipe._errors import SplitError, ort_message
 from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import StageSettings, TensorSpec, random_inputs
-from onnxpipe.runtime._session import ort_message
 from onnxpipe.runtime.bundle import sha256_file
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex, load_model

@@ -16,7 +16,7 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, ValueInfoProto
 from onnx.external_data_helper import load_external_data_for_model
 
-from onnxpipe._errors import SplitError
+from onnxpipe._errors import SplitError, ort_message
 from onnxpipe.builder import without_initializers
 from onnxpipe.builder._modules import UNKNOWN
 from onnxpipe.splitter._graph import GraphIndex, subgraphs
@@ -154,8 +154,6 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
         session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
         arrays = session.run(names, feeds)
     except Exception as e:  # onnxruntime's own exception types, InputError, OSError, protobuf's size limit
-        from onnxpipe.runtime._session import ort_message
-
         used = ", ".join(f"'{n}' {list(a.shape)}" for n, a in feeds.items())
         sized = ", ".join(f"{k}={v}" for k, v in (dims or {}).items())
         raise SplitError(

@@ -40,7 +40,7 @@ import onnx
 import onnxruntime as ort
 from onnx import ModelProto
 
-from onnxpipe._errors import InputError, OnnxpipeError, SplitError
+from onnxpipe._errors import InputError, OnnxpipeError, SplitError, ort_message
 from onnxpipe.builder import CONFIG_FILE, save_model
 from onnxpipe.runtime import (
     Bundle,
@@ -236,7 +236,7 @@ def _run_whole(whole: ort.InferenceSession, names: Sequence[str], feeds: Mapping
     try:
         return list(whole.run(list(names), dict(feeds)))
     except Exception as e:  # onnxruntime's own types (Fail, InvalidArgument, ...)
-        raise InputError(f"the whole model fails on {what} ({feed_shapes(feeds)}): {_one_line(e)}" + (f"; {hint}" if hint else "")) from e
+        raise InputError(f"the whole model fails on {what} ({feed_shapes(feeds)}): {ort_message(e)}" + (f"; {hint}" if hint else "")) from e
 
 
 def _run_split(run: Callable[[Mapping[str, np.ndarray]], _T], feeds: Mapping[str, np.ndarray], hint: str) -> _T:
@@ -246,11 +246,7 @@ def _run_split(run: Callable[[Mapping[str, np.ndarray]], _T], feeds: Mapping[str
     except OnnxpipeError as e:
         if not hint:
             raise
-        raise InputError(f"{_one_line(e)}; {hint}") from e
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
+        raise InputError(f"{' '.join(str(e).split())}; {hint}") from e
 
 
 def _verify_streams(

@@ -202,8 +202,8 @@ def test_an_end_frees_a_sequence_whose_step_failed_in_a_later_stage(grown: dict[
         assert _step(http, 1, x, "shaped", (1, 1), sequence_start=True) == 4.0
         failed = _refused(_step, http, 1, x, "shaped", (2, 2))
         assert failed.status() == "500"
-        assert re.fullmatch(r"stage 'stage1' failed on request \d+: \[ONNXRuntimeError\] : 1 : FAIL : Non-zero status code returned while running "
-                            r"Reshape node\. Name:'shaped' Status Message: The input tensor cannot be reshaped to the requested shape\. "
+        assert re.fullmatch(r"stage 'stage1' failed on request \d+: "
+                            r"Reshape node 'shaped': The input tensor cannot be reshaped to the requested shape\. "
                             r"Input shape:\{1,1\}, requested shape:\{2,2\}; the sequence's state is no longer valid: stage\(s\) 'stage0' took step 1 "
                             r"and stage 'stage1' did not; start the sequence again with 'sequence_start': true", failed.message()), failed.message()
         room = ("model 'shaped' cannot start sequence 2: 1 sequences are open, the limit (--max-streams 1): sequence_ids 1; "
