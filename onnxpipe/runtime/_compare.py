@@ -66,16 +66,7 @@ def difference(got: np.ndarray, want: np.ndarray, rtol: float, atol: float, side
     both = finite_got & finite_want
     shared = ~finite_got & ~finite_want & ((got == want) | (np.isnan(got) & np.isnan(want)))
     apart = ~both & ~shared
-    max_abs = max_rel = 0.0
-    ok = True
-    if both.any():
-        wide = np.complex128 if want.dtype.kind == "c" else np.float64
-        with np.errstate(over="ignore"):  # float64's own overflow of a difference near its largest values: inf, past any tolerance
-            diff = np.abs(got[both].astype(wide) - want[both].astype(wide))
-            scale = np.abs(want[both].astype(wide))
-            rel = diff / np.maximum(scale, max(atol, np.finfo(np.float64).tiny))
-        max_abs, max_rel = float(diff.max()), float(rel.max())
-        ok = bool(np.all(diff <= atol + rtol * scale))
+    max_abs, max_rel, ok = _errors(got[both], want[both], rtol, atol) if both.any() else (0.0, 0.0, True)
     shared_text = nonfinite_count(want[shared], want.size) if shared.any() else ""
     if not apart.any():
         return Difference(max_abs, max_rel, ok, nonfinite=shared_text)
@@ -83,6 +74,16 @@ def difference(got: np.ndarray, want: np.ndarray, rtol: float, atol: float, side
     parts = [f"{who} has {_kinds(values)} where {other} has other values"
              for who, other, values in ((mine, theirs, got[apart & ~finite_got]), (theirs, mine, want[apart & ~finite_want])) if values.size]
     return Difference(np.inf, np.inf, False, f"not finite on one side: {'; '.join(parts)}", shared_text)
+
+
+def _errors(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> tuple[float, float, bool]:
+    """The largest absolute and relative errors of finite values, and whether all are within tolerance."""
+    wide = np.complex128 if want.dtype.kind == "c" else np.float64
+    with np.errstate(over="ignore"):  # float64's own overflow of a difference near its largest values: inf, past any tolerance
+        diff = np.abs(got.astype(wide) - want.astype(wide))
+        scale = np.abs(want.astype(wide))
+        rel = diff / np.maximum(scale, max(atol, np.finfo(np.float64).tiny))
+    return float(diff.max()), float(rel.max()), bool(np.all(diff <= atol + rtol * scale))
 
 
 def nonfinite_count(values: np.ndarray, total: int) -> str:

@@ -42,7 +42,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
-from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest
+from onnxpipe._errors import InputError, OnnxpipeError, StageError, closest, ort_message
 from onnxpipe.runtime._dtypes import numpy_dtype, ort_type
 from onnxpipe.runtime._handoff import Device
 from onnxpipe.runtime._inputs import check_inputs
@@ -545,7 +545,7 @@ def _put(name: str, array: np.ndarray, where: Device | np.ndarray | ort.OrtValue
         try:
             return ort.OrtValue.ortvalue_from_numpy(array, where.type, where.id)
         except Exception as e:  # onnxruntime's own types: no such device here
-            raise UnsupportedError(f"output '{name}': cannot put it on device {where}: {e}") from e
+            raise UnsupportedError(f"output '{name}': cannot put it on device {where}: {ort_message(e)}") from e
     shape = tuple(where.shape) if isinstance(where, np.ndarray) else tuple(where.shape())
     if shape != array.shape:
         raise FeedError(f"output '{name}' has shape {list(array.shape)}; the buffer bound to it has shape {list(shape)}")

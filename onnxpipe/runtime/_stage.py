@@ -74,7 +74,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import ConfigError, InputError, StageError
+from onnxpipe._errors import ConfigError, InputError, StageError, ort_message
 from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, resolve_entry
 from onnxpipe.runtime._handoff import Handoff, handoff_for
 from onnxpipe.runtime._inplace import InSlab
@@ -294,7 +294,7 @@ class StageRunner(StateKeeper, RunnerBase):
                 feeds.update(block)
             results = self._run(feeds)
         except Exception as e:  # which member was bad is found by running each alone
-            self.unbatched = f"the batched call failed: {e}"
+            self.unbatched = f"the batched call failed: {ort_message(e)}"
             return self._replay(request)
         total = batch.rows[-1]
         if any(np.ndim(r) == 0 or len(r) != total for r in results):
@@ -419,7 +419,7 @@ class StageRunner(StateKeeper, RunnerBase):
         try:
             results = self._run(joined)
         except Exception as e:  # which member was bad is found by running each alone
-            self.unbatched = f"the batched call failed: {e}"
+            self.unbatched = f"the batched call failed: {ort_message(e)}"
             return run_alone(self, batch)
         total = rows[-1]
         if any(np.ndim(r) == 0 or len(r) != total for r in results):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnxruntime as ort
 
-from onnxpipe._errors import InputError, StageError
+from onnxpipe._errors import InputError, StageError, ort_message
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._handoff import session_device
 from onnxpipe.runtime._inplace import InSlab, Slab, arrange
@@ -232,7 +232,7 @@ class StateKeeper:
             self._place(slab, batch.streams, copied, evicted)
             results = self._run_bound(feeds, slab.view(start, len(batch)))
         except Exception as e:  # which member was bad is found by running each alone (nothing was committed)
-            self.unbatched = f"the batched call failed: {e}"
+            self.unbatched = f"the batched call failed: {ort_message(e)}"
             return self._replay(request)
         share = slab.nbytes() // slab.rows
         for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
