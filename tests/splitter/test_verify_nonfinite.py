@@ -13,6 +13,7 @@ import pytest
 
 from onnxpipe.splitter import split, verify
 from tests import models
+from tests.stateful_models import recurrent
 
 #: T5's pattern (Note: non-finite values prove nothing): a mask of 3 overflows to +inf, the softmax gives NaN.
 OVERFLOWING = {"hidden": np.zeros((1, 4), np.float32), "encoder_attention_mask": np.array([[3, 2, 1, 0]], np.int64)}
@@ -88,3 +89,16 @@ def test_the_corpus_t5_decoder_with_a_mask_of_2s_and_3s_gives_nan_logits_that_ve
     assert not report.ok
     assert {r.tensor: r.nonfinite for r in report.unproven}["logits"] == "384 of 384 values NaN"
     assert verify(plan, path, inputs=[feeds | {"encoder_attention_mask": np.ones((1, 5), np.int64)}]).ok
+
+
+def test_a_stream_whose_step_gives_nan_does_not_pass() -> None:
+    """A split with state runs streams (Note: verifying a split with state): an input of inf at
+    step 1 makes the recurrent model's output NaN there, on both sides."""
+    model = recurrent()
+    plan = split(model, ["state1N"], states={"state1N": "state1", "state2N": "state2"})
+    ones = {"x": np.ones((1, 4), np.float32)}
+    report = verify(plan, model, inputs=[ones, {"x": np.full((1, 4), np.inf, np.float32)}, ones])
+    assert not report.ok and report.steps == 3
+    assert [(r.tensor, r.problem) for r in report.unproven] == [
+        ("y", "the whole model's output is not finite on the stream's steps (4 of 4 values NaN): the check proves nothing")]
+    assert verify(plan, model, inputs=[ones, ones]).ok
