@@ -38,6 +38,7 @@ from onnxpipe.cli._common import (
     given,
     quiet_onnxruntime,
     read_json,
+    read_npz,
 )
 from onnxpipe.cli._deploy import SET, allowing_code, bench, build, export, rebundle, run
 from onnxpipe.cli._serve import serve
@@ -585,6 +586,15 @@ def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int)
 @DIM
 @click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1), help="How many random input sets to run (with --model).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the first random input set (with --model).")
+@click.option(
+    "--inputs",
+    "input_paths",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    metavar="FILE.npz|FOLDER",
+    help="Input sets instead of random ones (with --model): an .npz keyed by pipeline input name is one set, a folder one set per *.npz in it, "
+    "sorted by name (repeatable); for a split with state, the steps of one stream, in order.",
+)
 @click.option("--rtol", default=1e-4, show_default=True, type=click.FloatRange(min=0), help="Relative tolerance.")
 @click.option("--atol", default=1e-5, show_default=True, type=click.FloatRange(min=0), help="Absolute tolerance.")
 @click.option("--no-boundaries", is_flag=True, help="Compare the pipeline outputs only, not the tensors crossing stage boundaries (with --model).")
@@ -601,6 +611,7 @@ def verify(
     dims: Sequence[tuple[str, int]],
     samples: int,
     seed: int,
+    input_paths: Sequence[Path],
     rtol: float,
     atol: float,
     no_boundaries: bool,
@@ -634,6 +645,7 @@ def verify(
     Examples:
       onnxpipe verify split --model resnet50.onnx
       onnxpipe verify split --model model.onnx --dim batch=4 --samples 3 --rtol 1e-3 --json
+      onnxpipe verify split --model model.onnx --inputs sample.npz --inputs more/
       onnxpipe verify model.onnxpipe
       onnxpipe verify model.onnxpipe --model model.onnx --target cpu
       onnxpipe verify model.onnxpipe --set '*:affinity=0-1'
@@ -646,18 +658,22 @@ def verify(
             raise UserError(f"'{path}' does not exist; give a split folder with --model, or a bundle")
         if not is_bundle(path):
             raise click.UsageError(f"'{path}' is not a bundle: give --model MODEL.onnx (only a bundle stores its own reference)")
-        model_only = given(ctx, "dims", "samples", "seed", "no_boundaries")
+        model_only = given(ctx, "dims", "samples", "seed", "input_paths", "no_boundaries")
         if model_only:
             raise click.UsageError(f"{', '.join(model_only)}: only used with --model; a bundle's stored reference has its own inputs")
         _verify_reference(path, rtol, atol, target, allow_code, as_json, settings, allow_nonfinite)
         return
     if settings:
         raise click.UsageError("--set: only for a bundle's stored reference (without --model); a split folder's stages run with their own settings")
+    if input_paths and (random_only := given(ctx, "dims", "samples", "seed")):
+        raise click.UsageError(f"{', '.join(random_only)}: only used for random inputs; the --inputs files fix the values and shapes")
     from onnxpipe.cli import _render
+    from onnxpipe.runtime import request_files
     from onnxpipe.splitter import verify as verify_split
 
-    report = verify_split(path, model, dims=dict(dims), samples=samples, seed=seed, rtol=rtol, atol=atol, boundaries=not no_boundaries, target=target,
-                          allow_nonfinite=allow_nonfinite)
+    sets = [read_npz(file, "inputs file") for file in request_files(input_paths)] if input_paths else None
+    report = verify_split(path, model, inputs=sets, dims=dict(dims), samples=samples, seed=seed, rtol=rtol, atol=atol, boundaries=not no_boundaries,
+                          target=target, allow_nonfinite=allow_nonfinite)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -673,7 +689,11 @@ def _fail_unproven(report: VerifyReport) -> None:
         return
     shown = ", ".join(f"'{r.tensor}' ({r.nonfinite})" for r in report.unproven[:5])
     inputs = "the random inputs" if report.steps == 0 else "the stream's steps"
-    raise UserError(f"the whole model's output(s) {shown} are not finite on {inputs}: the check proves nothing; give sizes (--dim) or a --seed "
+    if report.given:
+        inputs, advice = "the given inputs", "give --inputs"
+    else:
+        advice = "give --inputs, sizes (--dim) or a --seed"
+    raise UserError(f"the whole model's output(s) {shown} are not finite on {inputs}: the check proves nothing; {advice} "
                     "on which they are finite, or --allow-nonfinite if the outputs hold inf or NaN by design")
 
 

@@ -101,6 +101,7 @@ class VerifyReport:
         notes: What the user should know (symbolic dims defaulted, boundaries not compared, ...).
         steps: The steps of each stream, for a split with state (Note: verifying a split with
             state); 0 when each sample was one stateless request.
+        given: The inputs were the caller's (``inputs=``, ``verify --inputs``), not random ones.
     """
 
     rows: list[Comparison]
@@ -109,6 +110,7 @@ class VerifyReport:
     samples: int
     notes: list[str] = field(default_factory=list)
     steps: int = 0
+    given: bool = False
 
     @property
     def ok(self) -> bool:
@@ -129,6 +131,7 @@ class VerifyReport:
             "atol": self.atol,
             "samples": self.samples,
             "steps": self.steps,
+            "given": self.given,
             "notes": self.notes,
             "tensors": [
                 r.__dict__ | {"shape": list(r.shape), "max_abs": _finite(r.max_abs), "max_rel": _finite(r.max_rel)} for r in self.rows
@@ -209,7 +212,10 @@ def verify(
         whole = _whole_session(proto, model_dir, [ep.tensor for ep in crossing], Path(tmp))
         hint = ""
         given = "the given inputs"
-        if inputs is None:
+        caller = inputs is not None
+        if inputs is not None:
+            inputs = [_given_set(spec, feeds, k) for k, feeds in enumerate(inputs)]
+        else:
             given = "the random inputs"
             generated: list[Mapping[str, np.ndarray]] = []
             for k in range(samples):
@@ -227,7 +233,15 @@ def verify(
                 _merge(rows, _compare(t.name, "output", values[spec.source_of(Endpoint(None, t.name))], expected[t.name], rtol, atol, allow_nonfinite, given))
             for ep in crossing:
                 _merge(rows, _compare(ep.tensor, "boundary", values[ep], expected[ep.tensor], rtol, atol))
-    return VerifyReport(list(rows.values()), rtol, atol, len(inputs), notes + _nonfinite_notes(rows.values()))
+    return VerifyReport(list(rows.values()), rtol, atol, len(inputs), notes + _nonfinite_notes(rows.values()), given=caller)
+
+
+def _given_set(spec: PipelineSpec, feeds: Mapping[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
+    """Input set ``k`` of the caller's, checked against the pipeline's inputs as a request is."""
+    try:
+        return check_inputs(spec.inputs, feeds)
+    except InputError as e:
+        raise InputError(f"input set {k}: {e}") from e
 
 
 def _run_whole(whole: ort.InferenceSession, names: Sequence[str], feeds: Mapping[str, np.ndarray], what: str, hint: str) -> list[np.ndarray]:
@@ -302,7 +316,7 @@ def _verify_streams(
              *(feeder.notes if given is None else []), *_nonfinite_notes(rows.values())]
     if boundaries and _crossing(spec):
         notes.append("tensors crossing stage boundaries are not compared in a stream (a stream returns the pipeline's outputs only)")
-    return VerifyReport(list(rows.values()), rtol, atol, streams, notes, steps=count)
+    return VerifyReport(list(rows.values()), rtol, atol, streams, notes, steps=count, given=given is not None)
 
 
 def _pipeline_inputs(spec: PipelineSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ from tests import models
 from tests.cli.helpers import assert_user_error, ok, run
 
 NOT_FINITE = ("the whole model's output(s) 'Y' (4 of 4 values NaN) are not finite on the random inputs: the check proves nothing; "
-              "give sizes (--dim) or a --seed on which they are finite, or --allow-nonfinite if the outputs hold inf or NaN by design")
+              "give --inputs, sizes (--dim) or a --seed on which they are finite, or --allow-nonfinite if the outputs hold inf or NaN by design")
 
 
 @pytest.fixture
