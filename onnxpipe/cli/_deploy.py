@@ -152,14 +152,14 @@ def _next_export(spec: PipelineSpec, built: Path) -> str:
     (single requests; random values unless an input's dtype has none), with ``--allow-code`` for
     the Python that computing them runs."""
     from onnxpipe._errors import InputError
-    from onnxpipe.runtime import random_inputs
+    from onnxpipe.runtime import random_inputs, spec_values
 
     command = f"onnxpipe export {shlex.quote(str(built))} -o BUNDLE.onnxpipe"
     if spec.states:
         return f"{command}   (no --reference: a reference sample is one request, and this pipeline keeps state between steps)"
     why = ""
     try:
-        random_inputs(spec.inputs, {}, 0)
+        random_inputs(spec.inputs, {}, 0, spec_values(spec))
         samples = " --reference 2"
     except InputError as e:
         samples, why = " --reference-inputs INPUTS.npz", f"   (INPUTS.npz: one request's inputs by name; no random ones: {e})"
@@ -272,7 +272,7 @@ def _reference_inputs(
     spec: PipelineSpec, files: Sequence[Path], random_sets: int, dims: Mapping[str, int], seed: int
 ) -> tuple[list[Mapping[str, np.ndarray]], list[str]]:
     from onnxpipe._errors import InputError
-    from onnxpipe.runtime import check_inputs, random_inputs
+    from onnxpipe.runtime import check_inputs, random_inputs, spec_values
 
     sets: list[Mapping[str, np.ndarray]] = []
     for file in files:
@@ -282,7 +282,7 @@ def _reference_inputs(
             raise UserError(f"reference inputs file '{file}': {e}") from e
     notes: list[str] = []
     for k in range(random_sets):
-        feeds, dim_notes = random_inputs(spec.inputs, dims, seed + k)
+        feeds, dim_notes = random_inputs(spec.inputs, dims, seed + k, spec_values(spec))
         sets.append(feeds)
         notes.extend(n for n in dim_notes if n not in notes)
     return sets, notes

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from onnxpipe._errors import SplitError
 from onnxpipe.runtime import TensorSpec
+from onnxpipe.runtime._dims import dim_names
 from onnxpipe.runtime._stats import resident_bytes
 
 __all__: list[str] = []
@@ -33,6 +34,9 @@ def _named_axes(specs: Sequence[TensorSpec]) -> dict[str, set[int]]:
 def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: str) -> list[str]:
     """Check that every symbolic or unknown input dim has a size (see the note on symbolic dims).
 
+    A formula dim (``past_sequence_length + sequence_length``, Note: expression dims in
+    ``runtime/_dims.py``) is computed from the dims it names, so those are asked for, never the formula.
+
     Returns:
         Notes on the batch-like dims planned at 1.
 
@@ -40,7 +44,9 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
         SplitError: dims other than batch-like ones are not given; names every one and how to give it.
     """
     axes = _named_axes(specs)
-    notes, missing, flags = [], [], []
+    notes: list[str] = []
+    missing: list[str] = []
+    flags: list[str] = []
     for spec in specs:
         shape = spec.shape or ()
         for axis, d in enumerate(shape):
@@ -49,6 +55,13 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
             if isinstance(d, int) or key in dims or f"{spec.name}.{axis}" in dims:
                 continue
             what = f"input '{spec.name}' dim {axis} " + (f"('{named}')" if named else "(unnamed)")
+            formula = dim_names(named) if named else None
+            if formula is not None:
+                unsized = sorted(n for n in formula if n not in dims and not _batch_like(n, axes))
+                if unsized:
+                    missing.append(f"{what}, computed from {', '.join(unsized)}")
+                    flags.extend(f"--dim {n}=SIZE" for n in unsized if f"--dim {n}=SIZE" not in flags)
+                continue
             if axis == 0 and len(shape) >= 2 and (named is None or axes[named] == {0}):
                 notes.append(f"{what} not given: planned at batch size 1; give --dim {key}=SIZE (dims={{'{key}': SIZE}}) to plan for larger batches")
                 continue
@@ -61,6 +74,11 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
             f"wrong inputs. Not given: {'; '.join(missing)}. Give them: {' '.join(flags)} (in Python: dims={{NAME: SIZE}})"
         )
     return notes
+
+
+def _batch_like(name: str, axes: Mapping[str, set[int]]) -> bool:
+    """Whether the dim ``name`` stands at axis 0 of the inputs only (planned at 1, with a note where it stands)."""
+    return axes.get(name) == {0}
 
 
 def _check_loads(concurrency: int | Sequence[int] | None, p99_ms: float | None) -> tuple[int, ...]:

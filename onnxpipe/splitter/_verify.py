@@ -57,8 +57,10 @@ from onnxpipe.runtime import (
 )
 from onnxpipe.runtime._inputs import DecoderInputs, defaulted_dims, dim_key, dims_hint, feed_shapes
 from onnxpipe.runtime._stream import bind_dims
+from onnxpipe.runtime._values import spec_values
 from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._plan import SplitPlan
+from onnxpipe.splitter._values import graph_values
 
 __all__ = ["Comparison", "VerifyReport", "verify"]
 
@@ -191,8 +193,9 @@ def verify(
         hint = ""
         if inputs is None:
             generated: list[Mapping[str, np.ndarray]] = []
+            meanings = spec_values(spec) or graph_values(proto, {t.name: t for t in spec.inputs})  # Note: sample values
             for k in range(samples):
-                sample, dim_notes = random_inputs(spec.inputs, dims, seed + k)
+                sample, dim_notes = random_inputs(spec.inputs, dims, seed + k, meanings)
                 generated.append(sample)
                 notes.extend(n for n in dim_notes if n not in notes)
             inputs = generated
@@ -314,6 +317,7 @@ class _StreamFeeds:
         logits = next((t for t in spec.outputs if t.name == "logits" and t.shape is not None and len(t.shape) == 3), None)
         self.logits = logits.name if logits is not None and self.new is not None else None
         self.notes: list[str] = []
+        self.values = spec_values(spec)  # Note: sample values
         check_dims(self.specs, dims)  # a dims key no input has is refused before any step runs
 
     def step(self, step: int, before: Mapping[str, np.ndarray], seed: int) -> tuple[dict[str, np.ndarray], str]:
@@ -324,7 +328,7 @@ class _StreamFeeds:
             dims[key] = 0 if step == 0 else before[output].shape[axis]
         if self.new is not None:
             dims[self.new] = self.prompt if step == 0 else 1
-        feeds, notes = random_inputs(self.specs, dims, seed)
+        feeds, notes = random_inputs(self.specs, dims, seed, self.values)
         self.notes.extend(n for n in notes if n not in self.notes)
         if step > 0 and self.logits is not None and self.tokens is not None:
             feeds[self.tokens.name] = np.argmax(before[self.logits][:, -1:, :], axis=-1).astype(feeds[self.tokens.name].dtype)
