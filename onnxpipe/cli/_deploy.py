@@ -246,6 +246,7 @@ def export(
     from onnxpipe.builder import read_build
     from onnxpipe.cli import _render
     from onnxpipe.runtime._inputs import defaulted_dims, dims_hint
+    from onnxpipe.runtime._values import split_sizes
 
     quiet_onnxruntime()
     inputs: list[Mapping[str, np.ndarray]] = []
@@ -253,8 +254,10 @@ def export(
     hint = ""  # which dims the random sets took as 1, for a model or stage that fails on them
     if random_sets or input_files:
         spec = read_build(builddir)
-        inputs, notes = _reference_inputs(spec, input_files, random_sets, dict(dims), seed)
-        hint = dims_hint(defaulted_dims(spec.inputs, dict(dims))) if random_sets else ""
+        sizes, notes = split_sizes(spec, dict(dims)) if random_sets else ({}, [])
+        inputs, dim_notes = _reference_inputs(spec, input_files, random_sets, sizes, seed)
+        notes += dim_notes
+        hint = dims_hint(defaulted_dims(spec.inputs, sizes)) if random_sets else ""
         if model is not None and not model.is_file():
             raise UserError(f"model file '{model}' does not exist")
     try:
@@ -565,7 +568,8 @@ def run(
     "input_file",
     type=click.Path(dir_okay=False, path_type=Path),
     metavar="FILE.npz",
-    help="The inputs of every request, an .npz keyed by pipeline input name (default: random values of the declared shapes).",
+    help="The inputs of every request, an .npz keyed by pipeline input name (default: the bundle's first reference input set without "
+    "--dim, else random values of the declared shapes).",
 )
 @TARGET
 @QUEUE_DEPTH
@@ -620,6 +624,12 @@ def bench(
     time, and efficiency = throughput / ideal. Per stage: standalone time, mean time of a run
     inside the pipeline, and utilization (share of the time its workers were busy); the most
     utilized stage is the bottleneck.
+
+    The requests are the bundle's own: its first reference input set (export --reference), unless
+    --inputs or --dim is given; else random inputs that respect what each input means (masks all
+    ones, positions counting, ids within the tables they index: docs/splitting.md), sized by the dims
+    the split was made for (its input_dims) with --dim over them. A stage that fails on dims no one
+    gave (counted as 1) says which --dim to give.
 
     \b
     Examples:

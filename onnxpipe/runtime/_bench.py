@@ -34,7 +34,7 @@ from onnxpipe.runtime._pipeline import Pipeline
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime._stage import Request
 from onnxpipe.runtime._stats import PipelineStats
-from onnxpipe.runtime._values import INPUT_DIMS_KEY, spec_dims, spec_values
+from onnxpipe.runtime._values import spec_values, split_sizes
 
 __all__ = ["BenchReport", "StageBench", "benchmark"]
 
@@ -191,12 +191,9 @@ def _sample_inputs(pipe: Pipeline, dims: Mapping[str, int]) -> tuple[Mapping[str
     (the dims sized 1 because neither ``dims`` nor the bundle gives them)."""
     if not dims and pipe.bundle.manifest.reference:
         return pipe.bundle.reference()[0][0], ["inputs: the bundle's first reference input set (--dim or --inputs for others)"], ""
-    sizes = {**spec_dims(pipe.spec), **dims}
-    inputs, notes = random_inputs(pipe.spec.inputs, sizes, values=spec_values(pipe.spec))
-    bundle_sized = [f"{k}={v}" for k, v in sizes.items() if k not in dims]
-    if bundle_sized:
-        notes.insert(0, f"random inputs sized as the bundle was split for ({INPUT_DIMS_KEY}: {', '.join(bundle_sized)})")
-    return inputs, notes, dims_hint(defaulted_dims(pipe.spec.inputs, sizes))
+    sizes, notes = split_sizes(pipe.spec, dims)
+    inputs, dim_notes = random_inputs(pipe.spec.inputs, sizes, values=spec_values(pipe.spec))
+    return inputs, notes + dim_notes, dims_hint(defaulted_dims(pipe.spec.inputs, sizes))
 
 
 def _benchmark(

@@ -209,7 +209,8 @@ class DecoderInputs:
           (``past_key_values.0.key [batch, kv_heads, past_sequence_length, head_dim]``), 0 without one;
           the new tokens are dim 1 of the token ids (:data:`TOKEN_NAMES`);
         - the positions (:data:`POSITION_NAMES`, rank 2, integer) count on from the past in every row;
-        - the token ids stay random in 0..3, valid in any vocabulary.
+        - the token ids are random within the vocabulary where the graph says it (Note: sample
+          values, ``runtime/_values.py``), else in 0..3, valid in any vocabulary.
 
         Every other input is random as usual.
 

@@ -50,6 +50,7 @@ __all__ = [
     "parse_dims",
     "parse_values",
     "spec_dims",
+    "split_sizes",
     "spec_values",
 ]
 
@@ -186,3 +187,16 @@ def spec_dims(spec: PipelineSpec) -> dict[str, int]:
         ConfigError: as :func:`parse_dims`.
     """
     return parse_dims(spec.metadata.get(INPUT_DIMS_KEY, ""))
+
+
+def split_sizes(spec: PipelineSpec, dims: Mapping[str, int] | None) -> tuple[dict[str, int], list[str]]:
+    """The sizes random inputs of a pipeline take: those its split was made for (:data:`INPUT_DIMS_KEY`),
+    with ``dims`` over them; and a note naming those the split gave, when any.
+
+    Raises:
+        ConfigError: as :func:`parse_dims`.
+    """
+    given = dict(dims or {})
+    sizes = {**spec_dims(spec), **given}
+    kept = [f"{k}={v}" for k, v in sizes.items() if k not in given]
+    return sizes, [f"random inputs sized as the pipeline was split for ({INPUT_DIMS_KEY}: {', '.join(kept)})"] if kept else []

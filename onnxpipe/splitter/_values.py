@@ -42,6 +42,9 @@ def graph_values(proto: ModelProto, inputs: Mapping[str, TensorSpec] | None = No
     Args:
         proto: The model.
         inputs: The inputs to say it of, by name (default: the graph's inputs that are no initializer).
+
+    Returns:
+        Each input's :class:`~onnxpipe.runtime.InputValues` where its name or the graph says one, by name.
     """
     if inputs is None:
         initializers = {t.name for t in proto.graph.initializer}

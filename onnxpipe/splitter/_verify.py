@@ -57,7 +57,7 @@ from onnxpipe.runtime import (
 )
 from onnxpipe.runtime._inputs import DecoderInputs, defaulted_dims, dim_key, dims_hint, feed_shapes
 from onnxpipe.runtime._stream import bind_dims
-from onnxpipe.runtime._values import spec_values
+from onnxpipe.runtime._values import spec_values, split_sizes
 from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._plan import SplitPlan
 from onnxpipe.splitter._values import graph_values
@@ -193,6 +193,7 @@ def verify(
         hint = ""
         if inputs is None:
             generated: list[Mapping[str, np.ndarray]] = []
+            dims, notes = split_sizes(spec, dims)  # the sizes the split was made for, unless given
             meanings = spec_values(spec) or graph_values(proto, {t.name: t for t in spec.inputs})  # Note: sample values
             for k in range(samples):
                 sample, dim_notes = random_inputs(spec.inputs, dims, seed + k, meanings)
