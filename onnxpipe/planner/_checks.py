@@ -46,7 +46,7 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
     axes = _named_axes(specs)
     notes: list[str] = []
     missing: list[str] = []
-    flags: list[str] = []
+    flags: dict[str, None] = {}  # each once, in order
     for spec in specs:
         shape = spec.shape or ()
         for axis, d in enumerate(shape):
@@ -55,19 +55,15 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
             if isinstance(d, int) or key in dims or f"{spec.name}.{axis}" in dims:
                 continue
             what = f"input '{spec.name}' dim {axis} " + (f"('{named}')" if named else "(unnamed)")
-            formula = dim_names(named) if named else None
-            if formula is not None:
-                unsized = sorted(n for n in formula if n not in dims and not _batch_like(n, axes))
-                if unsized:
-                    missing.append(f"{what}, computed from {', '.join(unsized)}")
-                    flags.extend(f"--dim {n}=SIZE" for n in unsized if f"--dim {n}=SIZE" not in flags)
-                continue
-            if axis == 0 and len(shape) >= 2 and (named is None or axes[named] == {0}):
+            unsized = _formula_unsized(named, dims, axes)
+            if unsized is not None:  # a formula: asked for by the dims it names
+                missing.extend([f"{what}, computed from {', '.join(unsized)}"] if unsized else [])
+                flags.update(dict.fromkeys(f"--dim {n}=SIZE" for n in unsized))
+            elif axis == 0 and len(shape) >= 2 and (named is None or axes[named] == {0}):
                 notes.append(f"{what} not given: planned at batch size 1; give --dim {key}=SIZE (dims={{'{key}': SIZE}}) to plan for larger batches")
-                continue
-            missing.append(what)
-            if f"--dim {key}=SIZE" not in flags:
-                flags.append(f"--dim {key}=SIZE")
+            else:
+                missing.append(what)
+                flags[f"--dim {key}=SIZE"] = None
     if missing:
         raise SplitError(
             f"cannot plan '{model}' without the sizes of its symbolic input dims: the cost depends on them, and 1 would plan for the "
@@ -76,9 +72,11 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
     return notes
 
 
-def _batch_like(name: str, axes: Mapping[str, set[int]]) -> bool:
-    """Whether the dim ``name`` stands at axis 0 of the inputs only (planned at 1, with a note where it stands)."""
-    return axes.get(name) == {0}
+def _formula_unsized(dim: str | None, dims: Mapping[str, int], axes: Mapping[str, set[int]]) -> list[str] | None:
+    """The dims a formula dim is computed from that ``dims`` does not size (a batch-like one is
+    planned at 1 where it stands), or ``None`` when ``dim`` is no formula."""
+    names = dim_names(dim) if dim else None
+    return None if names is None else sorted(n for n in names if n not in dims and axes.get(n) != {0})
 
 
 def _check_loads(concurrency: int | Sequence[int] | None, p99_ms: float | None) -> tuple[int, ...]:

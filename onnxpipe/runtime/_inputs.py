@@ -340,20 +340,28 @@ def random_array(spec: TensorSpec, shape: Sequence[int], rng: np.random.Generato
     dtype = _numpy(spec, "input")
     if dtype.kind not in "fiub":
         raise InputError(f"input '{spec.name}' of dtype {spec.dtype}: cannot make random values; pass its value explicitly")
-    if values is not None and values.kind == "mask":
-        return np.ones(shape, dtype)
-    if values is not None and values.kind == "positions" and dtype.kind in "iu" and len(shape) > 0:
-        return np.broadcast_to(np.arange(shape[-1]), tuple(shape)).astype(dtype)
+    meant = _meant(values, dtype, shape, rng) if values is not None else None
+    if meant is not None:
+        return meant
     if dtype.kind == "f":
         return rng.standard_normal(shape).astype(dtype)
     if dtype.kind == "b":
         return rng.integers(0, 2, size=shape).astype(bool)
-    if values is not None and values.kind == "range":
+    return rng.integers(0, 4, size=shape).astype(dtype)
+
+
+def _meant(values: InputValues, dtype: np.dtype, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray | None:
+    """Values of what an input means (Note: sample values), or ``None`` where its dtype cannot hold
+    them (a float's range, positions of no axis, a range outside the dtype): random as usual then."""
+    if values.kind == "mask":
+        return np.ones(shape, dtype)
+    if values.kind == "positions" and dtype.kind in "iu" and len(shape) > 0:
+        return np.broadcast_to(np.arange(shape[-1]), tuple(shape)).astype(dtype)
+    if values.kind == "range" and dtype.kind in "iu":
         info = np.iinfo(dtype)
         low, high = max(values.low, int(info.min)), min(values.high, int(info.max) + 1)
-        if low < high:
-            return rng.integers(low, high, size=shape).astype(dtype)
-    return rng.integers(0, 4, size=shape).astype(dtype)
+        return rng.integers(low, high, size=shape).astype(dtype) if low < high else None
+    return None
 
 
 def sample_shapes(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None) -> tuple[dict[str, tuple[int, ...]], list[str]]:

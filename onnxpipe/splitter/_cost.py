@@ -241,17 +241,16 @@ def _quiet(options: ort.SessionOptions) -> ort.SessionOptions:
 
 def _unprofiled(proto: ModelProto, specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray], dims: Mapping[str, int], error: Exception) -> str:
     """Why profiling could not run the model: the shapes it fed, the dims it sized 1, and how to size them."""
-    defaulted: list[str] = []
-    batch: list[str] = []  # a leading dim: a batch of 1 is seldom what fails, so it is named last
+    leading: dict[str, bool] = {}  # each dim not given -> whether it leads (a batch of 1 is seldom what fails, so it is named last)
     for spec in specs:
         for axis, d in enumerate(spec.shape or ()):
             key = d if isinstance(d, str) and d else f"{spec.name}.{axis}"
             if isinstance(d, int) or key in dims or f"{spec.name}.{axis}" in dims:
                 continue
             for name in sorted(dim_names(key) or {key}):  # a formula is computed from the dims it names: those are asked for
-                if name not in dims and name not in defaulted + batch:
-                    (batch if axis == 0 and len(spec.shape or ()) >= 2 else defaulted).append(name)
-    defaulted += [k for k in batch if k not in defaulted]
+                if name not in dims:
+                    leading.setdefault(name, axis == 0 and len(spec.shape or ()) >= 2)
+    defaulted = sorted(leading, key=lambda k: leading[k])  # stable: in order of first sight, the leading ones last
     shapes = ", ".join(f"'{n}' {list(a.shape)}" for n, a in feeds.items())
     name = proto.graph.name or "the model"
     head = f"profiling cannot run {name}: onnxruntime failed on random inputs of shapes {shapes}: {ort_message(error)}"
