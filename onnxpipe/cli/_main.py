@@ -570,6 +570,15 @@ def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int)
 @DIM
 @click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1), help="How many random input sets to run (with --model).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the first random input set (with --model).")
+@click.option(
+    "--inputs",
+    "input_files",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE.npz",
+    help="Run this input set instead of random ones, an .npz keyed by pipeline input name (repeatable; with --model). "
+    "For a split with state: one stream's steps, in order.",
+)
 @click.option("--rtol", default=1e-4, show_default=True, type=click.FloatRange(min=0), help="Relative tolerance.")
 @click.option("--atol", default=1e-5, show_default=True, type=click.FloatRange(min=0), help="Absolute tolerance.")
 @click.option("--no-boundaries", is_flag=True, help="Compare the pipeline outputs only, not the tensors crossing stage boundaries (with --model).")
@@ -585,6 +594,7 @@ def verify(
     dims: Sequence[tuple[str, int]],
     samples: int,
     seed: int,
+    input_files: Sequence[Path],
     rtol: float,
     atol: float,
     no_boundaries: bool,
@@ -596,7 +606,8 @@ def verify(
     """Check a split folder or a bundle against the whole model, or a bundle against its stored reference.
 
     With --model, the stages of SPLIT_OR_BUNDLE (a split folder, or a bundle: a folder with
-    manifest.json or a .onnxpipe archive) run chained, and the whole model runs, on random inputs;
+    manifest.json or a .onnxpipe archive) run chained, and the whole model runs, on random inputs
+    (masks ones, ids within their tables; sized as the split was made for) or the --inputs sets;
     every pipeline output and, unless --no-boundaries, every tensor crossing a stage boundary is
     compared (|split - whole| <= atol + rtol * |whole|). A split with state links (split --state)
     runs --samples streams of 4 steps instead (a prompt, then the greedy token of each step),
@@ -613,6 +624,7 @@ def verify(
     Examples:
       onnxpipe verify split --model resnet50.onnx
       onnxpipe verify split --model model.onnx --dim batch=4 --samples 3 --rtol 1e-3 --json
+      onnxpipe verify split --model model.onnx --inputs image.npz
       onnxpipe verify model.onnxpipe
       onnxpipe verify model.onnxpipe --model model.onnx --target cpu
       onnxpipe verify model.onnxpipe --set '*:affinity=0-1'
@@ -625,17 +637,23 @@ def verify(
             raise UserError(f"'{path}' does not exist; give a split folder with --model, or a bundle")
         if not is_bundle(path):
             raise click.UsageError(f"'{path}' is not a bundle: give --model MODEL.onnx (only a bundle stores its own reference)")
-        model_only = given(ctx, "dims", "samples", "seed", "no_boundaries")
+        model_only = given(ctx, "dims", "samples", "seed", "input_files", "no_boundaries")
         if model_only:
             raise click.UsageError(f"{', '.join(model_only)}: only used with --model; a bundle's stored reference has its own inputs")
         _verify_reference(path, rtol, atol, target, allow_code, as_json, settings)
         return
     if settings:
         raise click.UsageError("--set: only for a bundle's stored reference (without --model); a split folder's stages run with their own settings")
+    random_only = given(ctx, "dims", "samples", "seed") if input_files else []
+    if random_only:
+        raise click.UsageError(f"{', '.join(random_only)}: only used for random inputs; the --inputs files are the input sets")
     from onnxpipe.cli import _render
+    from onnxpipe.cli._common import read_npz
     from onnxpipe.splitter import verify as verify_split
 
-    report = verify_split(path, model, dims=dict(dims), samples=samples, seed=seed, rtol=rtol, atol=atol, boundaries=not no_boundaries, target=target)
+    inputs = [read_npz(file, "inputs file") for file in input_files] or None
+    report = verify_split(path, model, inputs=inputs, dims=dict(dims), samples=samples, seed=seed, rtol=rtol, atol=atol, boundaries=not no_boundaries,
+                          target=target)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -9,10 +9,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from onnxpipe.runtime import INPUT_VALUES_KEY
-from tests.cli.helpers import assert_user_error, ok, run
+from tests.cli.helpers import assert_usage_error, assert_user_error, ok, run
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 IMAGE = ("--dim", "num_channels=3", "--dim", "height=32", "--dim", "width=32")  # the corpus ViT's config
@@ -36,6 +37,12 @@ def test_bert_splits_verifies_exports_and_benches_without_a_dim(tmp_path: Path) 
     values = json.loads(json.loads((out / "pipeline.json").read_text())["metadata"][INPUT_VALUES_KEY])
     assert values == {"attention_mask": "mask", "token_type_ids": [0, 2], "input_ids": [0, 128]}
     assert "ok: all" in ok("verify", out, "--model", model).stdout
+    ids = np.array([[101, 7, 99, 102]], np.int64)
+    np.savez(tmp_path / "one.npz", input_ids=ids, attention_mask=np.ones_like(ids), token_type_ids=np.array([[0, 0, 1, 1]], np.int64))
+    text = ok("verify", out, "--model", model, "--inputs", tmp_path / "one.npz", "--inputs", tmp_path / "one.npz").stdout
+    assert "ok: all" in text and "(2 sample(s)," in text and "[1, 4, 32]" in text, text
+    assert_usage_error(run("verify", out, "--model", model, "--inputs", tmp_path / "one.npz", "--dim", "batch_size=2"),
+                       "--dim: only used for random inputs; the --inputs files are the input sets")
     bundle = _bundle(out, tmp_path, "--reference", 2, "--model", model)
     assert "ok: all 2 output(s)" in ok("verify", bundle).stdout
     text = ok("bench", bundle, "--requests", 5, "--standalone-runs", 1).stdout
