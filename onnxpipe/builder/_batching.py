@@ -67,7 +67,7 @@ from onnxpipe.runtime._overrides import check_stream_batching
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
 from onnxpipe.runtime._stream import bind_dims, state_dims
-from onnxpipe.runtime._values import INPUT_DIMS_KEY, format_dims, parse_dims, spec_values
+from onnxpipe.runtime._values import INPUT_DIMS_KEY, format_dims, named_values, parse_dims, spec_values
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, batch_length, member_outputs, stack_steps
 
 __all__ = ["INPUT_DIMS_KEY", "MASK_NAMES", "check_batching", "format_dims", "mark_shared_states", "parse_dims"]
@@ -198,7 +198,7 @@ class _Probe:
         self.dims = state_dims(spec)
         self.sizes = parse_dims(spec.metadata.get(INPUT_DIMS_KEY, ""))  # a stateless request's dims (see Note: the batching probe)
         self.rng = np.random.default_rng(0)
-        self.values = spec_values(spec)  # what the inputs' values mean (Note: sample values, runtime/_values.py)
+        self.values = {**named_values(spec.inputs), **spec_values(spec)}  # what the inputs' values mean (Note: sample values, runtime/_values.py)
 
     # -- what runs ----------------------------------------------------------------------------
 
