@@ -67,32 +67,10 @@ from onnxpipe.runtime._overrides import check_stream_batching
 from onnxpipe.runtime._session import make_session
 from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
 from onnxpipe.runtime._stream import bind_dims, state_dims
+from onnxpipe.runtime._values import INPUT_DIMS_KEY, format_dims, named_values, parse_dims, spec_values
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, batch_length, member_outputs, stack_steps
 
 __all__ = ["INPUT_DIMS_KEY", "MASK_NAMES", "check_batching", "format_dims", "mark_shared_states", "parse_dims"]
-
-#: The pipeline metadata key holding the sizes of symbolic input dims the split was made for (see Note: the batching probe).
-INPUT_DIMS_KEY = "input_dims"
-
-
-def format_dims(dims: Mapping[str, int]) -> str:
-    """``{"W": 320, "x.2": 48}`` -> ``"W=320,x.2=48"`` (``--dim``'s syntax), for :data:`INPUT_DIMS_KEY`."""
-    return ",".join(f"{name}={size}" for name, size in dims.items())
-
-
-def parse_dims(text: str) -> dict[str, int]:
-    """Read what :func:`format_dims` wrote.
-
-    Raises:
-        ConfigError: an entry is not ``NAME=SIZE`` with a size from 1.
-    """
-    out: dict[str, int] = {}
-    for entry in filter(None, text.split(",")):
-        name, _, size = entry.partition("=")
-        if not name or not size.isdigit() or int(size) < 1:
-            raise ConfigError(f"pipeline metadata '{INPUT_DIMS_KEY}': {entry!r} is not NAME=SIZE with a size from 1 (as --dim gives it)")
-        out[name] = int(size)
-    return out
 
 _PASTS = (3, 5)  # the probe streams' pasts at their first decode step
 _PROMPTS = (3, 5)
@@ -220,6 +198,7 @@ class _Probe:
         self.dims = state_dims(spec)
         self.sizes = parse_dims(spec.metadata.get(INPUT_DIMS_KEY, ""))  # a stateless request's dims (see Note: the batching probe)
         self.rng = np.random.default_rng(0)
+        self.values = {**named_values(spec.inputs), **spec_values(spec)}  # what the inputs' values mean (Note: sample values, runtime/_values.py)
 
     # -- what runs ----------------------------------------------------------------------------
 
@@ -256,7 +235,7 @@ class _Probe:
             shape = [1 if axis == 0 else d if isinstance(d, int) else sizes.get(d or "", sizes.get(f"{t.name}.{axis}", new))
                      for axis, d in enumerate(t.shape)]
             try:
-                feeds[t.name] = random_array(t, shape, rng)
+                feeds[t.name] = random_array(t, shape, rng, self.values.get(t.name))
             except InputError as e:
                 raise _NotProbed(str(e)) from None
         return feeds

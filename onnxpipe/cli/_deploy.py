@@ -153,14 +153,14 @@ def _next_export(spec: PipelineSpec, built: Path) -> str:
     (single requests; random values unless an input's dtype has none), with ``--allow-code`` for
     the Python that computing them runs."""
     from onnxpipe._errors import InputError
-    from onnxpipe.runtime import random_inputs
+    from onnxpipe.runtime import random_inputs, spec_values
 
     command = f"onnxpipe export {shlex.quote(str(built))} -o BUNDLE.onnxpipe"
     if spec.states:
         return f"{command}   (no --reference: a reference sample is one request, and this pipeline keeps state between steps)"
     why = ""
     try:
-        random_inputs(spec.inputs, {}, 0)
+        random_inputs(spec.inputs, {}, 0, spec_values(spec))
         samples = " --reference 2"
     except InputError as e:
         samples, why = " --reference-inputs INPUTS.npz", f"   (INPUTS.npz: one request's inputs by name; no random ones: {e})"
@@ -250,6 +250,7 @@ def export(
     from onnxpipe.builder import read_build
     from onnxpipe.cli import _render
     from onnxpipe.runtime._inputs import defaulted_dims, dims_hint
+    from onnxpipe.runtime._values import split_sizes
 
     quiet_onnxruntime()
     inputs: list[Mapping[str, np.ndarray]] = []
@@ -257,8 +258,10 @@ def export(
     hint = ""  # which dims the random sets took as 1, for a model or stage that fails on them
     if random_sets or input_files:
         spec = read_build(builddir)
-        inputs, notes = _reference_inputs(spec, input_files, random_sets, dict(dims), seed)
-        hint = dims_hint(defaulted_dims(spec.inputs, dict(dims))) if random_sets else ""
+        sizes, notes = split_sizes(spec, dict(dims)) if random_sets else ({}, [])
+        inputs, dim_notes = _reference_inputs(spec, input_files, random_sets, sizes, seed)
+        notes += dim_notes
+        hint = dims_hint(defaulted_dims(spec.inputs, sizes)) if random_sets else ""
         if model is not None and not model.is_file():
             raise UserError(f"model file '{model}' does not exist")
     try:
@@ -277,7 +280,7 @@ def _reference_inputs(
     spec: PipelineSpec, files: Sequence[Path], random_sets: int, dims: Mapping[str, int], seed: int
 ) -> tuple[list[Mapping[str, np.ndarray]], list[str]]:
     from onnxpipe._errors import InputError
-    from onnxpipe.runtime import check_inputs, random_inputs
+    from onnxpipe.runtime import check_inputs, random_inputs, spec_values
 
     sets: list[Mapping[str, np.ndarray]] = []
     for file in files:
@@ -287,7 +290,7 @@ def _reference_inputs(
             raise UserError(f"reference inputs file '{file}': {e}") from e
     notes: list[str] = []
     for k in range(random_sets):
-        feeds, dim_notes = random_inputs(spec.inputs, dims, seed + k)
+        feeds, dim_notes = random_inputs(spec.inputs, dims, seed + k, spec_values(spec))
         sets.append(feeds)
         notes.extend(n for n in dim_notes if n not in notes)
     return sets, notes
@@ -570,7 +573,8 @@ def run(
     "input_file",
     type=click.Path(dir_okay=False, path_type=Path),
     metavar="FILE.npz",
-    help="The inputs of every request, an .npz keyed by pipeline input name (default: random values of the declared shapes).",
+    help="The inputs of every request, an .npz keyed by pipeline input name (default: the bundle's first reference input set without "
+    "--dim, else random values of the declared shapes).",
 )
 @TARGET
 @QUEUE_DEPTH
@@ -625,6 +629,12 @@ def bench(
     time, and efficiency = throughput / ideal. Per stage: standalone time, mean time of a run
     inside the pipeline, and utilization (share of the time its workers were busy); the most
     utilized stage is the bottleneck.
+
+    The requests are the bundle's own: its first reference input set (export --reference), unless
+    --inputs or --dim is given; else random inputs that respect what each input means (masks all
+    ones, positions counting, ids within the tables they index: docs/splitting.md), sized by the dims
+    the split was made for (its input_dims) with --dim over them. A stage that fails on dims no one
+    gave (counted as 1) says which --dim to give.
 
     \b
     Examples:

@@ -624,7 +624,8 @@ def verify(
     """Check a split folder or a bundle against the whole model, or a bundle against its stored reference.
 
     With --model, the stages of SPLIT_OR_BUNDLE (a split folder, or a bundle: a folder with
-    manifest.json or a .onnxpipe archive) run chained, and the whole model runs, on random inputs;
+    manifest.json or a .onnxpipe archive) run chained, and the whole model runs, on random inputs
+    (masks ones, ids within their tables; sized as the split was made for) or the --inputs sets;
     every pipeline output and, unless --no-boundaries, every tensor crossing a stage boundary is
     compared (|split - whole| <= atol + rtol * |whole|). A split with state links (split --state)
     runs --samples streams of 4 steps instead (a prompt, then the greedy token of each step),

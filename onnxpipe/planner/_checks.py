@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from onnxpipe._errors import SplitError
 from onnxpipe.runtime import TensorSpec
+from onnxpipe.runtime._dims import dim_names
 from onnxpipe.runtime._stats import resident_bytes
 
 __all__: list[str] = []
@@ -33,6 +34,9 @@ def _named_axes(specs: Sequence[TensorSpec]) -> dict[str, set[int]]:
 def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: str) -> list[str]:
     """Check that every symbolic or unknown input dim has a size (see the note on symbolic dims).
 
+    A formula dim (``past_sequence_length + sequence_length``, Note: expression dims in
+    ``runtime/_dims.py``) is computed from the dims it names, so those are asked for, never the formula.
+
     Returns:
         Notes on the batch-like dims planned at 1.
 
@@ -40,7 +44,9 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
         SplitError: dims other than batch-like ones are not given; names every one and how to give it.
     """
     axes = _named_axes(specs)
-    notes, missing, flags = [], [], []
+    notes: list[str] = []
+    missing: list[str] = []
+    flags: dict[str, None] = {}  # each once, in order
     for spec in specs:
         shape = spec.shape or ()
         for axis, d in enumerate(shape):
@@ -49,18 +55,28 @@ def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: 
             if isinstance(d, int) or key in dims or f"{spec.name}.{axis}" in dims:
                 continue
             what = f"input '{spec.name}' dim {axis} " + (f"('{named}')" if named else "(unnamed)")
-            if axis == 0 and len(shape) >= 2 and (named is None or axes[named] == {0}):
+            unsized = _formula_unsized(named, dims, axes)
+            if unsized is not None:  # a formula: asked for by the dims it names
+                missing.extend([f"{what}, computed from {', '.join(unsized)}"] if unsized else [])
+                flags.update(dict.fromkeys(f"--dim {n}=SIZE" for n in unsized))
+            elif axis == 0 and len(shape) >= 2 and (named is None or axes[named] == {0}):
                 notes.append(f"{what} not given: planned at batch size 1; give --dim {key}=SIZE (dims={{'{key}': SIZE}}) to plan for larger batches")
-                continue
-            missing.append(what)
-            if f"--dim {key}=SIZE" not in flags:
-                flags.append(f"--dim {key}=SIZE")
+            else:
+                missing.append(what)
+                flags[f"--dim {key}=SIZE"] = None
     if missing:
         raise SplitError(
             f"cannot plan '{model}' without the sizes of its symbolic input dims: the cost depends on them, and 1 would plan for the "
             f"wrong inputs. Not given: {'; '.join(missing)}. Give them: {' '.join(flags)} (in Python: dims={{NAME: SIZE}})"
         )
     return notes
+
+
+def _formula_unsized(dim: str | None, dims: Mapping[str, int], axes: Mapping[str, set[int]]) -> list[str] | None:
+    """The dims a formula dim is computed from that ``dims`` does not size (a batch-like one is
+    planned at 1 where it stands), or ``None`` when ``dim`` is no formula."""
+    names = dim_names(dim) if dim else None
+    return None if names is None else sorted(n for n in names if n not in dims and axes.get(n) != {0})
 
 
 def _check_loads(concurrency: int | Sequence[int] | None, p99_ms: float | None) -> tuple[int, ...]:

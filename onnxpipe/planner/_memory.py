@@ -49,7 +49,7 @@ def plan_memory(bundle: str | os.PathLike[str], dims: Mapping[str, int], warmup:
 
 
 def _main(bundle: str, dims: str, warmup: int) -> int:
-    from onnxpipe.runtime import load, random_inputs
+    from onnxpipe.runtime import load, random_inputs, spec_values
     from onnxpipe.runtime._stats import resident_bytes
 
     before = resident_bytes()
@@ -57,7 +57,7 @@ def _main(bundle: str, dims: str, warmup: int) -> int:
         print("this OS has no /proc to read memory from", file=sys.stderr)
         return 1
     with load(bundle) as pipe:
-        feeds, _ = random_inputs(pipe.spec.inputs, json.loads(dims))
+        feeds, _ = random_inputs(pipe.spec.inputs, json.loads(dims), values=spec_values(pipe.spec))
         for _ in range(warmup):
             pipe(feeds)
         after = resident_bytes()

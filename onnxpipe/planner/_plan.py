@@ -37,6 +37,7 @@ from onnxpipe.planner._rules import _over_memory, choose_loads, choose_plan
 from onnxpipe.planner._targets import _check_targets, _target_candidates
 from onnxpipe.runtime import StageSettings, random_inputs
 from onnxpipe.splitter import CostProfile, MeasuredPolicy, SplitPlan, load_model, profile_model, split
+from onnxpipe.splitter._values import graph_values
 
 __all__ = ["plan_pipeline"]
 
@@ -105,7 +106,8 @@ def plan_pipeline(
     proto, _ = load_model(model)
     specs = io_specs(proto)[0]
     notes = _planning_dims(specs, dims, Path(model).name)
-    feeds, _ = random_inputs(specs, dims)  # every dim is given or batch-like (noted); refuses unknown dim names now, not after profiling
+    # every dim is given or batch-like (noted); refuses unknown dim names now, not after profiling
+    feeds, _ = random_inputs(specs, dims, values=graph_values(proto))
     report = progress or (lambda step, done, total: None)
     profiles = _profiles(model, cores, runs, dims, report)
     candidates, plans = _cpu_candidates(model, profiles, cores, max_stages or cores, dims, notes)

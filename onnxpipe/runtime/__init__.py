@@ -20,6 +20,7 @@ from onnxpipe.runtime._stage import host_placement
 from onnxpipe.runtime._stats import PipelineStats, StageStats
 from onnxpipe.runtime._stream import Stream
 from onnxpipe.runtime._streams import StreamsView
+from onnxpipe.runtime._values import INPUT_DIMS_KEY, INPUT_VALUES_KEY, InputValues, spec_values
 from onnxpipe.runtime.bundle import ARCHIVE_SUFFIX, Bundle, FileEntry, Limits, Manifest, is_bundle, load_npz, npz_layout, read_bundle, save_npz
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "DEFAULT_MAX_STREAMS",
     "DEFAULT_QUEUE_DEPTH",
     "DTYPES",
+    "INPUT_DIMS_KEY",
+    "INPUT_VALUES_KEY",
     "ENGINES",
     "PROVIDER_ALIASES",
     "SPEC_VERSION",
@@ -40,6 +43,7 @@ __all__ = [
     "Diagnostics",
     "Endpoint",
     "FileEntry",
+    "InputValues",
     "Limits",
     "Link",
     "Manifest",
@@ -86,4 +90,5 @@ __all__ = [
     "resolve_provider",
     "sample_shapes",
     "save_npz",
+    "spec_values",
 ]

@@ -27,13 +27,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from onnxpipe._errors import ConfigError
+from onnxpipe._errors import ConfigError, InputError, StageError
 from onnxpipe.runtime._engine import engine_class
-from onnxpipe.runtime._inputs import check_inputs, random_inputs
+from onnxpipe.runtime._inputs import check_inputs, defaulted_dims, dims_hint, random_inputs
 from onnxpipe.runtime._pipeline import Pipeline
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime._stage import Request
 from onnxpipe.runtime._stats import PipelineStats
+from onnxpipe.runtime._values import spec_values, split_sizes
 
 __all__ = ["BenchReport", "StageBench", "benchmark"]
 
@@ -154,7 +155,10 @@ def benchmark(
         pipe: A loaded pipeline.
         requests: Requests to time.
         warmup: Requests run first and not timed.
-        inputs: One request's inputs (default: random ones of the declared shapes).
+        inputs: One request's inputs. Default: without ``dims``, the bundle's first reference
+            input set when it stores one (inputs of the bundle's own sizes), else random inputs
+            (Note: sample values) with the symbolic dims the split was made for (the pipeline's
+            ``input_dims`` metadata) and ``dims`` over them.
         dims: Sizes of symbolic dims for random inputs.
         standalone_runs: Runs per stage for its standalone time (0 skips that measurement), on the
             pipeline's own sessions while it is idle.
@@ -168,10 +172,41 @@ def benchmark(
 
     Raises:
         ConfigError: the OS refused ``caller_cores``.
+        InputError: a stage fails on random inputs with dims no one gave (sized 1): names them.
     """
     notes: list[str] = []
+    hint = ""
     if inputs is None:
-        inputs, notes = random_inputs(pipe.spec.inputs, dims)
+        inputs, notes, hint = _sample_inputs(pipe, dims or {})
+    try:
+        return _benchmark(pipe, inputs, requests, warmup, standalone_runs, progress, caller_cores, notes)
+    except (InputError, StageError) as e:
+        if not hint:
+            raise
+        raise InputError(f"{' '.join(str(e).split())}; {hint}") from e
+
+
+def _sample_inputs(pipe: Pipeline, dims: Mapping[str, int]) -> tuple[Mapping[str, np.ndarray], list[str], str]:
+    """The inputs :func:`benchmark` makes, notes on them, and the hint for a stage that fails on them
+    (the dims sized 1 because neither ``dims`` nor the bundle gives them)."""
+    if not dims and pipe.bundle.manifest.reference:
+        return pipe.bundle.reference()[0][0], ["inputs: the bundle's first reference input set (--dim or --inputs for others)"], ""
+    sizes, notes = split_sizes(pipe.spec, dims)
+    inputs, dim_notes = random_inputs(pipe.spec.inputs, sizes, values=spec_values(pipe.spec))
+    return inputs, notes + dim_notes, dims_hint(defaulted_dims(pipe.spec.inputs, sizes))
+
+
+def _benchmark(
+    pipe: Pipeline,
+    inputs: Mapping[str, np.ndarray],
+    requests: int,
+    warmup: int,
+    standalone_runs: int,
+    progress: Callable[[int, int], None] | None,
+    caller_cores: Collection[int] | Literal["auto"] | None,
+    notes: list[str],
+) -> BenchReport:
+    """:func:`benchmark` on these inputs."""
     if standalone_runs and not engine_class(pipe.engine).in_process:
         notes.append(f"no standalone stage times: the stages run on {pipe.engine} actors, not in this process")
         standalone_runs = 0

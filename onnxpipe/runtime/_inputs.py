@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 
 from onnxpipe._errors import InputError, closest
+from onnxpipe.runtime._dims import dim_names, dim_size, input_dims
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._spec import Dim, TensorSpec
+from onnxpipe.runtime._values import POSITION_NAMES, InputValues, named_values
 
 __all__ = [
     "MASK_NAMES",
@@ -38,9 +40,9 @@ UNKNOWN_DIM_NAMES = frozenset({"?"})
 #: Inputs taken as a decoder's attention mask when of rank 2 and integer or boolean, in order of
 #: preference: all ones in sample inputs (Note: a decoder's sample inputs), the padding mask of
 #: batched streams (``builder/_batching.py``).
+#: Each is a mask by :data:`MASK_PATTERNS` too (all ones in any model's sample inputs, Note: sample values).
 MASK_NAMES = ("attention_mask", "attn_mask", "mask")
-#: Inputs taken as a decoder's token positions when of rank 2 and integer.
-POSITION_NAMES = ("position_ids", "positions", "pos_ids")
+# POSITION_NAMES (runtime/_values.py): inputs taken as a decoder's token positions when of rank 2 and integer.
 #: Inputs taken as a decoder's token ids when of rank 2 and integer: their dim 1 is a step's new tokens.
 TOKEN_NAMES = ("input_ids",)
 
@@ -207,7 +209,8 @@ class DecoderInputs:
           (``past_key_values.0.key [batch, kv_heads, past_sequence_length, head_dim]``), 0 without one;
           the new tokens are dim 1 of the token ids (:data:`TOKEN_NAMES`);
         - the positions (:data:`POSITION_NAMES`, rank 2, integer) count on from the past in every row;
-        - the token ids stay random in 0..3, valid in any vocabulary.
+        - the token ids are random within the vocabulary where the graph says it (Note: sample
+          values, ``runtime/_values.py``), else in 0..3, valid in any vocabulary.
 
         Every other input is random as usual.
 
@@ -278,13 +281,25 @@ def _key(spec: TensorSpec, axis: int, d: str | None) -> str:
     return d if d is not None else f"{spec.name}.{axis}"
 
 
-def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0) -> tuple[dict[str, np.ndarray], list[str]]:
+def random_inputs(
+    specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0, values: Mapping[str, InputValues] | None = None
+) -> tuple[dict[str, np.ndarray], list[str]]:
     """Random arrays matching declared inputs, shaped by :func:`sample_shapes`.
 
     Floats are standard normal, integers are drawn from 0..3 (valid as small indices), booleans
-    are fair coins. A decoder's attention mask is all ones and its positions count on from its
-    past (Note: a decoder's sample inputs, :class:`DecoderInputs`), so that a decoder exported by
-    optimum-onnx, onnxruntime-genai or torch runs on them.
+    are fair coins; an input whose values mean something gets values of that meaning (Note: sample
+    values, in ``runtime/_values.py``): masks are all ones, positions count, token type ids are 0,
+    and an input ``values`` bounds (what the graph says: a table's rows) is drawn within its range.
+    A decoder's attention mask is as wide as its past and new tokens and its positions count on
+    from its past (Note: a decoder's sample inputs, :class:`DecoderInputs`), so that a decoder
+    exported by optimum-onnx, onnxruntime-genai or torch runs on them.
+
+    Args:
+        specs: The inputs.
+        dims: Sizes of symbolic dims (see :func:`sample_shapes`).
+        seed: The random generator's seed.
+        values: What inputs' values mean, by name, over what their names say: a pipeline's
+            ``spec_values(spec)`` (its metadata), or what the splitter finds in a graph.
 
     Raises:
         InputError: ``dims`` names no dynamic dim of an input, or an input's rank or dtype is unknown.
@@ -296,6 +311,7 @@ def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
     shapes, notes = sample_shapes(specs, dims)
     roles = DecoderInputs.of(specs)
     past = roles.past_length(shapes)
+    meanings = {**named_values(specs), **(values or {})}
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:
         shape = shapes[spec.name]
@@ -304,24 +320,48 @@ def random_inputs(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = 
         elif spec is roles.positions:
             feeds[spec.name] = np.tile(np.arange(past, past + shape[1]), (shape[0], 1)).astype(_numpy(spec, "input"))
         else:
-            feeds[spec.name] = random_array(spec, shape, rng)
+            feeds[spec.name] = random_array(spec, shape, rng, meanings.get(spec.name))
     return feeds, notes
 
 
-def random_array(spec: TensorSpec, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+def random_array(spec: TensorSpec, shape: Sequence[int], rng: np.random.Generator, values: InputValues | None = None) -> np.ndarray:
     """Random values of ``spec``'s dtype and the given shape, as :func:`random_inputs` makes them.
+
+    Args:
+        spec: The input.
+        shape: The array's shape.
+        rng: The random generator.
+        values: What the values mean (Note: sample values): ones, a count along the last axis,
+            or integers within a range (a float input's range is ignored).
 
     Raises:
         InputError: numpy has no such dtype, or it is not a number or a boolean.
     """
     dtype = _numpy(spec, "input")
+    if dtype.kind not in "fiub":
+        raise InputError(f"input '{spec.name}' of dtype {spec.dtype}: cannot make random values; pass its value explicitly")
+    meant = _meant(values, dtype, shape, rng) if values is not None else None
+    if meant is not None:
+        return meant
     if dtype.kind == "f":
         return rng.standard_normal(shape).astype(dtype)
-    if dtype.kind in "iu":
-        return rng.integers(0, 4, size=shape).astype(dtype)
     if dtype.kind == "b":
         return rng.integers(0, 2, size=shape).astype(bool)
-    raise InputError(f"input '{spec.name}' of dtype {spec.dtype}: cannot make random values; pass its value explicitly")
+    return rng.integers(0, 4, size=shape).astype(dtype)
+
+
+def _meant(values: InputValues, dtype: np.dtype, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray | None:
+    """Values of what an input means (Note: sample values), or ``None`` where its dtype cannot hold
+    them (a float's range, positions of no axis, a range outside the dtype): random as usual then."""
+    if values.kind == "mask":
+        return np.ones(shape, dtype)
+    if values.kind == "positions" and dtype.kind in "iu" and len(shape) > 0:
+        return np.broadcast_to(np.arange(shape[-1]), tuple(shape)).astype(dtype)
+    if values.kind == "range" and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        low, high = max(values.low, int(info.min)), min(values.high, int(info.max) + 1)
+        return rng.integers(low, high, size=shape).astype(dtype) if low < high else None
+    return None
 
 
 def sample_shapes(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None) -> tuple[dict[str, tuple[int, ...]], list[str]]:
@@ -392,18 +432,33 @@ def _sample(specs: Sequence[TensorSpec], dims: Mapping[str, int] | None) -> tupl
             if isinstance(d, int):
                 shape.append(d)
                 continue
-            key = _key(spec, axis, d)
-            if key not in dims:
-                defaulted[spec.name].append(key)
-            shape.append(dims.get(key, 1))
+            size, keys = _dim_size(_key(spec, axis, d), dims)
+            defaulted[spec.name].extend(k for k in keys if k not in defaulted[spec.name])
+            shape.append(size)
         shapes[spec.name] = tuple(shape)
     roles = DecoderInputs.of(specs)
     width = roles.mask_width_key(dims)
     if width is not None:
         assert roles.mask is not None and roles.tokens is not None
         shapes[roles.mask.name] = (shapes[roles.mask.name][0], roles.past_length(shapes) + shapes[roles.tokens.name][1])
-        defaulted[roles.mask.name] = [key for key in defaulted[roles.mask.name] if key != width]
+        sized = {width} | (dim_names(width) or set())  # the past's and the tokens' dims: their own inputs say when those are defaulted
+        defaulted[roles.mask.name] = [key for key in defaulted[roles.mask.name] if key not in sized]
     return shapes, defaulted
+
+
+def _dim_size(key: str, dims: Mapping[str, int]) -> tuple[int, list[str]]:
+    """The size of the dynamic dim ``key`` (:func:`dim_key`) in ``dims``, and the keys defaulted to 1
+    for it: a formula (Note: expression dims, ``runtime/_dims.py``) is computed from the dims it
+    names, each of those not given taking 1 (and being named, not the formula: ``--dim`` takes
+    names); a formula that gives no size there is 1 too."""
+    if key in dims:
+        return dims[key], []
+    names = dim_names(key)
+    if names is None:
+        return 1, [key]
+    size = dim_size(key, dims, 1)
+    assert size is not None  # a default gives one
+    return size, sorted(n for n in names if n not in dims)
 
 
 def check_dims(specs: Sequence[TensorSpec], dims: Iterable[str]) -> None:
@@ -418,7 +473,7 @@ def check_dims(specs: Sequence[TensorSpec], dims: Iterable[str]) -> None:
 
 
 def _check_dim_key(specs: Sequence[TensorSpec], key: str) -> None:
-    named = {d for spec in specs for d in (spec.shape or ()) if isinstance(d, str)}
+    named = {d for spec in specs for d in (spec.shape or ()) if isinstance(d, str)} | input_dims(specs)  # and the names formulas are computed from
     if key in named:
         return
     by_name = {s.name: s for s in specs}

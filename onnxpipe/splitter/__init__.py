@@ -8,6 +8,7 @@ from onnxpipe.splitter._inspect import CutCandidate, ModelSummary, inspect_model
 from onnxpipe.splitter._pipelinefile import PIPELINE_FILE_FORMAT, PIPELINE_FILE_VERSION, is_pipeline_file, read_pipeline_file
 from onnxpipe.splitter._plan import SplitPlan, SplitStage, split
 from onnxpipe.splitter._states import StatePair, pair_states
+from onnxpipe.splitter._values import graph_values
 from onnxpipe.splitter._verify import Comparison, VerifyReport, verify
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "TensorCut",
     "UniformPolicy",
     "VerifyReport",
+    "graph_values",
     "inspect_model",
     "is_pipeline_file",
     "load_model",

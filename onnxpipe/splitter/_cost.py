@@ -42,9 +42,11 @@ from onnx import ModelProto
 from onnxpipe._errors import SplitError, ort_message
 from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import StageSettings, TensorSpec, random_inputs
+from onnxpipe.runtime._dims import dim_names
 from onnxpipe.runtime.bundle import sha256_file
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex, load_model
+from onnxpipe.splitter._values import graph_values
 
 __all__ = ["CostProfile", "median_run_seconds", "profile_model"]
 
@@ -194,7 +196,7 @@ def _session_source(proto: ModelProto, path: Path | None, tmp: Path) -> str | by
 def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: StageSettings, runs: int, dims: Mapping[str, int], digest: str) -> CostProfile:
     types, _ = infer_types(proto)
     specs = [tensor_spec(types[name]) for name in index.inputs]
-    feeds, notes = random_inputs(specs, dims)
+    feeds, notes = random_inputs(specs, dims, values=graph_values(proto))
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         source = _session_source(proto, path, Path(tmp))
         try:
@@ -238,14 +240,16 @@ def _quiet(options: ort.SessionOptions) -> ort.SessionOptions:
 
 def _unprofiled(proto: ModelProto, specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray], dims: Mapping[str, int], error: Exception) -> str:
     """Why profiling could not run the model: the shapes it fed, the dims it sized 1, and how to size them."""
-    defaulted: list[str] = []
-    batch: list[str] = []  # a leading dim: a batch of 1 is seldom what fails, so it is named last
+    leading: dict[str, bool] = {}  # each dim not given -> whether it leads (a batch of 1 is seldom what fails, so it is named last)
     for spec in specs:
         for axis, d in enumerate(spec.shape or ()):
             key = d if isinstance(d, str) and d else f"{spec.name}.{axis}"
-            if not isinstance(d, int) and key not in dims and f"{spec.name}.{axis}" not in dims and key not in defaulted + batch:
-                (batch if axis == 0 and len(spec.shape or ()) >= 2 else defaulted).append(key)
-    defaulted += [k for k in batch if k not in defaulted]
+            if isinstance(d, int) or key in dims or f"{spec.name}.{axis}" in dims:
+                continue
+            for name in sorted(dim_names(key) or {key}):  # a formula is computed from the dims it names: those are asked for
+                if name not in dims:
+                    leading.setdefault(name, axis == 0 and len(spec.shape or ()) >= 2)
+    defaulted = sorted(leading, key=lambda k: leading[k])  # stable: in order of first sight, the leading ones last
     shapes = ", ".join(f"'{n}' {list(a.shape)}" for n, a in feeds.items())
     name = proto.graph.name or "the model"
     head = f"profiling cannot run {name}: onnxruntime failed on random inputs of shapes {shapes}: {ort_message(error)}"

@@ -131,6 +131,7 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
 
     from onnxpipe.builder import tensor_spec
     from onnxpipe.runtime import random_inputs
+    from onnxpipe.splitter._values import graph_values
 
     what = ", ".join(repr(n) for n in names)
     shapeless = [n for n in names if n in index.inputs]
@@ -143,7 +144,8 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
     outputs = {v.name for v in probe.graph.output}
     for name in (n for n in names if n not in outputs):
         probe.graph.output.append(onnx.helper.make_tensor_value_info(name, types[name].type.tensor_type.elem_type, None))
-    feeds, _ = random_inputs([tensor_spec(types[name]) for name in index.inputs], dims)  # an unknown dim name: InputError, now
+    specs = [tensor_spec(types[name]) for name in index.inputs]
+    feeds, _ = random_inputs(specs, dims, values=graph_values(index.model))  # an unknown dim name: InputError, now
     try:
         if any(t.data_location == onnx.TensorProto.EXTERNAL for t in probe.graph.initializer):
             if source_dir is None:

@@ -20,12 +20,14 @@ from onnxpipe.builder import PipelineConfig, tensor_nbytes, tensor_spec, weights
 from onnxpipe.builder._batching import INPUT_DIMS_KEY, format_dims
 from onnxpipe.builder._modules import PROTOBUF_LIMIT, move_into_place
 from onnxpipe.runtime import ModelMetadata, PipelineSpec, TensorSpec
+from onnxpipe.runtime._values import INPUT_VALUES_KEY, format_values
 from onnxpipe.splitter._batchcuts import UnbatchedCuts
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._remeasure import REMEASURE_BELOW, remeasure
 from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, genai_head_dims, pair_states
+from onnxpipe.splitter._values import graph_values
 
 if TYPE_CHECKING:
     from onnxpipe.splitter._auto import AutoSplit, SplitPolicy
@@ -304,9 +306,12 @@ def split(
     for i, m in enumerate(models):
         config.add_stage(m, f"stage{i}", source_dir=folder)
     named, invented = _declared_dim_names(proto), _invented_dim_names(proto)
-    for name in index.inputs:
-        if name not in state_inputs:  # the pipeline feeds states itself
-            config.add_input(_without_invented_dims(tensor_spec(types[name]), named, invented))
+    inputs = {name: _without_invented_dims(tensor_spec(types[name]), named, invented) for name in index.inputs if name not in state_inputs}
+    for spec in inputs.values():  # the pipeline feeds states itself
+        config.add_input(spec)
+    values = graph_values(proto, inputs)
+    if values:  # what the inputs' values mean, for sample inputs where no graph is read (Note: sample values)
+        config.metadata[INPUT_VALUES_KEY] = format_values(values)
     for name in index.outputs:
         if name not in state_outputs:
             config.add_output(_without_invented_dims(tensor_spec(types[name]), named, invented))

@@ -60,8 +60,10 @@ from onnxpipe.runtime import (
 from onnxpipe.runtime._compare import difference
 from onnxpipe.runtime._inputs import DecoderInputs, defaulted_dims, dim_key, dims_hint, feed_shapes
 from onnxpipe.runtime._stream import bind_dims
+from onnxpipe.runtime._values import spec_values, split_sizes
 from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._plan import SplitPlan
+from onnxpipe.splitter._values import graph_values
 
 __all__ = ["Comparison", "VerifyReport", "verify"]
 
@@ -218,8 +220,10 @@ def verify(
         else:
             given = "the random inputs"
             generated: list[Mapping[str, np.ndarray]] = []
+            dims, notes = split_sizes(spec, dims)  # the sizes the split was made for, unless given
+            meanings = spec_values(spec) or graph_values(proto, {t.name: t for t in spec.inputs})  # Note: sample values
             for k in range(samples):
-                sample, dim_notes = random_inputs(spec.inputs, dims, seed + k)
+                sample, dim_notes = random_inputs(spec.inputs, dims, seed + k, meanings)
                 generated.append(sample)
                 notes.extend(n for n in dim_notes if n not in notes)
             inputs = generated
@@ -346,6 +350,7 @@ class _StreamFeeds:
         logits = next((t for t in spec.outputs if t.name == "logits" and t.shape is not None and len(t.shape) == 3), None)
         self.logits = logits.name if logits is not None and self.new is not None else None
         self.notes: list[str] = []
+        self.values = spec_values(spec)  # Note: sample values
         check_dims(self.specs, dims)  # a dims key no input has is refused before any step runs
 
     def step(self, step: int, before: Mapping[str, np.ndarray], seed: int) -> tuple[dict[str, np.ndarray], str]:
@@ -356,7 +361,7 @@ class _StreamFeeds:
             dims[key] = 0 if step == 0 else before[output].shape[axis]
         if self.new is not None:
             dims[self.new] = self.prompt if step == 0 else 1
-        feeds, notes = random_inputs(self.specs, dims, seed)
+        feeds, notes = random_inputs(self.specs, dims, seed, self.values)
         self.notes.extend(n for n in notes if n not in self.notes)
         if step > 0 and self.logits is not None and self.tokens is not None:
             feeds[self.tokens.name] = np.argmax(before[self.logits][:, -1:, :], axis=-1).astype(feeds[self.tokens.name].dtype)
