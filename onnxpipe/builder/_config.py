@@ -37,7 +37,7 @@ from onnxpipe._errors import ConfigError, closest
 from onnxpipe.builder._modules import io_specs, save_model, weight_specs
 from onnxpipe.builder._wiring import Wiring
 from onnxpipe.runtime import CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, TensorSpec
-from onnxpipe.runtime._spec import check_entry_point, check_state_ends, find_tensor
+from onnxpipe.runtime._spec import RUNS, check_entry_point, check_state_ends, find_tensor
 
 __all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "SplitPieces", "Stage"]
 
@@ -60,6 +60,8 @@ class Stage:
         settings: How the stage's session is made (see :class:`StageSettings`).
         build: What the builder did to the module (empty until built).
         code: For a code stage, its entry point and parameters (then ``model`` and ``path`` are ``None``).
+        runs: When it runs in a stream: ``"every"`` step, or the ``"first"`` only (an encoder; see
+            ``PipelineSpec``'s Note: first-step stages, docs/streams.md).
     """
 
     config: PipelineConfig
@@ -73,6 +75,7 @@ class Stage:
     settings: StageSettings = field(default_factory=StageSettings)
     build: dict[str, Any] = field(default_factory=dict)
     code: CodeSpec | None = None
+    runs: str = "every"
 
     @property
     def is_code(self) -> bool:
@@ -203,6 +206,7 @@ class PipelineConfig:
         *,
         settings: StageSettings | None = None,
         source_dir: str | os.PathLike[str] | None = None,
+        runs: str = "every",
     ) -> Stage:
         """Add a stage from a ModelProto or an .onnx file.
 
@@ -211,6 +215,8 @@ class PipelineConfig:
             name: Unique stage name (default ``stage<N>``).
             settings: Session settings (default :class:`StageSettings`: CPU, 1 thread, no spinning).
             source_dir: For an in-memory model with external-data references: their folder.
+            runs: ``"every"`` step of a stream, or ``"first"``: the stream's first step only (an
+                encoder whose output the later stages keep: docs/streams.md).
 
         Returns:
             The stage, whose :meth:`Stage.input` / :meth:`Stage.output` give connectable ports.
@@ -219,7 +225,9 @@ class PipelineConfig:
             ConfigError: duplicate name, unreadable file, or a boundary value that is not a tensor.
         """
         name = self._new_name(name)
-        stage = self._stages[name] = _module_stage(self, name, model, settings, source_dir)
+        stage = _module_stage(self, name, model, settings, source_dir)
+        stage.runs = _runs(runs, name)
+        self._stages[name] = stage
         return stage
 
     def add_python_stage(
@@ -460,6 +468,7 @@ class PipelineConfig:
                 settings=s.settings,
                 build=dict(s.build),
                 code=s.code,
+                runs=s.runs,
             )
             for s in order
         )
@@ -530,10 +539,10 @@ class PipelineConfig:
         for s in spec.stages:
             if s.code is not None:
                 stage = config.add_python_stage(s.code.entry, inputs=s.inputs, outputs=s.outputs, params=s.code.params, name=s.name, settings=s.settings)
-                stage.build = dict(s.build)
+                stage.build, stage.runs = dict(s.build), s.runs
                 continue
             assert s.module is not None
-            stage = config.add_stage(Path(base_dir) / s.module, s.name, settings=s.settings)
+            stage = config.add_stage(Path(base_dir) / s.module, s.name, settings=s.settings, runs=s.runs)
             stage.build = dict(s.build)
             if (stage.inputs, stage.outputs) != (s.inputs, s.outputs):
                 raise ConfigError(f"stage '{s.name}': module '{s.module}' does not match the boundary in the config")
@@ -560,7 +569,7 @@ class PipelineConfig:
         targets = self._wiring.targets()
         for s in self._ordered():
             what = f"code {s.code.entry}" if s.code else s.path.name if s.path else "in memory"
-            lines.append(f"  stage '{s.name}' ({what}; {_describe(s.settings)})")
+            lines.append(f"  stage '{s.name}' ({what}; {_describe(s.settings)}{'; runs on the first step only' if s.runs == 'first' else ''})")
             lines.extend(f"    in  {t}  <- {self._wiring.feed(Endpoint(s.name, t.name))}" for t in s.inputs)
             for t in s.outputs:
                 lines.append(f"    out {t}  -> {', '.join(str(d) for d in targets.get(Endpoint(s.name, t.name), [])) or 'unused'}")
@@ -571,6 +580,13 @@ class PipelineConfig:
     def to_json(self) -> str:
         """The wiring as JSON (module paths as :meth:`to_spec` gives them)."""
         return json.dumps(self.to_spec().to_dict(), indent=2)
+
+
+def _runs(runs: object, name: str) -> str:
+    """A stage's ``runs``, checked where it is given."""
+    if runs not in RUNS:
+        raise ConfigError(f"stage '{name}': runs must be one of {', '.join(repr(r) for r in RUNS)}, got {runs!r}")
+    return str(runs)
 
 
 def _describe(settings: StageSettings) -> str:

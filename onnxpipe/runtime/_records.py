@@ -16,7 +16,7 @@ from onnxpipe._errors import StageError, StreamError
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads
 
-__all__ = ["CLOSE", "Call", "Failure", "Request", "StagePlan", "claimed", "plan_stages", "stage_failed"]
+__all__ = ["CLOSE", "Call", "Failure", "Request", "StagePlan", "claimed", "passes", "plan_stages", "stage_failed"]
 
 #: ``Request.step`` of a control request that closes its stream: each stateful runner drops the
 #: stream's state; stateless ones pass it on.
@@ -106,6 +106,13 @@ class StagePlan:
     states: tuple[StateLink, ...] = ()  # fed by the runner from its streams' state, not from the bag
     streams: bool = False  # the pipeline keeps state: its steps are batched at the entry, never in the stage's queue
     pads: Mapping[Endpoint, tuple[int, float]] = field(default_factory=dict)  # bag values that grow with the past (scheduling.bag_pads)
+    kept: tuple[str, ...] = ()  # inputs kept per stream from its first step (PipelineSpec, Note: first-step stages)
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether its runner holds something per stream (state links or kept inputs), so that a
+        stream's requests must reach the replica holding it."""
+        return bool(self.states or self.kept)
 
     @property
     def max_batch(self) -> int:
@@ -139,8 +146,21 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
         produced = [Endpoint(stage.name, t.name) for t in stage.outputs]
         drop = [k for k, last in last_use.items() if last == i and k not in keep]
         drop += [k for k in produced if k not in last_use and k not in keep]  # outputs nothing reads
-        plans.append(StagePlan(stage, sources, tuple(t.name for t in stage.outputs), tuple(drop), spec.states_of(stage.name), bool(spec.states), pads))
+        plans.append(StagePlan(stage, sources, tuple(t.name for t in stage.outputs), tuple(drop), spec.states_of(stage.name), bool(spec.states), pads,
+                               spec.kept_inputs(stage.name)))
     return plans, finals
+
+
+def passes(plan: StagePlan, request: Request) -> bool:
+    """Whether ``request`` passes the stage without a run: a later step of a stream (or a batch of
+    later steps) at a stage that runs on the first step only (PipelineSpec, Note: first-step
+    stages). Every engine asks it; a runner asked to run such a request does nothing."""
+    if not plan.stage.first_step_only:
+        return False
+    batch = request.batch
+    if batch is not None:
+        return bool(len(batch)) and batch.steps[0] > 0  # a batch's steps share their kind (the scheduler's key)
+    return request.step > 0 or request.step == CLOSE
 
 
 def stage_failed(stage: str, request: int, cause: object, attempts: int | None = None) -> StageError:

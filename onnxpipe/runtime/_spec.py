@@ -28,6 +28,7 @@ from onnxpipe.runtime._settings import StageSettings
 __all__ = [
     "SPEC_FORMAT",
     "SPEC_VERSION",
+    "RUNS",
     "Batching",
     "Dim",
     "Endpoint",
@@ -51,6 +52,9 @@ SPEC_FORMAT = "onnxpipe.pipeline"
 SPEC_VERSION = 2
 #: The versions this onnxpipe reads: a version 1 spec is a version 2 spec without the new fields.
 READ_VERSIONS = (1, 2)
+
+#: When a stage runs in a stream (``StageSpec.runs``): on every step, or on the first step only.
+RUNS = ("every", "first")
 
 #: One dimension of a shape: a size, a symbolic name (``"batch"``), or ``None`` when dynamic
 #: without a name (see Note: dynamic dims).
@@ -315,6 +319,8 @@ class StageSpec:
         code: For a code stage, its entry point and parameters (spec version 2; ``module`` is
             then ``None``).
         batching: How it batches (written by the build when ``settings.max_batch`` is above 1).
+        runs: When it runs in a stream (:data:`RUNS`): ``"every"`` step, or on the ``"first"``
+            step only (an encoder: see Note: first-step stages, :class:`PipelineSpec`).
     """
 
     name: str
@@ -325,6 +331,12 @@ class StageSpec:
     build: Mapping[str, Any] = field(default_factory=dict)
     code: CodeSpec | None = None
     batching: Batching | None = None
+    runs: str = "every"
+
+    @property
+    def first_step_only(self) -> bool:
+        """Whether the stage runs on a stream's first step only (``runs == "first"``)."""
+        return self.runs == "first"
 
     @property
     def is_code(self) -> bool:
@@ -341,6 +353,8 @@ class StageSpec:
         """
         if (self.module is None) == (self.code is None):
             raise ConfigError(f"stage '{self.name}' must have either a module or code (an entry point), not {'both' if self.code else 'neither'}")
+        if self.runs not in RUNS:
+            raise ConfigError(f"stage '{self.name}': runs must be one of {', '.join(repr(r) for r in RUNS)}, got {describe_json(self.runs)}")
         _unique(f"input of stage '{self.name}'", (t.name for t in self.inputs))
         _unique(f"output of stage '{self.name}'", (t.name for t in self.outputs))
         for spec in (*self.inputs, *self.outputs):
@@ -460,6 +474,24 @@ class PipelineSpec:
 
     Build one through :class:`onnxpipe.builder.PipelineConfig`; :meth:`validate` checks the
     invariants the runtime relies on.
+
+    Note: first-step stages.
+        A stage with ``runs == "first"`` (an encoder: Whisper's audio encoder, T5's text encoder)
+        runs on a stream's first step only; on its later steps every engine passes the request
+        through it without a call. What it makes is needed on every step all the same (the
+        decoder's cross-attention reads the encoder's output each step), so each later stage
+        that reads it *keeps* it: a **kept input** is an input of an every-step stage fed by a
+        first-step stage's output, or by a pipeline input that a first-step stage reads (a
+        **first-step input**: T5's ``attention_mask``, which the encoder reads and the decoder
+        reads as ``encoder_attention_mask``). The stage takes a kept input from the bag on the
+        stream's first step and keeps that value per stream, feeding it on every later step as
+        it feeds a state (``StageRunner``: held with the stream's state, batched as one block,
+        dropped when the stream closes). First-step inputs are given on a stream's first step
+        and on no other (a later step that gives one is refused: the stream would not use it).
+        A kept input is not a state link: a state link feeds a stage's *output* back to its own
+        input; a kept input is the first step's *input*, kept as it came. Validation refuses a
+        first-step stage with state links, in a pipeline without state links (no streams), or
+        feeding a pipeline output (later steps would have no value for it).
     """
 
     inputs: tuple[TensorSpec, ...]
@@ -492,6 +524,32 @@ class PipelineSpec:
     def _sources(self) -> dict[Endpoint, Endpoint]:
         return {link.dst: link.src for link in self.links}
 
+    @property
+    def first_step_inputs(self) -> tuple[str, ...]:
+        """The pipeline inputs a stream gives on its first step only: those a first-step stage
+        reads (Note: first-step stages); empty without first-step stages."""
+        return self._first_steps[0]
+
+    def kept_inputs(self, stage: str) -> tuple[str, ...]:
+        """The inputs of ``stage`` it keeps per stream from the stream's first step (Note:
+        first-step stages); empty for a first-step stage and where there is none."""
+        return self._first_steps[1].get(stage, ())
+
+    @cached_property
+    def _first_steps(self) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+        first = {s.name for s in self.stages if s.first_step_only}
+        if not first:
+            return (), {}
+        read = {lk.src.tensor for lk in self.links if lk.src.stage is None and lk.dst.stage in first}
+        inputs = tuple(t.name for t in self.inputs if t.name in read)
+        kept: dict[str, list[str]] = {}
+        for lk in self.links:
+            once = lk.src.stage in first if lk.src.stage is not None else lk.src.tensor in read
+            if once and lk.dst.stage is not None and lk.dst.stage not in first:
+                kept.setdefault(lk.dst.stage, []).append(lk.dst.tensor)
+        order = {s.name: [t.name for t in s.inputs] for s in self.stages}
+        return inputs, {name: tuple(sorted(names, key=order[name].index)) for name, names in kept.items()}
+
     def validate(self) -> None:
         """Check the wiring; raise one :class:`ConfigError` describing the first problem found.
 
@@ -512,6 +570,7 @@ class PipelineSpec:
             self._check_state(state, fed)
             fed[Endpoint(state.stage, state.input)] = Link(Endpoint(state.stage, state.output), Endpoint(state.stage, state.input))
         self._check_fed(fed)
+        self._check_first_steps()
 
     def _check_names(self) -> None:
         """Unique names of stages, pipeline inputs and outputs, param groups, and of each group's
@@ -553,6 +612,23 @@ class PipelineSpec:
         for t in self.outputs:
             if Endpoint(None, t.name) not in fed:
                 raise ConfigError(f"pipeline output '{t.name}' is not fed by any link")
+
+    def _check_first_steps(self) -> None:
+        """First-step stages (Note: first-step stages): in a pipeline with streams, keeping no
+        state of their own, feeding no pipeline output."""
+        for stage in self.stages:
+            if not stage.first_step_only:
+                continue
+            where = f"stage '{stage.name}' runs on a stream's first step only (runs \"first\")"
+            if not self.states:
+                raise ConfigError(f"{where}, but the pipeline keeps no state between steps (no state links), so it has no streams; "
+                                  "make it run on every step, or add the decoder's state links")
+            if self.states_of(stage.name):
+                raise ConfigError(f"{where}, yet it has state links ({self.states_of(stage.name)[0]}): a stage that runs once has no next step to feed")
+            outputs = [lk.dst.tensor for lk in self.links if lk.src.stage == stage.name and lk.dst.stage is None]
+            if outputs:
+                raise ConfigError(f"{where}, yet it feeds pipeline output '{outputs[0]}', which its later steps would lack; "
+                                  "read it in a later stage, or make the stage run on every step")
 
     def _check_state(self, state: StateLink, fed: Mapping[Endpoint, Link]) -> None:
         """One state link: its ends (see :func:`check_state_ends`), its input fed by it alone, and
@@ -815,6 +891,7 @@ def _stage_to_dict(s: StageSpec) -> dict[str, Any]:
         "settings": s.settings.to_dict(),
         "build": dict(s.build),
         **({"batching": s.batching.to_dict()} if s.batching is not None else {}),
+        **({"runs": s.runs} if s.runs != "every" else {}),  # written only when set, so other stages' JSON is as before
     }
 
 
@@ -848,6 +925,7 @@ def _stage_from_dict(s: dict[str, Any], where: str) -> StageSpec:
         settings=parsed,
         build=dict(build),
         batching=Batching.from_dict(s["batching"], where) if "batching" in s else None,
+        runs=_need(s, "runs", str, where, "every"),
     )
 
 

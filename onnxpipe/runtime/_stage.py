@@ -37,6 +37,18 @@ Note: state blocks.
     not hold its step, each member runs alone (nothing was committed): a member that fails leaves
     the batch with its error, and the others go on to the next stage as a smaller batch.
 
+Note: kept inputs.
+    A stage's inputs fed by a first-step stage (an encoder's output, or a pipeline input the
+    encoder reads: ``PipelineSpec``, Note: first-step stages) are in the bag on a stream's first
+    step only. The runner keeps them with the stream's state: ``_made_state`` puts each kept
+    input's value as it was fed beside the state outputs, so a later step is fed it from the
+    stream's state as a state is (``_feeds``, which reads the bag without them:
+    ``_later_sources``), a batch's block holds them in its rows, and a close drops them. Nothing
+    is copied: the value kept is the array the first step was fed. Members whose kept values
+    differ in shape (T5's encoder outputs of different lengths) cannot share a block and run
+    apart (``_joined_block``). A stage with kept inputs keeps its state as arrays, never in place
+    (``in_place_axes``).
+
 Note: state bytes copied.
     A runner counts the bytes of streams' state that are copied for its runs (``copied``, each
     run's share in its ``Call``, summed in ``StageStats.bytes_copied``): its own copies (a block
@@ -79,7 +91,7 @@ from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, res
 from onnxpipe.runtime._handoff import Handoff, handoff_for
 from onnxpipe.runtime._inplace import InSlab
 from onnxpipe.runtime._inputs import check_inputs
-from onnxpipe.runtime._records import CLOSE, Call, Failure, Request, StagePlan, claimed, plan_stages, stage_failed
+from onnxpipe.runtime._records import CLOSE, Call, Failure, Request, StagePlan, claimed, passes, plan_stages, stage_failed
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
 from onnxpipe.runtime._settings import check_cores
 from onnxpipe.runtime._spec import Endpoint, StageSpec
@@ -89,7 +101,7 @@ from onnxpipe.runtime.scheduling import StepBatch, member_rows, pad_stack, take_
 
 __all__ = [
     "CLOSE", "Call", "CodeRunner", "Failure", "Request", "Runner", "RunnerBase", "StagePlan", "StageRunner", "claimed", "host_placement",
-    "make_runner", "pinned_replica", "plan_stages", "stage_failed",
+    "make_runner", "passes", "pinned_replica", "plan_stages", "stage_failed",
 ]
 
 _clock = time.perf_counter
@@ -141,6 +153,7 @@ class RunnerBase:
     for a caller outside an engine."""
 
     name: str
+    plan: StagePlan
     #: Bytes of streams' state copied so far (Note: state bytes copied); each run's share is its ``Call.copied``.
     copied = 0
 
@@ -149,12 +162,18 @@ class RunnerBase:
         batch of steps that failed and left it. Raises what the stage raised."""
         raise NotImplementedError
 
+    @property
+    def _first_only(self) -> bool:
+        return self.plan.stage.first_step_only
+
     def run(self, request: Request) -> Call:
         """Run the stage for one request (a batch of streams' steps is one) and say what happened;
         never raises: what :meth:`_compute` raised fails the request, in the :class:`Call`."""
         batch = request.batch  # its size, inlined: run() is on every request's path through every stage
         size = 0 if request.step == CLOSE else 1 if batch is None else len(batch)
         start, copied = _clock(), self.copied
+        if self._first_only and passes(self.plan, request):
+            return Call((request.id,), start, start, 0)  # a later step at a first-step stage: no run, not counted
         try:
             failures = self._compute(request)
         except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
@@ -164,7 +183,8 @@ class RunnerBase:
     def __call__(self, request: Request) -> None:
         """Run the stage for one request, raising what the stage raised (for callers outside an
         engine); the members of a batch of steps that fail leave it (``request.batch.failed``)."""
-        self._compute(request)
+        if not passes(self.plan, request):
+            self._compute(request)
 
 
 def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
@@ -189,6 +209,11 @@ class StageRunner(StateKeeper, RunnerBase):
         #: Per stream: (steps in the state, the state: its own arrays, or its rows of a block). See Note: state blocks.
         self.states: dict[int, tuple[int, Held]] = {}
         self._state_at = tuple((s.input, plan.outputs.index(s.output)) for s in plan.states)
+        #: Inputs kept per stream from its first step (Note: kept inputs), held with its state.
+        self._kept_in = plan.kept
+        self._holds = bool(self._state_at or plan.kept)
+        #: The bag keys a later step reads: not the kept inputs, which its bag lacks.
+        self._later_sources = tuple((name, key) for name, key in plan.sources if name not in plan.kept)
         #: Requests taken from the stage's queue that may run as one call (stateless requests: Note: batched calls).
         self.max_batch = plan.max_batch
         #: The feeds stacked along dim 0; the others (parameter overrides) are the batch's own, as one.
@@ -238,7 +263,7 @@ class StageRunner(StateKeeper, RunnerBase):
         """One request alone: its feeds (its stream's state as arrays), one call, its state committed as the outputs came."""
         feeds = self._feeds(request)
         results = self._run(feeds)
-        if self._state_at:
+        if self._holds:
             assert request.stream is not None
             self._commit(request, request.stream, request.step, self._made_state(feeds, results))
         self._hand_on(request.values, results)
@@ -255,14 +280,18 @@ class StageRunner(StateKeeper, RunnerBase):
         its stream's state."""
         # On every request's path: a loop (no comprehension's frame before Python 3.12), _inputs inlined.
         values, feeds = request.values, {}
-        for name, key in self.plan.sources:
+        for name, key in self._later_sources if self._kept_in and request.step > 0 else self.plan.sources:
             feeds[name] = values[key]
         own = request.params.get(self.name)
         if own:
             feeds.update(own)
-        if self._state_at:
+        if self._holds:
             feeds.update(self._own(self._held(request.stream, request.step, request.dims), request.stream))
         return feeds
+
+    def _sources(self, later: bool) -> tuple[tuple[str, Endpoint], ...]:
+        """The (input, bag key) pairs a step reads from the bag: a later step's lack the kept inputs."""
+        return self._later_sources if later else self.plan.sources
 
     def _inputs(self, request: Request, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``feeds`` (the stage's inputs from the bag) with the request's parameter overrides for this stage."""
@@ -282,11 +311,11 @@ class StageRunner(StateKeeper, RunnerBase):
         if not len(batch):
             return ()  # every member failed in an earlier stage
         values = request.values
-        feeds = self._inputs(request, {name: values[key] for name, key in self.plan.sources})
+        feeds = self._inputs(request, {name: values[key] for name, key in self._sources(batch.steps[0] > 0)})
         if self._axes and batch.length and batch.rows[-1] == len(batch) and not request.params.get(self.name):
             return self._run_in_place(request, feeds)
         try:
-            if self._state_at:
+            if self._holds:
                 block = self._block_for(batch)
                 if block is None:
                     self.unbatched = "the members' states do not line up with the batch's padding"
@@ -300,7 +329,7 @@ class StageRunner(StateKeeper, RunnerBase):
         if any(np.ndim(r) == 0 or len(r) != total for r in results):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
             return self._replay(request)
-        if self._state_at:
+        if self._holds:  # its state and kept inputs (Note: kept inputs)
             made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results))
             states = self.states
             size, rows = sum(a.nbytes for a in made.arrays.values()), max(batch.rows[-1], 1)
@@ -325,15 +354,15 @@ class StageRunner(StateKeeper, RunnerBase):
         done: list[tuple[int, list[Any]]] = []
         for j, (stream, step, dims) in enumerate(zip(batch.streams, batch.steps, batch.dims, strict=True)):
             lo, hi, shift = batch.rows[j], batch.rows[j + 1], batch.shifts[j]
-            feeds = self._inputs(request, {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self.plan.sources})
+            feeds = self._inputs(request, {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self._sources(step > 0)})
             try:
-                if self._state_at:
+                if self._holds:
                     feeds.update(self._own(self._held(stream, step, dims), stream))
                 results = self._run(feeds)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
                 gone[j] = Failure(batch.ids[j], self.name, str(e), member=True)
                 continue
-            if self._state_at:
+            if self._holds:
                 self._commit(request, stream, step, self._made_state(feeds, results))
             done.append((j, results))
         self._rejoin(values, batch, done)
@@ -540,12 +569,12 @@ class CodeRunner(RunnerBase):
 def pinned_replica(plan: StagePlan, request: Request, replicas: int) -> int | None:
     """The replica of a stage that must run ``request``, or None when any replica may.
 
-    A stream's request in a stage with state goes to replica ``stream % replicas``, whose runner
+    A stream's request in a stage with state (or kept inputs) goes to replica ``stream % replicas``, whose runner
     holds the stream's state (streams are numbered in order, so they spread evenly). Every engine
     routes by this (see Note: streams, ``_thread.py``).
     """
     route = request.route
-    if route is None or not plan.states:
+    if route is None or not plan.keeps_state:
         return None
     return route % replicas
 

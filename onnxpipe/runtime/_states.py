@@ -80,7 +80,7 @@ def in_place_axes(plan: StagePlan, session: ort.InferenceSession, right: bool) -
     growing axis for a step alone; the same for a batch, where the stage batches streams' steps
     with its states right-padded (as the build's probe found). Empty, empty, empty otherwise."""
     links = plan.states
-    if not links or not all(s.shared and s.empty_axis is not None for s in links) or session_device(session) is not None:
+    if not links or plan.kept or not all(s.shared and s.empty_axis is not None for s in links) or session_device(session) is not None:
         return {}, {}, {}
     axes = {s.input: s.empty_axis for s in links if s.empty_axis is not None}
     return {s.input: s.output for s in links}, axes, axes if plan.batches and right else {}
@@ -104,6 +104,7 @@ class StateKeeper:
     _lone_axes: dict[str, int]
     _axes: dict[str, int]
     _made_apart: tuple[str, ...]
+    _kept_in: tuple[str, ...]
     _kept: tuple[tuple[int, Endpoint], ...]
     _dropped: tuple[Endpoint, ...]
 
@@ -118,14 +119,17 @@ class StateKeeper:
 
 
     def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any]) -> dict[str, np.ndarray]:
-        """The state outputs of a call, by state input; the past the session copied into each
-        present it made apart from it is counted (Note: state bytes copied)."""
+        """The state outputs of a call, by state input, and the kept inputs as they were fed
+        (Note: kept inputs, ``_stage``); the past the session copied into each present it made
+        apart from it is counted (Note: state bytes copied)."""
         state = {}
         for name, at in self._state_at:
             made, past = results[at], fed[name]
             if not np.may_share_memory(made, past):
                 self.copied += past.nbytes
             state[name] = made
+        for name in self._kept_in:
+            state[name] = fed[name]
         return state
 
     def _commit(self, request: Request, stream: int, step: int, state: dict[str, np.ndarray]) -> None:
@@ -143,7 +147,8 @@ class StateKeeper:
             StageError: the state does not hold exactly ``step`` steps (an earlier step failed).
         """
         if stream is None:
-            raise StageError(f"stage '{self.name}' keeps state per stream ({self.plan.states[0]}): run the pipeline through pipe.stream()", stage=self.name)
+            what = self.plan.states[0] if self.plan.states else f"input '{self.plan.kept[0]}' kept from a stream's first step"
+            raise StageError(f"stage '{self.name}' keeps state per stream ({what}): run the pipeline through pipe.stream()", stage=self.name)
         if step == 0:
             if stream in self.states:
                 raise AssertionError(f"stream {stream} started twice in stage '{self.name}'")
@@ -210,13 +215,15 @@ class StateKeeper:
         when a member's state does not fit its rows or its padding."""
         owns = [self._own(h, s) for h, s in zip(helds, batch.streams, strict=True)]
         out: dict[str, np.ndarray] = {}
-        for name, _ in self._state_at:
+        for name in owns[0]:  # the states, and at a later step the kept inputs
             parts = [own[name] for own in owns]
             if any(len(p) != batch.rows[j + 1] - batch.rows[j] for j, p in enumerate(parts)):
                 return None
             axis = self._empty.get(name)
             if axis is not None and len({p.shape[axis] + s for p, s in zip(parts, batch.shifts, strict=True)}) != 1:
                 return None
+            if axis is None and len({p.shape[1:] for p in parts}) != 1:
+                return None  # members whose kept encoder outputs differ in length (T5's) run apart
             out[name] = pad_stack(parts, axis, 0.0, batch.shifts, self._right) if axis is not None and any(batch.shifts) else np.concatenate(parts)
         self.copied += sum(a.nbytes for a in out.values())
         return out

@@ -209,7 +209,7 @@ class _StageActor:
         """Whether a step after a stream's first needs state this actor does not hold: it was
         restarted (Ray's ``max_restarts``) after the stream began here."""
         runner = self._runner
-        return self._restarted and step > 0 and runner is not None and bool(runner.plan.states) and stream not in runner.streams()
+        return self._restarted and step > 0 and runner is not None and runner.plan.keeps_state and stream not in runner.streams()
 
     def _drop_lost(self, request: Request, lost: Mapping[int, str]) -> tuple[Failure, ...]:
         """Members of a batch whose state is gone (the driver says so, or this actor restarted
