@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "generate", "gpt_decoder", "growing", "recurrent", "session_generate", "whole_generate",
+__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "encoder_decoder", "encoder_decoder_whole", "generate", "gpt_decoder", "growing", "recurrent", "session_generate", "whole_generate",
            "whole_recurrent"]
 
 F = TensorProto.FLOAT
@@ -279,3 +279,45 @@ def decode_in_threads(pipe: Any, prompts: list[list[int]], counts: list[int], ap
 def whole_generate(model: ModelProto, prompt: list[int], count: int, threads: int = 1) -> tuple[list[int], list[np.ndarray]]:
     """:func:`session_generate` with a new session of the whole model."""
     return session_generate(decoder_session(model, threads), prompt, count)
+
+
+def encoder_decoder() -> tuple[ModelProto, ModelProto]:
+    """An encoder and a decoder, as optimum exports a seq2seq model's two halves (issue 39): the
+    encoder ``h = 2 * x * mask`` (``x``, ``mask`` ``[batch, n]``) and the decoder
+    ``y = state + tok + ReduceSum(h * mask, axis 1)`` with ``stateN = y`` (``tok``, ``state``
+    ``[batch, 1]``), so each step's ``y`` says whether the decoder was fed the encoder's output and
+    the mask of the stream's first step: ``y_t = sum of tok_0..tok_t + (t + 1) * ctx``, ``ctx =
+    sum(2 * x * mask * mask)``."""
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    encoder = helper.make_graph(
+        [helper.make_node("Mul", ["x", "mask"], ["xm"], name="masked"), helper.make_node("Mul", ["xm", "two"], ["h"], name="scaled")],
+        "encoder",
+        [helper.make_tensor_value_info("x", F, ["batch", "n"]), helper.make_tensor_value_info("mask", F, ["batch", "n"])],
+        [helper.make_tensor_value_info("h", F, ["batch", "n"])],
+        [two],
+    )
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    decoder = helper.make_graph(
+        [
+            helper.make_node("Mul", ["h", "mask"], ["hm"], name="attend"),
+            helper.make_node("ReduceSum", ["hm", "axes"], ["ctx"], keepdims=1, name="pool"),
+            helper.make_node("Add", ["state", "tok"], ["st"], name="carry"),
+            helper.make_node("Add", ["st", "ctx"], ["y"], name="out"),
+            helper.make_node("Identity", ["y"], ["stateN"], name="next"),
+        ],
+        "decoder",
+        [helper.make_tensor_value_info(n, F, ["batch", d]) for n, d in (("tok", 1), ("h", "n"), ("mask", "n"), ("state", 1))],
+        [helper.make_tensor_value_info("y", F, ["batch", 1]), helper.make_tensor_value_info("stateN", F, ["batch", 1])],
+        [axes],
+    )
+    return tuple(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8) for g in (encoder, decoder))  # type: ignore[return-value]
+
+
+def encoder_decoder_whole(x: np.ndarray, mask: np.ndarray, toks: list[np.ndarray]) -> list[np.ndarray]:
+    """What :func:`encoder_decoder`'s decoder gives at each step, worked out with numpy."""
+    ctx = np.sum(2 * x * mask * mask, axis=1, keepdims=True)
+    state, out = np.zeros((len(x), 1), np.float32), []
+    for tok in toks:
+        state = state + tok + ctx
+        out.append(state)
+    return out

@@ -65,7 +65,7 @@ from onnxpipe.runtime import Batching, Endpoint, PipelineSpec, StageSpec, Tensor
 from onnxpipe.runtime._inputs import MASK_NAMES, DecoderInputs, random_array
 from onnxpipe.runtime._overrides import check_stream_batching
 from onnxpipe.runtime._session import make_session
-from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
+from onnxpipe.runtime._stage import Request, StageRunner, passes, plan_stages
 from onnxpipe.runtime._stream import bind_dims, state_dims
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, batch_length, member_outputs, stack_steps
 
@@ -95,6 +95,7 @@ def parse_dims(text: str) -> dict[str, int]:
     return out
 
 _PASTS = (3, 5)  # the probe streams' pasts at their first decode step
+_ENCODED = 4  # the symbolic dims of the probe streams' first-step inputs (an encoder's input length)
 _PROMPTS = (3, 5)
 
 
@@ -123,7 +124,7 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
         if stage.settings.batch_pad and stage not in growing:
             raise BuildError(f"stage '{stage.name}': batch_pad is for a stage that batches streams whose state grows (max_batch above 1 "
                              "and a state link with an empty axis); this one has none to pad")
-    mask = DecoderInputs.of(spec.inputs).mask if spec.states else None
+    mask = DecoderInputs.of(_every_step_inputs(spec)).mask if spec.states else None
     if growing and mask is None:
         names = ", ".join(t.name for t in spec.inputs)
         raise BuildError(
@@ -141,6 +142,12 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
             raise BuildError(f"stage '{growing[0].name}': cannot check that its streams batch ({e}); set max_batch=1 for it") from None
     stages = tuple(dataclasses.replace(s, batching=records[s.name]) if s.name in records else s for s in spec.stages)
     return dataclasses.replace(spec, stages=stages)
+
+
+def _every_step_inputs(spec: PipelineSpec) -> list[TensorSpec]:
+    """The pipeline inputs a stream gives on every step: not an encoder's (``first_step_inputs``),
+    whose mask is not the decoder's attention mask."""
+    return [t for t in spec.inputs if t.name not in spec.first_step_inputs]
 
 
 def _shared_pasts(stage: StageSpec, folder: Path) -> set[tuple[str, str]] | None:
@@ -208,7 +215,8 @@ class _Probe:
         self.spec = spec
         self.folder = folder
         self.mask = mask
-        self.positions = DecoderInputs.of(spec.inputs).positions
+        self.positions = DecoderInputs.of(_every_step_inputs(spec)).positions
+        self.once = frozenset(spec.first_step_inputs)
         self.plans, self.finals = plan_stages(spec)
         self.sessions: dict[str, ort.InferenceSession] = {}
         for plan in self.plans:
@@ -245,6 +253,12 @@ class _Probe:
         feeds = {}
         for t in self.spec.inputs:
             dtype = numpy_dtype(t.dtype)
+            if t.name in self.once:  # an encoder's input (PipelineSpec, Note: first-step stages): on a stream's first step only,
+                if past:  # one length for every stream, so what the later stages keep of it lines up
+                    continue
+                feeds[t.name] = random_array(t, [1 if axis == 0 else d if isinstance(d, int) else sizes.get(d or "", _ENCODED)
+                                                 for axis, d in enumerate(t.shape or ())], rng)
+                continue
             if self.mask is not None and t.name == self.mask.name:
                 feeds[t.name] = np.ones((1, past + new), dtype)
                 continue
@@ -275,7 +289,7 @@ class _Probe:
         for runner in runners:
             if seen is not None:
                 seen.setdefault(runner.name, [])
-                shapes = [{name: np.shape(v) for name, v in runner._feeds(r).items()} for r in group]
+                shapes = [{name: np.shape(v) for name, v in runner._feeds(r).items()} if not passes(runner.plan, r) else {} for r in group]
             calls = runner.run_many(group)
             for call in calls:
                 for failure in call.failures:
@@ -309,7 +323,9 @@ class _Probe:
         request = Request(group[0].id, {Endpoint(None, k): v for k, v in values.items()}, {}, 0.0, batch=batch)
         for k, runner in enumerate(runners):
             runner.unbatched = None
-            if k in replay:
+            if passes(runner.plan, request):
+                pass  # a later step at a first-step stage: no run, as in the engines
+            elif k in replay:
                 runner._replay(request)
             else:
                 runner(request)

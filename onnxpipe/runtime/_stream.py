@@ -84,6 +84,8 @@ def bind_dims(specs: Sequence[TensorSpec], arrays: Mapping[str, np.ndarray], nam
     """The size each of ``names`` has in the (checked) arrays, with the input that gave it."""
     sizes: dict[str, tuple[int, str]] = {}
     for spec in specs:
+        if spec.name not in arrays:
+            continue  # a first-step input, on a later step (PipelineSpec, Note: first-step stages)
         for d, size in zip(spec.shape or (), arrays[spec.name].shape, strict=False):
             if isinstance(d, str) and d in names:
                 sizes.setdefault(d, (size, spec.name))
