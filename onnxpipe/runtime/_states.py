@@ -99,6 +99,7 @@ class StateKeeper:
     unbatched: str | None
     _state_at: tuple[tuple[str, int], ...]
     _empty: dict[str, int]
+    _once: frozenset[str]
     _right: bool
     _presents: dict[str, str]
     _lone_axes: dict[str, int]
@@ -107,7 +108,7 @@ class StateKeeper:
     _kept: tuple[tuple[int, Endpoint], ...]
     _dropped: tuple[Endpoint, ...]
 
-    def _inputs(self, request: Request, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _inputs(self, request: Request, feeds: dict[str, np.ndarray], step: int | None = None) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     def _run_alone(self, request: Request) -> tuple[Failure, ...]:
@@ -117,12 +118,17 @@ class StateKeeper:
         raise NotImplementedError
 
 
-    def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any]) -> dict[str, np.ndarray]:
-        """The state outputs of a call, by state input; the past the session copied into each
-        present it made apart from it is counted (Note: state bytes copied)."""
+    def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any], first: bool) -> dict[str, np.ndarray]:
+        """The state outputs of a call, by state input (``first``: the call ran streams' first
+        steps); the past the session copied into each present it made apart from it is counted
+        (Note: state bytes copied). A state set once keeps what it was fed after the first step
+        (``StateLink``'s Note: a state set once): what a later step outputs for it is no update."""
         state = {}
         for name, at in self._state_at:
             made, past = results[at], fed[name]
+            if not first and name in self._once:
+                state[name] = past
+                continue
             if not np.may_share_memory(made, past):
                 self.copied += past.nbytes
             state[name] = made
@@ -217,6 +223,8 @@ class StateKeeper:
             axis = self._empty.get(name)
             if axis is not None and len({p.shape[axis] + s for p, s in zip(parts, batch.shifts, strict=True)}) != 1:
                 return None
+            if axis is None and len({p.shape[1:] for p in parts}) != 1:
+                return None  # a state that does not grow, of other sizes (an encoder's KV set once, of its input's length)
             out[name] = pad_stack(parts, axis, 0.0, batch.shifts, self._right) if axis is not None and any(batch.shifts) else np.concatenate(parts)
         self.copied += sum(a.nbytes for a in out.values())
         return out
