@@ -118,8 +118,9 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     except ConfigError as e:
         raise BuildError(str(e)) from None
     for stage in batching:
-        _check_batch_axes(stage)
-    growing = [s for s in batching if any(link.empty_axis is not None for link in spec.states_of(s.name))]
+        _check_batch_axes(stage, {f.input for f in spec.flags_of(stage.name)})
+    # A state set once never grows (StateLink's Note: a state set once), though it starts empty.
+    growing = [s for s in batching if any(link.empty_axis is not None and not link.once for link in spec.states_of(s.name))]
     for stage in spec.stages:
         if stage.settings.batch_pad and stage not in growing:
             raise BuildError(f"stage '{stage.name}': batch_pad is for a stage that batches streams whose state grows (max_batch above 1 "
@@ -175,11 +176,14 @@ def mark_shared_states(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     return dataclasses.replace(spec, states=tuple(links))
 
 
-def _check_batch_axes(stage: StageSpec) -> None:
+def _check_batch_axes(stage: StageSpec, flags: set[str]) -> None:
+    """Every port of the stage has a symbolic dim 0, but its step flags (one value for a whole call)."""
     if stage.is_code:
         raise BuildError(f"code stage '{stage.name}': max_batch {stage.settings.max_batch}: code stages run one request at a time; set max_batch=1")
     for what, ports in (("input", stage.inputs), ("output", stage.outputs)):
         for port in ports:
+            if port.name in flags and what == "input":
+                continue
             if port.shape is None:
                 raise BuildError(f"stage '{stage.name}' cannot batch: the rank of {what} '{port.name}' is unknown, so it has no batch axis; set max_batch=1")
             if not port.shape:
@@ -192,7 +196,7 @@ def _check_batch_axes(stage: StageSpec) -> None:
 
 
 def _growing_state(spec: PipelineSpec, stage: StageSpec) -> str:
-    link = next(link for link in spec.states_of(stage.name) if link.empty_axis is not None)
+    link = next(link for link in spec.states_of(stage.name) if link.empty_axis is not None and not link.once)
     return f"'{link.input}' along axis {link.empty_axis}"
 
 
@@ -491,6 +495,8 @@ class _Probe:
             raise BuildError(f"stage '{stage.name}': batch_pad names '{unknown[0]}', which is not an input that grows with a stream's past; "
                              f"those are: {', '.join(repr(n) for n in padded) or 'none'}")
         for link in self.spec.states_of(stage.name):
+            if link.once:
+                continue  # set once, never grows (StateLink's Note: a state set once)
             if link.empty_axis is not None:
                 stripped[link.output] = link.empty_axis  # the state a step commits, never in the bag to be measured
             if link.empty_axis is not None and padded.get(link.input, (None,))[0] != link.empty_axis:
@@ -502,7 +508,7 @@ class _Probe:
         """``"right"`` for a stage whose state feeds onnxruntime's ``GroupQueryAttention`` as its
         past (Note: the batching probe, 3), ``"left"`` for another, ``None`` when its module is no
         ONNX file the probe can read (onnxruntime's ORT format)."""
-        pasts = {link.input for link in self.spec.states_of(stage.name) if link.empty_axis is not None}
+        pasts = {link.input for link in self.spec.states_of(stage.name) if link.empty_axis is not None and not link.once}
         shared = _shared_pasts(stage, self.folder)
         if shared is None:
             return None

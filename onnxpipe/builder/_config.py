@@ -36,7 +36,7 @@ from onnx import ModelProto
 from onnxpipe._errors import ConfigError, closest
 from onnxpipe.builder._modules import io_specs, save_model, weight_specs
 from onnxpipe.builder._wiring import Wiring
-from onnxpipe.runtime import CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, TensorSpec
+from onnxpipe.runtime import CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, StepFlag, TensorSpec
 from onnxpipe.runtime._spec import RUNS, check_entry_point, check_state_ends, find_tensor
 
 __all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "SplitPieces", "Stage"]
@@ -329,7 +329,7 @@ class PipelineConfig:
             raise ConfigError(f"add_split takes a SplitPlan (onnxpipe.splitter.split) or a PipelineConfig, not {type(split).__name__}")
         return _add_pieces(self, inner, name, settings)
 
-    def add_state(self, output: Port, input: Port, empty_axis: int | None = None) -> StateLink:
+    def add_state(self, output: Port, input: Port, empty_axis: int | None = None, once: bool = False) -> StateLink:
         """State that a stage output feeds the same stage's input on the stream's next step.
 
         On a stream's first step the input is fed zeros (see ``StateLink``'s Note: initial values),
@@ -339,6 +339,8 @@ class PipelineConfig:
             output: The stage output holding the new state (``stage.output("present.0.key")``).
             input: The same stage's input it feeds (``stage.input("past_key_values.0.key")``).
             empty_axis: The axis along which the initial state is empty.
+            once: The first step's output is kept and fed on every later step (``StateLink``'s
+                Note: a state set once: an encoder's KV in optimum's merged decoder).
 
         Returns:
             The state link.
@@ -347,21 +349,22 @@ class PipelineConfig:
             ConfigError: the ports are not an output and an input of one stage, the input is
                 already fed, or dtypes, ranks or the initial value's sizes do not fit (named).
         """
-        if not output.is_source or output.endpoint.stage is None:
-            raise ConfigError(f"a state link starts at a stage output, not {output}")
-        if input.is_source or input.endpoint.stage is None:
-            raise ConfigError(f"a state link ends at a stage input, not {input}")
-        if output.endpoint.stage != input.endpoint.stage:
-            raise ConfigError(
-                f"state link {output} -> {input} is not within one stage: a state stays in the stage that makes it; "
-                f"link {output} to an input of stage '{output.endpoint.stage}', or split so that both are in one stage"
-            )
-        stage = self.stage(output.endpoint.stage)
-        link = StateLink(stage.name, output.endpoint.tensor, input.endpoint.tensor, empty_axis)
+        _check_state_ports(output, input)
+        stage = self.stage(output.endpoint.stage or "")
+        link = StateLink(stage.name, output.endpoint.tensor, input.endpoint.tensor, empty_axis, once=once)
         self._wiring.check_free(input.endpoint, f"state link {link}: {input}")
         check_state_ends(link, stage.inputs, stage.outputs)
         self._wiring.add_state(link)
         return link
+
+    def add_step_flag(self, input: Port, first: bool = False) -> StepFlag:
+        """A stage input the runtime feeds by a stream's step: ``first`` on its first step, ``not
+        first`` after (``StepFlag``: optimum's ``use_cache_branch``); the spec checks the rest.
+
+        Raises:
+            ConfigError: the port is not a stage input, or it is already fed.
+        """
+        return _add_flag(self._wiring, input, first)
 
     @property
     def states(self) -> tuple[StateLink, ...]:
@@ -480,6 +483,7 @@ class PipelineConfig:
             metadata={"name": self.name, **self.metadata},
             param_groups=tuple(self._groups.values()),
             states=tuple(self._wiring.states.values()),
+            step_flags=tuple(self._wiring.flags.values()),
         )
         spec.validate()
         return spec
@@ -552,6 +556,7 @@ class PipelineConfig:
             config.add_param_group(group.name, group.stage, [t.name for t in group.params])
         for state in spec.states:
             config._wiring.add_state(state)
+        config._wiring.flags = {Endpoint(f.stage, f.input): f for f in spec.step_flags}
         return config
 
     # -- display -----------------------------------------------------------------------------------
@@ -675,5 +680,30 @@ def _add_pieces(config: PipelineConfig, split: PipelineConfig, name: str, settin
         elif link.src.stage is not None and link.dst.stage is None:
             outputs[link.dst.tensor] = renamed[link.src.stage].output(link.src.tensor)
     for st in sub.states:
-        config.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis)
+        config.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis, st.once)
+    for flag in sub.step_flags:
+        config.add_step_flag(renamed[flag.stage].input(flag.input), flag.first)
     return SplitPieces(tuple(renamed.values()), {k: tuple(v) for k, v in inputs.items()}, outputs)
+
+
+def _check_state_ports(output: Port, input: Port) -> None:
+    """A state link's ends: an output and an input of one stage (see :meth:`PipelineConfig.add_state`)."""
+    if not output.is_source or output.endpoint.stage is None:
+        raise ConfigError(f"a state link starts at a stage output, not {output}")
+    if input.is_source or input.endpoint.stage is None:
+        raise ConfigError(f"a state link ends at a stage input, not {input}")
+    if output.endpoint.stage != input.endpoint.stage:
+        raise ConfigError(
+            f"state link {output} -> {input} is not within one stage: a state stays in the stage that makes it; "
+            f"link {output} to an input of stage '{output.endpoint.stage}', or split so that both are in one stage"
+        )
+
+
+def _add_flag(wiring: Wiring, input: Port, first: bool) -> StepFlag:
+    """A step flag on ``input`` (see :meth:`PipelineConfig.add_step_flag`)."""
+    if input.is_source or input.endpoint.stage is None:
+        raise ConfigError(f"a step flag is a stage input, not {input}")
+    flag = StepFlag(input.endpoint.stage, input.endpoint.tensor, first)
+    wiring.check_free(input.endpoint, f"step flag {flag}: {input}")
+    wiring.add_flag(flag)
+    return flag

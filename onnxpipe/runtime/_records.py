@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe._errors import StageError, StreamError
-from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
+from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink, StepFlag
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads
 
 __all__ = ["CLOSE", "Call", "Failure", "Request", "StagePlan", "claimed", "passes", "plan_stages", "stage_failed"]
@@ -106,6 +106,7 @@ class StagePlan:
     states: tuple[StateLink, ...] = ()  # fed by the runner from its streams' state, not from the bag
     streams: bool = False  # the pipeline keeps state: its steps are batched at the entry, never in the stage's queue
     pads: Mapping[Endpoint, tuple[int, float]] = field(default_factory=dict)  # bag values that grow with the past (scheduling.bag_pads)
+    flags: tuple[StepFlag, ...] = ()  # fed by the runner by the step's number, not from the bag
     kept: tuple[str, ...] = ()  # inputs kept per stream from its first step (PipelineSpec, Note: first-step stages)
 
     @property
@@ -133,7 +134,7 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
     """The per-stage plans, and the bag key of each pipeline output."""
     finals = {t.name: spec.source_of(Endpoint(None, t.name)) for t in spec.outputs}
     last_use: dict[Endpoint, int] = {}
-    fed_by_state = {Endpoint(s.stage, s.input) for s in spec.states}
+    fed_by_state = {Endpoint(s.stage, s.input) for s in spec.states} | {Endpoint(f.stage, f.input) for f in spec.step_flags}
     for i, stage in enumerate(spec.stages):
         for t in stage.inputs:
             if Endpoint(stage.name, t.name) not in fed_by_state:
@@ -147,7 +148,7 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
         drop = [k for k, last in last_use.items() if last == i and k not in keep]
         drop += [k for k in produced if k not in last_use and k not in keep]  # outputs nothing reads
         plans.append(StagePlan(stage, sources, tuple(t.name for t in stage.outputs), tuple(drop), spec.states_of(stage.name), bool(spec.states), pads,
-                               spec.kept_inputs(stage.name)))
+                               spec.flags_of(stage.name), spec.kept_inputs(stage.name)))
     return plans, finals
 
 

@@ -187,6 +187,11 @@ class RunnerBase:
             self._compute(request)
 
 
+def _fixed(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
+    """A step flag's shape (every dim fixed: ``PipelineSpec.validate``)."""
+    return tuple(d for d in shape or () if isinstance(d, int))
+
+
 def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
     """Each request of a group on its own (a runner that does not batch), in order."""
     return [runner.run(request) for request in requests if request.error is None]
@@ -225,7 +230,12 @@ class StageRunner(StateKeeper, RunnerBase):
         self._kept = tuple((at, key) for at, key in enumerate(self._keys) if key not in dropped)
         self._dropped = tuple(key for key in plan.drop if key not in self._keys)
         self._made = frozenset(self._keys)
-        self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None}
+        # The growing axis of each state that grows (a state set once never does: StateLink's Note: a state set once).
+        self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None and not s.once}
+        self._once = frozenset(s.input for s in plan.states if s.once)
+        #: The step flags' feeds on a stream's first step and on a later one (``StepFlag``).
+        self._flags = tuple({f.input: np.full(_fixed(plan.stage.input(f.input).shape), later != f.first, np.bool_)
+                             for f in plan.flags} for later in (False, True)) if plan.flags else ()
         # Where a member's padding of the state block goes (Batching.state_padding): before its past, or after it.
         self._right = plan.stage.batching is not None and plan.stage.batching.state_padding == "right"
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
@@ -265,7 +275,7 @@ class StageRunner(StateKeeper, RunnerBase):
         results = self._run(feeds)
         if self._holds:
             assert request.stream is not None
-            self._commit(request, request.stream, request.step, self._made_state(feeds, results))
+            self._commit(request, request.stream, request.step, self._made_state(feeds, results, request.step == 0))
         self._hand_on(request.values, results)
         return ()
 
@@ -285,20 +295,37 @@ class StageRunner(StateKeeper, RunnerBase):
         own = request.params.get(self.name)
         if own:
             feeds.update(own)
+        if self._flags:
+            feeds.update(self._flags[request.step != 0])
         if self._holds:
-            feeds.update(self._own(self._held(request.stream, request.step, request.dims), request.stream))
+            feeds.update(self._own(self._held(request.stream, request.step, request.dims, feeds), request.stream))
         return feeds
 
     def _sources(self, later: bool) -> tuple[tuple[str, Endpoint], ...]:
         """The (input, bag key) pairs a step reads from the bag: a later step's lack the kept inputs."""
         return self._later_sources if later else self.plan.sources
 
-    def _inputs(self, request: Request, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``feeds`` (the stage's inputs from the bag) with the request's parameter overrides for this stage."""
+    def _inputs(self, request: Request, feeds: dict[str, np.ndarray], step: int | None = None) -> dict[str, np.ndarray]:
+        """``feeds`` (the stage's inputs from the bag) with the request's parameter overrides for
+        this stage and its step flags for ``step`` (default: the request's step, or a batch's
+        first member's: its members are all first steps or all later ones, see :meth:`_mixed`)."""
         own = request.params.get(self.name)
         if own:
             feeds.update(own)
+        if self._flags:
+            if step is None:
+                step = request.batch.steps[0] if request.batch is not None else request.step
+            feeds.update(self._flags[step != 0])
         return feeds
+
+    def _mixed(self, batch: StepBatch) -> str | None:
+        """Why a batch of steps cannot run as one call for this stage's step flags or states set
+        once: it mixes streams' first steps with later ones (a flag takes one value for the whole
+        call; a state set once is the output of a first step, the input of a later one)."""
+        if not (self._flags or self._once) or len({n == 0 for n in batch.steps}) < 2:
+            return None
+        what = f"step flag '{self.plan.flags[0].input}'" if self._flags else f"state '{next(iter(self._once))}' (set once)"
+        return f"the batch mixes streams' first steps with later ones, and {what} differs between them"
 
     # -- a batch of streams' steps ----------------------------------------------------------
 
@@ -310,13 +337,17 @@ class StageRunner(StateKeeper, RunnerBase):
         assert batch is not None
         if not len(batch):
             return ()  # every member failed in an earlier stage
+        mixed = self._mixed(batch)
+        if mixed is not None:
+            self.unbatched = mixed
+            return self._replay(request)
         values = request.values
         feeds = self._inputs(request, {name: values[key] for name, key in self._sources(batch.steps[0] > 0)})
         if self._axes and batch.length and batch.rows[-1] == len(batch) and not request.params.get(self.name):
             return self._run_in_place(request, feeds)
         try:
             if self._holds:
-                block = self._block_for(batch)
+                block = self._block_for(batch, feeds)
                 if block is None:
                     self.unbatched = "the members' states do not line up with the batch's padding"
                     return self._replay(request)
@@ -330,7 +361,7 @@ class StageRunner(StateKeeper, RunnerBase):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
             return self._replay(request)
         if self._holds:  # its state and kept inputs (Note: kept inputs)
-            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results))
+            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results, batch.steps[0] == 0))
             states = self.states
             size, rows = sum(a.nbytes for a in made.arrays.values()), max(batch.rows[-1], 1)
             for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
@@ -354,16 +385,16 @@ class StageRunner(StateKeeper, RunnerBase):
         done: list[tuple[int, list[Any]]] = []
         for j, (stream, step, dims) in enumerate(zip(batch.streams, batch.steps, batch.dims, strict=True)):
             lo, hi, shift = batch.rows[j], batch.rows[j + 1], batch.shifts[j]
-            feeds = self._inputs(request, {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self._sources(step > 0)})
+            feeds = self._inputs(request, {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self._sources(step > 0)}, step)
             try:
                 if self._holds:
-                    feeds.update(self._own(self._held(stream, step, dims), stream))
+                    feeds.update(self._own(self._held(stream, step, dims, feeds), stream))
                 results = self._run(feeds)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
                 gone[j] = Failure(batch.ids[j], self.name, str(e), member=True)
                 continue
             if self._holds:
-                self._commit(request, stream, step, self._made_state(feeds, results))
+                self._commit(request, stream, step, self._made_state(feeds, results, step == 0))
             done.append((j, results))
         self._rejoin(values, batch, done)
         request.batch = batch.without({j: failure.error() for j, failure in gone.items()})

@@ -99,6 +99,7 @@ class StateKeeper:
     unbatched: str | None
     _state_at: tuple[tuple[str, int], ...]
     _empty: dict[str, int]
+    _once: frozenset[str]
     _right: bool
     _presents: dict[str, str]
     _lone_axes: dict[str, int]
@@ -108,7 +109,7 @@ class StateKeeper:
     _kept: tuple[tuple[int, Endpoint], ...]
     _dropped: tuple[Endpoint, ...]
 
-    def _inputs(self, request: Request, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _inputs(self, request: Request, feeds: dict[str, np.ndarray], step: int | None = None) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     def _run_alone(self, request: Request) -> tuple[Failure, ...]:
@@ -118,13 +119,18 @@ class StateKeeper:
         raise NotImplementedError
 
 
-    def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any]) -> dict[str, np.ndarray]:
-        """The state outputs of a call, by state input, and the kept inputs as they were fed
-        (Note: kept inputs, ``_stage``); the past the session copied into each present it made
-        apart from it is counted (Note: state bytes copied)."""
+    def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any], first: bool) -> dict[str, np.ndarray]:
+        """The state outputs of a call, by state input (``first``: the call ran streams' first
+        steps), and the kept inputs as they were fed (Note: kept inputs, ``_stage``); the past the
+        session copied into each present it made apart from it is counted (Note: state bytes
+        copied). A state set once keeps what it was fed after the first step (``StateLink``'s
+        Note: a state set once): what a later step outputs for it is no update."""
         state = {}
         for name, at in self._state_at:
             made, past = results[at], fed[name]
+            if not first and name in self._once:
+                state[name] = past
+                continue
             if not np.may_share_memory(made, past):
                 self.copied += past.nbytes
             state[name] = made
@@ -140,8 +146,9 @@ class StateKeeper:
         self.states[stream] = (step + 1, state)
         request.held.append((stream, self.name, sum(a.nbytes for a in state.values())))
 
-    def _held(self, stream: int | None, step: int, dims: Mapping[str, int]) -> dict[str, np.ndarray] | InBlock | InSlab:
-        """The state this step of its stream runs on (the initial one at step 0), as held.
+    def _held(self, stream: int | None, step: int, dims: Mapping[str, int], fed: Mapping[str, Any] | None = None) -> dict[str, np.ndarray] | InBlock | InSlab:
+        """The state this step of its stream runs on (the initial one at step 0, sized by ``dims``
+        and by the kept inputs ``fed`` on it: Note: initial values, ``StateLink``), as held.
 
         Raises:
             StageError: the state does not hold exactly ``step`` steps (an earlier step failed).
@@ -152,6 +159,9 @@ class StateKeeper:
         if step == 0:
             if stream in self.states:
                 raise AssertionError(f"stream {stream} started twice in stage '{self.name}'")
+            if fed is not None and self._kept_in:  # an encoder's output names dims no pipeline input does (Whisper's length)
+                dims = {**{d: fed[name].shape[axis] for name in self._kept_in
+                           for axis, d in enumerate(self.plan.stage.input(name).shape or ()) if axis and isinstance(d, str)}, **dims}
             return initial_state(self.plan, dims)
         entry = self.states.get(stream)
         if entry is None or entry[0] != step:
@@ -180,14 +190,14 @@ class StateKeeper:
             self.copied += sum(a.nbytes for name, a in own.items() if name in self._empty)  # cut out without its padding
         return own
 
-    def _block_for(self, batch: StepBatch) -> dict[str, np.ndarray] | None:
+    def _block_for(self, batch: StepBatch, fed: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
         """The state a batch of steps runs on, as one block in the batch's layout (Note: state
         blocks); ``None`` when the members' states do not line up with the batch's padding.
 
         Raises:
             StageError: a member's state does not hold its step's number of steps.
         """
-        helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
+        helds = [self._held(s, n, d, fed) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
         kept = self._kept_block(batch, helds)
         return kept if kept is not None else self._joined_block(batch, helds)
 
@@ -223,7 +233,7 @@ class StateKeeper:
             if axis is not None and len({p.shape[axis] + s for p, s in zip(parts, batch.shifts, strict=True)}) != 1:
                 return None
             if axis is None and len({p.shape[1:] for p in parts}) != 1:
-                return None  # members whose kept encoder outputs differ in length (T5's) run apart
+                return None  # of other sizes: an encoder's KV set once, or a kept encoder output (T5's lengths differ): such members run apart
             out[name] = pad_stack(parts, axis, 0.0, batch.shifts, self._right) if axis is not None and any(batch.shifts) else np.concatenate(parts)
         self.copied += sum(a.nbytes for a in out.values())
         return out

@@ -52,7 +52,7 @@ from onnxpipe.runtime import StageSettings, TensorSpec
 from onnxpipe.runtime._spec import RUNS
 from onnxpipe.splitter._auto import POLICIES, make_policy
 from onnxpipe.splitter._plan import split
-from onnxpipe.splitter._states import pair_states
+from onnxpipe.splitter._states import pair_states, step_branches
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -215,9 +215,12 @@ def _model_stage(
             raise ConfigError(f"{where}: 'dims' sizes the profile of auto = N or the sample run of at = [...]; this stage is not split")
         stage = config.add_stage(model, name, settings=settings)
         pairs = pair_states(stage.inputs, stage.outputs, states) if states is not None else []
+        pairs, flags = step_branches(stage.load_model(), pairs) if pairs else (pairs, {})  # optimum's merged decoder (_states, Note: merged decoders)
         for pair in pairs:
-            config.add_state(stage.output(pair.output), stage.input(pair.input), pair.empty_axis)
-        fed, kept = {p.input for p in pairs}, {p.output for p in pairs}
+            config.add_state(stage.output(pair.output), stage.input(pair.input), pair.empty_axis, pair.once)
+        for flag, first in flags.items():
+            config.add_step_flag(stage.input(flag), first)
+        fed, kept = {p.input for p in pairs} | set(flags), {p.output for p in pairs}
         return [(stage, t.name) for t in stage.inputs if t.name not in fed], [(stage, t.name) for t in stage.outputs if t.name not in kept]
     if "at" in entry and "auto" in entry:
         raise ConfigError(f"{where}: give 'at' (cuts) or 'auto' (a stage count), not both")
