@@ -126,14 +126,16 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
             raise BuildError(f"stage '{stage.name}': batch_pad is for a stage that batches streams whose state grows (max_batch above 1 "
                              "and a state link with an empty axis); this one has none to pad")
     mask = DecoderInputs.of(_every_step_inputs(spec)).mask if spec.states else None
-    if growing and mask is None:
+    equal = bool(growing) and all(s.settings.batch_lengths == "equal" for s in growing)  # nothing padded: no mask needed
+    if growing and mask is None and not equal:
         names = ", ".join(t.name for t in spec.inputs)
         raise BuildError(
             f"stage '{growing[0].name}' keeps state that grows with each step ({_growing_state(spec, growing[0])}), and the pipeline has no "
             f"attention mask input to mark padded positions (looked for {', '.join(MASK_NAMES)}; inputs: {names}): a model with absolute "
-            "positions only cannot batch streams of different lengths; set max_batch=1 for it"
+            "positions only cannot batch streams of different lengths; set max_batch=1 for it, or batch_lengths=\"equal\" to batch only "
+            "streams whose pasts are equally long"
         )
-    probe = _Probe(spec, folder, mask)
+    probe = _Probe(spec, folder, mask, equal)
     try:
         records = probe.run(batching, growing)
     except _NotProbed as e:
@@ -215,8 +217,10 @@ class _NotProbed(Exception):
 class _Probe:
     """Runs synthetic streams or requests through the built stages, alone and batched."""
 
-    def __init__(self, spec: PipelineSpec, folder: Path, mask: TensorSpec | None) -> None:
+    def __init__(self, spec: PipelineSpec, folder: Path, mask: TensorSpec | None, equal: bool = False) -> None:
         self.spec = spec
+        # The streams' prompts: of different lengths, or, for stages batching equal lengths only (batch_lengths), equal.
+        self.prompts = (_PROMPTS[0],) * 2 if equal else _PROMPTS
         self.folder = folder
         self.mask = mask
         self.positions = DecoderInputs.of(_every_step_inputs(spec)).positions
@@ -377,16 +381,10 @@ class _Probe:
         # Alone: each stream's prompt, then three decode steps; the first decode step's shapes say what grows.
         alone = self._runners({})
         steps = 3
-        want: list[list[dict[str, np.ndarray]]] = []
         seen: dict[str, list[dict[str, tuple[int, ...]]]] = {}
-        for sid, prompt in enumerate(_PROMPTS):
-            outs = []
-            for step in range(steps + 1):
-                past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
-                request = self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step)
-                self._through(alone, [request], seen if step == 1 else None)
-                outs.append(self._outputs(request))
-            want.append(outs)
+        want = self._alone(alone, _PROMPTS, steps, seen)
+        if self.prompts != _PROMPTS:  # measured on pasts of different lengths, batched on equal ones (batch_lengths "equal")
+            want = self._alone(self._runners({}), self.prompts, steps)
         # Every stage's ports measured, not only those of stages with a growing state: a later stage may read a cache a stage before it made.
         records = {s.name: self._grown(s, seen[s.name]) for s in batching}
         hints = {s.name: self._state_padding(s) for s in growing}
@@ -405,8 +403,23 @@ class _Probe:
             except BuildError:
                 self._batched_streams(first, want, steps, batching)  # the first failure is the one to report
                 raise
-        pasts = f"2 streams (prompts of {_PROMPTS[0]} and {_PROMPTS[1]}, {steps} steps) batched and alone agree: {worst}"
+        pasts = f"2 streams (prompts of {self.prompts[0]} and {self.prompts[1]}, {steps} steps) batched and alone agree: {worst}"
         return {name: dataclasses.replace(r, probe=pasts) for name, r in records.items()}
+
+    def _alone(self, runners: Sequence[StageRunner], prompts: Sequence[int], steps: int,
+               seen: dict[str, list[dict[str, tuple[int, ...]]]] | None = None) -> list[list[dict[str, np.ndarray]]]:
+        """Each probe stream alone: its prompt, then ``steps`` decode steps; each one's outputs of
+        each step. ``seen``: the first decode step's port shapes per stage (what grows)."""
+        want = []
+        for sid, prompt in enumerate(prompts):
+            outs = []
+            for step in range(steps + 1):
+                past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
+                request = self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step)
+                self._through(runners, [request], seen if step == 1 else None)
+                outs.append(self._outputs(request))
+            want.append(outs)
+        return want
 
     def _batched_streams(self, records: Mapping[str, Batching], want: list[list[dict[str, np.ndarray]]], steps: int,
                          batching: Sequence[StageSpec]) -> str:
@@ -431,7 +444,7 @@ class _Probe:
         bags into ``bags``. Raises :class:`_Differs`."""
         for step in range(steps + 1):
             group = []
-            for sid, prompt in enumerate(_PROMPTS):
+            for sid, prompt in enumerate(self.prompts):
                 past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
                 group.append(self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step))
             if step == 0:

@@ -233,6 +233,7 @@ class StageRunner(StateKeeper, RunnerBase):
         # The growing axis of each state that grows (a state set once never does: StateLink's Note: a state set once).
         self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None and not s.once}
         self._once = frozenset(s.input for s in plan.states if s.once)
+        self._once_at = frozenset(at for name, at in self._state_at if name in self._once)  # their outputs' places
         #: The step flags' feeds on a stream's first step and on a later one (``StepFlag``).
         self._flags = tuple({f.input: np.full(_fixed(plan.stage.input(f.input).shape), later != f.first, np.bool_)
                              for f in plan.flags} for later in (False, True)) if plan.flags else ()
@@ -357,7 +358,8 @@ class StageRunner(StateKeeper, RunnerBase):
             self.unbatched = f"the batched call failed: {e}"
             return self._replay(request)
         total = batch.rows[-1]
-        if any(np.ndim(r) == 0 or len(r) != total for r in results):
+        passed = self._once_at if batch.steps[0] else frozenset()  # a later step's outputs for a state set once are not kept (placeholders)
+        if any(np.ndim(r) == 0 or len(r) != total for k, r in enumerate(results) if k not in passed):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
             return self._replay(request)
         if self._holds:  # its state and kept inputs (Note: kept inputs)
