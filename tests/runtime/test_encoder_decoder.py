@@ -143,3 +143,123 @@ def test_batched_streams_run_their_first_steps_through_the_encoder_together(tmp_
             np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=f"stream {j}, step {t}")
     assert stats["encoder"].count == 4 and stats["encoder"].batch_sizes == {4: 1}  # the 4 first steps in one call
     assert stats["decoder"].count == 16 and stats["decoder"].batch_sizes == {4: 4}
+
+
+# -- optimum's T5 and Whisper (tests/data/corpus) ------------------------------------------------------
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+FAMILIES = ("t5", "whisper")
+
+
+def encdec_pipeline_file(folder: Path, family: str, max_batch: int = 1) -> Path:
+    """The pipeline file docs/streams.md shows: the encoder on the first step only, optimum's
+    merged decoder with its states (``states = "auto"``: the KV caches, the encoder's KV set once,
+    ``use_cache_branch`` fed by the runtime), the encoder's output kept by the decoder."""
+    models = CORPUS / family
+    batching = f"\nsettings = {{ max_batch = {max_batch} }}" if max_batch > 1 else ""
+    decoder_batching = f'\nsettings = {{ max_batch = {max_batch}, batch_lengths = "equal" }}' if max_batch > 1 else ""
+    t5 = family == "t5"
+    text = f'''format = "onnxpipe.pipeline-file"
+version = 1
+name = "{family}"
+inputs = {'["input_ids", "attention_mask", "decoder_input_ids"]' if t5 else '["input_features", "input_ids"]'}
+outputs = ["logits"]
+
+[[stages]]
+name = "encoder"
+model = "{(models / "encoder_model.onnx").as_posix()}"
+runs = "first"{batching}
+output_map = {{ last_hidden_state = "encoder_hidden_states" }}
+
+[[stages]]
+name = "decoder"
+model = "{(models / "decoder_model_merged.onnx").as_posix()}"
+states = "auto"{decoder_batching}
+{'input_map = { input_ids = "decoder_input_ids", encoder_attention_mask = "attention_mask" }' if t5 else ""}
+'''
+    path = folder / f"{family}.toml"
+    path.write_text(text)
+    return path
+
+
+def expected(family: str) -> dict[str, Any]:
+    return json.loads((CORPUS / family / "expected.json").read_text())
+
+
+def first_inputs(family: str, request: dict[str, Any]) -> dict[str, np.ndarray]:
+    """What a stream's first step gives besides the decoder's token: the encoder's inputs."""
+    if family == "t5":
+        ids = np.array(request["inputs"]["input_ids"], np.int64)
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    return {"input_features": np.array(request["inputs"]["input_features"], np.float32)}
+
+
+def token_feed(family: str, token: int) -> dict[str, np.ndarray]:
+    return {"decoder_input_ids" if family == "t5" else "input_ids": np.array([[token]], np.int64)}
+
+
+def check_generated(family: str, got: list[tuple[list[int], np.ndarray]]) -> None:
+    """Each request's 16 greedy tokens equal transformers', its last step's logits within 1e-4."""
+    cases = expected(family)["requests"]
+    assert len(got) == len(cases)
+    for j, ((tokens, logits), case) in enumerate(zip(got, cases, strict=True)):
+        assert tokens == case["tokens"], f"{family}: request {j}"
+        np.testing.assert_allclose(logits, np.array(case["last_logits"], np.float32), atol=1e-4, err_msg=f"{family}: request {j}")
+
+
+@pytest.fixture(scope="module")
+def corpus_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
+    from onnxpipe.splitter import read_pipeline_file
+
+    out = {}
+    for family in FAMILIES:
+        for max_batch in (1, 4):
+            folder = tmp_path_factory.mktemp(f"{family}{max_batch}")
+            out[family, max_batch] = bundle_of(read_pipeline_file(encdec_pipeline_file(folder, family, max_batch)), folder)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_optimums_encoder_and_merged_decoder_generate_transformers_tokens_with_one_encoder_call_per_stream(
+        corpus_bundles: dict[tuple[str, int], Path], family: str) -> None:
+    exp = expected(family)
+    got = []
+    with load(corpus_bundles[family, 1]) as pipe:
+        for case in exp["requests"]:
+            with pipe.stream() as s:
+                out = s.step(first_inputs(family, case) | token_feed(family, exp["decoder_start_token_id"]))
+                tokens = [int(np.argmax(out["logits"][0, -1]))]
+                while len(tokens) < exp["new_tokens"]:
+                    out = s.step(token_feed(family, tokens[-1]))
+                    tokens.append(int(np.argmax(out["logits"][0, -1])))
+            got.append((tokens, out["logits"][0, -1]))
+        counts = _stage_counts(pipe)
+    check_generated(family, got)
+    assert counts == {"encoder": 4, "decoder": 4 * exp["new_tokens"]}  # the encoder once per stream
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_four_streams_batched_generate_the_same_tokens(corpus_bundles: dict[tuple[str, int], Path], family: str) -> None:
+    """Every stage batching (max_batch 4; the decoder, which has no mask over its own past, batches
+    streams at equal lengths: ``batch_lengths = "equal"``): the 4 streams' first steps go through the
+    encoder together where their inputs have one shape (Whisper's), T5's of 4 lengths one by one;
+    each stream's tokens are its own."""
+    exp = expected(family)
+    with load(corpus_bundles[family, 4], micro_batches=1) as pipe:
+        streams = [pipe.stream() for _ in exp["requests"]]
+        tokens: list[list[int]] = [[] for _ in streams]
+        logits: list[np.ndarray] = [np.zeros(0)] * len(streams)
+        for step in range(exp["new_tokens"]):
+            feeds = {}
+            for j, (s, case) in enumerate(zip(streams, exp["requests"], strict=True)):
+                feeds[s] = token_feed(family, tokens[j][-1] if step else exp["decoder_start_token_id"]) | (first_inputs(family, case) if step == 0 else {})
+            for j, future in enumerate(pipe.submit_steps(feeds).values()):
+                logits[j] = future.result()["logits"][0, -1]
+                tokens[j].append(int(np.argmax(logits[j])))
+        for s in streams:
+            s.close()
+        stats = {st.stage: st for st in pipe.stats().stages}
+    check_generated(family, list(zip(tokens, logits, strict=True)))
+    assert stats["encoder"].count == 4
+    assert stats["encoder"].batch_sizes == ({4: 1} if family == "whisper" else {1: 4})
+    assert stats["decoder"].count == 4 * exp["new_tokens"] and max(stats["decoder"].batch_sizes) == 4
