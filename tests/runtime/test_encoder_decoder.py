@@ -263,3 +263,34 @@ def test_four_streams_batched_generate_the_same_tokens(corpus_bundles: dict[tupl
     assert stats["encoder"].count == 4
     assert stats["encoder"].batch_sizes == ({4: 1} if family == "whisper" else {1: 4})
     assert stats["decoder"].count == 4 * exp["new_tokens"] and max(stats["decoder"].batch_sizes) == 4
+
+
+@pytest.mark.xdist_group("ray")  # the session's Ray cluster (tests/conftest.py), on the worker the Ray engine's tests use
+def test_the_encoder_and_the_decoder_on_two_ray_nodes_generate_whispers_tokens(tmp_path: Path, ray_cluster: Any) -> None:
+    """The encoder on node ``a``, the decoder on ``b`` (a speech encoder on one host, the decoder on
+    another): the later steps never reach the encoder's actor, and the decoder's actor keeps the
+    encoder's output; tokens equal transformers'."""
+    from onnxpipe.splitter import read_pipeline_file
+
+    config = read_pipeline_file(encdec_pipeline_file(tmp_path, "whisper"))
+    config.stage("encoder").configure(host="a")
+    config.stage("decoder").configure(host="b")
+    exp = expected("whisper")
+    cases = exp["requests"][:2]
+    got = []
+    with load(bundle_of(config, tmp_path), engine="ray") as pipe:
+        for case in cases:
+            with pipe.stream() as s:
+                out = s.step(first_inputs("whisper", case) | token_feed("whisper", exp["decoder_start_token_id"]))
+                tokens = [int(np.argmax(out["logits"][0, -1]))]
+                while len(tokens) < exp["new_tokens"]:
+                    out = s.step(token_feed("whisper", tokens[-1]))
+                    tokens.append(int(np.argmax(out["logits"][0, -1])))
+            got.append((tokens, out["logits"][0, -1]))
+        counts = _stage_counts(pipe)
+        hosts = [stage.replicas[0].labels.get("onnxpipe/host") for stage in pipe.diagnostics().stages]
+    for (tokens, logits), case in zip(got, cases, strict=True):
+        assert tokens == case["tokens"]
+        np.testing.assert_allclose(logits, np.array(case["last_logits"], np.float32), atol=1e-4)
+    assert hosts == ["a", "b"]
+    assert counts == {"encoder": 2, "decoder": 2 * exp["new_tokens"]}
