@@ -22,8 +22,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "encoder_decoder", "encoder_decoder_whole", "generate", "gpt_decoder", "growing", "recurrent", "session_generate", "whole_generate",
-           "whole_recurrent"]
+__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "encoder_decoder", "encoder_decoder_whole", "generate", "gpt_decoder", "growing",
+           "recurrent", "session_generate", "whole_generate", "whole_recurrent"]
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64

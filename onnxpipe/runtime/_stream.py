@@ -106,6 +106,7 @@ class StepCheck:
     def __init__(self, spec: PipelineSpec, check: Callable[[Mapping[str, Any]], dict[str, np.ndarray]]) -> None:
         self._first = check
         self._once = frozenset(spec.first_step_inputs)
+        self._later_inputs = ", ".join(repr(t.name) for t in spec.inputs if t.name not in self._once) or "none"
         self._later = InputCheck([t for t in spec.inputs if t.name not in self._once]) if self._once else check
         self._readers = {lk.src.tensor: lk.dst.stage for lk in spec.links if lk.src.stage is None and lk.dst.stage is not None
                          and spec.stage(lk.dst.stage).first_step_only}
@@ -121,10 +122,9 @@ class StepCheck:
         given = [name for name in inputs if name in self._once]
         if given:
             name = given[0]
-            rest = ", ".join(repr(t.name) for t in self._later.specs) or "none"  # type: ignore[union-attr]
             raise InputError(
                 f"input '{name}' is given on a stream's first step only: stage '{self._readers[name]}' reads it, which runs on the first "
-                f"step only (runs \"first\"), and the stages after it keep what it made; step {step} takes: {rest}"
+                f"step only (runs \"first\"), and the stages after it keep what it made; step {step} takes: {self._later_inputs}"
             )
         return self._later(inputs)
 

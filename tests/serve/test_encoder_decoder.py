@@ -47,6 +47,27 @@ def _generate(url: str, family: str, case: dict[str, Any], sid: int) -> tuple[li
     return tokens, logits[0, -1]
 
 
+def _in_threads(url: str, family: str, first_id: int) -> list[tuple[list[int], np.ndarray]]:
+    """Each of the family's requests a sequence of its own, in a client thread of its own."""
+    cases = expected(family)["requests"]
+    got: dict[int, tuple[list[int], np.ndarray]] = {}
+    errors: list[BaseException] = []
+
+    def run(j: int) -> None:
+        try:
+            got[j] = _generate(url, family, cases[j], first_id + j)
+        except BaseException as e:  # reported below, with the others
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return [got[j] for j in range(len(cases))]
+
+
 def test_t5_and_whisper_served_as_sequences_generate_transformers_tokens(tmp_path: Path) -> None:
     bundles = []
     for family in FAMILIES:
@@ -56,23 +77,7 @@ def test_t5_and_whisper_served_as_sequences_generate_transformers_tokens(tmp_pat
     with ServerProcess(*bundles) as proc:
         proc.start(tmp_path / "serve.log")
         for k, family in enumerate(FAMILIES):
-            cases = expected(family)["requests"]
-            got: dict[int, tuple[list[int], np.ndarray]] = {}
-            errors: list[BaseException] = []
-
-            def run(j: int, family: str = family, cases: list[dict[str, Any]] = cases, base: int = 100 * (k + 1)) -> None:
-                try:
-                    got[j] = _generate(proc.http, family, cases[j], base + j)
-                except BaseException as e:  # reported below, with the others
-                    errors.append(e)
-
-            threads = [threading.Thread(target=run, args=(j,)) for j in range(len(cases))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            assert not errors, errors
-            check_generated(family, [got[j] for j in range(len(cases))])
+            check_generated(family, _in_threads(proc.http, family, 100 * (k + 1)))
         client = httpclient.InferenceServerClient(proc.http)
         case = expected("whisper")["requests"][0]
         with pytest.raises(InferenceServerException, match=r"missing input\(s\) 'input_features'"):
