@@ -147,6 +147,12 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     return dataclasses.replace(spec, stages=stages)
 
 
+def _encoded(spec: TensorSpec, sizes: Mapping[str, int], rng: np.random.Generator) -> np.ndarray:
+    """A probe stream's first-step input: one length for every stream (``sizes``, else
+    :data:`_ENCODED`), so that what the later stages keep of it lines up."""
+    return random_array(spec, [1 if axis == 0 else d if isinstance(d, int) else sizes.get(d or "", _ENCODED) for axis, d in enumerate(spec.shape or ())], rng)
+
+
 def _every_step_inputs(spec: PipelineSpec) -> list[TensorSpec]:
     """The pipeline inputs a stream gives on every step: not an encoder's (``first_step_inputs``),
     whose mask is not the decoder's attention mask."""
@@ -261,11 +267,9 @@ class _Probe:
         feeds = {}
         for t in self.spec.inputs:
             dtype = numpy_dtype(t.dtype)
-            if t.name in self.once:  # an encoder's input (PipelineSpec, Note: first-step stages): on a stream's first step only,
-                if past:  # one length for every stream, so what the later stages keep of it lines up
-                    continue
-                feeds[t.name] = random_array(t, [1 if axis == 0 else d if isinstance(d, int) else sizes.get(d or "", _ENCODED)
-                                                 for axis, d in enumerate(t.shape or ())], rng)
+            if t.name in self.once:  # an encoder's input (PipelineSpec, Note: first-step stages): on a stream's first step only
+                if not past:
+                    feeds[t.name] = _encoded(t, sizes, rng)
                 continue
             if self.mask is not None and t.name == self.mask.name:
                 feeds[t.name] = np.ones((1, past + new), dtype)

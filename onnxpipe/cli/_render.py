@@ -583,10 +583,14 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
             _line(console, f"  build:    {_build_detail(s)}")
             if s.batching is not None and s.settings.max_batch > 1:
                 _line(console, f"  batching: {s.batching.describe()}")
-        states = spec.states_of(s.name)
+        if s.first_step_only:
+            _line(console, "  runs:     on a stream's first step only (the later stages keep what it made)")
+        states, kept = spec.states_of(s.name), spec.kept_inputs(s.name)
         state_in, state_out = {st.input: st for st in states}, {st.output: st for st in states}
         for t in s.inputs:
-            _line(console, f"  in  {t}  <- {_state_source(state_in[t.name]) if t.name in state_in else spec.source_of(Endpoint(s.name, t.name))}")
+            source = _state_source(state_in[t.name]) if t.name in state_in else spec.source_of(Endpoint(s.name, t.name))
+            note = "  (kept from the stream's first step)" if t.name in kept else ""
+            _line(console, f"  in  {t}  <- {source}{note}")
         for t in s.outputs:
             targets = [str(d) for d in by_src.get(Endpoint(s.name, t.name), [])]
             if t.name in state_out:  # kept in the stage for the stream's next step, which no link shows

@@ -214,11 +214,6 @@ class StageRunner(StateKeeper, RunnerBase):
         #: Per stream: (steps in the state, the state: its own arrays, or its rows of a block). See Note: state blocks.
         self.states: dict[int, tuple[int, Held]] = {}
         self._state_at = tuple((s.input, plan.outputs.index(s.output)) for s in plan.states)
-        #: Inputs kept per stream from its first step (Note: kept inputs), held with its state.
-        self._kept_in = plan.kept
-        self._holds = bool(self._state_at or plan.kept)
-        #: The bag keys a later step reads: not the kept inputs, which its bag lacks.
-        self._later_sources = tuple((name, key) for name, key in plan.sources if name not in plan.kept)
         #: Requests taken from the stage's queue that may run as one call (stateless requests: Note: batched calls).
         self.max_batch = plan.max_batch
         #: The feeds stacked along dim 0; the others (parameter overrides) are the batch's own, as one.
@@ -233,7 +228,7 @@ class StageRunner(StateKeeper, RunnerBase):
         # The growing axis of each state that grows (a state set once never does: StateLink's Note: a state set once).
         self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None and not s.once}
         self._once = frozenset(s.input for s in plan.states if s.once)
-        self._once_at = frozenset(at for name, at in self._state_at if name in self._once)  # their outputs' places
+        self._keep_inputs(plan)
         #: The step flags' feeds on a stream's first step and on a later one (``StepFlag``).
         self._flags = tuple({f.input: np.full(_fixed(plan.stage.input(f.input).shape), later != f.first, np.bool_)
                              for f in plan.flags} for later in (False, True)) if plan.flags else ()
@@ -358,8 +353,7 @@ class StageRunner(StateKeeper, RunnerBase):
             self.unbatched = f"the batched call failed: {e}"
             return self._replay(request)
         total = batch.rows[-1]
-        passed = self._once_at if batch.steps[0] else frozenset()  # a later step's outputs for a state set once are not kept (placeholders)
-        if any(np.ndim(r) == 0 or len(r) != total for k, r in enumerate(results) if k not in passed):
+        if not self._splits(results, total, batch.steps[0] > 0):
             self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
             return self._replay(request)
         if self._holds:  # its state and kept inputs (Note: kept inputs)

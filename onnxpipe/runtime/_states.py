@@ -106,6 +106,9 @@ class StateKeeper:
     _axes: dict[str, int]
     _made_apart: tuple[str, ...]
     _kept_in: tuple[str, ...]
+    _holds: bool
+    _later_sources: tuple[tuple[str, Endpoint], ...]
+    _once_at: frozenset[int]
     _kept: tuple[tuple[int, Endpoint], ...]
     _dropped: tuple[Endpoint, ...]
 
@@ -118,6 +121,22 @@ class StateKeeper:
     def _replay(self, request: Request) -> tuple[Failure, ...]:
         raise NotImplementedError
 
+
+    def _keep_inputs(self, plan: StagePlan) -> None:
+        """What the runner keeps besides its states' outputs (``_stage``, Note: kept inputs): the
+        kept inputs, whether it holds anything per stream, the bag keys a later step reads (not the
+        kept inputs, which its bag lacks), and where the outputs of its states set once are."""
+        self._kept_in = plan.kept
+        self._holds = bool(self._state_at or plan.kept)
+        self._later_sources = tuple((name, key) for name, key in plan.sources if name not in plan.kept)
+        self._once_at = frozenset(at for name, at in self._state_at if name in self._once)
+
+    def _splits(self, results: Sequence[Any], total: int, later: bool) -> bool:
+        """Whether a batched call's outputs split back into its members' rows (``total``): each
+        has them along dim 0, but on a later step the outputs of states set once, which are not
+        kept (optimum's ``[0, heads, 1, dkv]`` placeholders)."""
+        passed = self._once_at if later else frozenset()
+        return all(np.ndim(r) and len(r) == total for k, r in enumerate(results) if k not in passed)
 
     def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any], first: bool) -> dict[str, np.ndarray]:
         """The state outputs of a call, by state input (``first``: the call ran streams' first
