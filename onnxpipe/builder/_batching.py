@@ -223,6 +223,8 @@ class _Probe:
             self.sessions[stage.name] = make_session(folder / stage.module, stage, target)
         self.dims = state_dims(spec)
         self.sizes = parse_dims(spec.metadata.get(INPUT_DIMS_KEY, ""))  # a stateless request's dims (see Note: the batching probe)
+        # A state set once (an encoder's KV) keeps the sizes of its first step: its dims take one size in every step of every stream.
+        self.once = {d: 2 for link in spec.states if link.once for d in (spec.stage(link.stage).input(link.input).shape or ())[1:] if isinstance(d, str)}
         self.rng = np.random.default_rng(0)
 
     # -- what runs ----------------------------------------------------------------------------
@@ -244,7 +246,7 @@ class _Probe:
         """A step's pipeline inputs: the mask over past + new positions, positions counted from
         the past, every other symbolic dim ``new`` long (the step's tokens) unless ``sizes`` has it
         (by name, or ``input.axis``), values seeded."""
-        sizes = sizes or {}
+        sizes = {**self.once, **(sizes or {})}
         rng = np.random.default_rng(seed)
         feeds = {}
         for t in self.spec.inputs:
@@ -460,9 +462,12 @@ class _Probe:
         grow = _PASTS[1] - _PASTS[0]
         inputs = {t.name: t for t in stage.inputs}
         states = {link.input for link in self.spec.states_of(stage.name)}
+        once = {n for link in self.spec.states_of(stage.name) if link.once for n in (link.input, link.output)}
         padded: dict[str, tuple[int, float]] = {}
         stripped: dict[str, int] = {}
         for name in a:
+            if name in once:
+                continue  # set once: the same sizes in every stream
             axes = [ax for ax, (x, y) in enumerate(zip(a[name], b.get(name, ()), strict=False)) if y - x == grow and ax > 0]
             if not axes:
                 continue

@@ -167,9 +167,16 @@ class RunnerBase:
         self._compute(request)
 
 
-def _fixed(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
-    """A step flag's shape (every dim fixed: ``PipelineSpec.validate``)."""
-    return tuple(d for d in shape or () if isinstance(d, int))
+def _by_step(plan: StagePlan) -> tuple[frozenset[str], frozenset[int], tuple[dict[str, np.ndarray], ...]]:
+    """What a stage's runner does by a stream's step (``StateLink``'s Note: a state set once,
+    ``StepFlag``): its states set once; the outputs a later step makes for them (no update, often
+    a placeholder with no rows, never split back); its step flags' feeds on a stream's first step
+    and on a later one (empty: none)."""
+    once = frozenset(s.input for s in plan.states if s.once)
+    placeholders = frozenset(plan.outputs.index(s.output) for s in plan.states if s.once)
+    shapes = {f.input: tuple(d for d in plan.stage.input(f.input).shape or () if isinstance(d, int)) for f in plan.flags}  # all fixed (validated)
+    flags = tuple({f.input: np.full(shapes[f.input], later != f.first, np.bool_) for f in plan.flags} for later in (False, True))
+    return once, placeholders, flags if plan.flags else ()
 
 
 def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
@@ -207,10 +214,7 @@ class StageRunner(StateKeeper, RunnerBase):
         self._made = frozenset(self._keys)
         # The growing axis of each state that grows (a state set once never does: StateLink's Note: a state set once).
         self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None and not s.once}
-        self._once = frozenset(s.input for s in plan.states if s.once)
-        #: The step flags' feeds on a stream's first step and on a later one (``StepFlag``).
-        self._flags = tuple({f.input: np.full(_fixed(plan.stage.input(f.input).shape), later != f.first, np.bool_)
-                             for f in plan.flags} for later in (False, True)) if plan.flags else ()
+        self._once, self._placeholders, self._flags = _by_step(plan)
         # Where a member's padding of the state block goes (Batching.state_padding): before its past, or after it.
         self._right = plan.stage.batching is not None and plan.stage.batching.state_padding == "right"
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
@@ -327,12 +331,11 @@ class StageRunner(StateKeeper, RunnerBase):
         except Exception as e:  # which member was bad is found by running each alone
             self.unbatched = f"the batched call failed: {e}"
             return self._replay(request)
-        total = batch.rows[-1]
-        if any(np.ndim(r) == 0 or len(r) != total for r in results):
-            self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
+        first = batch.steps[0] == 0
+        if not self._splits_back(results, batch.rows[-1], first):
             return self._replay(request)
         if self._state_at:
-            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results, batch.steps[0] == 0))
+            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results, first))
             states = self.states
             size, rows = sum(a.nbytes for a in made.arrays.values()), max(batch.rows[-1], 1)
             for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
@@ -343,6 +346,14 @@ class StageRunner(StateKeeper, RunnerBase):
         for key in self._dropped:
             values.pop(key, None)
         return ()
+
+    def _splits_back(self, results: Sequence[Any], total: int, first: bool) -> bool:
+        """Whether every output of a batched call has the batch's ``total`` rows (but what a later
+        step outputs for a state set once, which is not kept); says why not in ``unbatched``."""
+        if any((first or at not in self._placeholders) and (np.ndim(r) == 0 or len(r) != total) for at, r in enumerate(results)):
+            self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
+            return False
+        return True
 
     def _replay(self, request: Request) -> tuple[Failure, ...]:
         """Each member of the batch alone (nothing was committed); members that fail leave the
