@@ -158,7 +158,7 @@ class RunnerBase:
         try:
             failures = self._compute(request)
         except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
-            failures = (Failure(request.id, self.name, str(e)),)
+            failures = (Failure(request.id, self.name, str(e), held=getattr(e, "held", "")),)
         return Call((request.id,), start, _clock(), size, failures, copied=self.copied - copied)
 
     def __call__(self, request: Request) -> None:
@@ -251,7 +251,7 @@ class StageRunner(StateKeeper, RunnerBase):
     def _run_alone(self, request: Request) -> tuple[Failure, ...]:
         """One request alone: its feeds (its stream's state as arrays), one call, its state committed as the outputs came."""
         feeds = self._feeds(request)
-        results = self._run(feeds)
+        results = self._run_stepping(feeds, request.step)
         if self._state_at:
             assert request.stream is not None
             self._commit(request, request.stream, request.step, self._made_state(feeds, results, request.step == 0))
@@ -371,9 +371,9 @@ class StageRunner(StateKeeper, RunnerBase):
             try:
                 if self._state_at:
                     feeds.update(self._own(self._held(stream, step, dims), stream))
-                results = self._run(feeds)
+                results = self._run_stepping(feeds, step)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
-                gone[j] = Failure(batch.ids[j], self.name, str(e), member=True)
+                gone[j] = Failure(batch.ids[j], self.name, str(e), member=True, held=getattr(e, "held", ""))
                 continue
             if self._state_at:
                 self._commit(request, stream, step, self._made_state(feeds, results, step == 0))

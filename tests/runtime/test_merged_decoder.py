@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from onnxpipe import BuildError, ConfigError, runtime
+from onnxpipe import BuildError, ConfigError, Remedy, StreamError, runtime
 from onnxpipe.builder import PipelineConfig, build, export
 from onnxpipe.runtime import PipelineSpec, StateLink, StepFlag
 from onnxpipe.splitter import UniformPolicy, read_pipeline_file, split
@@ -180,3 +180,38 @@ def test_streams_of_a_merged_decoder_with_a_mask_batch_and_keep_their_encoder_kv
         for a, b in zip(mine, theirs, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5)
     assert (sizes.get(4, 0) == steps - 1) == (len(set(lengths)) == 1), sizes
+
+
+def test_a_step_that_fails_on_the_stages_own_state_says_so_and_the_stream_stops(tmp_path: Path) -> None:
+    """Without ``once`` (as before issue 39), the cached branch's ``[0, 4, 1, 8]`` placeholders
+    become the encoder's KV and the third step fails on them: the error says the stage ran the
+    step on the state it holds and what of it does not fit, and to close the stream, not that
+    the stream can go on; a later step is refused."""
+    config = PipelineConfig("decoder")
+    stage = config.add_stage(CORPUS / "t5" / "decoder_model_merged.onnx", "decoder")
+    for t in stage.inputs:
+        if t.name.startswith("past_key_values."):
+            config.add_state(stage.output(t.name.replace("past_key_values", "present")), stage.input(t.name), 2)
+        elif t.name != "use_cache_branch":
+            config.add_input(t).connect(stage.input(t.name))
+    stage.output("logits").connect(config.add_output(next(t for t in stage.outputs if t.name == "logits")))
+    config.add_step_flag(stage.input("use_cache_branch"))
+    bundle = export(build(config, tmp_path / "built").path, tmp_path / "decoder.onnxpipe")
+    expected = json.loads((CORPUS / "t5" / "expected.json").read_text())
+    fixed = _encoded("t5", expected["requests"][0]["inputs"])
+    with runtime.load(bundle) as pipe, pipe.stream() as stream:
+        feeds = {"input_ids": np.array([[0]], np.int64), **fixed}
+        stream.step(feeds)
+        stream.step(feeds)
+        with pytest.raises(StreamError) as failed:
+            stream.step(feeds)
+        error = failed.value
+        assert error.remedy is Remedy.CLOSE and error.state_valid is False and error.step == 2
+        assert str(error).endswith(
+            "; stage 'decoder' ran the step on the state it holds (as after step 1), and that state does not fit it: its state "
+            "'past_key_values.0.encoder.key' is [0, 4, 1, 8], where the step's other inputs size dim 0 ('batch_size') 1; "
+            "every later step would fail on it too: close the stream")
+        assert "can go on" not in str(error)
+        with pytest.raises(StreamError, match=r"^stream \d+ cannot take more steps: step 2 failed in stage 'decoder' on the state it holds \(its state "
+                           r"'past_key_values.0.encoder.key' is \[0, 4, 1, 8\], .*\); close it and open a new one$"):
+            stream.step(feeds)
