@@ -164,7 +164,7 @@ def mark_shared_states(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     links = []
     for link in spec.states:
         stage = spec.stage(link.stage)
-        shared = _shared_pasts(stage, folder) if stage.module is not None and link.empty_axis is not None else None
+        shared = _shared_pasts(stage, folder) if stage.module is not None and link.empty_axis is not None and not link.once else None
         links.append(dataclasses.replace(link, shared=bool(shared) and (link.input, link.output) in shared))  # type: ignore[operator]
     return dataclasses.replace(spec, states=tuple(links))
 
