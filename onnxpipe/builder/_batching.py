@@ -179,7 +179,7 @@ def mark_shared_states(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     links = []
     for link in spec.states:
         stage = spec.stage(link.stage)
-        shared = _shared_pasts(stage, folder) if stage.module is not None and link.empty_axis is not None else None
+        shared = _shared_pasts(stage, folder) if stage.module is not None and link.empty_axis is not None and not link.once else None
         links.append(dataclasses.replace(link, shared=bool(shared) and (link.input, link.output) in shared))  # type: ignore[operator]
     return dataclasses.replace(spec, states=tuple(links))
 
@@ -230,7 +230,7 @@ class _Probe:
         self.folder = folder
         self.mask = mask
         self.positions = DecoderInputs.of(_every_step_inputs(spec)).positions
-        self.once = frozenset(spec.first_step_inputs)
+        self.first_inputs = frozenset(spec.first_step_inputs)
         self.plans, self.finals = plan_stages(spec)
         self.sessions: dict[str, ort.InferenceSession] = {}
         for plan in self.plans:
@@ -241,6 +241,8 @@ class _Probe:
             self.sessions[stage.name] = make_session(folder / stage.module, stage, target)
         self.dims = state_dims(spec)
         self.sizes = parse_dims(spec.metadata.get(INPUT_DIMS_KEY, ""))  # a stateless request's dims (see Note: the batching probe)
+        # A state set once (an encoder's KV) keeps the sizes of its first step: its dims take one size in every step of every stream.
+        self.once = {d: 2 for link in spec.states if link.once for d in (spec.stage(link.stage).input(link.input).shape or ())[1:] if isinstance(d, str)}
         self.rng = np.random.default_rng(0)
 
     # -- what runs ----------------------------------------------------------------------------
@@ -262,12 +264,12 @@ class _Probe:
         """A step's pipeline inputs: the mask over past + new positions, positions counted from
         the past, every other symbolic dim ``new`` long (the step's tokens) unless ``sizes`` has it
         (by name, or ``input.axis``), values seeded."""
-        sizes = sizes or {}
+        sizes = {**self.once, **(sizes or {})}
         rng = np.random.default_rng(seed)
         feeds = {}
         for t in self.spec.inputs:
             dtype = numpy_dtype(t.dtype)
-            if t.name in self.once:  # an encoder's input (PipelineSpec, Note: first-step stages): on a stream's first step only
+            if t.name in self.first_inputs:  # an encoder's input (PipelineSpec, Note: first-step stages): on a stream's first step only
                 if not past:
                     feeds[t.name] = _encoded(t, sizes, rng)
                 continue
@@ -493,9 +495,12 @@ class _Probe:
         grow = _PASTS[1] - _PASTS[0]
         inputs = {t.name: t for t in stage.inputs}
         states = {link.input for link in self.spec.states_of(stage.name)}
+        once = {n for link in self.spec.states_of(stage.name) if link.once for n in (link.input, link.output)}
         padded: dict[str, tuple[int, float]] = {}
         stripped: dict[str, int] = {}
         for name in a:
+            if name in once:
+                continue  # set once: the same sizes in every stream
             axes = [ax for ax, (x, y) in enumerate(zip(a[name], b.get(name, ()), strict=False)) if y - x == grow and ax > 0]
             if not axes:
                 continue

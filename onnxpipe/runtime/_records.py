@@ -164,11 +164,11 @@ def passes(plan: StagePlan, request: Request) -> bool:
     return request.step > 0 or request.step == CLOSE
 
 
-def stage_failed(stage: str, request: int, cause: object, attempts: int | None = None) -> StageError:
+def stage_failed(stage: str, request: int, cause: object, attempts: int | None = None, held: str = "") -> StageError:
     """The error of a request a stage failed on: the one place its words are made (every engine,
-    every batching mode)."""
+    every batching mode); ``held``: as ``StageError.held``."""
     after = f" after {attempts} attempts" if attempts is not None else ""
-    return StageError(f"stage '{stage}' failed on request {request}{after}: {cause}", stage=stage, request=request)
+    return StageError(f"stage '{stage}' failed on request {request}{after}: {cause}", stage=stage, request=request, held=held)
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,7 @@ class Failure:
         member: A member of a batch of steps: it left the batch, and the batch went on without it.
         state_lost: The step's stream lost its state there (its actor died): the stream cannot go on.
         streams: With ``state_lost``: the streams whose state died.
+        held: What of the state the stage held does not fit the step it failed (``StageError.held``), or "".
     """
 
     request: int
@@ -192,12 +193,13 @@ class Failure:
     member: bool = False
     state_lost: bool = False
     streams: tuple[int, ...] = ()
+    held: str = ""
 
     def error(self) -> StageError:
         """The error the request (or member) fails with."""
         if self.state_lost:
             return StreamError.state_lost(self.stage, self.streams, self.cause, request=self.request)
-        return stage_failed(self.stage, self.request, self.cause)
+        return stage_failed(self.stage, self.request, self.cause, held=self.held)
 
 
 @dataclass(slots=True)

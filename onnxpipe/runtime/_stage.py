@@ -177,7 +177,7 @@ class RunnerBase:
         try:
             failures = self._compute(request)
         except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
-            failures = (Failure(request.id, self.name, str(e)),)
+            failures = (Failure(request.id, self.name, str(e), held=getattr(e, "held", "")),)
         return Call((request.id,), start, _clock(), size, failures, copied=self.copied - copied)
 
     def __call__(self, request: Request) -> None:
@@ -187,9 +187,16 @@ class RunnerBase:
             self._compute(request)
 
 
-def _fixed(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
-    """A step flag's shape (every dim fixed: ``PipelineSpec.validate``)."""
-    return tuple(d for d in shape or () if isinstance(d, int))
+def _by_step(plan: StagePlan) -> tuple[frozenset[str], frozenset[int], tuple[dict[str, np.ndarray], ...]]:
+    """What a stage's runner does by a stream's step (``StateLink``'s Note: a state set once,
+    ``StepFlag``): its states set once; the outputs a later step makes for them (no update, often
+    a placeholder with no rows, never split back); its step flags' feeds on a stream's first step
+    and on a later one (empty: none)."""
+    once = frozenset(s.input for s in plan.states if s.once)
+    placeholders = frozenset(plan.outputs.index(s.output) for s in plan.states if s.once)
+    shapes = {f.input: tuple(d for d in plan.stage.input(f.input).shape or () if isinstance(d, int)) for f in plan.flags}  # all fixed (validated)
+    flags = tuple({f.input: np.full(shapes[f.input], later != f.first, np.bool_) for f in plan.flags} for later in (False, True))
+    return once, placeholders, flags if plan.flags else ()
 
 
 def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
@@ -227,11 +234,8 @@ class StageRunner(StateKeeper, RunnerBase):
         self._made = frozenset(self._keys)
         # The growing axis of each state that grows (a state set once never does: StateLink's Note: a state set once).
         self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None and not s.once}
-        self._once = frozenset(s.input for s in plan.states if s.once)
+        self._once, self._placeholders, self._flags = _by_step(plan)
         self._keep_inputs(plan)
-        #: The step flags' feeds on a stream's first step and on a later one (``StepFlag``).
-        self._flags = tuple({f.input: np.full(_fixed(plan.stage.input(f.input).shape), later != f.first, np.bool_)
-                             for f in plan.flags} for later in (False, True)) if plan.flags else ()
         # Where a member's padding of the state block goes (Batching.state_padding): before its past, or after it.
         self._right = plan.stage.batching is not None and plan.stage.batching.state_padding == "right"
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
@@ -268,7 +272,7 @@ class StageRunner(StateKeeper, RunnerBase):
     def _run_alone(self, request: Request) -> tuple[Failure, ...]:
         """One request alone: its feeds (its stream's state as arrays), one call, its state committed as the outputs came."""
         feeds = self._feeds(request)
-        results = self._run(feeds)
+        results = self._run_stepping(feeds, request.step)
         if self._holds:
             assert request.stream is not None
             self._commit(request, request.stream, request.step, self._made_state(feeds, results, request.step == 0))
@@ -352,12 +356,11 @@ class StageRunner(StateKeeper, RunnerBase):
         except Exception as e:  # which member was bad is found by running each alone
             self.unbatched = f"the batched call failed: {e}"
             return self._replay(request)
-        total = batch.rows[-1]
-        if not self._splits(results, total, batch.steps[0] > 0):
-            self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
+        first = batch.steps[0] == 0
+        if not self._splits_back(results, batch.rows[-1], first):
             return self._replay(request)
         if self._holds:  # its state and kept inputs (Note: kept inputs)
-            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results, batch.steps[0] == 0))
+            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results, first))
             states = self.states
             size, rows = sum(a.nbytes for a in made.arrays.values()), max(batch.rows[-1], 1)
             for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
@@ -368,6 +371,14 @@ class StageRunner(StateKeeper, RunnerBase):
         for key in self._dropped:
             values.pop(key, None)
         return ()
+
+    def _splits_back(self, results: Sequence[Any], total: int, first: bool) -> bool:
+        """Whether every output of a batched call has the batch's ``total`` rows (but what a later
+        step outputs for a state set once, which is not kept); says why not in ``unbatched``."""
+        if any((first or at not in self._placeholders) and (np.ndim(r) == 0 or len(r) != total) for at, r in enumerate(results)):
+            self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
+            return False
+        return True
 
     def _replay(self, request: Request) -> tuple[Failure, ...]:
         """Each member of the batch alone (nothing was committed); members that fail leave the
@@ -385,9 +396,9 @@ class StageRunner(StateKeeper, RunnerBase):
             try:
                 if self._holds:
                     feeds.update(self._own(self._held(stream, step, dims, feeds), stream))
-                results = self._run(feeds)
+                results = self._run_stepping(feeds, step)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
-                gone[j] = Failure(batch.ids[j], self.name, str(e), member=True)
+                gone[j] = Failure(batch.ids[j], self.name, str(e), member=True, held=getattr(e, "held", ""))
                 continue
             if self._holds:
                 self._commit(request, stream, step, self._made_state(feeds, results, step == 0))

@@ -108,7 +108,6 @@ class StateKeeper:
     _kept_in: tuple[str, ...]
     _holds: bool
     _later_sources: tuple[tuple[str, Endpoint], ...]
-    _once_at: frozenset[int]
     _kept: tuple[tuple[int, Endpoint], ...]
     _dropped: tuple[Endpoint, ...]
 
@@ -124,19 +123,46 @@ class StateKeeper:
 
     def _keep_inputs(self, plan: StagePlan) -> None:
         """What the runner keeps besides its states' outputs (``_stage``, Note: kept inputs): the
-        kept inputs, whether it holds anything per stream, the bag keys a later step reads (not the
-        kept inputs, which its bag lacks), and where the outputs of its states set once are."""
+        kept inputs, whether it holds anything per stream, and the bag keys a later step reads (not
+        the kept inputs, which its bag lacks)."""
         self._kept_in = plan.kept
         self._holds = bool(self._state_at or plan.kept)
         self._later_sources = tuple((name, key) for name, key in plan.sources if name not in plan.kept)
-        self._once_at = frozenset(at for name, at in self._state_at if name in self._once)
 
-    def _splits(self, results: Sequence[Any], total: int, later: bool) -> bool:
-        """Whether a batched call's outputs split back into its members' rows (``total``): each
-        has them along dim 0, but on a later step the outputs of states set once, which are not
-        kept (optimum's ``[0, heads, 1, dkv]`` placeholders)."""
-        passed = self._once_at if later else frozenset()
-        return all(np.ndim(r) and len(r) == total for k, r in enumerate(results) if k not in passed)
+    def _run(self, feeds: dict[str, Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def _run_stepping(self, feeds: dict[str, Any], step: int) -> list[Any]:
+        """One session call for a stream's step alone; a failure on a state this stage held that
+        does not fit the step is a :class:`StageError` saying so (``held``: ``_stream``, Note: a
+        failed step), since stepping again would fail the same way."""
+        try:
+            return self._run(feeds)
+        except Exception as e:
+            held = self._misfit(feeds) if self._state_at and step > 0 else ""
+            if not held:
+                raise
+            raise StageError(str(e), stage=self.name, held=held) from e
+
+    def _misfit(self, feeds: Mapping[str, Any]) -> str:
+        """What of the state fed to a step does not fit the stage's input or the step's other
+        inputs (a fixed size, or a named dim the other inputs size otherwise; a growing state's
+        empty axis aside), in words; "" when all fits."""
+        stage, states = self.plan.stage, {s.input: s for s in self.plan.states}
+        sizes: dict[str, int] = {}
+        for t in stage.inputs:
+            if t.name not in states and t.name in feeds and t.shape is not None:
+                sizes.update((d, n) for d, n in zip(t.shape, np.shape(feeds[t.name]), strict=False) if isinstance(d, str) and d not in sizes)
+        for name, link in states.items():
+            declared, held = stage.input(name).shape or (), tuple(np.shape(feeds[name]))
+            if len(held) != len(declared):
+                return f"its state '{name}' is {list(held)}, of rank {len(held)}, where the input has rank {len(declared)}"
+            for axis, (d, n) in enumerate(zip(declared, held, strict=True)):
+                want = d if isinstance(d, int) else sizes.get(d) if isinstance(d, str) else None
+                if want is not None and want != n and (axis != link.empty_axis or link.once):
+                    why = f"the input's dim {axis} is {want}" if isinstance(d, int) else f"the step's other inputs size dim {axis} ('{d}') {want}"
+                    return f"its state '{name}' is {list(held)}, where {why}"
+        return ""
 
     def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any], first: bool) -> dict[str, np.ndarray]:
         """The state outputs of a call, by state input (``first``: the call ran streams' first

@@ -20,6 +20,14 @@ Note: a failed step.
     behind a failed one fail in the stage that failed (their step number does not match its
     state), never run on the wrong state.
 
+    Unchanged is not always usable: when a step fails in a stage whose own state, as fed, does not
+    fit the step (a fixed size, or a named dim the step's other inputs size otherwise: a
+    ``[0, 4, 1, 8]`` placeholder kept as an encoder's KV, say), the stage says what
+    (``StageError.held``), and every later step would fail on it the same way. The error says
+    the stage ran the step on the state it holds, what of it does not fit, and to close the
+    stream (``Remedy.CLOSE``, ``state_valid`` false, the fact in ``StreamError.detail``); later
+    steps are refused. A step that failed for its own inputs, on a state that fits, can go on as before.
+
 Note: expiring idle streams.
     Every ``pipe.stream()`` and every step first closes the streams idle past the pipeline's
     ``stream_timeout``; looking at every open stream each time made a step cost O(open streams)
@@ -308,7 +316,7 @@ class StreamRecord:
                 self._failure = self._failure or (step, error)
                 return error
             failed = StreamError.step_failed(error, step, advanced)
-            if advanced:
+            if advanced or failed.detail:  # stages disagree, or a stage's own state does not fit a step (see Note: a failed step)
                 self._failure = self._failure or (step, failed)
             else:
                 self.steps = min(self.steps, step)

@@ -25,7 +25,7 @@ from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._remeasure import REMEASURE_BELOW, remeasure
-from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, genai_head_dims, pair_states, step_branches
+from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, genai_head_dims, one_if, pair_states, step_branches, uncuttable
 
 if TYPE_CHECKING:
     from onnxpipe.splitter._auto import AutoSplit, SplitPolicy
@@ -229,6 +229,9 @@ def split(
     proto, folder = load_model(model)
     folder = Path(source_dir) if source_dir is not None else folder
     index = GraphIndex(proto)
+    condition = one_if(index)
+    if condition is not None and (cuts is not None or (getattr(policy, "stages", None) or 0) > 1):
+        raise SplitError(uncuttable(condition))
     types, problem = infer_types(proto)
     pairs: list[StatePair] = []
     flags: dict[str, bool] = {}  # step flags: input -> its value on a stream's first step (_states, Note: merged decoders)
@@ -271,6 +274,8 @@ def split(
     state_inputs = {p.input for p in pairs} | set(flags)  # fed by the pipeline itself
     state_outputs = {p.output for p in pairs}
     notes = [problem] if problem else []
+    if condition is not None:  # one stage, as asked; said for a user looking for cuts
+        notes.append(f"the model is one If node on '{condition}': it stays whole in one stage (cuts inside an If are not supported)")
     notes.extend(rehomed)
     notes.extend(fixed_notes)
     foreign = unregistered_ops(proto)

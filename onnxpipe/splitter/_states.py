@@ -38,7 +38,7 @@ from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import TensorSpec
 from onnxpipe.splitter._graph import GraphIndex, reroute
 
-__all__ = ["AUTO", "StatePair", "StateShapes", "check_together", "fixed_state_dims", "genai_head_dims", "pair_states", "step_branches"]
+__all__ = ["AUTO", "StatePair", "StateShapes", "check_together", "fixed_state_dims", "genai_head_dims", "one_if", "pair_states", "step_branches", "uncuttable"]
 
 #: Ask :func:`pair_states` to pair names by convention.
 AUTO = "auto"
@@ -171,6 +171,20 @@ def step_branches(model: ModelProto, pairs: Sequence[StatePair]) -> tuple[list[S
         made = dict(zip(node.output, (o.name for o in branches[later].output), strict=False))
         once.update(p.output for p in pairs if p.output in made and _made_by_nothing(branches[later], made[p.output], p.input))
     return [StatePair(p.output, p.input, p.empty_axis, p.output in once) for p in pairs], flags
+
+
+def one_if(index: GraphIndex) -> str | None:
+    """The condition of the model's one ``If`` node, when its compute is that node alone (optimum's
+    merged decoders, whose branches cannot be cut: docs/limitations.md); ``None`` otherwise."""
+    compute = index.compute_nodes()
+    return index.nodes[compute[0]].input[0] if len(compute) == 1 and index.nodes[compute[0]].op_type == "If" else None
+
+
+def uncuttable(condition: str) -> str:
+    """What a split asked to cut a model that is one ``If`` node on ``condition`` says (see :func:`one_if`)."""
+    return (f"the model is one If node on '{condition}' (as optimum's merged decoders are): cuts inside its branches are not supported; "
+            "run it as one stage (split --auto --stages 1, or a pipeline file stage without at/auto; with states \"auto\": "
+            "docs/streams.md#merged-decoders) or split decoder_model.onnx and decoder_with_past_model.onnx instead")
 
 
 def _outer_reads(graph: GraphProto) -> set[str]:
