@@ -94,6 +94,46 @@ def test_a_first_step_stage_is_refused_where_it_cannot_work() -> None:
         bad.check()
 
 
+def test_the_pipeline_file_sets_runs_and_refuses_other_values(tmp_path: Path) -> None:
+    from onnxpipe.splitter import read_pipeline_file
+
+    config = read_pipeline_file(encdec_pipeline_file(tmp_path, "whisper"))
+    assert [s.runs for s in config.stages] == ["first", "every"]
+    text = encdec_pipeline_file(tmp_path, "whisper").read_text().replace('runs = "first"', 'runs = "once"')
+    (tmp_path / "bad.toml").write_text(text)
+    with pytest.raises(ConfigError, match=r"stages\[0\] \('encoder'\): runs must be one of 'every', 'first', got 'once'"):
+        read_pipeline_file(tmp_path / "bad.toml")
+
+
+def test_batch_lengths_is_a_build_setting_with_two_values() -> None:
+    from onnxpipe.runtime import StageSettings
+
+    assert StageSettings().batch_lengths == "any" and "batch_lengths" not in StageSettings().to_dict()  # written only when set
+    assert StageSettings.from_dict(StageSettings(batch_lengths="equal").to_dict()).batch_lengths == "equal"
+    with pytest.raises(ConfigError, match=r"batch_lengths must be one of 'any', 'equal', got 'same'"):
+        StageSettings(batch_lengths="same")
+
+
+def test_a_decoder_without_a_mask_batches_only_with_batch_lengths_equal(tmp_path: Path) -> None:
+    from onnxpipe import BuildError
+    from onnxpipe.builder import build
+    from onnxpipe.splitter import read_pipeline_file
+
+    config = read_pipeline_file(encdec_pipeline_file(tmp_path, "whisper", max_batch=4, lengths="any"))
+    with pytest.raises(BuildError, match=r"stage 'decoder' keeps state that grows.*no attention mask input.*set max_batch=1 for it, or "
+                                         r"batch_lengths=\"equal\" to batch only streams whose pasts are equally long"):
+        build(config, tmp_path / "built")
+
+
+def test_inspect_shows_the_first_step_stage_and_what_the_decoder_keeps(encdec_bundle: Path) -> None:
+    from tests.cli.helpers import ok
+
+    shown = ok("inspect", encdec_bundle).output
+    assert "  runs:     on a stream's first step only (the later stages keep what it made)" in shown
+    assert "  in  h: float32[batch, n]  <- encoder.h  (kept from the stream's first step)" in shown
+    assert "  in  mask: float32[batch, n]  <- pipeline.mask  (kept from the stream's first step)" in shown
+
+
 # -- a stream ----------------------------------------------------------------------------------------
 
 
@@ -151,13 +191,13 @@ CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 FAMILIES = ("t5", "whisper")
 
 
-def encdec_pipeline_file(folder: Path, family: str, max_batch: int = 1) -> Path:
+def encdec_pipeline_file(folder: Path, family: str, max_batch: int = 1, lengths: str = "equal") -> Path:
     """The pipeline file docs/streams.md shows: the encoder on the first step only, optimum's
     merged decoder with its states (``states = "auto"``: the KV caches, the encoder's KV set once,
     ``use_cache_branch`` fed by the runtime), the encoder's output kept by the decoder."""
     models = CORPUS / family
     batching = f"\nsettings = {{ max_batch = {max_batch} }}" if max_batch > 1 else ""
-    decoder_batching = f'\nsettings = {{ max_batch = {max_batch}, batch_lengths = "equal" }}' if max_batch > 1 else ""
+    decoder_batching = f'\nsettings = {{ max_batch = {max_batch}, batch_lengths = "{lengths}" }}' if max_batch > 1 else ""
     t5 = family == "t5"
     text = f'''format = "onnxpipe.pipeline-file"
 version = 1
