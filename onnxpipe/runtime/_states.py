@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from onnxpipe._errors import InputError, StageError
 from onnxpipe.runtime._dtypes import numpy_dtype
-from onnxpipe.runtime._handoff import session_device
+from onnxpipe.runtime._handoff import host, session_device
 from onnxpipe.runtime._inplace import InSlab, Slab, arrange
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime.scheduling import StepBatch, member_rows, pad_stack, take_rows
@@ -180,7 +180,7 @@ class StateKeeper:
                 self.copied += past.nbytes
             state[name] = made
         for name in self._kept_in:
-            state[name] = fed[name]
+            state[name] = host(fed[name])  # an encoder's output handed on a device is kept in host memory (docs/limitations.md)
         return state
 
     def _commit(self, request: Request, stream: int, step: int, state: dict[str, np.ndarray]) -> None:
