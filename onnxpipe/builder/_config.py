@@ -205,8 +205,7 @@ class PipelineConfig:
         name: str | None = None,
         *,
         settings: StageSettings | None = None,
-        source_dir: str | os.PathLike[str] | None = None,
-        runs: str = "every",
+        source_dir: str | os.PathLike[str] | None = None, runs: str = "every",
     ) -> Stage:
         """Add a stage from a ModelProto or an .onnx file.
 
@@ -215,8 +214,7 @@ class PipelineConfig:
             name: Unique stage name (default ``stage<N>``).
             settings: Session settings (default :class:`StageSettings`: CPU, 1 thread, no spinning).
             source_dir: For an in-memory model with external-data references: their folder.
-            runs: ``"every"`` step of a stream, or ``"first"``: the stream's first step only (an
-                encoder whose output the later stages keep: docs/streams.md).
+            runs: ``"every"`` step of a stream, or ``"first"`` only (an encoder: docs/streams.md).
 
         Returns:
             The stage, whose :meth:`Stage.input` / :meth:`Stage.output` give connectable ports.
@@ -225,9 +223,7 @@ class PipelineConfig:
             ConfigError: duplicate name, unreadable file, or a boundary value that is not a tensor.
         """
         name = self._new_name(name)
-        stage = _module_stage(self, name, model, settings, source_dir)
-        stage.runs = _runs(runs, name)
-        self._stages[name] = stage
+        stage = self._stages[name] = _module_stage(self, name, model, settings, source_dir, _runs(runs, name))
         return stage
 
     def add_python_stage(
@@ -470,8 +466,7 @@ class PipelineConfig:
                 outputs=s.outputs,
                 settings=s.settings,
                 build=dict(s.build),
-                code=s.code,
-                runs=s.runs,
+                code=s.code, runs=s.runs,
             )
             for s in order
         )
@@ -606,7 +601,8 @@ def _describe(settings: StageSettings) -> str:
 
 
 def _module_stage(
-    config: PipelineConfig, name: str, model: ModelProto | str | os.PathLike[str], settings: StageSettings | None, source_dir: str | os.PathLike[str] | None
+    config: PipelineConfig, name: str, model: ModelProto | str | os.PathLike[str], settings: StageSettings | None, source_dir: str | os.PathLike[str] | None,
+    runs: str = "every",
 ) -> Stage:
     """A stage of ``config`` running ``model``, in memory or read from its file (weights left in their files).
 
@@ -623,7 +619,7 @@ def _module_stage(
         source_dir = path.parent
     inputs, outputs = io_specs(model)
     return Stage(config, name, model if path is None else None, path, Path(source_dir) if source_dir else None, inputs, outputs,
-                 weights=weight_specs(model), settings=settings or StageSettings())
+                 weights=weight_specs(model), settings=settings or StageSettings(), runs=runs)
 
 
 def _code_stage(

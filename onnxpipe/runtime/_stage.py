@@ -44,7 +44,8 @@ Note: kept inputs.
     input's value as it was fed beside the state outputs, so a later step is fed it from the
     stream's state as a state is (``_feeds``, which reads the bag without them:
     ``_later_sources``), a batch's block holds them in its rows, and a close drops them. Nothing
-    is copied: the value kept is the array the first step was fed. Members whose kept values
+    is copied: the value kept is the array the first step was fed (an ``OrtValue`` a stage handed on a
+    device is copied to host memory once). Members whose kept values
     differ in shape (T5's encoder outputs of different lengths) cannot share a block and run
     apart (``_joined_block``). A stage with kept inputs keeps its state as arrays, never in place
     (``in_place_axes``).
