@@ -169,9 +169,7 @@ def _add_stage(config: PipelineConfig, entry: dict[str, Any], folder: Path, wher
     if len(kinds) != 1:
         raise ConfigError(f"{where}: a stage has exactly one of 'model' (an .onnx file) or 'code' (an entry point), got {kinds or 'neither'}")
     settings = _settings(entry, where)
-    runs = _kind(entry, "runs", str, where, "every")
-    if runs not in RUNS:
-        raise ConfigError(f"{where}: runs must be one of {', '.join(repr(r) for r in RUNS)}, got {runs!r}")
+    runs = _runs(entry, where)
     before = {s.name for s in config.stages}
     if "code" in entry:
         for key in ("at", "auto", "policy", "dims", "states"):
@@ -245,6 +243,14 @@ def _model_stage(
     outs = [(config.stage(port.endpoint.stage or ""), port.endpoint.tensor) for port in pieces.outputs.values()]
     # A split keeps tensor names: a piece's input port is named after the model input feeding it.
     return ins, outs
+
+
+def _runs(entry: dict[str, Any], where: str) -> str:
+    """A stage's ``runs``: ``"every"`` (the default) or ``"first"`` (docs/streams.md)."""
+    runs: str = _kind(entry, "runs", str, where, "every")
+    if runs not in RUNS:
+        raise ConfigError(f"{where}: runs must be one of {', '.join(repr(r) for r in RUNS)}, got {runs!r}")
+    return runs
 
 
 def _dims(entry: dict[str, Any], where: str) -> dict[str, int]:
