@@ -16,7 +16,7 @@ from onnxpipe._errors import InputError, StageError
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._handoff import host, session_device
 from onnxpipe.runtime._inplace import InSlab, Slab, arrange
-from onnxpipe.runtime._spec import Endpoint
+from onnxpipe.runtime._spec import Dim, Endpoint, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, member_rows, pad_stack, take_rows
 
 if TYPE_CHECKING:
@@ -86,6 +86,18 @@ def in_place_axes(plan: StagePlan, session: ort.InferenceSession, right: bool) -
     return {s.input: s.output for s in links}, axes, axes if plan.batches and right else {}
 
 
+def _misfit_dims(link: StateLink, declared: tuple[Dim, ...], held: tuple[int, ...], sizes: Mapping[str, int]) -> str:
+    """Why a state of shape ``held`` does not fit its input (declared ``declared``) in a step whose
+    other inputs size named dims as ``sizes`` (a growing state's empty axis aside), or ""."""
+    if len(held) != len(declared):
+        return f"the input has rank {len(declared)}"
+    for axis, (d, n) in enumerate(zip(declared, held, strict=True)):
+        want = d if isinstance(d, int) else sizes.get(d) if isinstance(d, str) else None
+        if want is not None and want != n and (axis != link.empty_axis or link.once):
+            return f"the input's dim {axis} is {want}" if isinstance(d, int) else f"the step's other inputs size dim {axis} ('{d}') {want}"
+    return ""
+
+
 class StateKeeper:
     """The state-keeping part of ``StageRunner`` (a mixin: the runner sets the attributes below)."""
 
@@ -150,18 +162,13 @@ class StateKeeper:
         empty axis aside), in words; "" when all fits."""
         stage, states = self.plan.stage, {s.input: s for s in self.plan.states}
         sizes: dict[str, int] = {}
-        for t in stage.inputs:
-            if t.name not in states and t.name in feeds and t.shape is not None:
-                sizes.update((d, n) for d, n in zip(t.shape, np.shape(feeds[t.name]), strict=False) if isinstance(d, str) and d not in sizes)
+        for t in stage.inputs:  # the named dims' sizes in the step's other inputs
+            if t.name not in states and t.name in feeds:
+                sizes.update((d, n) for d, n in zip(t.shape or (), np.shape(feeds[t.name]), strict=False) if isinstance(d, str) and d not in sizes)
         for name, link in states.items():
-            declared, held = stage.input(name).shape or (), tuple(np.shape(feeds[name]))
-            if len(held) != len(declared):
-                return f"its state '{name}' is {list(held)}, of rank {len(held)}, where the input has rank {len(declared)}"
-            for axis, (d, n) in enumerate(zip(declared, held, strict=True)):
-                want = d if isinstance(d, int) else sizes.get(d) if isinstance(d, str) else None
-                if want is not None and want != n and (axis != link.empty_axis or link.once):
-                    why = f"the input's dim {axis} is {want}" if isinstance(d, int) else f"the step's other inputs size dim {axis} ('{d}') {want}"
-                    return f"its state '{name}' is {list(held)}, where {why}"
+            why = _misfit_dims(link, stage.input(name).shape or (), tuple(np.shape(feeds[name])), sizes)
+            if why:
+                return f"its state '{name}' is {list(np.shape(feeds[name]))}, where {why}"
         return ""
 
     def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any], first: bool) -> dict[str, np.ndarray]:

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from onnx import GraphProto, ModelProto, TensorProto, ValueInfoProto
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 
 from onnxpipe._errors import SplitError, closest
 from onnxpipe.builder import tensor_spec
@@ -162,15 +162,21 @@ def step_branches(model: ModelProto, pairs: Sequence[StatePair]) -> tuple[list[S
     for node in graph.node:
         if node.op_type != "If" or node.domain not in ("", "ai.onnx") or not node.input or node.input[0] not in bools:
             continue
-        branches = {a.name: a.g for a in node.attribute if a.name in ("then_branch", "else_branch")}
-        reads = {name: bool(_outer_reads(g) & pasts) for name, g in branches.items()}
-        if len(branches) != 2 or sum(reads.values()) != 1:
+        later = _later_branch(node, pasts)
+        if later is None:
             continue
-        later = next(name for name, read in reads.items() if read)
-        flags[node.input[0]] = later == "else_branch"  # the first step takes the branch that reads no past
-        made = dict(zip(node.output, (o.name for o in branches[later].output), strict=False))
-        once.update(p.output for p in pairs if p.output in made and _made_by_nothing(branches[later], made[p.output], p.input))
+        flags[node.input[0]] = later[0] == "else_branch"  # the first step takes the branch that reads no past
+        made = dict(zip(node.output, (o.name for o in later[1].output), strict=False))
+        once.update(p.output for p in pairs if p.output in made and _made_by_nothing(later[1], made[p.output], p.input))
     return [StatePair(p.output, p.input, p.empty_axis, p.output in once) for p in pairs], flags
+
+
+def _later_branch(node: NodeProto, pasts: set[str]) -> tuple[str, GraphProto] | None:
+    """The branch of an ``If`` the later steps take (its attribute's name and graph): the one of two
+    that reads some state input, the other reading none; ``None`` otherwise."""
+    branches = {a.name: a.g for a in node.attribute if a.name in ("then_branch", "else_branch")}
+    reading = [(name, g) for name, g in branches.items() if _outer_reads(g) & pasts]
+    return reading[0] if len(branches) == 2 and len(reading) == 1 else None
 
 
 def one_if(index: GraphIndex) -> str | None:
