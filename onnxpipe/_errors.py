@@ -90,13 +90,16 @@ class StageError(OnnxpipeError):
         request: The request's number, when the error belongs to one request.
         detail: The whole text of what failed where the message says it short (onnxruntime's,
             with its source: Note: onnxruntime's words, said short), for a log; else ``None``.
+        held: For a stream's step: what of the state the stage held and fed it does not fit the
+            step (its own state is what the model refused: stepping again fails the same way), or "".
     """
 
-    def __init__(self, message: str, *, stage: str | None = None, request: int | None = None, detail: str | None = None) -> None:
+    def __init__(self, message: str, *, stage: str | None = None, request: int | None = None, detail: str | None = None, held: str = "") -> None:
         super().__init__(message)
         self.stage = stage
         self.request = request
         self.detail = detail
+        self.held = held
 
 
 class BusyError(OnnxpipeError):
@@ -252,10 +255,14 @@ class StreamError(StageError):
     @classmethod
     def step_failed(cls, error: BaseException, step: int, took: Sequence[str]) -> StreamError:
         """A stream's step failed with ``error`` (in ``error.stage``) after the stages with state
-        ``took`` had taken it: the state is unchanged when none had, else no longer valid."""
+        ``took`` had taken it: the state is unchanged when none had, else no longer valid; and no
+        longer usable when the failing stage's own state is what the step could not run on
+        (``StageError.held``: every later step would fail on it too)."""
         stage = error.stage if isinstance(error, StageError) else None
-        remedy = Remedy.CLOSE if took else Remedy.GO_ON
-        return cls(stage=stage, request=getattr(error, "request", None), state_valid=not took, remedy=remedy, step=step, cause=error, took=took)
+        held = error.held if isinstance(error, StageError) else ""
+        remedy = Remedy.CLOSE if took or held else Remedy.GO_ON
+        return cls(stage=stage, request=getattr(error, "request", None), state_valid=not took and not held, remedy=remedy, step=step, cause=error,
+                   took=took, detail=held)
 
     @classmethod
     def state_lost(cls, stage: str, streams: Sequence[int], detail: str, request: int | None = None) -> StreamError:
@@ -289,12 +296,17 @@ class StreamError(StageError):
         cause = said(self.cause, terms) if self.cause is not None else ""
         if remedy is Remedy.GO_ON:
             return f"{cause}; {terms.state} is unchanged (as after step {(self.step or 0) - 1}): {then}"
+        if self.detail and not self.took:
+            return (f"{cause}; stage '{self.stage}' ran the step on the state it holds (as after step {(self.step or 0) - 1}), and that state does not fit "
+                    f"it: {self.detail}; every later step would fail on it too: {then}")
         return f"{cause}; {terms.state} is no longer valid: stage(s) {_quoted(self.took)} took step {self.step} and stage '{self.stage}' did not; {then}"
 
     def failure(self, step: int | None, terms: StreamTerms = RUNTIME_TERMS) -> str:
         """What this failure of step ``step`` did to the stream, as a refusal of its later steps says it."""
         if self.took:
             return f"step {step} failed in stage '{self.stage}' after stage(s) {_quoted(self.took)} had updated their state"
+        if self.detail and not self.streams:
+            return f"step {step} failed in stage '{self.stage}' on the state it holds ({self.detail})"
         return f"step {step} failed: {said(self, terms)}"
 
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from onnx import ModelProto, TensorProto, helper, numpy_helper
+from onnx import GraphProto, ModelProto, TensorProto, helper, numpy_helper
 
-__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "generate", "gpt_decoder", "growing", "recurrent", "session_generate", "whole_generate",
-           "whole_recurrent"]
+__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "encoder_decoder", "encoder_decoder_whole", "generate", "gpt_decoder", "growing",
+           "merged_decoder", "recurrent", "session_generate", "whole_generate", "whole_recurrent"]
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -90,6 +90,64 @@ def growing(reshaped: bool = False) -> ModelProto:
         inputs.append(helper.make_tensor_value_info("shape", I64, [2]))
     outputs = [helper.make_tensor_value_info("y", F, None if reshaped else [1, 1]), helper.make_tensor_value_info("stateN", F, [1, "total"])]
     graph = helper.make_graph(nodes, "growing", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def merged_decoder(passed: bool = False) -> ModelProto:
+    """A merged decoder as optimum makes them, small: one ``If`` on ``use_cache_branch`` over a
+    branch without a past (``else``: the first step) and one that reads it (``then``), with an
+    attention mask so that its streams batch. ``x [batch, seq, 4]``, ``attention_mask [batch,
+    past + seq]``, ``encoder_hidden_states [batch, enc, 4]``, the past ``past_key_values.0.key
+    [batch, past, 4]`` and the encoder's ``past_key_values.0.encoder.key [batch, enc, 4]``::
+
+        first step: present = x;               present.0.encoder.key = 2 * encoder_hidden_states
+        after:      present = Concat(past, x); present.0.encoder.key = a [0, 1, 4] placeholder
+                    (``passed``: the past passed through by Identity)
+        y = x + sum(present * mask, axis 1) + sum(encoder KV, axis 1)
+    """
+    def branch(name: str, later: bool) -> GraphProto:
+        nodes = [
+            helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array([1], np.int64))),
+            helper.make_node("Constant", [], ["two"], value=numpy_helper.from_array(np.array([2], np.int64))),
+            helper.make_node("Concat", ["past_key_values.0.key", "x"], [f"{name}_present"], axis=1) if later
+            else helper.make_node("Identity", ["x"], [f"{name}_present"]),
+            helper.make_node("Unsqueeze", ["attention_mask", "two"], ["mask3"]),
+            helper.make_node("Cast", ["mask3"], ["maskf"], to=F),
+            helper.make_node("Mul", [f"{name}_present", "maskf"], ["masked"]),
+            helper.make_node("ReduceSum", ["masked", "one"], ["s"], keepdims=1),
+        ]
+        if not later:
+            nodes.append(helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.array(2.0, np.float32))))
+            nodes.append(helper.make_node("Mul", ["encoder_hidden_states", "k"], [f"{name}_enc"]))
+            kv = f"{name}_enc"
+        else:
+            kv = "past_key_values.0.encoder.key"
+            nodes.append(helper.make_node("Identity", [kv], [f"{name}_enc"]) if passed else
+                         helper.make_node("Constant", [], [f"{name}_enc"], value=numpy_helper.from_array(np.zeros((0, 1, 4), np.float32))))
+        nodes += [
+            helper.make_node("ReduceSum", [kv, "one"], ["e"], keepdims=1),
+            helper.make_node("Add", ["x", "s"], ["xs"]),
+            helper.make_node("Add", ["xs", "e"], [f"{name}_y"]),
+        ]
+        outs = [helper.make_tensor_value_info(f"{name}_{o}", F, None) for o in ("y", "present", "enc")]
+        return helper.make_graph(nodes, name, [], outs)
+
+    node = helper.make_node("If", ["use_cache_branch"], ["y", "present.0.key", "present.0.encoder.key"], name="merged",
+                            then_branch=branch("with_past", True), else_branch=branch("without_past", False))
+    inputs = [
+        helper.make_tensor_value_info("x", F, ["batch", "seq", 4]),
+        helper.make_tensor_value_info("attention_mask", I64, ["batch", "total"]),
+        helper.make_tensor_value_info("encoder_hidden_states", F, ["batch", "enc", 4]),
+        helper.make_tensor_value_info("use_cache_branch", TensorProto.BOOL, [1]),
+        helper.make_tensor_value_info("past_key_values.0.key", F, ["batch", "past", 4]),
+        helper.make_tensor_value_info("past_key_values.0.encoder.key", F, ["batch", "enc", 4]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("y", F, ["batch", "seq", 4]),
+        helper.make_tensor_value_info("present.0.key", F, ["batch", "total", 4]),
+        helper.make_tensor_value_info("present.0.encoder.key", F, ["batch", "enc_out", 4]),
+    ]
+    graph = helper.make_graph([node], "merged", inputs, outputs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
@@ -279,3 +337,45 @@ def decode_in_threads(pipe: Any, prompts: list[list[int]], counts: list[int], ap
 def whole_generate(model: ModelProto, prompt: list[int], count: int, threads: int = 1) -> tuple[list[int], list[np.ndarray]]:
     """:func:`session_generate` with a new session of the whole model."""
     return session_generate(decoder_session(model, threads), prompt, count)
+
+
+def encoder_decoder() -> tuple[ModelProto, ModelProto]:
+    """An encoder and a decoder, as optimum exports a seq2seq model's two halves (issue 39): the
+    encoder ``h = 2 * x * mask`` (``x``, ``mask`` ``[batch, n]``) and the decoder
+    ``y = state + tok + ReduceSum(h * mask, axis 1)`` with ``stateN = y`` (``tok``, ``state``
+    ``[batch, 1]``), so each step's ``y`` says whether the decoder was fed the encoder's output and
+    the mask of the stream's first step: ``y_t = sum of tok_0..tok_t + (t + 1) * ctx``, ``ctx =
+    sum(2 * x * mask * mask)``."""
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    encoder = helper.make_graph(
+        [helper.make_node("Mul", ["x", "mask"], ["xm"], name="masked"), helper.make_node("Mul", ["xm", "two"], ["h"], name="scaled")],
+        "encoder",
+        [helper.make_tensor_value_info("x", F, ["batch", "n"]), helper.make_tensor_value_info("mask", F, ["batch", "n"])],
+        [helper.make_tensor_value_info("h", F, ["batch", "n"])],
+        [two],
+    )
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    decoder = helper.make_graph(
+        [
+            helper.make_node("Mul", ["h", "mask"], ["hm"], name="attend"),
+            helper.make_node("ReduceSum", ["hm", "axes"], ["ctx"], keepdims=1, name="pool"),
+            helper.make_node("Add", ["state", "tok"], ["st"], name="carry"),
+            helper.make_node("Add", ["st", "ctx"], ["y"], name="out"),
+            helper.make_node("Identity", ["y"], ["stateN"], name="next"),
+        ],
+        "decoder",
+        [helper.make_tensor_value_info(n, F, ["batch", d]) for n, d in (("tok", 1), ("h", "n"), ("mask", "n"), ("state", 1))],
+        [helper.make_tensor_value_info("y", F, ["batch", 1]), helper.make_tensor_value_info("stateN", F, ["batch", 1])],
+        [axes],
+    )
+    return tuple(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8) for g in (encoder, decoder))  # type: ignore[return-value]
+
+
+def encoder_decoder_whole(x: np.ndarray, mask: np.ndarray, toks: list[np.ndarray]) -> list[np.ndarray]:
+    """What :func:`encoder_decoder`'s decoder gives at each step, worked out with numpy."""
+    ctx = np.sum(2 * x * mask * mask, axis=1, keepdims=True)
+    state, out = np.zeros((len(x), 1), np.float32), []
+    for tok in toks:
+        state = state + tok + ctx
+        out.append(state)
+    return out

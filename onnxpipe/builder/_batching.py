@@ -65,7 +65,7 @@ from onnxpipe.runtime import Batching, Endpoint, PipelineSpec, StageSpec, Tensor
 from onnxpipe.runtime._inputs import MASK_NAMES, DecoderInputs, random_array
 from onnxpipe.runtime._overrides import check_stream_batching
 from onnxpipe.runtime._session import make_session
-from onnxpipe.runtime._stage import Request, StageRunner, plan_stages
+from onnxpipe.runtime._stage import Request, StageRunner, passes, plan_stages
 from onnxpipe.runtime._stream import bind_dims, state_dims
 from onnxpipe.runtime._values import INPUT_DIMS_KEY, format_dims, named_values, parse_dims, spec_values
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads, batch_length, member_outputs, stack_steps
@@ -73,6 +73,7 @@ from onnxpipe.runtime.scheduling import StepBatch, bag_pads, batch_length, membe
 __all__ = ["INPUT_DIMS_KEY", "MASK_NAMES", "check_batching", "format_dims", "mark_shared_states", "parse_dims"]
 
 _PASTS = (3, 5)  # the probe streams' pasts at their first decode step
+_ENCODED = 4  # the symbolic dims of the probe streams' first-step inputs (an encoder's input length)
 _PROMPTS = (3, 5)
 
 
@@ -95,21 +96,24 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     except ConfigError as e:
         raise BuildError(str(e)) from None
     for stage in batching:
-        _check_batch_axes(stage)
-    growing = [s for s in batching if any(link.empty_axis is not None for link in spec.states_of(s.name))]
+        _check_batch_axes(stage, {f.input for f in spec.flags_of(stage.name)})
+    # A state set once never grows (StateLink's Note: a state set once), though it starts empty.
+    growing = [s for s in batching if any(link.empty_axis is not None and not link.once for link in spec.states_of(s.name))]
     for stage in spec.stages:
         if stage.settings.batch_pad and stage not in growing:
             raise BuildError(f"stage '{stage.name}': batch_pad is for a stage that batches streams whose state grows (max_batch above 1 "
                              "and a state link with an empty axis); this one has none to pad")
-    mask = DecoderInputs.of(spec.inputs).mask if spec.states else None
-    if growing and mask is None:
+    mask = DecoderInputs.of(_every_step_inputs(spec)).mask if spec.states else None
+    equal = bool(growing) and all(s.settings.batch_lengths == "equal" for s in growing)  # nothing padded: no mask needed
+    if growing and mask is None and not equal:
         names = ", ".join(t.name for t in spec.inputs)
         raise BuildError(
             f"stage '{growing[0].name}' keeps state that grows with each step ({_growing_state(spec, growing[0])}), and the pipeline has no "
             f"attention mask input to mark padded positions (looked for {', '.join(MASK_NAMES)}; inputs: {names}): a model with absolute "
-            "positions only cannot batch streams of different lengths; set max_batch=1 for it"
+            "positions only cannot batch streams of different lengths; set max_batch=1 for it, or batch_lengths=\"equal\" to batch only "
+            "streams whose pasts are equally long"
         )
-    probe = _Probe(spec, folder, mask)
+    probe = _Probe(spec, folder, mask, equal)
     try:
         records = probe.run(batching, growing)
     except _NotProbed as e:
@@ -119,6 +123,18 @@ def check_batching(spec: PipelineSpec, folder: Path) -> PipelineSpec:
             raise BuildError(f"stage '{growing[0].name}': cannot check that its streams batch ({e}); set max_batch=1 for it") from None
     stages = tuple(dataclasses.replace(s, batching=records[s.name]) if s.name in records else s for s in spec.stages)
     return dataclasses.replace(spec, stages=stages)
+
+
+def _encoded(spec: TensorSpec, sizes: Mapping[str, int], rng: np.random.Generator) -> np.ndarray:
+    """A probe stream's first-step input: one length for every stream (``sizes``, else
+    :data:`_ENCODED`), so that what the later stages keep of it lines up."""
+    return random_array(spec, [1 if axis == 0 else d if isinstance(d, int) else sizes.get(d or "", _ENCODED) for axis, d in enumerate(spec.shape or ())], rng)
+
+
+def _every_step_inputs(spec: PipelineSpec) -> list[TensorSpec]:
+    """The pipeline inputs a stream gives on every step: not an encoder's (``first_step_inputs``),
+    whose mask is not the decoder's attention mask."""
+    return [t for t in spec.inputs if t.name not in spec.first_step_inputs]
 
 
 def _shared_pasts(stage: StageSpec, folder: Path) -> set[tuple[str, str]] | None:
@@ -141,16 +157,19 @@ def mark_shared_states(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     links = []
     for link in spec.states:
         stage = spec.stage(link.stage)
-        shared = _shared_pasts(stage, folder) if stage.module is not None and link.empty_axis is not None else None
+        shared = _shared_pasts(stage, folder) if stage.module is not None and link.empty_axis is not None and not link.once else None
         links.append(dataclasses.replace(link, shared=bool(shared) and (link.input, link.output) in shared))  # type: ignore[operator]
     return dataclasses.replace(spec, states=tuple(links))
 
 
-def _check_batch_axes(stage: StageSpec) -> None:
+def _check_batch_axes(stage: StageSpec, flags: set[str]) -> None:
+    """Every port of the stage has a symbolic dim 0, but its step flags (one value for a whole call)."""
     if stage.is_code:
         raise BuildError(f"code stage '{stage.name}': max_batch {stage.settings.max_batch}: code stages run one request at a time; set max_batch=1")
     for what, ports in (("input", stage.inputs), ("output", stage.outputs)):
         for port in ports:
+            if port.name in flags and what == "input":
+                continue
             if port.shape is None:
                 raise BuildError(f"stage '{stage.name}' cannot batch: the rank of {what} '{port.name}' is unknown, so it has no batch axis; set max_batch=1")
             if not port.shape:
@@ -163,7 +182,7 @@ def _check_batch_axes(stage: StageSpec) -> None:
 
 
 def _growing_state(spec: PipelineSpec, stage: StageSpec) -> str:
-    link = next(link for link in spec.states_of(stage.name) if link.empty_axis is not None)
+    link = next(link for link in spec.states_of(stage.name) if link.empty_axis is not None and not link.once)
     return f"'{link.input}' along axis {link.empty_axis}"
 
 
@@ -182,11 +201,14 @@ class _NotProbed(Exception):
 class _Probe:
     """Runs synthetic streams or requests through the built stages, alone and batched."""
 
-    def __init__(self, spec: PipelineSpec, folder: Path, mask: TensorSpec | None) -> None:
+    def __init__(self, spec: PipelineSpec, folder: Path, mask: TensorSpec | None, equal: bool = False) -> None:
         self.spec = spec
+        # The streams' prompts: of different lengths, or, for stages batching equal lengths only (batch_lengths), equal.
+        self.prompts = (_PROMPTS[0],) * 2 if equal else _PROMPTS
         self.folder = folder
         self.mask = mask
-        self.positions = DecoderInputs.of(spec.inputs).positions
+        self.positions = DecoderInputs.of(_every_step_inputs(spec)).positions
+        self.first_inputs = frozenset(spec.first_step_inputs)
         self.plans, self.finals = plan_stages(spec)
         self.sessions: dict[str, ort.InferenceSession] = {}
         for plan in self.plans:
@@ -197,6 +219,8 @@ class _Probe:
             self.sessions[stage.name] = make_session(folder / stage.module, stage, target)
         self.dims = state_dims(spec)
         self.sizes = parse_dims(spec.metadata.get(INPUT_DIMS_KEY, ""))  # a stateless request's dims (see Note: the batching probe)
+        # A state set once (an encoder's KV) keeps the sizes of its first step: its dims take one size in every step of every stream.
+        self.once = {d: 2 for link in spec.states if link.once for d in (spec.stage(link.stage).input(link.input).shape or ())[1:] if isinstance(d, str)}
         self.rng = np.random.default_rng(0)
         self.values = {**named_values(spec.inputs), **spec_values(spec)}  # what the inputs' values mean (Note: sample values, runtime/_values.py)
 
@@ -219,11 +243,15 @@ class _Probe:
         """A step's pipeline inputs: the mask over past + new positions, positions counted from
         the past, every other symbolic dim ``new`` long (the step's tokens) unless ``sizes`` has it
         (by name, or ``input.axis``), values seeded."""
-        sizes = sizes or {}
+        sizes = {**self.once, **(sizes or {})}
         rng = np.random.default_rng(seed)
         feeds = {}
         for t in self.spec.inputs:
             dtype = numpy_dtype(t.dtype)
+            if t.name in self.first_inputs:  # an encoder's input (PipelineSpec, Note: first-step stages): on a stream's first step only
+                if not past:
+                    feeds[t.name] = _encoded(t, sizes, rng)
+                continue
             if self.mask is not None and t.name == self.mask.name:
                 feeds[t.name] = np.ones((1, past + new), dtype)
                 continue
@@ -254,7 +282,7 @@ class _Probe:
         for runner in runners:
             if seen is not None:
                 seen.setdefault(runner.name, [])
-                shapes = [{name: np.shape(v) for name, v in runner._feeds(r).items()} for r in group]
+                shapes = [{name: np.shape(v) for name, v in runner._feeds(r).items()} if not passes(runner.plan, r) else {} for r in group]
             calls = runner.run_many(group)
             for call in calls:
                 for failure in call.failures:
@@ -288,7 +316,9 @@ class _Probe:
         request = Request(group[0].id, {Endpoint(None, k): v for k, v in values.items()}, {}, 0.0, batch=batch)
         for k, runner in enumerate(runners):
             runner.unbatched = None
-            if k in replay:
+            if passes(runner.plan, request):
+                pass  # a later step at a first-step stage: no run, as in the engines
+            elif k in replay:
                 runner._replay(request)
             else:
                 runner(request)
@@ -336,16 +366,10 @@ class _Probe:
         # Alone: each stream's prompt, then three decode steps; the first decode step's shapes say what grows.
         alone = self._runners({})
         steps = 3
-        want: list[list[dict[str, np.ndarray]]] = []
         seen: dict[str, list[dict[str, tuple[int, ...]]]] = {}
-        for sid, prompt in enumerate(_PROMPTS):
-            outs = []
-            for step in range(steps + 1):
-                past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
-                request = self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step)
-                self._through(alone, [request], seen if step == 1 else None)
-                outs.append(self._outputs(request))
-            want.append(outs)
+        want = self._alone(alone, _PROMPTS, steps, seen)
+        if self.prompts != _PROMPTS:  # measured on pasts of different lengths, batched on equal ones (batch_lengths "equal")
+            want = self._alone(self._runners({}), self.prompts, steps)
         # Every stage's ports measured, not only those of stages with a growing state: a later stage may read a cache a stage before it made.
         records = {s.name: self._grown(s, seen[s.name]) for s in batching}
         hints = {s.name: self._state_padding(s) for s in growing}
@@ -364,8 +388,23 @@ class _Probe:
             except BuildError:
                 self._batched_streams(first, want, steps, batching)  # the first failure is the one to report
                 raise
-        pasts = f"2 streams (prompts of {_PROMPTS[0]} and {_PROMPTS[1]}, {steps} steps) batched and alone agree: {worst}"
+        pasts = f"2 streams (prompts of {self.prompts[0]} and {self.prompts[1]}, {steps} steps) batched and alone agree: {worst}"
         return {name: dataclasses.replace(r, probe=pasts) for name, r in records.items()}
+
+    def _alone(self, runners: Sequence[StageRunner], prompts: Sequence[int], steps: int,
+               seen: dict[str, list[dict[str, tuple[int, ...]]]] | None = None) -> list[list[dict[str, np.ndarray]]]:
+        """Each probe stream alone: its prompt, then ``steps`` decode steps; each one's outputs of
+        each step. ``seen``: the first decode step's port shapes per stage (what grows)."""
+        want = []
+        for sid, prompt in enumerate(prompts):
+            outs = []
+            for step in range(steps + 1):
+                past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
+                request = self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step)
+                self._through(runners, [request], seen if step == 1 else None)
+                outs.append(self._outputs(request))
+            want.append(outs)
+        return want
 
     def _batched_streams(self, records: Mapping[str, Batching], want: list[list[dict[str, np.ndarray]]], steps: int,
                          batching: Sequence[StageSpec]) -> str:
@@ -390,7 +429,7 @@ class _Probe:
         bags into ``bags``. Raises :class:`_Differs`."""
         for step in range(steps + 1):
             group = []
-            for sid, prompt in enumerate(_PROMPTS):
+            for sid, prompt in enumerate(self.prompts):
                 past, new = (0, prompt) if step == 0 else (prompt + step - 1, 1)
                 group.append(self._request(sid * 10 + step, self._feeds(past, new, 100 * sid + step), sid, step))
             if step == 0:
@@ -435,9 +474,12 @@ class _Probe:
         grow = _PASTS[1] - _PASTS[0]
         inputs = {t.name: t for t in stage.inputs}
         states = {link.input for link in self.spec.states_of(stage.name)}
+        once = {n for link in self.spec.states_of(stage.name) if link.once for n in (link.input, link.output)}
         padded: dict[str, tuple[int, float]] = {}
         stripped: dict[str, int] = {}
         for name in a:
+            if name in once:
+                continue  # set once: the same sizes in every stream
             axes = [ax for ax, (x, y) in enumerate(zip(a[name], b.get(name, ()), strict=False)) if y - x == grow and ax > 0]
             if not axes:
                 continue
@@ -454,6 +496,8 @@ class _Probe:
             raise BuildError(f"stage '{stage.name}': batch_pad names '{unknown[0]}', which is not an input that grows with a stream's past; "
                              f"those are: {', '.join(repr(n) for n in padded) or 'none'}")
         for link in self.spec.states_of(stage.name):
+            if link.once:
+                continue  # set once, never grows (StateLink's Note: a state set once)
             if link.empty_axis is not None:
                 stripped[link.output] = link.empty_axis  # the state a step commits, never in the bag to be measured
             if link.empty_axis is not None and padded.get(link.input, (None,))[0] != link.empty_axis:
@@ -465,7 +509,7 @@ class _Probe:
         """``"right"`` for a stage whose state feeds onnxruntime's ``GroupQueryAttention`` as its
         past (Note: the batching probe, 3), ``"left"`` for another, ``None`` when its module is no
         ONNX file the probe can read (onnxruntime's ORT format)."""
-        pasts = {link.input for link in self.spec.states_of(stage.name) if link.empty_axis is not None}
+        pasts = {link.input for link in self.spec.states_of(stage.name) if link.empty_axis is not None and not link.once}
         shared = _shared_pasts(stage, self.folder)
         if shared is None:
             return None

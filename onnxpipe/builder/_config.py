@@ -36,8 +36,8 @@ from onnx import ModelProto
 from onnxpipe._errors import ConfigError, closest
 from onnxpipe.builder._modules import io_specs, save_model, weight_specs
 from onnxpipe.builder._wiring import Wiring
-from onnxpipe.runtime import CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, TensorSpec
-from onnxpipe.runtime._spec import check_entry_point, check_state_ends, find_tensor
+from onnxpipe.runtime import CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSettings, StageSpec, StateLink, StepFlag, TensorSpec
+from onnxpipe.runtime._spec import RUNS, check_entry_point, check_state_ends, find_tensor
 
 __all__ = ["CONFIG_FILE", "PipelineConfig", "Port", "SplitPieces", "Stage"]
 
@@ -60,6 +60,8 @@ class Stage:
         settings: How the stage's session is made (see :class:`StageSettings`).
         build: What the builder did to the module (empty until built).
         code: For a code stage, its entry point and parameters (then ``model`` and ``path`` are ``None``).
+        runs: When it runs in a stream: ``"every"`` step, or the ``"first"`` only (an encoder; see
+            ``PipelineSpec``'s Note: first-step stages, docs/streams.md).
     """
 
     config: PipelineConfig
@@ -73,6 +75,7 @@ class Stage:
     settings: StageSettings = field(default_factory=StageSettings)
     build: dict[str, Any] = field(default_factory=dict)
     code: CodeSpec | None = None
+    runs: str = "every"
 
     @property
     def is_code(self) -> bool:
@@ -202,7 +205,7 @@ class PipelineConfig:
         name: str | None = None,
         *,
         settings: StageSettings | None = None,
-        source_dir: str | os.PathLike[str] | None = None,
+        source_dir: str | os.PathLike[str] | None = None, runs: str = "every",
     ) -> Stage:
         """Add a stage from a ModelProto or an .onnx file.
 
@@ -211,6 +214,7 @@ class PipelineConfig:
             name: Unique stage name (default ``stage<N>``).
             settings: Session settings (default :class:`StageSettings`: CPU, 1 thread, no spinning).
             source_dir: For an in-memory model with external-data references: their folder.
+            runs: ``"every"`` step of a stream, or ``"first"`` only (an encoder: docs/streams.md).
 
         Returns:
             The stage, whose :meth:`Stage.input` / :meth:`Stage.output` give connectable ports.
@@ -219,7 +223,7 @@ class PipelineConfig:
             ConfigError: duplicate name, unreadable file, or a boundary value that is not a tensor.
         """
         name = self._new_name(name)
-        stage = self._stages[name] = _module_stage(self, name, model, settings, source_dir)
+        stage = self._stages[name] = _module_stage(self, name, model, settings, source_dir, _runs(runs, name))
         return stage
 
     def add_python_stage(
@@ -321,7 +325,7 @@ class PipelineConfig:
             raise ConfigError(f"add_split takes a SplitPlan (onnxpipe.splitter.split) or a PipelineConfig, not {type(split).__name__}")
         return _add_pieces(self, inner, name, settings)
 
-    def add_state(self, output: Port, input: Port, empty_axis: int | None = None) -> StateLink:
+    def add_state(self, output: Port, input: Port, empty_axis: int | None = None, once: bool = False) -> StateLink:
         """State that a stage output feeds the same stage's input on the stream's next step.
 
         On a stream's first step the input is fed zeros (see ``StateLink``'s Note: initial values),
@@ -331,6 +335,8 @@ class PipelineConfig:
             output: The stage output holding the new state (``stage.output("present.0.key")``).
             input: The same stage's input it feeds (``stage.input("past_key_values.0.key")``).
             empty_axis: The axis along which the initial state is empty.
+            once: The first step's output is kept and fed on every later step (``StateLink``'s
+                Note: a state set once: an encoder's KV in optimum's merged decoder).
 
         Returns:
             The state link.
@@ -339,21 +345,22 @@ class PipelineConfig:
             ConfigError: the ports are not an output and an input of one stage, the input is
                 already fed, or dtypes, ranks or the initial value's sizes do not fit (named).
         """
-        if not output.is_source or output.endpoint.stage is None:
-            raise ConfigError(f"a state link starts at a stage output, not {output}")
-        if input.is_source or input.endpoint.stage is None:
-            raise ConfigError(f"a state link ends at a stage input, not {input}")
-        if output.endpoint.stage != input.endpoint.stage:
-            raise ConfigError(
-                f"state link {output} -> {input} is not within one stage: a state stays in the stage that makes it; "
-                f"link {output} to an input of stage '{output.endpoint.stage}', or split so that both are in one stage"
-            )
-        stage = self.stage(output.endpoint.stage)
-        link = StateLink(stage.name, output.endpoint.tensor, input.endpoint.tensor, empty_axis)
+        _check_state_ports(output, input)
+        stage = self.stage(output.endpoint.stage or "")
+        link = StateLink(stage.name, output.endpoint.tensor, input.endpoint.tensor, empty_axis, once=once)
         self._wiring.check_free(input.endpoint, f"state link {link}: {input}")
         check_state_ends(link, stage.inputs, stage.outputs)
         self._wiring.add_state(link)
         return link
+
+    def add_step_flag(self, input: Port, first: bool = False) -> StepFlag:
+        """A stage input the runtime feeds by a stream's step: ``first`` on its first step, ``not
+        first`` after (``StepFlag``: optimum's ``use_cache_branch``); the spec checks the rest.
+
+        Raises:
+            ConfigError: the port is not a stage input, or it is already fed.
+        """
+        return _add_flag(self._wiring, input, first)
 
     @property
     def states(self) -> tuple[StateLink, ...]:
@@ -459,7 +466,7 @@ class PipelineConfig:
                 outputs=s.outputs,
                 settings=s.settings,
                 build=dict(s.build),
-                code=s.code,
+                code=s.code, runs=s.runs,
             )
             for s in order
         )
@@ -471,6 +478,7 @@ class PipelineConfig:
             metadata={"name": self.name, **self.metadata},
             param_groups=tuple(self._groups.values()),
             states=tuple(self._wiring.states.values()),
+            step_flags=tuple(self._wiring.flags.values()),
         )
         spec.validate()
         return spec
@@ -530,10 +538,10 @@ class PipelineConfig:
         for s in spec.stages:
             if s.code is not None:
                 stage = config.add_python_stage(s.code.entry, inputs=s.inputs, outputs=s.outputs, params=s.code.params, name=s.name, settings=s.settings)
-                stage.build = dict(s.build)
+                stage.build, stage.runs = dict(s.build), s.runs
                 continue
             assert s.module is not None
-            stage = config.add_stage(Path(base_dir) / s.module, s.name, settings=s.settings)
+            stage = config.add_stage(Path(base_dir) / s.module, s.name, settings=s.settings, runs=s.runs)
             stage.build = dict(s.build)
             if (stage.inputs, stage.outputs) != (s.inputs, s.outputs):
                 raise ConfigError(f"stage '{s.name}': module '{s.module}' does not match the boundary in the config")
@@ -543,6 +551,7 @@ class PipelineConfig:
             config.add_param_group(group.name, group.stage, [t.name for t in group.params])
         for state in spec.states:
             config._wiring.add_state(state)
+        config._wiring.flags = {Endpoint(f.stage, f.input): f for f in spec.step_flags}
         return config
 
     # -- display -----------------------------------------------------------------------------------
@@ -560,7 +569,7 @@ class PipelineConfig:
         targets = self._wiring.targets()
         for s in self._ordered():
             what = f"code {s.code.entry}" if s.code else s.path.name if s.path else "in memory"
-            lines.append(f"  stage '{s.name}' ({what}; {_describe(s.settings)})")
+            lines.append(f"  stage '{s.name}' ({what}; {_describe(s.settings)}{'; runs on the first step only' if s.runs == 'first' else ''})")
             lines.extend(f"    in  {t}  <- {self._wiring.feed(Endpoint(s.name, t.name))}" for t in s.inputs)
             for t in s.outputs:
                 lines.append(f"    out {t}  -> {', '.join(str(d) for d in targets.get(Endpoint(s.name, t.name), [])) or 'unused'}")
@@ -571,6 +580,13 @@ class PipelineConfig:
     def to_json(self) -> str:
         """The wiring as JSON (module paths as :meth:`to_spec` gives them)."""
         return json.dumps(self.to_spec().to_dict(), indent=2)
+
+
+def _runs(runs: object, name: str) -> str:
+    """A stage's ``runs``, checked where it is given."""
+    if runs not in RUNS:
+        raise ConfigError(f"stage '{name}': runs must be one of {', '.join(repr(r) for r in RUNS)}, got {runs!r}")
+    return str(runs)
 
 
 def _describe(settings: StageSettings) -> str:
@@ -585,7 +601,8 @@ def _describe(settings: StageSettings) -> str:
 
 
 def _module_stage(
-    config: PipelineConfig, name: str, model: ModelProto | str | os.PathLike[str], settings: StageSettings | None, source_dir: str | os.PathLike[str] | None
+    config: PipelineConfig, name: str, model: ModelProto | str | os.PathLike[str], settings: StageSettings | None, source_dir: str | os.PathLike[str] | None,
+    runs: str = "every",
 ) -> Stage:
     """A stage of ``config`` running ``model``, in memory or read from its file (weights left in their files).
 
@@ -602,7 +619,7 @@ def _module_stage(
         source_dir = path.parent
     inputs, outputs = io_specs(model)
     return Stage(config, name, model if path is None else None, path, Path(source_dir) if source_dir else None, inputs, outputs,
-                 weights=weight_specs(model), settings=settings or StageSettings())
+                 weights=weight_specs(model), settings=settings or StageSettings(), runs=runs)
 
 
 def _code_stage(
@@ -659,5 +676,30 @@ def _add_pieces(config: PipelineConfig, split: PipelineConfig, name: str, settin
         elif link.src.stage is not None and link.dst.stage is None:
             outputs[link.dst.tensor] = renamed[link.src.stage].output(link.src.tensor)
     for st in sub.states:
-        config.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis)
+        config.add_state(renamed[st.stage].output(st.output), renamed[st.stage].input(st.input), st.empty_axis, st.once)
+    for flag in sub.step_flags:
+        config.add_step_flag(renamed[flag.stage].input(flag.input), flag.first)
     return SplitPieces(tuple(renamed.values()), {k: tuple(v) for k, v in inputs.items()}, outputs)
+
+
+def _check_state_ports(output: Port, input: Port) -> None:
+    """A state link's ends: an output and an input of one stage (see :meth:`PipelineConfig.add_state`)."""
+    if not output.is_source or output.endpoint.stage is None:
+        raise ConfigError(f"a state link starts at a stage output, not {output}")
+    if input.is_source or input.endpoint.stage is None:
+        raise ConfigError(f"a state link ends at a stage input, not {input}")
+    if output.endpoint.stage != input.endpoint.stage:
+        raise ConfigError(
+            f"state link {output} -> {input} is not within one stage: a state stays in the stage that makes it; "
+            f"link {output} to an input of stage '{output.endpoint.stage}', or split so that both are in one stage"
+        )
+
+
+def _add_flag(wiring: Wiring, input: Port, first: bool) -> StepFlag:
+    """A step flag on ``input`` (see :meth:`PipelineConfig.add_step_flag`)."""
+    if input.is_source or input.endpoint.stage is None:
+        raise ConfigError(f"a step flag is a stage input, not {input}")
+    flag = StepFlag(input.endpoint.stage, input.endpoint.tensor, first)
+    wiring.check_free(input.endpoint, f"step flag {flag}: {input}")
+    wiring.add_flag(flag)
+    return flag

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from onnxpipe._errors import ConfigError
-from onnxpipe.runtime import Endpoint, Link, StateLink
+from onnxpipe.runtime import Endpoint, Link, StateLink, StepFlag
 
 __all__ = ["Wiring"]
 
@@ -17,11 +17,13 @@ class Wiring:
     Attributes:
         links: Destination (a stage input or a pipeline output) -> the link that feeds it.
         states: State input -> the state link that feeds it on a stream's next step.
+        flags: Stage input -> the step flag the runtime feeds it by a stream's step.
     """
 
     def __init__(self) -> None:
         self.links: dict[Endpoint, Link] = {}
         self.states: dict[Endpoint, StateLink] = {}
+        self.flags: dict[Endpoint, StepFlag] = {}
 
     def check_free(self, dst: Endpoint, what: str) -> None:
         """Refuse a second feed of ``dst``; ``what`` begins the message (``stage 'b' input 'x'``).
@@ -33,6 +35,8 @@ class Wiring:
             raise ConfigError(f"{what} is already fed by {self.links[dst].src}")
         if dst in self.states:
             raise ConfigError(f"{what} is already fed by state {self.states[dst].output}")
+        if dst in self.flags:
+            raise ConfigError(f"{what} is already fed by the runtime as a step flag")
 
     def add_link(self, link: Link) -> None:
         """Record a link (its destination checked free with :meth:`check_free`)."""
@@ -42,12 +46,18 @@ class Wiring:
         """Record a state link (its input checked free with :meth:`check_free`)."""
         self.states[Endpoint(link.stage, link.input)] = link
 
+    def add_flag(self, flag: StepFlag) -> None:
+        """Record a step flag (its input checked free with :meth:`check_free`)."""
+        self.flags[Endpoint(flag.stage, flag.input)] = flag
+
     def feed(self, dst: Endpoint) -> str:
         """What feeds ``dst``, as a config's text shows it: a source, a state, or ``UNBOUND``."""
         if dst in self.links:
             return str(self.links[dst].src)
         if dst in self.states:
-            return f"state {self.states[dst].output} (previous step)"
+            return f"state {self.states[dst].output} (first step)" if self.states[dst].once else f"state {self.states[dst].output} (previous step)"
+        if dst in self.flags:
+            return f"step flag ({self.flags[dst].first} on a stream's first step)"
         return "UNBOUND"
 
     def targets(self) -> dict[Endpoint, list[Endpoint]]:

@@ -19,7 +19,19 @@ from rich.text import Text
 from onnxpipe.builder import BuildResult
 from onnxpipe.cli._stageopts import format_cores
 from onnxpipe.planner import PlanChoice, PlanResult
-from onnxpipe.runtime import PROVIDER_ALIASES, BenchReport, Bundle, Endpoint, ReferenceCheck, StageSettings, StageSpec, StateLink, TensorSpec, code_entries
+from onnxpipe.runtime import (
+    PROVIDER_ALIASES,
+    BenchReport,
+    Bundle,
+    Endpoint,
+    PipelineSpec,
+    ReferenceCheck,
+    StageSettings,
+    StageSpec,
+    StateLink,
+    TensorSpec,
+    code_entries,
+)
 from onnxpipe.splitter import ModelSummary, SplitPlan, VerifyReport
 
 if TYPE_CHECKING:
@@ -137,6 +149,8 @@ def split_plan(plan: SplitPlan, folder: Path, threads: int | None = None) -> Non
     kept = {link.input: link.stage for link in plan.config.states}
     for pair in plan.states:
         _line(console, f"state: {pair}, kept in {kept[pair.input]}")
+    for flag in plan.spec.step_flags:
+        _line(console, f"step flag: {flag}: fed by the runtime, no pipeline input")
     _notes(console, plan.notes)
     files = sorted(p.name for p in folder.iterdir())
     _line(console, f"wrote {folder}: {', '.join(files)}")
@@ -555,7 +569,17 @@ def stage_module_bytes(bundle: Bundle, stage: StageSpec) -> int:
 
 def _state_source(link: StateLink) -> str:
     start = "" if link.empty_axis is None else f"; starts empty along axis {link.empty_axis}"
-    return f"state {link.output} (previous step{start})"
+    return f"state {link.output} ({'set once, by the first step' if link.once else 'previous step'}{start})"
+
+
+def _source(spec: PipelineSpec, stage: str, port: str, state_in: Mapping[str, StateLink]) -> str:
+    """What feeds a stage's input, as ``inspect`` shows it: its state, a step flag, or a link's source."""
+    if port in state_in:
+        return _state_source(state_in[port])
+    flag = next((f for f in spec.flags_of(stage) if f.input == port), None)
+    if flag is not None:
+        return f"step flag ({flag.first} on a stream's first step, {not flag.first} after)"
+    return str(spec.source_of(Endpoint(stage, port)))
 
 
 def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int) -> None:
@@ -583,14 +607,17 @@ def bundle_summary(bundle: Bundle, path: Path, kind: str, nbytes: int, files: in
             _line(console, f"  build:    {_build_detail(s)}")
             if s.batching is not None and s.settings.max_batch > 1:
                 _line(console, f"  batching: {s.batching.describe()}")
-        states = spec.states_of(s.name)
+        if s.first_step_only:
+            _line(console, "  runs:     on a stream's first step only (the later stages keep what it made)")
+        states, kept = spec.states_of(s.name), spec.kept_inputs(s.name)
         state_in, state_out = {st.input: st for st in states}, {st.output: st for st in states}
         for t in s.inputs:
-            _line(console, f"  in  {t}  <- {_state_source(state_in[t.name]) if t.name in state_in else spec.source_of(Endpoint(s.name, t.name))}")
+            note = "  (kept from the stream's first step)" if t.name in kept else ""
+            _line(console, f"  in  {t}  <- {_source(spec, s.name, t.name, state_in)}{note}")
         for t in s.outputs:
             targets = [str(d) for d in by_src.get(Endpoint(s.name, t.name), [])]
             if t.name in state_out:  # kept in the stage for the stream's next step, which no link shows
-                targets.append(f"state of {state_out[t.name].input} (next step)")
+                targets.append(f"state of {state_out[t.name].input} ({'first step only' if state_out[t.name].once else 'next step'})")
             _line(console, f"  out {t}  -> {', '.join(targets) or 'unused'}")
     for link in spec.links:
         if link.src.stage is None and link.dst.stage is None:

@@ -15,7 +15,7 @@ from onnxpipe.runtime._ray import RayOptions
 from onnxpipe.runtime._rounds import Rounds, interleaved_rounds
 from onnxpipe.runtime._sequential import SequentialPipeline
 from onnxpipe.runtime._settings import PROVIDER_ALIASES, BuildSettings, DeploySettings, StageSettings, resolve_provider
-from onnxpipe.runtime._spec import SPEC_VERSION, Batching, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, StateLink, TensorSpec
+from onnxpipe.runtime._spec import SPEC_VERSION, Batching, CodeSpec, Endpoint, Link, ParamGroup, PipelineSpec, StageSpec, StateLink, StepFlag, TensorSpec
 from onnxpipe.runtime._stage import host_placement
 from onnxpipe.runtime._stats import PipelineStats, StageStats
 from onnxpipe.runtime._stream import Stream
@@ -65,6 +65,7 @@ __all__ = [
     "StageSpec",
     "StageStats",
     "StateLink",
+    "StepFlag",
     "Stream",
     "StreamsView",
     "TensorSpec",

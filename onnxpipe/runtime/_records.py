@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from onnxpipe._errors import StageError, StreamError, ort_message
-from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink
+from onnxpipe.runtime._spec import Endpoint, PipelineSpec, StageSpec, StateLink, StepFlag
 from onnxpipe.runtime.scheduling import StepBatch, bag_pads
 
-__all__ = ["CLOSE", "Call", "Failure", "Request", "StagePlan", "claimed", "plan_stages", "stage_failed"]
+__all__ = ["CLOSE", "Call", "Failure", "Request", "StagePlan", "claimed", "passes", "plan_stages", "stage_failed"]
 
 #: ``Request.step`` of a control request that closes its stream: each stateful runner drops the
 #: stream's state; stateless ones pass it on.
@@ -106,6 +106,14 @@ class StagePlan:
     states: tuple[StateLink, ...] = ()  # fed by the runner from its streams' state, not from the bag
     streams: bool = False  # the pipeline keeps state: its steps are batched at the entry, never in the stage's queue
     pads: Mapping[Endpoint, tuple[int, float]] = field(default_factory=dict)  # bag values that grow with the past (scheduling.bag_pads)
+    flags: tuple[StepFlag, ...] = ()  # fed by the runner by the step's number, not from the bag
+    kept: tuple[str, ...] = ()  # inputs kept per stream from its first step (PipelineSpec, Note: first-step stages)
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether its runner holds something per stream (state links or kept inputs), so that a
+        stream's requests must reach the replica holding it."""
+        return bool(self.states or self.kept)
 
     @property
     def max_batch(self) -> int:
@@ -126,7 +134,7 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
     """The per-stage plans, and the bag key of each pipeline output."""
     finals = {t.name: spec.source_of(Endpoint(None, t.name)) for t in spec.outputs}
     last_use: dict[Endpoint, int] = {}
-    fed_by_state = {Endpoint(s.stage, s.input) for s in spec.states}
+    fed_by_state = {Endpoint(s.stage, s.input) for s in spec.states} | {Endpoint(f.stage, f.input) for f in spec.step_flags}
     for i, stage in enumerate(spec.stages):
         for t in stage.inputs:
             if Endpoint(stage.name, t.name) not in fed_by_state:
@@ -139,16 +147,30 @@ def plan_stages(spec: PipelineSpec) -> tuple[list[StagePlan], dict[str, Endpoint
         produced = [Endpoint(stage.name, t.name) for t in stage.outputs]
         drop = [k for k, last in last_use.items() if last == i and k not in keep]
         drop += [k for k in produced if k not in last_use and k not in keep]  # outputs nothing reads
-        plans.append(StagePlan(stage, sources, tuple(t.name for t in stage.outputs), tuple(drop), spec.states_of(stage.name), bool(spec.states), pads))
+        plans.append(StagePlan(stage, sources, tuple(t.name for t in stage.outputs), tuple(drop), spec.states_of(stage.name), bool(spec.states), pads,
+                               spec.flags_of(stage.name), spec.kept_inputs(stage.name)))
     return plans, finals
 
 
-def stage_failed(stage: str, request: int, cause: object, attempts: int | None = None, detail: str | None = None) -> StageError:
+def passes(plan: StagePlan, request: Request) -> bool:
+    """Whether ``request`` passes the stage without a run: a later step of a stream (or a batch of
+    later steps) at a stage that runs on the first step only (PipelineSpec, Note: first-step
+    stages). Every engine asks it; a runner asked to run such a request does nothing."""
+    if not plan.stage.first_step_only:
+        return False
+    batch = request.batch
+    if batch is not None:
+        return bool(len(batch)) and batch.steps[0] > 0  # a batch's steps share their kind (the scheduler's key)
+    return request.step > 0 or request.step == CLOSE
+
+
+def stage_failed(stage: str, request: int, cause: object, attempts: int | None = None, detail: str | None = None, held: str = "") -> StageError:
     """The error of a request a stage failed on: the one place its words are made (every engine,
-    every batching mode); ``detail``: the whole text of a ``cause`` said short (onnxruntime's)."""
+    every batching mode); ``detail``: the whole text of a ``cause`` said short (onnxruntime's);
+    ``held``: as ``StageError.held``."""
     after = f" after {attempts} attempts" if attempts is not None else ""
     head = f"stage '{stage}' failed on request {request}{after}: "
-    return StageError(f"{head}{cause}", stage=stage, request=request, detail=None if detail is None else f"{head}{detail}")
+    return StageError(f"{head}{cause}", stage=stage, request=request, detail=None if detail is None else f"{head}{detail}", held=held)
 
 
 @dataclass(frozen=True)
@@ -166,6 +188,7 @@ class Failure:
         streams: With ``state_lost``: the streams whose state died.
         detail: The whole text of what the stage raised where ``cause`` says it short
             (onnxruntime's: Note: onnxruntime's words, said short, in ``onnxpipe._errors``).
+        held: What of the state the stage held does not fit the step it failed (``StageError.held``), or "".
     """
 
     request: int
@@ -175,18 +198,20 @@ class Failure:
     state_lost: bool = False
     streams: tuple[int, ...] = ()
     detail: str | None = None
+    held: str = ""
 
     @classmethod
     def of(cls, request: int, stage: str, error: BaseException, member: bool = False) -> Failure:
-        """The failure of ``request`` in ``stage`` that raised ``error``: onnxruntime's said short."""
+        """The failure of ``request`` in ``stage`` that raised ``error``: onnxruntime's said short,
+        and what of its held state the stage found not to fit (``StageError.held``)."""
         cause, whole = ort_message(error), str(error)
-        return cls(request, stage, cause, member, detail=None if cause == whole else whole)
+        return cls(request, stage, cause, member, detail=None if cause == whole else whole, held=getattr(error, "held", ""))
 
     def error(self) -> StageError:
         """The error the request (or member) fails with."""
         if self.state_lost:
             return StreamError.state_lost(self.stage, self.streams, self.cause, request=self.request)
-        return stage_failed(self.stage, self.request, self.cause, detail=self.detail)
+        return stage_failed(self.stage, self.request, self.cause, detail=self.detail, held=self.held)
 
 
 @dataclass(slots=True)

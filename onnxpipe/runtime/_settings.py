@@ -98,6 +98,8 @@ OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 #: The largest ``max_batch``: a batch's arrays are allocated per call, so a bundle may not ask for more.
 MAX_BATCH = 1024
+#: Which streams a stage whose state grows batches (``BuildSettings.batch_lengths``).
+BATCH_LENGTHS = ("any", "equal")
 #: The longest ``max_delay_ms`` (a minute): longer is a typo, not a policy.
 MAX_DELAY_MS = 60_000.0
 #: The device kinds a plugin provider's devices may be taken by (``ep_device``).
@@ -240,6 +242,12 @@ class BuildSettings:
             names the provider (``qnn`` or its full name). Written to ``pipeline.json`` only when set.
         ep_device: With ``ep_package``: the kind of device to take, ``cpu``, ``gpu`` or ``npu``;
             None: every device the provider offers.
+        batch_lengths: Which streams' steps a stage whose state grows may run as one call
+            (:data:`BATCH_LENGTHS`): ``"any"``, padded to the longest (the pipeline needs an
+            attention mask input to hide the padding), or ``"equal"``, only streams whose pasts
+            are equally long, so nothing is padded (a decoder without a mask over its own past:
+            optimum's T5 and Whisper decoders); the others run alone. Written to
+            ``pipeline.json`` only when set.
 
     Raises:
         ConfigError: a bad value, named with the valid choices.
@@ -254,10 +262,13 @@ class BuildSettings:
     batch_pad: Mapping[str, float] = field(default_factory=dict)
     ep_package: str | None = None
     ep_device: str | None = None
+    batch_lengths: str = "any"
 
     def __post_init__(self) -> None:
         self._check_provider()
         self._check_batch_pad()
+        if self.batch_lengths not in BATCH_LENGTHS:
+            raise ConfigError(f"batch_lengths must be one of {', '.join(repr(b) for b in BATCH_LENGTHS)}, got {self.batch_lengths!r}")
         self._check_optimization()
         self._check_custom_ops()
         self._check_session_config()
@@ -439,10 +450,10 @@ class DeploySettings:
 #: bytes.
 _JSON_ORDER = ("target", "provider_options", "fallback", "intra_op_threads", "inter_op_threads", "execution_mode", "spinning", "affinity",
                "optimization", "session_config", "replicas", "custom_ops", "host", "max_batch", "max_delay_ms", "batch_pad", "ep_package",
-               "ep_device")
+               "ep_device", "batch_lengths")
 #: Settings newer than the format: absent when they have their default, so that a bundle that does not
 #: use them reads, and is written, as before.
-_WRITTEN_WHEN_SET = ("custom_ops", "host", "max_batch", "max_delay_ms", "batch_pad", "ep_package", "ep_device")
+_WRITTEN_WHEN_SET = ("custom_ops", "host", "max_batch", "max_delay_ms", "batch_pad", "ep_package", "ep_device", "batch_lengths")
 _DEFAULTS = {f.name: f.default_factory() if callable(f.default_factory) else f.default for f in (*fields(BuildSettings), *fields(DeploySettings))}
 
 

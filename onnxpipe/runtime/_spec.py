@@ -28,6 +28,7 @@ from onnxpipe.runtime._settings import StageSettings
 __all__ = [
     "SPEC_FORMAT",
     "SPEC_VERSION",
+    "RUNS",
     "Batching",
     "Dim",
     "Endpoint",
@@ -36,6 +37,7 @@ __all__ = [
     "PipelineSpec",
     "StageSpec",
     "StateLink",
+    "StepFlag",
     "TensorSpec",
     "check_state_ends",
     "describe_json",
@@ -51,6 +53,9 @@ SPEC_FORMAT = "onnxpipe.pipeline"
 SPEC_VERSION = 2
 #: The versions this onnxpipe reads: a version 1 spec is a version 2 spec without the new fields.
 READ_VERSIONS = (1, 2)
+
+#: When a stage runs in a stream (``StageSpec.runs``): on every step, or on the first step only.
+RUNS = ("every", "first")
 
 #: One dimension of a shape: a size, a symbolic name (``"batch"``), or ``None`` when dynamic
 #: without a name (see Note: dynamic dims).
@@ -315,6 +320,8 @@ class StageSpec:
         code: For a code stage, its entry point and parameters (spec version 2; ``module`` is
             then ``None``).
         batching: How it batches (written by the build when ``settings.max_batch`` is above 1).
+        runs: When it runs in a stream (:data:`RUNS`): ``"every"`` step, or on the ``"first"``
+            step only (an encoder: see Note: first-step stages, :class:`PipelineSpec`).
     """
 
     name: str
@@ -325,6 +332,12 @@ class StageSpec:
     build: Mapping[str, Any] = field(default_factory=dict)
     code: CodeSpec | None = None
     batching: Batching | None = None
+    runs: str = "every"
+
+    @property
+    def first_step_only(self) -> bool:
+        """Whether the stage runs on a stream's first step only (``runs == "first"``)."""
+        return self.runs == "first"
 
     @property
     def is_code(self) -> bool:
@@ -341,6 +354,8 @@ class StageSpec:
         """
         if (self.module is None) == (self.code is None):
             raise ConfigError(f"stage '{self.name}' must have either a module or code (an entry point), not {'both' if self.code else 'neither'}")
+        if self.runs not in RUNS:
+            raise ConfigError(f"stage '{self.name}': runs must be one of {', '.join(repr(r) for r in RUNS)}, got {describe_json(self.runs)}")
         _unique(f"input of stage '{self.name}'", (t.name for t in self.inputs))
         _unique(f"output of stage '{self.name}'", (t.name for t in self.outputs))
         for spec in (*self.inputs, *self.outputs):
@@ -388,6 +403,8 @@ def check_state_ends(state: StateLink, inputs: Iterable[TensorSpec], outputs: It
     for i, (a, b) in enumerate(zip(inp.shape, out.shape or (), strict=False)):
         if i != state.empty_axis and isinstance(a, int) and isinstance(b, int) and a != b:
             raise ConfigError(f"{where}: dim {i} is {b} in the output but {a} in the input ({_shape(out.shape)} vs {_shape(inp.shape)})")
+    if state.once and state.shared:
+        raise ConfigError(f"{where}: a state set once is never written in place; it cannot be both once and shared")
     axis = state.empty_axis
     if axis is not None and not 0 <= axis < len(inp.shape):
         raise ConfigError(f"{where}: empty_axis {axis} is out of range for {inp}; valid: 0..{len(inp.shape) - 1}")
@@ -428,9 +445,11 @@ class StateLink:
     Note: initial values.
         A stream's first step feeds the state input zeros of the input's declared shape. Fixed
         sizes are taken as they are; a symbolic dim takes its size from the pipeline input that
-        names it on the stream's first step (``"batch"``); the ``empty_axis``, if given, is 0 long,
-        as a decoder's first step feeds an empty past. Any other dim (unnamed, or named by no
-        pipeline input) has no size to start from, and :meth:`PipelineSpec.validate` refuses it.
+        names it on the stream's first step (``"batch"``), or else from a kept input of the same
+        stage that names it (the encoder's output, ``encoder_sequence_length``: Note: first-step
+        stages, ``PipelineSpec``); the ``empty_axis``, if given, is 0 long, as a decoder's first
+        step feeds an empty past. Any other dim (unnamed, or named by neither) has no size to
+        start from, and :meth:`PipelineSpec.validate` refuses it.
 
     Attributes:
         stage: The stage both tensors belong to.
@@ -442,6 +461,20 @@ class StateLink:
             runtime keeps the state in place (``_stage``, Note: state in place): the build sets it
             where onnxruntime's ``GroupQueryAttention`` reads the input as its past and makes the
             output as its present (``past_present_share_buffer``).
+        once: The state is set once and kept (Note: a state set once): the input is fed the
+            output of the stream's first step on every later step; the output of a later step is
+            no state update (an encoder's cross-attention KV, which optimum's merged decoder
+            computes on its first step and only passes through, or stubs out, after).
+
+    Note: a state set once.
+        A ``once`` link's state is what the stream's first step made: each later step is fed it
+        as it was, and what the stage outputs there is not kept (optimum's merged decoder emits
+        a ``[0, heads, 1, dkv]`` placeholder for each ``present.N.encoder.*`` on its cached
+        branch). Its initial value is as for any link (Note: initial values: optimum feeds an
+        empty past on the first step, so its ``empty_axis`` is the encoder's length). It never
+        grows, so a batch of steps joins the members' once-states only where their shapes agree
+        (the same encoder length), and runs each member alone otherwise; and a batch mixing
+        first steps with later ones runs each member alone too.
     """
 
     stage: str
@@ -449,9 +482,34 @@ class StateLink:
     input: str
     empty_axis: int | None = None
     shared: bool = False
+    once: bool = False
 
     def __str__(self) -> str:
-        return f"{self.stage}.{self.output} -> {self.stage}.{self.input} (next step)"
+        when = "every later step, set by the first" if self.once else "next step"
+        return f"{self.stage}.{self.output} -> {self.stage}.{self.input} ({when})"
+
+
+@dataclass(frozen=True)
+class StepFlag:
+    """A stage input the runtime feeds by a stream's step: ``first`` on the stream's first step,
+    ``not first`` on every later one (a bool tensor of the input's fixed shape, ``[1]`` as a
+    rule). optimum's merged decoders take ``use_cache_branch``: ``False`` selects the branch that
+    runs without a past (the first step), ``True`` the one that reads it; with a step flag, a
+    stream's steps feed only the tokens (docs/streams.md). A pipeline without state links has no
+    steps, so it has no step flags: the input stays a pipeline input.
+
+    Attributes:
+        stage: The stage whose input it is.
+        input: The input (dtype bool, every dim fixed).
+        first: Its value on a stream's first step; every later step feeds the other.
+    """
+
+    stage: str
+    input: str
+    first: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.stage}.{self.input} ({self.first} on a stream's first step, {not self.first} after)"
 
 
 @dataclass(frozen=True)
@@ -460,6 +518,24 @@ class PipelineSpec:
 
     Build one through :class:`onnxpipe.builder.PipelineConfig`; :meth:`validate` checks the
     invariants the runtime relies on.
+
+    Note: first-step stages.
+        A stage with ``runs == "first"`` (an encoder: Whisper's audio encoder, T5's text encoder)
+        runs on a stream's first step only; on its later steps every engine passes the request
+        through it without a call. What it makes is needed on every step all the same (the
+        decoder's cross-attention reads the encoder's output each step), so each later stage
+        that reads it *keeps* it: a **kept input** is an input of an every-step stage fed by a
+        first-step stage's output, or by a pipeline input that a first-step stage reads (a
+        **first-step input**: T5's ``attention_mask``, which the encoder reads and the decoder
+        reads as ``encoder_attention_mask``). The stage takes a kept input from the bag on the
+        stream's first step and keeps that value per stream, feeding it on every later step as
+        it feeds a state (``StageRunner``: held with the stream's state, batched as one block,
+        dropped when the stream closes). First-step inputs are given on a stream's first step
+        and on no other (a later step that gives one is refused: the stream would not use it).
+        A kept input is not a state link: a state link feeds a stage's *output* back to its own
+        input; a kept input is the first step's *input*, kept as it came. Validation refuses a
+        first-step stage with state links, in a pipeline without state links (no streams), or
+        feeding a pipeline output (later steps would have no value for it).
     """
 
     inputs: tuple[TensorSpec, ...]
@@ -469,6 +545,11 @@ class PipelineSpec:
     metadata: Mapping[str, str] = field(default_factory=dict)
     param_groups: tuple[ParamGroup, ...] = ()
     states: tuple[StateLink, ...] = ()
+    step_flags: tuple[StepFlag, ...] = ()
+
+    def flags_of(self, stage: str) -> tuple[StepFlag, ...]:
+        """The step flags of one stage (see :class:`StepFlag`)."""
+        return tuple(f for f in self.step_flags if f.stage == stage)
 
     def states_of(self, stage: str) -> tuple[StateLink, ...]:
         """The state links of one stage (empty for a stateless stage)."""
@@ -492,6 +573,32 @@ class PipelineSpec:
     def _sources(self) -> dict[Endpoint, Endpoint]:
         return {link.dst: link.src for link in self.links}
 
+    @property
+    def first_step_inputs(self) -> tuple[str, ...]:
+        """The pipeline inputs a stream gives on its first step only: those a first-step stage
+        reads (Note: first-step stages); empty without first-step stages."""
+        return self._first_steps[0]
+
+    def kept_inputs(self, stage: str) -> tuple[str, ...]:
+        """The inputs of ``stage`` it keeps per stream from the stream's first step (Note:
+        first-step stages); empty for a first-step stage and where there is none."""
+        return self._first_steps[1].get(stage, ())
+
+    @cached_property
+    def _first_steps(self) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+        first = {s.name for s in self.stages if s.first_step_only}
+        if not first:
+            return (), {}
+        read = {lk.src.tensor for lk in self.links if lk.src.stage is None and lk.dst.stage in first}
+        inputs = tuple(t.name for t in self.inputs if t.name in read)
+        kept: dict[str, list[str]] = {}
+        for lk in self.links:
+            once = lk.src.stage in first if lk.src.stage is not None else lk.src.tensor in read
+            if once and lk.dst.stage is not None and lk.dst.stage not in first:
+                kept.setdefault(lk.dst.stage, []).append(lk.dst.tensor)
+        order = {s.name: [t.name for t in s.inputs] for s in self.stages}
+        return inputs, {name: tuple(sorted(names, key=order[name].index)) for name, names in kept.items()}
+
     def validate(self) -> None:
         """Check the wiring; raise one :class:`ConfigError` describing the first problem found.
 
@@ -511,7 +618,11 @@ class PipelineSpec:
         for state in self.states:
             self._check_state(state, fed)
             fed[Endpoint(state.stage, state.input)] = Link(Endpoint(state.stage, state.output), Endpoint(state.stage, state.input))
+        for flag in self.step_flags:
+            self._check_flag(flag, fed)
+            fed[Endpoint(flag.stage, flag.input)] = Link(Endpoint(flag.stage, flag.input), Endpoint(flag.stage, flag.input))
         self._check_fed(fed)
+        self._check_first_steps()
 
     def _check_names(self) -> None:
         """Unique names of stages, pipeline inputs and outputs, param groups, and of each group's
@@ -554,6 +665,23 @@ class PipelineSpec:
             if Endpoint(None, t.name) not in fed:
                 raise ConfigError(f"pipeline output '{t.name}' is not fed by any link")
 
+    def _check_first_steps(self) -> None:
+        """First-step stages (Note: first-step stages): in a pipeline with streams, keeping no
+        state of their own, feeding no pipeline output."""
+        for stage in self.stages:
+            if not stage.first_step_only:
+                continue
+            where = f"stage '{stage.name}' runs on a stream's first step only (runs \"first\")"
+            if not self.states:
+                raise ConfigError(f"{where}, but the pipeline keeps no state between steps (no state links), so it has no streams; "
+                                  "make it run on every step, or add the decoder's state links")
+            if self.states_of(stage.name):
+                raise ConfigError(f"{where}, yet it has state links ({self.states_of(stage.name)[0]}): a stage that runs once has no next step to feed")
+            outputs = [lk.dst.tensor for lk in self.links if lk.src.stage == stage.name and lk.dst.stage is None]
+            if outputs:
+                raise ConfigError(f"{where}, yet it feeds pipeline output '{outputs[0]}', which its later steps would lack; "
+                                  "read it in a later stage, or make the stage run on every step")
+
     def _check_state(self, state: StateLink, fed: Mapping[Endpoint, Link]) -> None:
         """One state link: its ends (see :func:`check_state_ends`), its input fed by it alone, and
         an initial value whose every size is known (see Note: initial values)."""
@@ -566,7 +694,8 @@ class PipelineSpec:
         if Endpoint(stage.name, inp.name) in fed:
             other = fed[Endpoint(stage.name, inp.name)].src
             raise ConfigError(f"{where}: input '{inp.name}' of stage '{stage.name}' is fed twice: by {other} and by its state")
-        named = {d for t in self.inputs for d in (t.shape or ()) if isinstance(d, str)}
+        kept = self.kept_inputs(stage.name)  # an encoder's output, on the first step (Note: first-step stages)
+        named = {d for t in (*self.inputs, *(stage.input(k) for k in kept)) for d in (t.shape or ()) if isinstance(d, str)}
         for i, d in enumerate(inp.shape or ()):
             if i != state.empty_axis and not isinstance(d, int) and d not in named:
                 dim = "unnamed" if d is None else f"'{d}'"
@@ -575,6 +704,22 @@ class PipelineSpec:
                     f"{where}: dim {i} ({dim}) of {inp} has no initial size: no pipeline input names it "
                     f"(named dims: {choices}); make it the empty_axis or give it a fixed size or a named one"
                 )
+
+    def _check_flag(self, flag: StepFlag, fed: Mapping[Endpoint, Link]) -> None:
+        """One step flag: a bool input of fixed shape of a stage in a pipeline with state links
+        (a stream's steps), fed by nothing else."""
+        where = f"step flag {flag.stage}.{flag.input}"
+        try:
+            stage = self.stage(flag.stage)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        inp = find_tensor(stage.inputs, flag.input, f"{where}: stage '{stage.name}' has no input")
+        if not self.states:
+            raise ConfigError(f"{where}: the pipeline has no state links, so no stream's steps to flag; feed '{inp.name}' as a pipeline input")
+        if inp.dtype != "bool" or inp.shape is None or not all(isinstance(d, int) for d in inp.shape):
+            raise ConfigError(f"{where}: {inp} must be a bool of fixed shape (as use_cache_branch [1])")
+        if Endpoint(stage.name, inp.name) in fed:
+            raise ConfigError(f"{where}: input '{inp.name}' of stage '{stage.name}' is fed by {fed[Endpoint(stage.name, inp.name)].src} as well")
 
     def _backward(self, link: Link, position: dict[str, int]) -> str:
         # Tell a cycle apart from a mere listing order: the first is a wiring bug, the second is not
@@ -632,6 +777,7 @@ class PipelineSpec:
             "links": [{"from": _endpoint_to_dict(lk.src, "input"), "to": _endpoint_to_dict(lk.dst, "output")} for lk in self.links],
             # Written only when there are some, so a stateless pipeline's JSON is as before.
             **({"states": [_state_to_dict(s) for s in self.states]} if self.states else {}),
+            **({"step_flags": [{"stage": f.stage, "input": f.input, "first": f.first} for f in self.step_flags]} if self.step_flags else {}),
         }
 
     def to_json(self) -> str:
@@ -780,16 +926,26 @@ def _state_to_dict(state: StateLink) -> dict[str, Any]:
         data["empty_axis"] = state.empty_axis
     if state.shared:
         data["shared"] = True
+    if state.once:
+        data["once"] = True
     return data
 
 
 def _state_from_dict(d: Mapping[str, Any], where: str) -> StateLink:
-    unknown = set(d) - {"stage", "output", "input", "empty_axis", "shared"}
+    unknown = set(d) - {"stage", "output", "input", "empty_axis", "shared", "once"}
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid: stage, output, input, empty_axis, shared")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid: stage, output, input, empty_axis, shared, once")
     axis = _need(d, "empty_axis", (int, type(None)), where, None)
     shared = _need(d, "shared", bool, where, False)
-    return StateLink(_need(d, "stage", str, where), _need(d, "output", str, where), _need(d, "input", str, where), axis, shared)
+    once = _need(d, "once", bool, where, False)
+    return StateLink(_need(d, "stage", str, where), _need(d, "output", str, where), _need(d, "input", str, where), axis, shared, once)
+
+
+def _flag_from_dict(d: Mapping[str, Any], where: str) -> StepFlag:
+    unknown = set(d) - {"stage", "input", "first"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid: stage, input, first")
+    return StepFlag(_need(d, "stage", str, where), _need(d, "input", str, where), _need(d, "first", bool, where, False))
 
 
 def _endpoint_to_dict(ep: Endpoint, global_key: str) -> dict[str, str]:
@@ -815,6 +971,7 @@ def _stage_to_dict(s: StageSpec) -> dict[str, Any]:
         "settings": s.settings.to_dict(),
         "build": dict(s.build),
         **({"batching": s.batching.to_dict()} if s.batching is not None else {}),
+        **({"runs": s.runs} if s.runs != "every" else {}),  # written only when set, so other stages' JSON is as before
     }
 
 
@@ -848,6 +1005,7 @@ def _stage_from_dict(s: dict[str, Any], where: str) -> StageSpec:
         settings=parsed,
         build=dict(build),
         batching=Batching.from_dict(s["batching"], where) if "batching" in s else None,
+        runs=_need(s, "runs", str, where, "every"),
     )
 
 
@@ -874,6 +1032,7 @@ def _from_dict(data: Any) -> PipelineSpec:
         metadata=_strings(data, "metadata", where),
         param_groups=groups,
         states=tuple(_state_from_dict(s, w) for w, s in _items(data, "states", where, optional=True)),
+        step_flags=tuple(_flag_from_dict(f, w) for w, f in _items(data, "step_flags", where, optional=True)),
     )
     coded = [s.name for s in spec.stages if s.is_code]
     if coded and version == 1:

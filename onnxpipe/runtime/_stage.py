@@ -37,6 +37,19 @@ Note: state blocks.
     not hold its step, each member runs alone (nothing was committed): a member that fails leaves
     the batch with its error, and the others go on to the next stage as a smaller batch.
 
+Note: kept inputs.
+    A stage's inputs fed by a first-step stage (an encoder's output, or a pipeline input the
+    encoder reads: ``PipelineSpec``, Note: first-step stages) are in the bag on a stream's first
+    step only. The runner keeps them with the stream's state: ``_made_state`` puts each kept
+    input's value as it was fed beside the state outputs, so a later step is fed it from the
+    stream's state as a state is (``_feeds``, which reads the bag without them:
+    ``_later_sources``), a batch's block holds them in its rows, and a close drops them. Nothing
+    is copied: the value kept is the array the first step was fed (an ``OrtValue`` a stage handed on a
+    device is copied to host memory once). Members whose kept values
+    differ in shape (T5's encoder outputs of different lengths) cannot share a block and run
+    apart (``_joined_block``). A stage with kept inputs keeps its state as arrays, never in place
+    (``in_place_axes``).
+
 Note: state bytes copied.
     A runner counts the bytes of streams' state that are copied for its runs (``copied``, each
     run's share in its ``Call``, summed in ``StageStats.bytes_copied``): its own copies (a block
@@ -79,7 +92,7 @@ from onnxpipe.runtime._code import CodeFunction, check_allowed, copy_params, res
 from onnxpipe.runtime._handoff import Handoff, handoff_for
 from onnxpipe.runtime._inplace import InSlab
 from onnxpipe.runtime._inputs import check_inputs
-from onnxpipe.runtime._records import CLOSE, Call, Failure, Request, StagePlan, claimed, plan_stages, stage_failed
+from onnxpipe.runtime._records import CLOSE, Call, Failure, Request, StagePlan, claimed, passes, plan_stages, stage_failed
 from onnxpipe.runtime._session import Placement, make_session, placement, run_options
 from onnxpipe.runtime._settings import check_cores
 from onnxpipe.runtime._spec import Endpoint, StageSpec
@@ -89,7 +102,7 @@ from onnxpipe.runtime.scheduling import StepBatch, member_rows, pad_stack, take_
 
 __all__ = [
     "CLOSE", "Call", "CodeRunner", "Failure", "Request", "Runner", "RunnerBase", "StagePlan", "StageRunner", "claimed", "host_placement",
-    "make_runner", "pinned_replica", "plan_stages", "stage_failed",
+    "make_runner", "passes", "pinned_replica", "plan_stages", "stage_failed",
 ]
 
 _clock = time.perf_counter
@@ -141,6 +154,7 @@ class RunnerBase:
     for a caller outside an engine."""
 
     name: str
+    plan: StagePlan
     #: Bytes of streams' state copied so far (Note: state bytes copied); each run's share is its ``Call.copied``.
     copied = 0
 
@@ -149,12 +163,18 @@ class RunnerBase:
         batch of steps that failed and left it. Raises what the stage raised."""
         raise NotImplementedError
 
+    @property
+    def _first_only(self) -> bool:
+        return self.plan.stage.first_step_only
+
     def run(self, request: Request) -> Call:
         """Run the stage for one request (a batch of streams' steps is one) and say what happened;
         never raises: what :meth:`_compute` raised fails the request, in the :class:`Call`."""
         batch = request.batch  # its size, inlined: run() is on every request's path through every stage
         size = 0 if request.step == CLOSE else 1 if batch is None else len(batch)
         start, copied = _clock(), self.copied
+        if self._first_only and passes(self.plan, request):
+            return Call((request.id,), start, start, 0)  # a later step at a first-step stage: no run, not counted
         try:
             failures = self._compute(request)
         except Exception as e:  # onnxruntime raises its own types; the request fails, the stage goes on
@@ -164,7 +184,20 @@ class RunnerBase:
     def __call__(self, request: Request) -> None:
         """Run the stage for one request, raising what the stage raised (for callers outside an
         engine); the members of a batch of steps that fail leave it (``request.batch.failed``)."""
-        self._compute(request)
+        if not passes(self.plan, request):
+            self._compute(request)
+
+
+def _by_step(plan: StagePlan) -> tuple[frozenset[str], frozenset[int], tuple[dict[str, np.ndarray], ...]]:
+    """What a stage's runner does by a stream's step (``StateLink``'s Note: a state set once,
+    ``StepFlag``): its states set once; the outputs a later step makes for them (no update, often
+    a placeholder with no rows, never split back); its step flags' feeds on a stream's first step
+    and on a later one (empty: none)."""
+    once = frozenset(s.input for s in plan.states if s.once)
+    placeholders = frozenset(plan.outputs.index(s.output) for s in plan.states if s.once)
+    shapes = {f.input: tuple(d for d in plan.stage.input(f.input).shape or () if isinstance(d, int)) for f in plan.flags}  # all fixed (validated)
+    flags = tuple({f.input: np.full(shapes[f.input], later != f.first, np.bool_) for f in plan.flags} for later in (False, True))
+    return once, placeholders, flags if plan.flags else ()
 
 
 def run_alone(runner: Runner, requests: Sequence[Request]) -> list[Call]:
@@ -200,7 +233,10 @@ class StageRunner(StateKeeper, RunnerBase):
         self._kept = tuple((at, key) for at, key in enumerate(self._keys) if key not in dropped)
         self._dropped = tuple(key for key in plan.drop if key not in self._keys)
         self._made = frozenset(self._keys)
-        self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None}
+        # The growing axis of each state that grows (a state set once never does: StateLink's Note: a state set once).
+        self._empty = {s.input: s.empty_axis for s in plan.states if s.empty_axis is not None and not s.once}
+        self._once, self._placeholders, self._flags = _by_step(plan)
+        self._keep_inputs(plan)
         # Where a member's padding of the state block goes (Batching.state_padding): before its past, or after it.
         self._right = plan.stage.batching is not None and plan.stage.batching.state_padding == "right"
         #: Why the last batch that was tried ran its members alone instead (for diagnostics and the build's probe).
@@ -237,10 +273,10 @@ class StageRunner(StateKeeper, RunnerBase):
     def _run_alone(self, request: Request) -> tuple[Failure, ...]:
         """One request alone: its feeds (its stream's state as arrays), one call, its state committed as the outputs came."""
         feeds = self._feeds(request)
-        results = self._run(feeds)
-        if self._state_at:
+        results = self._run_stepping(feeds, request.step)
+        if self._holds:
             assert request.stream is not None
-            self._commit(request, request.stream, request.step, self._made_state(feeds, results))
+            self._commit(request, request.stream, request.step, self._made_state(feeds, results, request.step == 0))
         self._hand_on(request.values, results)
         return ()
 
@@ -255,21 +291,42 @@ class StageRunner(StateKeeper, RunnerBase):
         its stream's state."""
         # On every request's path: a loop (no comprehension's frame before Python 3.12), _inputs inlined.
         values, feeds = request.values, {}
-        for name, key in self.plan.sources:
+        for name, key in self._later_sources if self._kept_in and request.step > 0 else self.plan.sources:
             feeds[name] = values[key]
         own = request.params.get(self.name)
         if own:
             feeds.update(own)
-        if self._state_at:
-            feeds.update(self._own(self._held(request.stream, request.step, request.dims), request.stream))
+        if self._flags:
+            feeds.update(self._flags[request.step != 0])
+        if self._holds:
+            feeds.update(self._own(self._held(request.stream, request.step, request.dims, feeds), request.stream))
         return feeds
 
-    def _inputs(self, request: Request, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``feeds`` (the stage's inputs from the bag) with the request's parameter overrides for this stage."""
+    def _sources(self, later: bool) -> tuple[tuple[str, Endpoint], ...]:
+        """The (input, bag key) pairs a step reads from the bag: a later step's lack the kept inputs."""
+        return self._later_sources if later else self.plan.sources
+
+    def _inputs(self, request: Request, feeds: dict[str, np.ndarray], step: int | None = None) -> dict[str, np.ndarray]:
+        """``feeds`` (the stage's inputs from the bag) with the request's parameter overrides for
+        this stage and its step flags for ``step`` (default: the request's step, or a batch's
+        first member's: its members are all first steps or all later ones, see :meth:`_mixed`)."""
         own = request.params.get(self.name)
         if own:
             feeds.update(own)
+        if self._flags:
+            if step is None:
+                step = request.batch.steps[0] if request.batch is not None else request.step
+            feeds.update(self._flags[step != 0])
         return feeds
+
+    def _mixed(self, batch: StepBatch) -> str | None:
+        """Why a batch of steps cannot run as one call for this stage's step flags or states set
+        once: it mixes streams' first steps with later ones (a flag takes one value for the whole
+        call; a state set once is the output of a first step, the input of a later one)."""
+        if not (self._flags or self._once) or len({n == 0 for n in batch.steps}) < 2:
+            return None
+        what = f"step flag '{self.plan.flags[0].input}'" if self._flags else f"state '{next(iter(self._once))}' (set once)"
+        return f"the batch mixes streams' first steps with later ones, and {what} differs between them"
 
     # -- a batch of streams' steps ----------------------------------------------------------
 
@@ -281,13 +338,17 @@ class StageRunner(StateKeeper, RunnerBase):
         assert batch is not None
         if not len(batch):
             return ()  # every member failed in an earlier stage
+        mixed = self._mixed(batch)
+        if mixed is not None:
+            self.unbatched = mixed
+            return self._replay(request)
         values = request.values
-        feeds = self._inputs(request, {name: values[key] for name, key in self.plan.sources})
+        feeds = self._inputs(request, {name: values[key] for name, key in self._sources(batch.steps[0] > 0)})
         if self._axes and batch.length and batch.rows[-1] == len(batch) and not request.params.get(self.name):
             return self._run_in_place(request, feeds)
         try:
-            if self._state_at:
-                block = self._block_for(batch)
+            if self._holds:
+                block = self._block_for(batch, feeds)
                 if block is None:
                     self.unbatched = "the members' states do not line up with the batch's padding"
                     return self._replay(request)
@@ -296,12 +357,11 @@ class StageRunner(StateKeeper, RunnerBase):
         except Exception as e:  # which member was bad is found by running each alone
             self.unbatched = f"the batched call failed: {ort_message(e)}"
             return self._replay(request)
-        total = batch.rows[-1]
-        if any(np.ndim(r) == 0 or len(r) != total for r in results):
-            self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
+        first = batch.steps[0] == 0
+        if not self._splits_back(results, batch.rows[-1], first):
             return self._replay(request)
-        if self._state_at:
-            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results))
+        if self._holds:  # its state and kept inputs (Note: kept inputs)
+            made = Block(batch.streams, batch.rows, batch.shifts, self._made_state(feeds, results, first))
             states = self.states
             size, rows = sum(a.nbytes for a in made.arrays.values()), max(batch.rows[-1], 1)
             for j, (stream, step) in enumerate(zip(batch.streams, batch.steps, strict=True)):
@@ -312,6 +372,14 @@ class StageRunner(StateKeeper, RunnerBase):
         for key in self._dropped:
             values.pop(key, None)
         return ()
+
+    def _splits_back(self, results: Sequence[Any], total: int, first: bool) -> bool:
+        """Whether every output of a batched call has the batch's ``total`` rows (but what a later
+        step outputs for a state set once, which is not kept); says why not in ``unbatched``."""
+        if any((first or at not in self._placeholders) and (np.ndim(r) == 0 or len(r) != total) for at, r in enumerate(results)):
+            self.unbatched = f"an output's dim 0 is not the batch's {total} rows, so it cannot be split back"
+            return False
+        return True
 
     def _replay(self, request: Request) -> tuple[Failure, ...]:
         """Each member of the batch alone (nothing was committed); members that fail leave the
@@ -325,16 +393,16 @@ class StageRunner(StateKeeper, RunnerBase):
         done: list[tuple[int, list[Any]]] = []
         for j, (stream, step, dims) in enumerate(zip(batch.streams, batch.steps, batch.dims, strict=True)):
             lo, hi, shift = batch.rows[j], batch.rows[j + 1], batch.shifts[j]
-            feeds = self._inputs(request, {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self.plan.sources})
+            feeds = self._inputs(request, {name: member_rows(values[key], lo, hi, pads.get(key), shift) for name, key in self._sources(step > 0)}, step)
             try:
-                if self._state_at:
-                    feeds.update(self._own(self._held(stream, step, dims), stream))
-                results = self._run(feeds)
+                if self._holds:
+                    feeds.update(self._own(self._held(stream, step, dims, feeds), stream))
+                results = self._run_stepping(feeds, step)
             except Exception as e:  # onnxruntime raises its own types; the member fails, the batch goes on
                 gone[j] = Failure.of(batch.ids[j], self.name, e, member=True)
                 continue
-            if self._state_at:
-                self._commit(request, stream, step, self._made_state(feeds, results))
+            if self._holds:
+                self._commit(request, stream, step, self._made_state(feeds, results, step == 0))
             done.append((j, results))
         self._rejoin(values, batch, done)
         request.batch = batch.without({j: failure.error() for j, failure in gone.items()})
@@ -540,12 +608,12 @@ class CodeRunner(RunnerBase):
 def pinned_replica(plan: StagePlan, request: Request, replicas: int) -> int | None:
     """The replica of a stage that must run ``request``, or None when any replica may.
 
-    A stream's request in a stage with state goes to replica ``stream % replicas``, whose runner
+    A stream's request in a stage with state (or kept inputs) goes to replica ``stream % replicas``, whose runner
     holds the stream's state (streams are numbered in order, so they spread evenly). Every engine
     routes by this (see Note: streams, ``_thread.py``).
     """
     route = request.route
-    if route is None or not plan.states:
+    if route is None or not plan.keeps_state:
         return None
     return route % replicas
 

@@ -14,9 +14,9 @@ import onnxruntime as ort
 
 from onnxpipe._errors import InputError, StageError, ort_message
 from onnxpipe.runtime._dtypes import numpy_dtype
-from onnxpipe.runtime._handoff import session_device
+from onnxpipe.runtime._handoff import host, session_device
 from onnxpipe.runtime._inplace import InSlab, Slab, arrange
-from onnxpipe.runtime._spec import Endpoint
+from onnxpipe.runtime._spec import Dim, Endpoint, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, member_rows, pad_stack, take_rows
 
 if TYPE_CHECKING:
@@ -80,10 +80,22 @@ def in_place_axes(plan: StagePlan, session: ort.InferenceSession, right: bool) -
     growing axis for a step alone; the same for a batch, where the stage batches streams' steps
     with its states right-padded (as the build's probe found). Empty, empty, empty otherwise."""
     links = plan.states
-    if not links or not all(s.shared and s.empty_axis is not None for s in links) or session_device(session) is not None:
+    if not links or plan.kept or not all(s.shared and s.empty_axis is not None for s in links) or session_device(session) is not None:
         return {}, {}, {}
     axes = {s.input: s.empty_axis for s in links if s.empty_axis is not None}
     return {s.input: s.output for s in links}, axes, axes if plan.batches and right else {}
+
+
+def _misfit_dims(link: StateLink, declared: tuple[Dim, ...], held: tuple[int, ...], sizes: Mapping[str, int]) -> str:
+    """Why a state of shape ``held`` does not fit its input (declared ``declared``) in a step whose
+    other inputs size named dims as ``sizes`` (a growing state's empty axis aside), or ""."""
+    if len(held) != len(declared):
+        return f"the input has rank {len(declared)}"
+    for axis, (d, n) in enumerate(zip(declared, held, strict=True)):
+        want = d if isinstance(d, int) else sizes.get(d) if isinstance(d, str) else None
+        if want is not None and want != n and (axis != link.empty_axis or link.once):
+            return f"the input's dim {axis} is {want}" if isinstance(d, int) else f"the step's other inputs size dim {axis} ('{d}') {want}"
+    return ""
 
 
 class StateKeeper:
@@ -99,15 +111,19 @@ class StateKeeper:
     unbatched: str | None
     _state_at: tuple[tuple[str, int], ...]
     _empty: dict[str, int]
+    _once: frozenset[str]
     _right: bool
     _presents: dict[str, str]
     _lone_axes: dict[str, int]
     _axes: dict[str, int]
     _made_apart: tuple[str, ...]
+    _kept_in: tuple[str, ...]
+    _holds: bool
+    _later_sources: tuple[tuple[str, Endpoint], ...]
     _kept: tuple[tuple[int, Endpoint], ...]
     _dropped: tuple[Endpoint, ...]
 
-    def _inputs(self, request: Request, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _inputs(self, request: Request, feeds: dict[str, np.ndarray], step: int | None = None) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     def _run_alone(self, request: Request) -> tuple[Failure, ...]:
@@ -117,15 +133,61 @@ class StateKeeper:
         raise NotImplementedError
 
 
-    def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any]) -> dict[str, np.ndarray]:
-        """The state outputs of a call, by state input; the past the session copied into each
-        present it made apart from it is counted (Note: state bytes copied)."""
+    def _keep_inputs(self, plan: StagePlan) -> None:
+        """What the runner keeps besides its states' outputs (``_stage``, Note: kept inputs): the
+        kept inputs, whether it holds anything per stream, and the bag keys a later step reads (not
+        the kept inputs, which its bag lacks)."""
+        self._kept_in = plan.kept
+        self._holds = bool(self._state_at or plan.kept)
+        self._later_sources = tuple((name, key) for name, key in plan.sources if name not in plan.kept)
+
+    def _run(self, feeds: dict[str, Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def _run_stepping(self, feeds: dict[str, Any], step: int) -> list[Any]:
+        """One session call for a stream's step alone; a failure on a state this stage held that
+        does not fit the step is a :class:`StageError` saying so (``held``: ``_stream``, Note: a
+        failed step), since stepping again would fail the same way."""
+        try:
+            return self._run(feeds)
+        except Exception as e:
+            held = self._misfit(feeds) if self._state_at and step > 0 else ""
+            if not held:
+                raise
+            raise StageError(str(e), stage=self.name, held=held) from e
+
+    def _misfit(self, feeds: Mapping[str, Any]) -> str:
+        """What of the state fed to a step does not fit the stage's input or the step's other
+        inputs (a fixed size, or a named dim the other inputs size otherwise; a growing state's
+        empty axis aside), in words; "" when all fits."""
+        stage, states = self.plan.stage, {s.input: s for s in self.plan.states}
+        sizes: dict[str, int] = {}
+        for t in stage.inputs:  # the named dims' sizes in the step's other inputs
+            if t.name not in states and t.name in feeds:
+                sizes.update((d, n) for d, n in zip(t.shape or (), np.shape(feeds[t.name]), strict=False) if isinstance(d, str) and d not in sizes)
+        for name, link in states.items():
+            why = _misfit_dims(link, stage.input(name).shape or (), tuple(np.shape(feeds[name])), sizes)
+            if why:
+                return f"its state '{name}' is {list(np.shape(feeds[name]))}, where {why}"
+        return ""
+
+    def _made_state(self, fed: Mapping[str, Any], results: Sequence[Any], first: bool) -> dict[str, np.ndarray]:
+        """The state outputs of a call, by state input (``first``: the call ran streams' first
+        steps), and the kept inputs as they were fed (Note: kept inputs, ``_stage``); the past the
+        session copied into each present it made apart from it is counted (Note: state bytes
+        copied). A state set once keeps what it was fed after the first step (``StateLink``'s
+        Note: a state set once): what a later step outputs for it is no update."""
         state = {}
         for name, at in self._state_at:
             made, past = results[at], fed[name]
+            if not first and name in self._once:
+                state[name] = past
+                continue
             if not np.may_share_memory(made, past):
                 self.copied += past.nbytes
             state[name] = made
+        for name in self._kept_in:
+            state[name] = host(fed[name])  # an encoder's output handed on a device is kept in host memory (docs/limitations.md)
         return state
 
     def _commit(self, request: Request, stream: int, step: int, state: dict[str, np.ndarray]) -> None:
@@ -136,17 +198,22 @@ class StateKeeper:
         self.states[stream] = (step + 1, state)
         request.held.append((stream, self.name, sum(a.nbytes for a in state.values())))
 
-    def _held(self, stream: int | None, step: int, dims: Mapping[str, int]) -> dict[str, np.ndarray] | InBlock | InSlab:
-        """The state this step of its stream runs on (the initial one at step 0), as held.
+    def _held(self, stream: int | None, step: int, dims: Mapping[str, int], fed: Mapping[str, Any] | None = None) -> dict[str, np.ndarray] | InBlock | InSlab:
+        """The state this step of its stream runs on (the initial one at step 0, sized by ``dims``
+        and by the kept inputs ``fed`` on it: Note: initial values, ``StateLink``), as held.
 
         Raises:
             StageError: the state does not hold exactly ``step`` steps (an earlier step failed).
         """
         if stream is None:
-            raise StageError(f"stage '{self.name}' keeps state per stream ({self.plan.states[0]}): run the pipeline through pipe.stream()", stage=self.name)
+            what = self.plan.states[0] if self.plan.states else f"input '{self.plan.kept[0]}' kept from a stream's first step"
+            raise StageError(f"stage '{self.name}' keeps state per stream ({what}): run the pipeline through pipe.stream()", stage=self.name)
         if step == 0:
             if stream in self.states:
                 raise AssertionError(f"stream {stream} started twice in stage '{self.name}'")
+            if fed is not None and self._kept_in:  # an encoder's output names dims no pipeline input does (Whisper's length)
+                dims = {**{d: fed[name].shape[axis] for name in self._kept_in
+                           for axis, d in enumerate(self.plan.stage.input(name).shape or ()) if axis and isinstance(d, str)}, **dims}
             return initial_state(self.plan, dims)
         entry = self.states.get(stream)
         if entry is None or entry[0] != step:
@@ -175,14 +242,14 @@ class StateKeeper:
             self.copied += sum(a.nbytes for name, a in own.items() if name in self._empty)  # cut out without its padding
         return own
 
-    def _block_for(self, batch: StepBatch) -> dict[str, np.ndarray] | None:
+    def _block_for(self, batch: StepBatch, fed: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
         """The state a batch of steps runs on, as one block in the batch's layout (Note: state
         blocks); ``None`` when the members' states do not line up with the batch's padding.
 
         Raises:
             StageError: a member's state does not hold its step's number of steps.
         """
-        helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
+        helds = [self._held(s, n, d, fed) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
         kept = self._kept_block(batch, helds)
         return kept if kept is not None else self._joined_block(batch, helds)
 
@@ -210,13 +277,15 @@ class StateKeeper:
         when a member's state does not fit its rows or its padding."""
         owns = [self._own(h, s) for h, s in zip(helds, batch.streams, strict=True)]
         out: dict[str, np.ndarray] = {}
-        for name, _ in self._state_at:
+        for name in owns[0]:  # the states, and at a later step the kept inputs
             parts = [own[name] for own in owns]
             if any(len(p) != batch.rows[j + 1] - batch.rows[j] for j, p in enumerate(parts)):
                 return None
             axis = self._empty.get(name)
             if axis is not None and len({p.shape[axis] + s for p, s in zip(parts, batch.shifts, strict=True)}) != 1:
                 return None
+            if axis is None and len({p.shape[1:] for p in parts}) != 1:
+                return None  # of other sizes: an encoder's KV set once, or a kept encoder output (T5's lengths differ): such members run apart
             out[name] = pad_stack(parts, axis, 0.0, batch.shifts, self._right) if axis is not None and any(batch.shifts) else np.concatenate(parts)
         self.copied += sum(a.nbytes for a in out.values())
         return out

@@ -20,6 +20,14 @@ Note: a failed step.
     behind a failed one fail in the stage that failed (their step number does not match its
     state), never run on the wrong state.
 
+    Unchanged is not always usable: when a step fails in a stage whose own state, as fed, does not
+    fit the step (a fixed size, or a named dim the step's other inputs size otherwise: a
+    ``[0, 4, 1, 8]`` placeholder kept as an encoder's KV, say), the stage says what
+    (``StageError.held``), and every later step would fail on it the same way. The error says
+    the stage ran the step on the state it holds, what of it does not fit, and to close the
+    stream (``Remedy.CLOSE``, ``state_valid`` false, the fact in ``StreamError.detail``); later
+    steps are refused. A step that failed for its own inputs, on a state that fits, can go on as before.
+
 Note: expiring idle streams.
     Every ``pipe.stream()`` and every step first closes the streams idle past the pipeline's
     ``stream_timeout``; looking at every open stream each time made a step cost O(open streams)
@@ -58,10 +66,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from onnxpipe._errors import RUNTIME_TERMS, Closure, StageError, StateDimError, StreamError
+from onnxpipe._errors import RUNTIME_TERMS, Closure, InputError, StageError, StateDimError, StreamError
+from onnxpipe.runtime._inputs import InputCheck
 from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
 
-__all__ = ["IdleStreams", "Stream", "StreamHost", "StreamRecord", "Tally", "bind_dims", "state_dims"]
+__all__ = ["IdleStreams", "StepCheck", "Stream", "StreamHost", "StreamRecord", "Tally", "bind_dims", "state_dims"]
 
 Outputs = dict[str, np.ndarray]
 #: Where each state dim is bound: ``(dim, input, axis)`` (see ``StreamRegistry``).
@@ -83,10 +92,49 @@ def bind_dims(specs: Sequence[TensorSpec], arrays: Mapping[str, np.ndarray], nam
     """The size each of ``names`` has in the (checked) arrays, with the input that gave it."""
     sizes: dict[str, tuple[int, str]] = {}
     for spec in specs:
+        if spec.name not in arrays:
+            continue  # a first-step input, on a later step (PipelineSpec, Note: first-step stages)
         for d, size in zip(spec.shape or (), arrays[spec.name].shape, strict=False):
             if isinstance(d, str) and d in names:
                 sizes.setdefault(d, (size, spec.name))
     return sizes
+
+
+class StepCheck:
+    """What a stream's step must give (PipelineSpec, Note: first-step stages): every pipeline input
+    on the stream's first step; on a later step every one but the first-step inputs, which are
+    refused there (the stages that read them ran on the first step, and the stream would not use
+    them). Without first-step stages, one check for every step.
+
+    Args:
+        spec: The pipeline's spec.
+        check: The pipeline's check of all its inputs (``InputCheck(spec.inputs)``).
+    """
+
+    def __init__(self, spec: PipelineSpec, check: Callable[[Mapping[str, Any]], dict[str, np.ndarray]]) -> None:
+        self._first = check
+        self._once = frozenset(spec.first_step_inputs)
+        self._later_inputs = ", ".join(repr(t.name) for t in spec.inputs if t.name not in self._once) or "none"
+        self._later = InputCheck([t for t in spec.inputs if t.name not in self._once]) if self._once else check
+        self._readers = {lk.src.tensor: lk.dst.stage for lk in spec.links if lk.src.stage is None and lk.dst.stage is not None
+                         and spec.stage(lk.dst.stage).first_step_only}
+
+    def __call__(self, inputs: Mapping[str, Any], step: int) -> dict[str, np.ndarray]:
+        """The step's inputs, checked.
+
+        Raises:
+            InputError: as ``InputCheck``; or a later step gives a first-step input.
+        """
+        if step == 0 or not self._once:
+            return self._first(inputs)
+        given = [name for name in inputs if name in self._once]
+        if given:
+            name = given[0]
+            raise InputError(
+                f"input '{name}' is given on a stream's first step only: stage '{self._readers[name]}' reads it, which runs on the first "
+                f"step only (runs \"first\"), and the stages after it keep what it made; step {step} takes: {self._later_inputs}"
+            )
+        return self._later(inputs)
 
 
 class Tally:
@@ -195,7 +243,7 @@ class StreamRecord:
         """Seconds since its last step was submitted or finished; 0 while a step is in flight."""
         return 0.0 if self._pending else now - self.last_used
 
-    def accept(self, inputs: Mapping[str, Any], check: Callable[[Mapping[str, Any]], dict[str, np.ndarray]], binds: Binds) -> dict[str, np.ndarray]:
+    def accept(self, inputs: Mapping[str, Any], check: Callable[[Mapping[str, Any], int], dict[str, np.ndarray]], binds: Binds) -> dict[str, np.ndarray]:
         """The next step's inputs, checked (``order`` held); nothing is taken yet.
 
         Raises:
@@ -208,7 +256,7 @@ class StreamRecord:
                 raise StreamError.closed(self.id, self.closure)
             if self._failure is not None:
                 raise StreamError.refused(self.id, *self._failure)
-            arrays = check(inputs)
+            arrays = check(inputs, self.steps)
             self._check_dims(arrays, binds)
             return arrays
 
@@ -222,6 +270,8 @@ class StreamRecord:
             return
         dims = self._dims
         for d, name, axis in binds:
+            if name not in arrays:
+                continue  # a first-step input, given on the first step only
             size = arrays[name].shape[axis]
             if dims.get(d, size) != size:
                 raise StateDimError(stream=self.id, step=self.steps, name=name, dim=d, size=size, bound=dims[d])
@@ -266,7 +316,7 @@ class StreamRecord:
                 self._failure = self._failure or (step, error)
                 return error
             failed = StreamError.step_failed(error, step, advanced)
-            if advanced:
+            if advanced or failed.detail:  # stages disagree, or a stage's own state does not fit a step (see Note: a failed step)
                 self._failure = self._failure or (step, failed)
             else:
                 self.steps = min(self.steps, step)

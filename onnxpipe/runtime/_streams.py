@@ -29,7 +29,7 @@ from onnxpipe.runtime._inputs import DecoderInputs
 from onnxpipe.runtime._requests import CLOSED, STEP_CLOSED, Dispatcher, Outputs, settle
 from onnxpipe.runtime._spec import Endpoint, PipelineSpec
 from onnxpipe.runtime._stage import CLOSE, Request, StagePlan
-from onnxpipe.runtime._stream import BY_OWNER, IdleStreams, Stream, StreamRecord, Tally, state_dims
+from onnxpipe.runtime._stream import BY_OWNER, IdleStreams, StepCheck, Stream, StreamRecord, Tally, state_dims
 from onnxpipe.runtime.scheduling import Step, StepBatch, StepScheduler, batch_length, member_outputs, stack_steps, step_key
 
 __all__ = ["StreamRegistry", "StreamsView"]
@@ -57,14 +57,15 @@ class StreamRegistry:
         self.stream_timeout = stream_timeout
         self._dispatch = dispatch
         self._table = dispatch.table
-        self._check = dispatch.check
+        self._check = StepCheck(spec, dispatch.check)  # a first step's inputs and a later step's may differ
         self._recorder = dispatch.recorder
         self._finals = finals
         self._stateful = bool(spec.states)
+        self._first_steps = any(s.first_step_only for s in spec.stages)
         dims = state_dims(spec)
         #: Where each state dim is bound: (dim, input, axis), for streams' steps (StreamRecord.accept).
         self._binds = tuple((d, t.name, axis) for t in spec.inputs for axis, d in enumerate(t.shape or ()) if isinstance(d, str) and d in dims)
-        self._state_stages = [p.stage.name for p in plans if p.states]  # in pipeline order
+        self._state_stages = [p.stage.name for p in plans if p.keeps_state]  # in pipeline order
         self._order = {p.stage.name: i for i, p in enumerate(plans)}
         pads = plans[0].pads if plans else {}  # scheduling.bag_pads, worked out once by plan_stages
         self._entry_pads = {key.tensor: pad for key, pad in pads.items() if key.stage is None}
@@ -303,7 +304,10 @@ class StreamRegistry:
     def _step(self, record: StreamRecord, number: int, arrays: Mapping[str, np.ndarray]) -> Step:
         """A stream's checked step, for the scheduler (with the parameters as they are now)."""
         params = self._dispatch.params
-        return Step(record.id, number, dict(arrays), record.dims, params, step_key(arrays, self._entry_pads, params), Future())
+        key = step_key(arrays, self._entry_pads, params)
+        if self._first_steps:
+            key += (number == 0,)  # a first step runs the first-step stages, a later one passes them: never one batch
+        return Step(record.id, number, dict(arrays), record.dims, params, key, Future())
 
     def _send_batch(self, steps: list[Step]) -> None:
         """The scheduler's batch, stacked once and submitted as one request (see ``scheduling``);

@@ -87,7 +87,7 @@ class ThreadEngine:
         self._recorders = [[StageRecorder(p.stage.name, r, trace, batches=p.batches) for r in range(p.stage.settings.replicas)] for p in self._plans]
         # One channel per stage, or per replica of a stage with state (see Note: streams).
         self._channels: list[list[Channel[Request]]] = [
-            [Channel(max(queue_depth, p.stage.settings.max_batch)) for _ in range(p.stage.settings.replicas if p.states else 1)] for p in self._plans
+            [Channel(max(queue_depth, p.stage.settings.max_batch)) for _ in range(p.stage.settings.replicas if p.keeps_state else 1)] for p in self._plans
         ]
         self._orphans: list[Request] = []
         self._lock = threading.Lock()

@@ -412,7 +412,9 @@ def _decode(model: ModelPorts, r: Any) -> Decoded:
             arrays[tensor.name] = from_contents(port, shape, tensor.contents)
         else:
             raise bad_request(f"input '{tensor.name}' has no data: fill raw_input_contents or its contents")
-    model.check_complete(arrays)
+    parameters = _parameters(r.parameters)
+    sequence = sequence_of(parameters)
+    model.check_complete(arrays, sequence is None or sequence.start)
     r.ClearField("raw_input_contents")  # the arrays hold their own copies (protobuf copies a bytes field as it is read): the message's go
     outputs = []
     seen: set[str] = set()
@@ -422,8 +424,7 @@ def _decode(model: ModelPorts, r: Any) -> Decoded:
             raise bad_request(f"output '{out.name}' is asked for twice; ask for each output once")
         seen.add(out.name)
         outputs.append((out.name, True))
-    parameters = _parameters(r.parameters)
-    return Decoded(arrays, sequence_of(parameters), r.id, outputs, True, timeout_of(parameters))
+    return Decoded(arrays, sequence, r.id, outputs, True, timeout_of(parameters))
 
 
 def _encode(model: ServedModel, decoded: Decoded, outputs: Outputs, held: Held | None = None) -> Message:

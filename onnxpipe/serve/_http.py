@@ -501,11 +501,12 @@ def _decode(model: ModelPorts, body: memoryview, header_length: int | None, note
             raise bad_request(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
     if offset != len(body):
         raise bad_request(f"{len(body) - offset} bytes of binary data after the inputs' ({offset - end}) are not claimed by any input's binary_data_size")
-    model.check_complete(arrays)
+    sequence = sequence_of(parameters)
+    model.check_complete(arrays, sequence is None or sequence.start)
     binary = parameters.get("binary_data_output", False)
     if not isinstance(binary, bool):
         raise bad_request(f"parameter 'binary_data_output' must be a boolean, got {binary!r}")
-    return Decoded(arrays, sequence_of(parameters), request_id, _requested(model, header.get("outputs"), binary), binary, timeout_of(parameters))
+    return Decoded(arrays, sequence, request_id, _requested(model, header.get("outputs"), binary), binary, timeout_of(parameters))
 
 
 def _requested(model: ModelPorts, outputs: object, binary: bool) -> list[tuple[str, bool]]:

@@ -295,6 +295,9 @@ class ModelPorts:
         max_batch_size: The ``max_batch_size`` its config reports (``ServedModel.batching``): a
             request holds at most that many rows (dim 0), as Triton refuses more; 0: any.
         version: The version served (a request's ``model_version``, if given, must be it).
+        first_step: The inputs a sequence gives in its first request only (the pipeline's
+            first-step inputs: an encoder's audio or ids, docs/streams.md); its later requests
+            may leave them out.
     """
 
     name: str
@@ -302,6 +305,7 @@ class ModelPorts:
     outputs: dict[str, Port]
     max_batch_size: int = 0
     version: str = VERSION
+    first_step: tuple[str, ...] = ()
 
     def input_port(self, name: str, given: Mapping[str, object]) -> Port:
         """The port of a request's input ``name``, not given before (``given``: the inputs so far).
@@ -329,15 +333,16 @@ class ModelPorts:
             raise bad_request(f"output '{name}': the classification extension is not implemented; ask for the tensor itself")
         return port
 
-    def check_complete(self, given: Mapping[str, np.ndarray]) -> None:
-        """Every input given, and every dim the model names in several inputs one size in them
+    def check_complete(self, given: Mapping[str, np.ndarray], start: bool = True) -> None:
+        """Every input given (but the first-step inputs in a sequence's later request: ``start``
+        false), and every dim the model names in several inputs one size in them
         (``x [N, 4]`` and ``prefix [N]``: a request giving ``N`` two sizes would fail inside a
         stage, as the server's failure, where it is the request's).
 
         Raises:
             RequestError: 400 naming the inputs the request lacks, or the dim given two sizes.
         """
-        missing = [n for n in self.inputs if n not in given]
+        missing = [n for n in self.inputs if n not in given and (start or n not in self.first_step)]
         if missing:
             names = ", ".join(repr(n) for n in missing)
             raise bad_request(f"model '{self.name}': missing input(s) {names}; it takes {', '.join(repr(n) for n in self.inputs)}")
@@ -349,7 +354,7 @@ class ModelPorts:
         sizes: dict[str, tuple[int, str]] = {}
         for name, port in self.inputs.items():
             for axis, d in enumerate(port.shape or ()):
-                if not isinstance(d, str) or d in UNKNOWN_DIM_NAMES or axis >= given[name].ndim:
+                if name not in given or not isinstance(d, str) or d in UNKNOWN_DIM_NAMES or axis >= given[name].ndim:
                     continue
                 size = given[name].shape[axis]
                 first = sizes.setdefault(d, (size, name))
@@ -428,7 +433,7 @@ class ServedModel:
         self.outputs = {t.name: port_of(t, f"model '{name}': output") for t in spec.outputs}
         self.stateful = bool(spec.states)
         #: What decoding a request checks it against; max_batch_size the config's, enforced as Triton does.
-        self.ports = ModelPorts(name, self.inputs, self.outputs, self.batching()[0], version)
+        self.ports = ModelPorts(name, self.inputs, self.outputs, self.batching()[0], version, spec.first_step_inputs)
         self.counters = _Counters()
         #: The stage whose calls are the model's executions (see Note: executions).
         self.executing = next((i for i, s in enumerate(spec.stages) if s.batching is not None and s.settings.max_batch > 1), 0)

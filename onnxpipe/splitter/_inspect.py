@@ -32,6 +32,7 @@ from onnxpipe.runtime._dims import input_dims
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._live import Sizer, live_sweep
+from onnxpipe.splitter._states import one_if, uncuttable
 
 __all__ = ["CutCandidate", "ModelSummary", "inspect_model"]
 
@@ -147,6 +148,9 @@ def inspect_model(
     computed = sum(sizer.size(name) or 0 for name in sorted(read - stored.keys()))
     candidates = _candidates(index, compute, sizer, max(top, 0))
     notes.extend(sizer.notes())
+    condition = one_if(index)
+    if condition is not None:
+        notes.append(uncuttable(condition))
     g = proto.graph
     return ModelSummary(
         name=g.name,

@@ -13,6 +13,7 @@ Format ``onnxpipe.pipeline-file``, version 1 (docs/pipelines.md has the full ref
     model = "head.onnx"            # relative to this file; with at = [...] or auto = N: split in place
     # dims = { H = 640 }           # with auto / at: sizes of symbolic input dims for profiling or the sample run
     settings = { intra_op_threads = 1 }
+    # runs = "first"               # on a stream's first step only (an encoder: docs/streams.md)
     # states = "auto"              # state links of a stateful model (present.N.* -> past_key_values.N.*),
     #                              # or pairs: states = { "state1N" = "state1" } (docs/streams.md)
 
@@ -48,9 +49,10 @@ from typing import Any
 from onnxpipe._errors import ConfigError, closest
 from onnxpipe.builder import PipelineConfig, Stage
 from onnxpipe.runtime import StageSettings, TensorSpec
+from onnxpipe.runtime._spec import RUNS
 from onnxpipe.splitter._auto import POLICIES, make_policy
 from onnxpipe.splitter._plan import split
-from onnxpipe.splitter._states import pair_states
+from onnxpipe.splitter._states import pair_states, step_branches
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,7 +64,7 @@ __all__ = ["PIPELINE_FILE_FORMAT", "PIPELINE_FILE_VERSION", "is_pipeline_file", 
 PIPELINE_FILE_FORMAT = "onnxpipe.pipeline-file"
 PIPELINE_FILE_VERSION = 1
 _TOP_KEYS = ("format", "version", "name", "inputs", "outputs", "stages")
-_STAGE_KEYS = ("name", "model", "at", "auto", "policy", "dims", "states", "code", "params", "inputs", "outputs", "input_map", "output_map", "settings")
+_STAGE_KEYS = ("name", "model", "at", "auto", "policy", "dims", "states", "code", "params", "inputs", "outputs", "input_map", "output_map", "settings", "runs")
 
 
 def is_pipeline_file(path: str | os.PathLike[str]) -> bool:
@@ -167,6 +169,8 @@ def _add_stage(config: PipelineConfig, entry: dict[str, Any], folder: Path, wher
     if len(kinds) != 1:
         raise ConfigError(f"{where}: a stage has exactly one of 'model' (an .onnx file) or 'code' (an entry point), got {kinds or 'neither'}")
     settings = _settings(entry, where)
+    runs = _runs(entry, where)
+    before = {s.name for s in config.stages}
     if "code" in entry:
         for key in ("at", "auto", "policy", "dims", "states"):
             if key in entry:
@@ -186,6 +190,9 @@ def _add_stage(config: PipelineConfig, entry: dict[str, Any], folder: Path, wher
             if key in entry:
                 raise ConfigError(f"{where}: '{key}' is for code stages; a model stage's ports come from its model")
         ins, outs = _model_stage(config, entry, folder / _kind(entry, "model", str, where), name, settings, where)
+    for stage in config.stages:
+        if stage.name not in before:
+            stage.runs = runs  # every piece of a model split in place
     return (
         _mapped(ins, _kind(entry, "input_map", dict, where, {}), "input", where),
         _mapped(outs, _kind(entry, "output_map", dict, where, {}), "output", where),
@@ -206,9 +213,12 @@ def _model_stage(
             raise ConfigError(f"{where}: 'dims' sizes the profile of auto = N or the sample run of at = [...]; this stage is not split")
         stage = config.add_stage(model, name, settings=settings)
         pairs = pair_states(stage.inputs, stage.outputs, states) if states is not None else []
+        pairs, flags = step_branches(stage.load_model(), pairs) if pairs else (pairs, {})  # optimum's merged decoder (_states, Note: merged decoders)
         for pair in pairs:
-            config.add_state(stage.output(pair.output), stage.input(pair.input), pair.empty_axis)
-        fed, kept = {p.input for p in pairs}, {p.output for p in pairs}
+            config.add_state(stage.output(pair.output), stage.input(pair.input), pair.empty_axis, pair.once)
+        for flag, first in flags.items():
+            config.add_step_flag(stage.input(flag), first)
+        fed, kept = {p.input for p in pairs} | set(flags), {p.output for p in pairs}
         return [(stage, t.name) for t in stage.inputs if t.name not in fed], [(stage, t.name) for t in stage.outputs if t.name not in kept]
     if "at" in entry and "auto" in entry:
         raise ConfigError(f"{where}: give 'at' (cuts) or 'auto' (a stage count), not both")
@@ -233,6 +243,14 @@ def _model_stage(
     outs = [(config.stage(port.endpoint.stage or ""), port.endpoint.tensor) for port in pieces.outputs.values()]
     # A split keeps tensor names: a piece's input port is named after the model input feeding it.
     return ins, outs
+
+
+def _runs(entry: dict[str, Any], where: str) -> str:
+    """A stage's ``runs``: ``"every"`` (the default) or ``"first"`` (docs/streams.md)."""
+    runs: str = _kind(entry, "runs", str, where, "every")
+    if runs not in RUNS:
+        raise ConfigError(f"{where}: runs must be one of {', '.join(repr(r) for r in RUNS)}, got {runs!r}")
+    return runs
 
 
 def _dims(entry: dict[str, Any], where: str) -> dict[str, int]:

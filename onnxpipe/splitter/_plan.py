@@ -26,7 +26,7 @@ from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._remeasure import REMEASURE_BELOW, remeasure
-from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, genai_head_dims, pair_states
+from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, genai_head_dims, one_if, pair_states, step_branches, uncuttable
 from onnxpipe.splitter._values import graph_values
 
 if TYPE_CHECKING:
@@ -231,15 +231,19 @@ def split(
     proto, folder = load_model(model)
     folder = Path(source_dir) if source_dir is not None else folder
     index = GraphIndex(proto)
+    condition = one_if(index)
+    if condition is not None and (cuts is not None or (getattr(policy, "stages", None) or 0) > 1):
+        raise SplitError(uncuttable(condition))
     types, problem = infer_types(proto)
     pairs: list[StatePair] = []
+    flags: dict[str, bool] = {}  # step flags: input -> its value on a stream's first step (_states, Note: merged decoders)
     constants: dict[str, int] = {}
     fixed_notes: list[str] = []
     input_specs = [tensor_spec(types[n]) for n in index.inputs]
     head_dims = genai_head_dims(input_specs, folder)  # onnxruntime-genai's kv_cache_dim, from its genai_config.json
     sized = {**(getattr(policy, "dims", None) or {}), **(dims or {})}  # a profiling policy's dims size them too (split --auto --dim)
     if states is not None:
-        pairs = pair_states(input_specs, [tensor_spec(types[n]) for n in index.outputs], states)
+        pairs, flags = step_branches(proto, pair_states(input_specs, [tensor_spec(types[n]) for n in index.outputs], states))
         state_inputs = {p.input for p in pairs}
         named = {d for t in input_specs if t.name not in state_inputs for d in (t.shape or ()) if isinstance(d, str)}
         constants, fixed_notes = fixed_state_dims(pairs, input_specs, named, sized, head_dims)
@@ -269,9 +273,11 @@ def split(
     if pairs:
         readers = {p.input: [s for s, names in enumerate(boundary.inputs) if p.input in names] for p in pairs}
         check_together(pairs, readers, {p.output: boundary.global_sources.get(p.output) for p in pairs})
-    state_inputs = {p.input for p in pairs}
+    state_inputs = {p.input for p in pairs} | set(flags)  # fed by the pipeline itself
     state_outputs = {p.output for p in pairs}
     notes = [problem] if problem else []
+    if condition is not None:  # one stage, as asked; said for a user looking for cuts
+        notes.append(f"the model is one If node on '{condition}': it stays whole in one stage (cuts inside an If are not supported)")
     notes.extend(rehomed)
     notes.extend(fixed_notes)
     foreign = unregistered_ops(proto)
@@ -329,7 +335,11 @@ def split(
         source.connect(config.output(name))
     for p in pairs:
         stage = config.stage(f"stage{boundary.global_sources[p.output]}")
-        config.add_state(stage.output(p.output), stage.input(p.input), p.empty_axis)
+        config.add_state(stage.output(p.output), stage.input(p.input), p.empty_axis, p.once)
+    for flag, first in flags.items():
+        for s, names in enumerate(boundary.inputs):
+            if flag in names:
+                config.add_step_flag(config.stage(f"stage{s}").input(flag), first)
     for i, m in enumerate(models):
         stage = config.stage(f"stage{i}")
         stages.append(

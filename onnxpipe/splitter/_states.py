@@ -9,6 +9,18 @@ Note: state pairs.
     the input's dim is dynamic and the output's differs (a past's sequence length grows by each
     step's tokens). A split then keeps each pair in one stage (:func:`check_together`), since a
     stage's state never leaves it.
+
+Note: merged decoders.
+    optimum's ``decoder_model_merged.onnx`` is one ``If`` node on a bool graph input
+    (``use_cache_branch``): one branch runs without a past (a stream's first step), the other
+    reads it. :func:`step_branches` finds such an ``If`` (its condition a bool graph input; one
+    branch reads some state input, the other none) and makes its condition a step flag
+    (``StepFlag``: the value choosing the branch that reads no past on the first step, the other
+    after), so a stream's steps feed only the tokens. A state pair whose output, in the branch the
+    later steps take, is made by no computation -- a ``Constant`` or an initializer (optimum's
+    ``[0, heads, 1, dkv]`` placeholder for ``present.N.encoder.*``), or its own past passed
+    through (directly or by ``Identity``) -- is set once (``StateLink.once``): its state is the
+    first step's output, kept. Any other output of that branch is a state update as before.
 """
 
 from __future__ import annotations
@@ -19,14 +31,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from onnx import ValueInfoProto
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 
 from onnxpipe._errors import SplitError, closest
 from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import TensorSpec
 from onnxpipe.splitter._graph import GraphIndex, reroute
 
-__all__ = ["AUTO", "StatePair", "StateShapes", "check_together", "fixed_state_dims", "genai_head_dims", "pair_states"]
+__all__ = ["AUTO", "StatePair", "StateShapes", "check_together", "fixed_state_dims", "genai_head_dims", "one_if", "pair_states", "step_branches", "uncuttable"]
 
 #: Ask :func:`pair_states` to pair names by convention.
 AUTO = "auto"
@@ -52,10 +64,12 @@ class StatePair:
     output: str
     input: str
     empty_axis: int | None = None
+    once: bool = False
 
     def __str__(self) -> str:
-        axis = f" (starts empty along axis {self.empty_axis})" if self.empty_axis is not None else " (starts as zeros)"
-        return f"{self.output} -> {self.input}{axis}"
+        axis = f"starts empty along axis {self.empty_axis}" if self.empty_axis is not None else "starts as zeros"
+        once = "; set once, by the first step" if self.once else ""
+        return f"{self.output} -> {self.input} ({axis}{once})"
 
 
 def pair_states(
@@ -134,6 +148,75 @@ def _empty_axis(out: TensorSpec, inp: TensorSpec) -> int | None:
         if not isinstance(a, int) and (a is None or a != b):
             return axis
     return None
+
+
+def step_branches(model: ModelProto, pairs: Sequence[StatePair]) -> tuple[list[StatePair], dict[str, bool]]:
+    """The state pairs with those set once marked, and the step flags (input -> its value on a
+    stream's first step), of the ``If`` nodes that choose between a first step and a later one
+    (see Note: merged decoders). A model without one gets ``pairs`` as they are and no flags."""
+    graph = model.graph
+    bools = {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.BOOL} - {t.name for t in graph.initializer}
+    pasts = {p.input for p in pairs}
+    once: set[str] = set()
+    flags: dict[str, bool] = {}
+    for node in graph.node:
+        if node.op_type != "If" or node.domain not in ("", "ai.onnx") or not node.input or node.input[0] not in bools:
+            continue
+        later = _later_branch(node, pasts)
+        if later is None:
+            continue
+        flags[node.input[0]] = later[0] == "else_branch"  # the first step takes the branch that reads no past
+        made = dict(zip(node.output, (o.name for o in later[1].output), strict=False))
+        once.update(p.output for p in pairs if p.output in made and _made_by_nothing(later[1], made[p.output], p.input))
+    return [StatePair(p.output, p.input, p.empty_axis, p.output in once) for p in pairs], flags
+
+
+def _later_branch(node: NodeProto, pasts: set[str]) -> tuple[str, GraphProto] | None:
+    """The branch of an ``If`` the later steps take (its attribute's name and graph): the one of two
+    that reads some state input, the other reading none; ``None`` otherwise."""
+    branches = {a.name: a.g for a in node.attribute if a.name in ("then_branch", "else_branch")}
+    reading = [(name, g) for name, g in branches.items() if _outer_reads(g) & pasts]
+    return reading[0] if len(branches) == 2 and len(reading) == 1 else None
+
+
+def one_if(index: GraphIndex) -> str | None:
+    """The condition of the model's one ``If`` node, when its compute is that node alone (optimum's
+    merged decoders, whose branches cannot be cut: docs/limitations.md); ``None`` otherwise."""
+    compute = index.compute_nodes()
+    return index.nodes[compute[0]].input[0] if len(compute) == 1 and index.nodes[compute[0]].op_type == "If" else None
+
+
+def uncuttable(condition: str) -> str:
+    """What a split asked to cut a model that is one ``If`` node on ``condition`` says (see :func:`one_if`)."""
+    return (f"the model is one If node on '{condition}' (as optimum's merged decoders are): cuts inside its branches are not supported; "
+            "run it as one stage (split --auto --stages 1, or a pipeline file stage without at/auto; with states \"auto\": "
+            "docs/streams.md#merged-decoders) or split decoder_model.onnx and decoder_with_past_model.onnx instead")
+
+
+def _outer_reads(graph: GraphProto) -> set[str]:
+    """The names a subgraph reads from outside it (its own nodes' and its nested subgraphs')."""
+    made = {t.name for t in graph.initializer} | {i.name for i in graph.input}
+    reads: set[str] = set()
+    for node in graph.node:
+        reads.update(n for n in node.input if n)
+        for attr in node.attribute:
+            for sub in ((attr.g,) if attr.HasField("g") else ()) + tuple(attr.graphs):
+                reads |= _outer_reads(sub)
+        made.update(node.output)
+    reads.update(o.name for o in graph.output)
+    return reads - made
+
+
+def _made_by_nothing(branch: GraphProto, name: str, past: str) -> bool:
+    """Whether ``name`` in ``branch`` is made by no computation (see Note: merged decoders): a
+    constant, or ``past`` passed through, directly or by ``Identity``."""
+    producer = {o: n for n in branch.node for o in n.output}
+    while name in producer and producer[name].op_type == "Identity":
+        name = producer[name].input[0]
+    node = producer.get(name)
+    if node is None:
+        return name == past or name in {t.name for t in branch.initializer}
+    return node.op_type == "Constant"
 
 
 def check_together(pairs: Sequence[StatePair], readers: Mapping[str, Sequence[int]], makers: Mapping[str, int | None]) -> None:

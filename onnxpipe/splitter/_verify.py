@@ -334,6 +334,8 @@ class _StreamFeeds:
     def __init__(self, spec: PipelineSpec, dims: dict[str, int]) -> None:
         self.links = spec.states
         self.inputs = spec.inputs
+        self.flags = {f.input: (f.first, tuple(d for d in spec.stage(f.stage).input(f.input).shape or () if isinstance(d, int))) for f in spec.step_flags}
+        self.kept: dict[str, np.ndarray] = {}  # the states set once, of the stream running (StateLink's Note: a state set once)
         state_specs = tuple(spec.stage(link.stage).input(link.input) for link in spec.states)
         self.specs: tuple[TensorSpec, ...] = spec.inputs + state_specs
         roles = DecoderInputs.of(self.specs)
@@ -370,9 +372,13 @@ class _StreamFeeds:
     def state(self, feeds: Mapping[str, np.ndarray], before: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The whole model's state inputs: the state outputs of the step before, or on the first
         step (``before`` empty) zeros sized as the pipeline sizes them (Note: initial values, in
-        ``runtime/_spec.py``): a symbolic dim from the pipeline input naming it, the empty axis 0."""
+        ``runtime/_spec.py``): a symbolic dim from the pipeline input naming it, the empty axis 0;
+        a state set once is the first step's output on every later step; a step flag as the
+        runtime feeds it (``StepFlag``)."""
+        flags = {name: np.full(shape, first != bool(before), np.bool_) for name, (first, shape) in self.flags.items()}
         if before:
-            return {link.input: before[link.output] for link in self.links}
+            return {**flags, **{link.input: self.kept.setdefault(link.input, before[link.output]) if link.once else before[link.output] for link in self.links}}
+        self.kept = {}
         names = frozenset(d for t in self.inputs for d in t.shape or () if isinstance(d, str))
         sizes = {d: size for d, (size, _) in bind_dims(self.inputs, feeds, names).items()}
         state = {}
@@ -380,7 +386,7 @@ class _StreamFeeds:
             assert spec.shape is not None
             shape = [0 if axis == link.empty_axis else d if isinstance(d, int) else sizes.get(str(d), 1) for axis, d in enumerate(spec.shape)]
             state[link.input] = np.zeros(shape, numpy_dtype(spec.dtype))
-        return state
+        return {**flags, **state}
 
 
 def _read_spec(folder: Path) -> PipelineSpec:

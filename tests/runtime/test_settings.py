@@ -16,7 +16,7 @@ BUILD = [f.name for f in fields(BuildSettings)]
 DEPLOY = [f.name for f in fields(DeploySettings)]
 #: Every setting, as pipeline.json has listed them since its first version.
 JSON_ORDER = ["target", "provider_options", "fallback", "intra_op_threads", "inter_op_threads", "execution_mode", "spinning", "affinity", "optimization",
-              "session_config", "replicas", "custom_ops", "host", "max_batch", "max_delay_ms", "batch_pad", "ep_package", "ep_device"]
+              "session_config", "replicas", "custom_ops", "host", "max_batch", "max_delay_ms", "batch_pad", "ep_package", "ep_device", "batch_lengths"]
 
 
 def test_a_stages_settings_are_its_build_settings_and_its_deploy_settings() -> None:
@@ -39,7 +39,7 @@ def test_pipeline_json_lists_the_settings_in_its_own_order() -> None:
     every = StageSettings(
         target="cpu", provider_options={"a": "b"}, fallback=False, intra_op_threads=2, inter_op_threads=2, execution_mode="parallel", spinning=True,
         affinity=(0, 1), optimization="basic", session_config={"session.set_denormal_as_zero": "1"}, replicas=2, custom_ops=("onnxruntime_extensions",),
-        host="gpu-node", max_batch=4, max_delay_ms=1.5, batch_pad={"mask": -1.0},
+        host="gpu-node", max_batch=4, max_delay_ms=1.5, batch_pad={"mask": -1.0}, batch_lengths="equal",
     )
     assert list(every.to_dict()) == [k for k in JSON_ORDER if k not in ("ep_package", "ep_device")]
     assert json.loads(json.dumps(every.to_dict())) == every.to_dict()

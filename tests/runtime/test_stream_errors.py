@@ -53,6 +53,7 @@ def _failure() -> StageError:
 def test_each_constructor_renders_the_runtime_words_from_its_fields() -> None:
     lost = StreamError.state_lost("stage1", [3], "the actor holding it (replica 0) died (killed)", request=7)
     bad = StreamError.step_failed(_failure(), 2, ["stage0"])
+    held = StreamError.step_failed(StageError("stage 'stage1' failed on request 7: boom", stage="stage1", request=7, held="its state 'h' is [0, 4]"), 2, [])
     said = {
         StreamError.closed(3, Closure("owner")): "stream 3 is closed (closed by its owner); open a new one with pipe.stream()",
         StreamError.closed(3, Closure("idle", 0.3)):
@@ -67,6 +68,10 @@ def test_each_constructor_renders_the_runtime_words_from_its_fields() -> None:
         lost: "stage 'stage1' lost the state of stream 3: the actor holding it (replica 0) died (killed); close the stream",
         StreamError.state_lost("stage1", [3, 4], "its actor died (x)"): "stage 'stage1' lost the state of streams 3, 4: its actor died (x); close the stream",
         StreamError.refused(3, 2, lost): f"stream 3 cannot take more steps: step 2 failed: {lost}; close it and open a new one",
+        held: "stage 'stage1' failed on request 7: boom; stage 'stage1' ran the step on the state it holds (as after step 1), and that state "
+              "does not fit it: its state 'h' is [0, 4]; every later step would fail on it too: close the stream",
+        StreamError.refused(3, 2, held): "stream 3 cannot take more steps: step 2 failed in stage 'stage1' on the state it holds (its state 'h' is [0, 4]); "
+                                         "close it and open a new one",
         StreamError.too_many(2, [0, 1]): "max_streams=2 streams are open already (ids 0, 1); close one first, or load the pipeline with a larger max_streams",
         StateDimError(stream=3, step=1, name="x", dim="batch", size=2, bound=1):
             "stream 3, step 1: input 'x' has batch=2, but the stream's state was made with batch=1 on its first step; open a new stream for another batch",
@@ -79,6 +84,7 @@ def test_each_constructor_renders_the_runtime_words_from_its_fields() -> None:
         assert str(getattr(again, "cause", None)) == str(getattr(error, "cause", None))
     assert (lost.remedy, lost.state_valid, lost.stage, lost.request, lost.streams) == (Remedy.CLOSE, False, "stage1", 7, (3,))
     assert (bad.remedy, bad.state_valid, bad.step, bad.took, bad.stage, bad.request) == (Remedy.CLOSE, False, 2, ("stage0",), "stage1", 7)
+    assert (held.remedy, held.state_valid, held.detail) == (Remedy.CLOSE, False, "its state 'h' is [0, 4]")
     assert str(StreamError("the pipeline is closed")) == "the pipeline is closed" and StreamError("x").remedy is None
 
 

@@ -209,7 +209,7 @@ def test_an_auto_stage_takes_the_dims_its_profile_needs(tmp_path: Path) -> None:
 
 def test_an_unknown_stage_key_lists_every_valid_one(tmp_path: Path) -> None:
     path = write(tmp_path, HEAD.replace('settings = { intra_op_threads = 1 }', 'settings = { intra_op_threads = 1 }\nsizes = { H = 3 }'))
-    every = r"'at', 'auto', 'code', 'dims', 'input_map', 'inputs', 'model', 'name', 'output_map', 'outputs', 'params', 'policy', 'settings', 'states'"
+    every = r"'at', 'auto', 'code', 'dims', 'input_map', 'inputs', 'model', 'name', 'output_map', 'outputs', 'params', 'policy', 'runs', 'settings', 'states'"
     with pytest.raises(ConfigError, match=rf"unknown key 'sizes'; closest: 'states'; valid: {every}$"):
         read_pipeline_file(path)
 

@@ -190,7 +190,9 @@ class _StageActor:
         if self._runner is None:
             return None, self._failed(request, self._error or "the stage has no session")
         merged, layout = aligned(produced)  # type: ignore[arg-type]
-        req = Request(request, {key: merged[(key.stage, key.tensor)] for _, key in self._runner.plan.sources}, {self._stage: params} if params else {}, 0.0)
+        # A later step has no value from a first-step stage it passed: the runner feeds what it kept instead (_stage, Note: kept inputs).
+        req = Request(request, {key: merged[(key.stage, key.tensor)] for _, key in self._runner.plan.sources if (key.stage, key.tensor) in merged},
+                      {self._stage: params} if params else {}, 0.0)
         if layout is not None:
             req.batch = layout
         elif stream is not None:
@@ -209,7 +211,7 @@ class _StageActor:
         """Whether a step after a stream's first needs state this actor does not hold: it was
         restarted (Ray's ``max_restarts``) after the stream began here."""
         runner = self._runner
-        return self._restarted and step > 0 and runner is not None and bool(runner.plan.states) and stream not in runner.streams()
+        return self._restarted and step > 0 and runner is not None and runner.plan.keeps_state and stream not in runner.streams()
 
     def _drop_lost(self, request: Request, lost: Mapping[int, str]) -> tuple[Failure, ...]:
         """Members of a batch whose state is gone (the driver says so, or this actor restarted

@@ -18,7 +18,7 @@ from onnxpipe.runtime._ray._actor import Values, aligned, entry, inputs_of
 from onnxpipe.runtime._ray._options import brief
 from onnxpipe.runtime._ray._supervisor import Supervisor
 from onnxpipe.runtime._spec import Endpoint
-from onnxpipe.runtime._stage import CLOSE, Call, Request, StagePlan, claimed, pinned_replica, stage_failed
+from onnxpipe.runtime._stage import CLOSE, Call, Request, StagePlan, claimed, passes, pinned_replica, stage_failed
 from onnxpipe.runtime._stats import StageRecorder
 
 __all__ = ["Dispatch", "kept_outputs"]
@@ -157,6 +157,10 @@ class Dispatch:
                 name = self._plans[i].stage.name
                 self._fail(flight, StageError(f"stage '{name}' cannot run request {request.id}: {supervisor.lost[i]}", stage=name, request=request.id))
                 return
+            if passes(self._plans[i], request):  # a later step at a first-step stage: no call (PipelineSpec, Note: first-step stages)
+                flight.finished.add(i)
+                flight.cursor += 1
+                continue
             r = self._replica(i, request)
             if request.step == CLOSE and not supervisor.holds(i, r, request.stream):
                 flight.finished.add(i)  # nothing to free there: a stage without state, or a replica that died since
@@ -214,7 +218,9 @@ class Dispatch:
             sources: list[tuple[Any, ...]] = []
             if request.step != CLOSE:
                 for producer in self._producers[i]:
-                    held = flight.bag[producer]
+                    held = flight.bag.get(producer)
+                    if held is None:
+                        continue  # a first-step stage a later step passed: what the stage kept stands for it
                     sources.append(("v", held) if isinstance(held, dict) else ("o", position(held[0]), held[1]))
             params = self._params_ref(request, plan)
             stream = None if request.stream is None else (request.stream, request.step, dict(request.dims), request.length)
@@ -321,7 +327,7 @@ class Dispatch:
         lost = next((e for e in (error, getattr(error, "cause", None)) if isinstance(e, self._exc.ObjectLostError)), None)
         first = self._lost_stage(flight, lost) if lost is not None else min(set(range(len(self._plans))) - flight.finished)
         steps = flight.request.stream is not None or flight.request.batch is not None
-        if steps and any(self._plans[k].states for k in range(first, len(self._plans)) if k in flight.finished or k == i):
+        if steps and any(self._plans[k].keeps_state for k in range(first, len(self._plans)) if k in flight.finished or k == i):
             self._fail_applied(flight, i, r, error)
             return
         self._dispatch(flight, first)

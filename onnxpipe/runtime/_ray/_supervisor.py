@@ -136,7 +136,7 @@ class Supervisor:
     def state_lost(self, i: int, r: int, request: Request) -> StreamError | None:
         """For a stream's step in a stage with state: the error to fail it with when the replica
         holding the stream's state died since the stream began there (its state died with it)."""
-        if request.stream is None or not self._plans[i].states:
+        if request.stream is None or not self._plans[i].keeps_state:
             return None
         why = self._lost_why(i, r, request.stream, request.step)
         return None if why is None else StreamError.state_lost(self._plans[i].stage.name, (request.stream,), why, request=request.id)
@@ -144,7 +144,7 @@ class Supervisor:
     def members_lost(self, i: int, r: int, request: Request) -> dict[int, str]:
         """For a batch of steps in a stage with state: the members whose state died, by request id (see :meth:`state_lost`)."""
         batch = request.batch
-        if batch is None or not self._plans[i].states:
+        if batch is None or not self._plans[i].keeps_state:
             return {}
         lost = {}
         for rid, stream, step in zip(batch.ids, batch.streams, batch.steps, strict=True):
@@ -167,4 +167,4 @@ class Supervisor:
         incarnation that began it, still ok); the stream is forgotten here either way."""
         rep = self.replicas[i][r]
         began = self._incarnations.pop((i, stream), None) if stream is not None else None
-        return bool(self._plans[i].states) and began == rep.incarnation and rep.state == "ok"
+        return self._plans[i].keeps_state and began == rep.incarnation and rep.state == "ok"
