@@ -23,7 +23,7 @@ CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 FAMILIES = ("t5", "whisper")
 
 
-def _pipeline_file(tmp_path: Path, family: str) -> Path:
+def merged_pipeline_file(tmp_path: Path, family: str) -> Path:
     """A pipeline file holding the merged decoder as one stage with ``states = "auto"``."""
     shutil.copy(CORPUS / family / "decoder_model_merged.onnx", tmp_path / "decoder.onnx")
     inputs = '["input_ids", "encoder_hidden_states"' + (', "encoder_attention_mask"]' if family == "t5" else "]")
@@ -35,7 +35,7 @@ def _pipeline_file(tmp_path: Path, family: str) -> Path:
     return tmp_path / "pipeline.toml"
 
 
-def _encoded(family: str, request: dict[str, Any]) -> dict[str, np.ndarray]:
+def encoded(family: str, request: dict[str, Any]) -> dict[str, np.ndarray]:
     """What every step of one request feeds besides the token: the encoder's output (plain
     onnxruntime) and, for T5, its mask."""
     encoder = ort.InferenceSession(str(CORPUS / family / "encoder_model.onnx"), providers=["CPUExecutionProvider"])
@@ -50,7 +50,7 @@ def _encoded(family: str, request: dict[str, Any]) -> dict[str, np.ndarray]:
 def merged(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, dict[str, Any]]:
     family = request.param
     folder = tmp_path_factory.mktemp(family)
-    config = read_pipeline_file(_pipeline_file(folder, family))
+    config = read_pipeline_file(merged_pipeline_file(folder, family))
     bundle = export(build(config, folder / "built").path, folder / "decoder.onnxpipe")
     return family, bundle, json.loads((CORPUS / family / "expected.json").read_text())
 
@@ -69,7 +69,7 @@ def test_sixteen_greedy_tokens_equal_transformers(merged: tuple[str, Path, dict[
     family, bundle, expected = merged
     with runtime.load(bundle) as pipe:
         for case in expected["requests"]:
-            fixed = _encoded(family, case["inputs"])
+            fixed = encoded(family, case["inputs"])
             token, tokens = expected["decoder_start_token_id"], []
             with pipe.stream() as stream:
                 for _ in range(expected["new_tokens"]):
@@ -85,7 +85,7 @@ def test_the_build_refuses_to_batch_streams_for_what_is_true(tmp_path: Path, fam
     """Neither export has a mask over the decoder's own past, so streams of different lengths cannot
     batch: refused for that, not for ``use_cache_branch`` (fed once per call by the runtime) nor
     for the encoder's KV (set once, it never grows)."""
-    config = read_pipeline_file(_pipeline_file(tmp_path, family))
+    config = read_pipeline_file(merged_pipeline_file(tmp_path, family))
     config.stage("decoder").configure(max_batch=4)
     with pytest.raises(BuildError, match=r"stage 'decoder' keeps state that grows with each step \('past_key_values.0.decoder.key' along axis 2\), "
                        r"and the pipeline has no attention mask input"):
@@ -113,7 +113,7 @@ def test_a_hand_wired_merged_decoder_and_its_spec_round_trip(tmp_path: Path) -> 
 
 
 def test_step_flags_and_once_links_are_checked_and_old_specs_read_as_before(tmp_path: Path) -> None:
-    spec = read_pipeline_file(_pipeline_file(tmp_path, "whisper")).to_spec()
+    spec = read_pipeline_file(merged_pipeline_file(tmp_path, "whisper")).to_spec()
     data = json.loads(spec.to_json())
     old = {**data, "states": [{k: v for k, v in s.items() if k != "once"} for s in data["states"]]}
     del old["step_flags"]  # what a bundle made before either existed holds
@@ -198,7 +198,7 @@ def test_a_step_that_fails_on_the_stages_own_state_says_so_and_the_stream_stops(
     config.add_step_flag(stage.input("use_cache_branch"))
     bundle = export(build(config, tmp_path / "built").path, tmp_path / "decoder.onnxpipe")
     expected = json.loads((CORPUS / "t5" / "expected.json").read_text())
-    fixed = _encoded("t5", expected["requests"][0]["inputs"])
+    fixed = encoded("t5", expected["requests"][0]["inputs"])
     with runtime.load(bundle) as pipe, pipe.stream() as stream:
         feeds = {"input_ids": np.array([[0]], np.int64), **fixed}
         stream.step(feeds)
