@@ -334,3 +334,33 @@ def test_the_encoder_and_the_decoder_on_two_ray_nodes_generate_whispers_tokens(t
         np.testing.assert_allclose(logits, np.array(case["last_logits"], np.float32), atol=1e-4)
     assert hosts == ["a", "b"]
     assert counts == {"encoder": 2, "decoder": 2 * exp["new_tokens"]}
+
+
+def test_t5_requests_padded_to_one_length_batch_in_the_encoder_and_the_decoder(corpus_bundles: dict[tuple[str, int], Path]) -> None:
+    """T5's 4 requests (5 to 8 tokens) right-padded to 8 with a mask of 0s over the padding, as a
+    batch of T5 requests is given: one encoder call for the 4 first steps, the decoder's steps in
+    batches of 4, each stream's tokens those of its request alone (the padding masked in the
+    encoder and in the decoder's cross-attention)."""
+    exp = expected("t5")
+    width = max(len(case["inputs"]["input_ids"][0]) for case in exp["requests"])
+    with load(corpus_bundles["t5", 4], micro_batches=1) as pipe:
+        streams = [pipe.stream() for _ in exp["requests"]]
+        tokens: list[list[int]] = [[] for _ in streams]
+        logits: list[np.ndarray] = [np.zeros(0)] * len(streams)
+        for step in range(exp["new_tokens"]):
+            feeds = {}
+            for j, (s, case) in enumerate(zip(streams, exp["requests"], strict=True)):
+                feeds[s] = token_feed("t5", tokens[j][-1] if step else exp["decoder_start_token_id"])
+                if step == 0:
+                    ids = case["inputs"]["input_ids"][0]
+                    pad = width - len(ids)
+                    feeds[s] |= {"input_ids": np.array([ids + [0] * pad], np.int64), "attention_mask": np.array([[1] * len(ids) + [0] * pad], np.int64)}
+            for j, future in enumerate(pipe.submit_steps(feeds).values()):
+                logits[j] = future.result()["logits"][0, -1]
+                tokens[j].append(int(np.argmax(logits[j])))
+        for s in streams:
+            s.close()
+        stats = {st.stage: st for st in pipe.stats().stages}
+    check_generated("t5", list(zip(tokens, logits, strict=True)))
+    assert stats["encoder"].batch_sizes == {4: 1}
+    assert stats["decoder"].batch_sizes == {4: exp["new_tokens"]}
