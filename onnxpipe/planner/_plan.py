@@ -37,6 +37,8 @@ from onnxpipe.planner._rules import _over_memory, choose_loads, choose_plan
 from onnxpipe.planner._targets import _check_targets, _target_candidates
 from onnxpipe.runtime import StageSettings, random_inputs
 from onnxpipe.splitter import CostProfile, MeasuredPolicy, SplitPlan, load_model, profile_model, split
+from onnxpipe.splitter._extract import infer_types
+from onnxpipe.splitter._sizes import sample_dims
 from onnxpipe.splitter._values import graph_values
 
 __all__ = ["plan_pipeline"]
@@ -102,8 +104,8 @@ def plan_pipeline(
     loads = _check_loads(concurrency, p99_ms)
     planned_targets = _check_targets(targets)
     _check_memory(memory)
-    dims = dict(dims or {})
     proto, _ = load_model(model)
+    dims = sample_dims(proto, dims, infer_types(proto)[0])  # sizes the graph fixes are no dims to ask for (Note: dims the graph fixes, splitter/_sizes.py)
     specs = io_specs(proto)[0]
     notes = _planning_dims(specs, dims, Path(model).name)
     # every dim is given or batch-like (noted); refuses unknown dim names now, not after profiling

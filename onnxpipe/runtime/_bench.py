@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from onnxpipe._errors import ConfigError, InputError, StageError
+from onnxpipe._errors import ConfigError, InputError, StageError, StreamError
 from onnxpipe.runtime._engine import engine_class
 from onnxpipe.runtime._inputs import check_inputs, defaulted_dims, dims_hint, random_inputs
 from onnxpipe.runtime._pipeline import Pipeline
@@ -173,7 +173,12 @@ def benchmark(
     Raises:
         ConfigError: the OS refused ``caller_cores``.
         InputError: a stage fails on random inputs with dims no one gave (sized 1): names them.
+        StreamError: the pipeline keeps state between steps: it runs streams, not the requests timed here.
     """
+    states = pipe.spec.states
+    if states:  # refused before any input is made, so no dims hint blames the sizes
+        raise StreamError(f"bench times single requests, but this pipeline keeps state between steps ({len(states)} state link(s), e.g. {states[0]}): "
+                          "time its streams in Python, `with pipe.stream() as s: s.step(inputs)` (docs/streams.md)")
     notes: list[str] = []
     hint = ""
     if inputs is None:

@@ -46,6 +46,7 @@ from onnxpipe.runtime._dims import dim_names
 from onnxpipe.runtime.bundle import sha256_file
 from onnxpipe.splitter._extract import infer_types
 from onnxpipe.splitter._graph import GraphIndex, load_model
+from onnxpipe.splitter._sizes import kernel_floors, sample_dims
 from onnxpipe.splitter._values import graph_values
 
 __all__ = ["CostProfile", "median_run_seconds", "profile_model"]
@@ -196,6 +197,7 @@ def _session_source(proto: ModelProto, path: Path | None, tmp: Path) -> str | by
 def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: StageSettings, runs: int, dims: Mapping[str, int], digest: str) -> CostProfile:
     types, _ = infer_types(proto)
     specs = [tensor_spec(types[name]) for name in index.inputs]
+    dims = sample_dims(proto, dims, types)  # Note: dims the graph fixes (_sizes)
     feeds, notes = random_inputs(specs, dims, values=graph_values(proto))
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         source = _session_source(proto, path, Path(tmp))
@@ -204,7 +206,7 @@ def _measure(proto: ModelProto, path: Path | None, index: GraphIndex, settings: 
             for _ in range(2):
                 plain.run(None, feeds)
         except Exception as e:  # onnxruntime's own types: a model that cannot run on these sizes
-            raise SplitError(_unprofiled(proto, specs, feeds, dims, e)) from e
+            raise SplitError(_unprofiled(proto, specs, feeds, dims, e, kernel_floors(proto, types))) from e
         # Small models run many more times than asked: a median of 5 runs of 2 ms is noise.
         total, runs = median_run_seconds(functools.partial(plain.run, None, feeds), runs, _MIN_SECONDS, _MAX_RUNS)
         opts = settings.replace(affinity=None).session_options()
@@ -238,8 +240,10 @@ def _quiet(options: ort.SessionOptions) -> ort.SessionOptions:
     return options
 
 
-def _unprofiled(proto: ModelProto, specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray], dims: Mapping[str, int], error: Exception) -> str:
-    """Why profiling could not run the model: the shapes it fed, the dims it sized 1, and how to size them."""
+def _unprofiled(proto: ModelProto, specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray], dims: Mapping[str, int], error: Exception,
+                floors: Mapping[str, tuple[int, str]]) -> str:
+    """Why profiling could not run the model: the shapes it fed, the dims it sized 1 (and why 1 fails,
+    where a Conv's kernel says: ``floors``, Note: a convolution's least input), and how to size them."""
     leading: dict[str, bool] = {}  # each dim not given -> whether it leads (a batch of 1 is seldom what fails, so it is named last)
     for spec in specs:
         for axis, d in enumerate(spec.shape or ()):
@@ -256,8 +260,18 @@ def _unprofiled(proto: ModelProto, specs: Sequence[TensorSpec], feeds: Mapping[s
     if not defaulted:
         return head
     given = " ".join(f"--dim {k}=SIZE" for k in defaulted)
-    return (f"{head}. Symbolic dims not given were sized 1 ({', '.join(defaulted)}), which this model may not take (a convolutional "
-            f"model needs real image sizes); give them: {given} (in Python: dims={{NAME: SIZE}})")
+    why = _too_short(defaulted, floors) or "a convolutional model needs real image sizes"
+    return (f"{head}. Symbolic dims not given were sized 1 ({', '.join(defaulted)}), which this model may not take ({why}); "
+            f"give them: {given} (in Python: dims={{NAME: SIZE}})")
+
+
+def _too_short(defaulted: Sequence[str], floors: Mapping[str, tuple[int, str]]) -> str:
+    """Which of the dims sized 1 a Conv needs longer (Note: a convolution's least input, ``_sizes``), by Conv."""
+    short: dict[tuple[int, str], list[str]] = {}  # (least size, Conv) -> the dims it slides along
+    for k in defaulted:
+        if k in floors:
+            short.setdefault(floors[k], []).append(k)
+    return "; ".join(f"{', '.join(ks)}: 1 is shorter than the kernel of Conv '{conv}', which needs at least {least}" for (least, conv), ks in short.items())
 
 
 def _attribute(events: list[dict[str, Any]], index: GraphIndex, runs: int) -> tuple[dict[int, float], set[str]]:

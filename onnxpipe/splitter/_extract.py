@@ -131,6 +131,7 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
 
     from onnxpipe.builder import tensor_spec
     from onnxpipe.runtime import random_inputs
+    from onnxpipe.splitter._sizes import sample_dims
     from onnxpipe.splitter._values import graph_values
 
     what = ", ".join(repr(n) for n in names)
@@ -145,7 +146,7 @@ def observe_ranks(index: GraphIndex, types: dict[str, ValueInfoProto], names: li
     for name in (n for n in names if n not in outputs):
         probe.graph.output.append(onnx.helper.make_tensor_value_info(name, types[name].type.tensor_type.elem_type, None))
     specs = [tensor_spec(types[name]) for name in index.inputs]
-    feeds, _ = random_inputs(specs, dims, values=graph_values(index.model))  # an unknown dim name: InputError, now
+    feeds, _ = random_inputs(specs, sample_dims(index.model, dims, types), values=graph_values(index.model))  # an unknown dim name: InputError, now
     try:
         if any(t.data_location == onnx.TensorProto.EXTERNAL for t in probe.graph.initializer):
             if source_dir is None:
@@ -282,9 +283,22 @@ def compute_boundary(index: GraphIndex, stage_of: dict[int, int], shape_source: 
         else:
             raise SplitError(f"model output '{name}' is not computed by any node")
     for s in range(n):
+        if not outs[s]:
+            raise _nothing_handed_on(index, stage_of, b, s)
         b.inputs[s] = sorted(ins[s], key=lambda t: _tensor_key(index, t))
         b.outputs[s] = sorted(outs[s], key=lambda t: _tensor_key(index, t))
     return b
+
+
+def _nothing_handed_on(index: GraphIndex, stage_of: dict[int, int], b: Boundary, s: int) -> SplitError:
+    """Why stage ``s`` would have no outputs: every node of it contributes only to shape values that
+    later stages compute again (Note: shape values are recomputed), and onnxruntime runs no model that outputs nothing."""
+    again = [(t, later) for later in range(s + 1, len(b.recomputed)) for t in b.recomputed[later]
+             if (p := index.producer.get(t)) is not None and stage_of.get(p) == s]
+    shown = ", ".join(f"'{t}'" for t, _ in again[:3]) + (f" +{len(again) - 3} more" if len(again) > 3 else "")
+    later = ", ".join(str(k) for k in sorted({k for _, k in again}))
+    return SplitError(f"stage {s} would output nothing: its {len(b.members[s])} node(s) compute only shape values ({shown}), which stage(s) {later} "
+                      "compute again from the shapes they read; cut after a node that computes data (an activation), not a shape")
 
 
 def _same(node: int, root: str, stage: int, reads: Mapping[str, int | None]) -> str:

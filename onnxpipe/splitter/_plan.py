@@ -20,12 +20,14 @@ from onnxpipe.builder import PipelineConfig, tensor_nbytes, tensor_spec, weights
 from onnxpipe.builder._batching import INPUT_DIMS_KEY, format_dims
 from onnxpipe.builder._modules import PROTOBUF_LIMIT, move_into_place
 from onnxpipe.runtime import ModelMetadata, PipelineSpec, TensorSpec
+from onnxpipe.runtime._dims import input_dims
 from onnxpipe.runtime._values import INPUT_VALUES_KEY, format_values
 from onnxpipe.splitter._batchcuts import UnbatchedCuts
 from onnxpipe.splitter._cuts import assign_by_cuts, assign_explicit
 from onnxpipe.splitter._extract import build_stage_models, compute_boundary, infer_types, observe_ranks, unranked
 from onnxpipe.splitter._graph import GraphIndex, load_model
 from onnxpipe.splitter._remeasure import REMEASURE_BELOW, remeasure
+from onnxpipe.splitter._sizes import graph_dims
 from onnxpipe.splitter._states import StatePair, StateShapes, check_together, fixed_state_dims, genai_head_dims, one_if, pair_states, step_branches, uncuttable
 from onnxpipe.splitter._values import graph_values
 
@@ -306,13 +308,15 @@ def split(
     config = PipelineConfig(proto.graph.name or "pipeline")
     config.metadata["source"] = Path(model).name if not isinstance(model, ModelProto) else proto.graph.name
     config.metadata.update(_model_metadata(proto).to_metadata())
-    if sized:  # the sizes the plan was made for: the build's batching probe runs at them (_batching, Note: the batching probe)
-        config.metadata[INPUT_DIMS_KEY] = format_dims(sized)
     stages = []
     for i, m in enumerate(models):
         config.add_stage(m, f"stage{i}", source_dir=folder)
     named, invented = _declared_dim_names(proto), _invented_dim_names(proto)
     inputs = {name: _without_invented_dims(tensor_spec(types[name]), named, invented) for name in index.inputs if name not in state_inputs}
+    pipeline_dims = input_dims(inputs.values())
+    sized = {**{k: v for k, v in graph_dims(proto, types).items() if k in pipeline_dims}, **sized}  # Note: dims the graph fixes (_sizes)
+    if sized:  # the sizes the plan was made for: the build's batching probe runs at them (_batching, Note: the batching probe)
+        config.metadata[INPUT_DIMS_KEY] = format_dims(sized)
     for spec in inputs.values():  # the pipeline feeds states itself
         config.add_input(spec)
     values = graph_values(proto, inputs)

@@ -31,6 +31,7 @@ from onnxpipe._errors import SplitError
 from onnxpipe.runtime import Endpoint, SequentialPipeline, StageSettings, interleaved_rounds, random_inputs
 from onnxpipe.splitter._cost import median_run_seconds
 from onnxpipe.splitter._graph import GraphIndex
+from onnxpipe.splitter._sizes import sample_dims
 from onnxpipe.splitter._values import graph_values
 
 __all__ = ["REMEASURE_BELOW", "remeasure", "stage_seconds"]
@@ -101,7 +102,7 @@ def remeasure(assignment: dict[int, int], index: GraphIndex, model: str | ModelP
             if moved is not None and (allowed is None or allowed(moved)):
                 candidates[f"cut {boundary + 1} moved {delta:+d}"] = moved
     types, _ = infer_types(index.model)
-    feeds, _ = random_inputs([tensor_spec(types[n]) for n in index.inputs], dims, values=graph_values(index.model))
+    feeds, _ = random_inputs([tensor_spec(types[n]) for n in index.inputs], sample_dims(index.model, dims, types), values=graph_values(index.model))
     plans = {}
     for label, candidate in candidates.items():
         try:

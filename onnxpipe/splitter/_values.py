@@ -25,7 +25,7 @@ from onnxpipe.builder import tensor_spec
 from onnxpipe.runtime import TensorSpec
 from onnxpipe.runtime._values import InputValues, named_values
 
-__all__ = ["graph_values", "table_bounds"]
+__all__ = ["constant_shapes", "graph_values", "table_bounds"]
 
 #: Ops whose output at index 0 holds the values of their input 0 (some of them, or repeated).
 _KEEPS_VALUES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Expand", "Transpose", "Slice", "Tile", "Concat"})
@@ -59,7 +59,7 @@ def graph_values(proto: ModelProto, inputs: Mapping[str, TensorSpec] | None = No
 def table_bounds(proto: ModelProto) -> dict[str, InputValues]:
     """The range of each integer graph input that indexes a constant table (Note: table bounds)."""
     graph = proto.graph
-    tables = _tables(graph)
+    tables = constant_shapes(graph)
     scalars = _scalars(graph)
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
     for node in graph.node:
@@ -127,7 +127,7 @@ def _follow(node: onnx.NodeProto, k: int, scalars: Mapping[str, int]) -> int | N
     return None
 
 
-def _tables(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
+def constant_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
     """The shapes of the graph's constant tensors (initializers, ``Constant`` outputs) and their other forms (``_TABLE_FORMS``)."""
     shapes = {t.name: tuple(t.dims) for t in graph.initializer}
     for node in graph.node:
