@@ -161,9 +161,8 @@ def test_the_planner_plans_it(corpus: Split) -> None:
     assert "past_sequence_length + sequence_length" not in result.output  # a formula dim is computed, never asked for by its text
 
 
+@pytest.mark.parametrize("corpus", ["bert"], indirect=True)
 def test_bert_inputs_take_the_values_their_graph_allows(corpus: Split, tmp_path: Path) -> None:
-    if corpus.name != "bert":
-        pytest.skip("BERT's token types")
     values = json.loads(json.loads((corpus.out / "pipeline.json").read_text())["metadata"][INPUT_VALUES_KEY])
     assert values == {"attention_mask": "mask", "token_type_ids": [0, 2], "input_ids": [0, 128]}  # token types within a table of 2 rows
     ids = np.array([[101, 7, 99, 102]], np.int64)
@@ -178,15 +177,13 @@ def test_bert_inputs_take_the_values_their_graph_allows(corpus: Split, tmp_path:
     assert batched.count("batched and alone agree") == 2 and "not probed" not in batched, batched
 
 
+@pytest.mark.parametrize("corpus", ["bert"], indirect=True)
 def test_a_dim_given_to_bench_goes_over_the_reference(exported: Exported) -> None:
-    if exported.split.name != "bert":
-        pytest.skip("one model shows it")
     assert "throughput:" in ok("bench", exported.bundle, "--requests", 5, "--standalone-runs", 0, "--dim", "sequence_length=9").stdout
 
 
+@pytest.mark.parametrize("corpus", ["vit", "wav2vec2"], indirect=True)  # the symbolic image and audio dims
 def test_a_bundle_without_reference_benches_at_the_sizes_it_was_split_for(corpus: Split) -> None:
-    if corpus.name not in ("vit", "wav2vec2"):
-        pytest.skip("the symbolic image and audio dims")
     dims = json.loads((corpus.out / "pipeline.json").read_text())["metadata"][INPUT_DIMS_KEY]
     assert dims == ("num_channels=3,height=32,width=32" if corpus.name == "vit" else "sequence_length=400")  # the graph's size, then the given ones
     folder = corpus.out.parent
