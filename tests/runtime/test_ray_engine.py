@@ -596,3 +596,40 @@ def test_thread_caps_are_checked_on_the_node_that_runs_the_stage(tmp_path: Path,
             assert pipe({"x": np.ones((1, 4), np.float32)})["y"].shape == (1, 4)
     finally:
         ray_cluster.remove_node(node)
+
+
+def test_streams_on_ray_batch_continuously(tmp_path: Path, ray_pids: set[int]) -> None:
+    """Continuous batching on Ray (``scheduling``, Note: continuous batching: the data plane tells
+    the scheduler when the first stage's actor call returns). Two streams in one group, max_delay_ms
+    200: b steps once and goes quiet without closing; a's next step waits for b once (one batch
+    left delayed), then steps alone without waiting again (under the old rule every one of a's
+    steps waited the 200 ms: 4 delayed). Then 4 threads, each stepping a stream of its own with
+    max_delay_ms a minute: every batch a whole group, none waited for the minute. Tokens equal the
+    whole model alone."""
+    from tests.stateful_models import decode_in_threads, decoder_feeds, gpt_decoder, whole_generate
+
+    model = gpt_decoder()
+    for delay_ms in (200, 60_000):
+        plan = split(model, ["layer1.out"], states="auto")
+        for stage in plan.config.stages:
+            stage.configure(max_batch=8, max_delay_ms=delay_ms)
+        bundle = _bundle(plan, tmp_path / str(delay_ms), ["a", "b"])
+        with load(bundle, engine="ray", micro_batches=1) as pipe:
+            ray_pids.update(_actor_pids(pipe))
+            if delay_ms == 200:
+                a, b = pipe.stream(), pipe.stream()
+                futures = pipe.submit_steps({a: decoder_feeds([1, 2], 0), b: decoder_feeds([4], 0)})  # prompts of 2 and 1: two batches of 1
+                futures[b].result(timeout=60)
+                tokens = [1, 2, int(np.argmax(futures[a].result(timeout=60)["logits"][0, -1]))]
+                for _ in range(4):
+                    out = a.submit(decoder_feeds(tokens, len(tokens) - 1)).result(timeout=60)
+                    tokens.append(int(np.argmax(out["logits"][0, -1])))
+                assert pipe.streams.delayed == 1
+                assert [s.batch_sizes for s in pipe.stats().stages] == [{1: 6}] * 2
+                assert tokens[2:] == whole_generate(model, [1, 2], 5)[0]
+            else:
+                prompts = [[3 + k, 5, 7] for k in range(4)]  # equal lengths: the prompts batch too
+                results = decode_in_threads(pipe, prompts, [6] * 4, 0.0, opened=True)
+                assert [s.batch_sizes for s in pipe.stats().stages] == [{4: 6}] * 2 and pipe.streams.delayed == 0
+                for k, p in enumerate(prompts):
+                    assert results[k][0] == whole_generate(model, p, 6)[0], f"stream {k}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ class _Flight:
     attempt: int = 0
     cursor: int = 0  # the next stage to submit (stages are submitted in pipeline order)
     done: bool = False
+    left_entry: bool = False  # the first stage is done with it, and the entry hook was told
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Dispatch:
         self.high_water = [0] * len(self._plans)
         self._wall_to_perf = time.time() - time.perf_counter()
         self.closing = False
+        #: Told once per request when the first stage is done with it (``Engine.watch_entry``), or None.
+        self.entry_hook: Callable[[Request], None] | None = None
 
     # -- requests in ----------------------------------------------------------------------------
 
@@ -160,6 +163,8 @@ class Dispatch:
             if passes(self._plans[i], request):  # a later step at a first-step stage: no call (PipelineSpec, Note: first-step stages)
                 flight.finished.add(i)
                 flight.cursor += 1
+                if i == 0:
+                    self._left_entry(flight)
                 continue
             r = self._replica(i, request)
             if request.step == CLOSE and not supervisor.holds(i, r, request.stream):
@@ -267,6 +272,8 @@ class Dispatch:
         for j, (flight, attempt) in enumerate(members):
             if flight.done or attempt != flight.attempt:
                 continue  # an earlier attempt of a request that was re-run
+            if i == 0:
+                self._left_entry(flight)
             if error is None:
                 flight.request.held.extend(held[j])
                 flight.finished.add(i)
@@ -387,7 +394,16 @@ class Dispatch:
         flight.request.error = flight.request.error or error
         self._complete(flight)
 
+    def _left_entry(self, flight: _Flight) -> None:
+        """The first stage is done with the request (ran it, failed it, passed it or never will):
+        the entry hook is told, once (Note: continuous batching, ``scheduling``; under the engine's
+        lock, which the hook never waits on: it takes the scheduler's own lock alone)."""
+        if not flight.left_entry and self.entry_hook is not None:
+            flight.left_entry = True
+            self.entry_hook(flight.request)
+
     def _complete(self, flight: _Flight) -> None:
+        self._left_entry(flight)  # one that ended before its first stage was done with it (lost, withdrawn, failed)
         flight.done = True
         flight.bag.clear()
         with self._room:

@@ -194,9 +194,12 @@ class RayEngine:
         self._dispatch.submit(request, block)
 
     def watch_entry(self, callback: Callable[[Request], None]) -> bool:
-        """Not told: the first stage's calls return to the collector thread under the engine's lock,
-        and the step scheduler keeps its conservative rule (``scheduling``, Note: continuous batching)."""
-        return False
+        """Have the data plane call ``callback(request)`` once per request when the first stage is
+        done with it (see ``Engine.watch_entry``): on the collector thread when the first stage's
+        actor call returns, under the engine's lock, which the scheduler's hook never waits on;
+        told: ``True``."""
+        self._dispatch.entry_hook = callback
+        return True
 
     def close(self) -> list[Request]:
         """Remove the actors' files, kill the actors, return the requests that did not finish."""

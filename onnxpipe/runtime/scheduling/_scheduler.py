@@ -42,8 +42,8 @@ Note: groups, micro-batches and when a batch leaves.
 
 Note: continuous batching.
     Where the engine tells the scheduler when its first stage is done with a request (``told``:
-    the thread engine, through ``Engine.watch_entry`` and the stream registry), a group's next
-    batch leaves when the pipeline can take it, as a virtual engine of vLLM's pipeline-parallel
+    the thread engine and the Ray engine, through ``Engine.watch_entry`` and the stream
+    registry), a group's next batch leaves when the pipeline can take it, as a virtual engine of vLLM's pipeline-parallel
     scheduler schedules its next batch when its previous one has come back, not when a timer
     says. The scheduler counts the requests of steps it sent that the first stage has not
     finished (:meth:`entered`, :meth:`left_entry`):
@@ -67,9 +67,9 @@ Note: continuous batching.
       is free.
 
     ``expired`` counts the batches that left because ``delay`` passed (``StreamsView.delayed``).
-    Where the engine cannot tell (the Ray engine: its stages' calls return to a collector thread
-    under the engine's lock, and no hook is wired there yet), the scheduler keeps the conservative
-    rule: a group waits for every member (full), at most ``delay``.
+    Where the engine cannot tell (``watch_entry`` returns ``False``: an engine of a third party),
+    the scheduler keeps the conservative rule: a group waits for every member (full), at most
+    ``delay``.
 
 Note: locks.
     ``_lock`` guards the groups and is never held while waiting on anything. A group's ``order``
