@@ -304,34 +304,36 @@ def decode_in_threads(pipe: Any, prompts: list[list[int]], counts: list[int], ap
     Raises:
         AssertionError: a thread failed (with its errors).
     """
-    import threading
     import time
 
-    results: dict[int, tuple[list[int], list[np.ndarray]]] = {}
-    errors: list[BaseException] = []
+    from tests.waiting import in_threads
 
     ready = [pipe.stream() for _ in prompts] if opened else None
 
-    def run(k: int) -> None:
+    def run(k: int) -> tuple[list[int], list[np.ndarray]]:
         time.sleep(apart * k)
-        try:
-            if ready is not None:
-                results[k] = generate(ready[k].step, prompts[k], counts[k])
-                return
-            with pipe.stream() as s:
-                results[k] = generate(s.step, prompts[k], counts[k])
-        except BaseException as e:
-            errors.append(e)
+        if ready is not None:
+            return generate(ready[k].step, prompts[k], counts[k])
+        with pipe.stream() as s:
+            return generate(s.step, prompts[k], counts[k])
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    results = in_threads(run, len(prompts))
     for stream in ready or ():
         stream.close()
-    return [results[k] for k in range(len(prompts))]
+    return results
+
+
+def quiet_member(pipe: Any, steps: int = 4) -> tuple[list[int], list[int]]:
+    """Two streams in one group: b steps once (a prompt of 1) and goes quiet without closing, a
+    (a prompt of 2) goes on for ``steps`` more steps alone. ``(a's prompt, a's tokens)``."""
+    a, b = pipe.stream(), pipe.stream()
+    futures = pipe.submit_steps({a: decoder_feeds([1, 2], 0), b: decoder_feeds([4], 0)})  # prompts of 2 and 1: two batches of 1
+    futures[b].result(timeout=60)
+    tokens = [1, 2, int(np.argmax(futures[a].result(timeout=60)["logits"][0, -1]))]
+    for _ in range(steps):
+        out = a.submit(decoder_feeds(tokens, len(tokens) - 1)).result(timeout=60)
+        tokens.append(int(np.argmax(out["logits"][0, -1])))
+    return tokens[:2], tokens[2:]
 
 
 def whole_generate(model: ModelProto, prompt: list[int], count: int, threads: int = 1) -> tuple[list[int], list[np.ndarray]]:

@@ -14,10 +14,40 @@ Note: fresh streams.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
+
+_T = TypeVar("_T")
+
+
+def in_threads(work: Callable[[int], _T], count: int, seconds: float = 120.0) -> list[_T]:
+    """``work(k)`` for k in 0..count-1, each on a thread of its own, all started before any is
+    joined; the results in order.
+
+    Raises:
+        AssertionError: a thread failed (with every thread's error) or was still running after ``seconds``.
+    """
+    results: dict[int, _T] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = work(k)
+        except BaseException as e:  # reported below, with the others
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds)
+    assert not errors, errors
+    assert len(results) == count, f"{count - len(results)} thread(s) still running after {seconds} s"
+    return [results[k] for k in range(count)]
 
 
 def until(condition: Callable[[], object], what: str, seconds: float = 30.0) -> None:

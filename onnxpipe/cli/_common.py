@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import re
 import zipfile
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -33,6 +34,7 @@ __all__ = [
     "quiet_onnxruntime",
     "read_json",
     "read_npz",
+    "request_files_option",
 ]
 
 
@@ -157,6 +159,18 @@ ALLOW_NONFINITE = click.option(
     help="Accept reference outputs that hold NaN or inf, for a model whose outputs hold them by design (-inf masks); "
     "by default they fail: a check against them proves nothing.",
 )
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def request_files_option(what: str, required: bool = False) -> Callable[[_F], _F]:
+    """``--inputs FILE.npz|FOLDER`` (repeatable), as ``run`` and ``verify`` take it: ``what`` says what
+    one file is and what the files are for."""
+    return click.option("--inputs", "input_paths", multiple=True, required=required, type=click.Path(path_type=Path), metavar="FILE.npz|FOLDER",
+                        help=f"{what} (repeatable).")
+
+
 TARGET = click.option(
     "--target", "target", metavar="TARGET", help="Run every stage on this target instead of its own, e.g. cpu for a bundle built for a GPU this host lacks."
 )

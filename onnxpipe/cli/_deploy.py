@@ -27,6 +27,7 @@ from onnxpipe.cli._common import (
     given,
     quiet_onnxruntime,
     read_npz,
+    request_files_option,
 )
 from onnxpipe.cli._progress import progress
 from onnxpipe.cli._stageopts import StageOption, StageOptionType, apply, deploy_overrides, parse_cores, read_settings_file
@@ -470,15 +471,8 @@ def _stream(pipe: Pipeline, files: Sequence[Path], destinations: Sequence[Path],
 
 @click.command(short_help="Run .npz inputs (files or folders) through a bundle.")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option(
-    "--inputs",
-    "input_paths",
-    multiple=True,
-    required=True,
-    type=click.Path(path_type=Path),
-    metavar="FILE.npz|FOLDER",
-    help="Requests: an .npz keyed by pipeline input name is one request; a folder is one request per *.npz in it, sorted by name (repeatable).",
-)
+@request_files_option("Requests: an .npz keyed by pipeline input name is one request; a folder is one request per *.npz in it, sorted by name",
+                      required=True)
 @click.option(
     "--outputs",
     "out",

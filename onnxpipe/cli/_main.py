@@ -39,6 +39,7 @@ from onnxpipe.cli._common import (
     quiet_onnxruntime,
     read_json,
     read_npz,
+    request_files_option,
 )
 from onnxpipe.cli._deploy import SET, allowing_code, bench, build, export, rebundle, run
 from onnxpipe.cli._serve import serve
@@ -586,15 +587,8 @@ def _bundle_dict(bundle: Bundle, path: Path, kind: str, nbytes: int, files: int)
 @DIM
 @click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1), help="How many random input sets to run (with --model).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the first random input set (with --model).")
-@click.option(
-    "--inputs",
-    "input_paths",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    metavar="FILE.npz|FOLDER",
-    help="Input sets instead of random ones (with --model): an .npz keyed by pipeline input name is one set, a folder one set per *.npz in it, "
-    "sorted by name (repeatable); for a split with state, the steps of one stream, in order.",
-)
+@request_files_option("Input sets instead of random ones (with --model): an .npz keyed by pipeline input name is one set, a folder one set per *.npz "
+                      "in it, sorted by name; for a split with state, the steps of one stream, in order")
 @click.option("--rtol", default=1e-4, show_default=True, type=click.FloatRange(min=0), help="Relative tolerance.")
 @click.option("--atol", default=1e-5, show_default=True, type=click.FloatRange(min=0), help="Absolute tolerance.")
 @click.option("--no-boundaries", is_flag=True, help="Compare the pipeline outputs only, not the tensors crossing stage boundaries (with --model).")

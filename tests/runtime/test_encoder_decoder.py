@@ -238,6 +238,25 @@ def token_feed(family: str, token: int) -> dict[str, np.ndarray]:
     return {"decoder_input_ids" if family == "t5" else "input_ids": np.array([[token]], np.int64)}
 
 
+def generate_together(pipe: Any, family: str, firsts: list[dict[str, np.ndarray]]) -> list[tuple[list[int], np.ndarray]]:
+    """A stream per request, stepped together by one driver (``submit_steps``): the first step
+    gives the request's encoder inputs ``firsts[j]`` and the start token, later steps the stream's
+    greedy token; each stream's tokens and last logits."""
+    exp = expected(family)
+    streams = [pipe.stream() for _ in firsts]
+    tokens: list[list[int]] = [[] for _ in streams]
+    logits: list[np.ndarray] = [np.zeros(0)] * len(streams)
+    for step in range(exp["new_tokens"]):
+        feeds = {s: token_feed(family, tokens[j][-1] if step else exp["decoder_start_token_id"]) | (firsts[j] if step == 0 else {})
+                 for j, s in enumerate(streams)}
+        for j, future in enumerate(pipe.submit_steps(feeds).values()):
+            logits[j] = future.result()["logits"][0, -1]
+            tokens[j].append(int(np.argmax(logits[j])))
+    for s in streams:
+        s.close()
+    return list(zip(tokens, logits, strict=True))
+
+
 def check_generated(family: str, got: list[tuple[list[int], np.ndarray]]) -> None:
     """Each request's 16 greedy tokens equal transformers', its last step's logits within 1e-4."""
     cases = expected(family)["requests"]
@@ -286,20 +305,9 @@ def test_four_streams_batched_generate_the_same_tokens(corpus_bundles: dict[tupl
     each stream's tokens are its own."""
     exp = expected(family)
     with load(corpus_bundles[family, 4], micro_batches=1) as pipe:
-        streams = [pipe.stream() for _ in exp["requests"]]
-        tokens: list[list[int]] = [[] for _ in streams]
-        logits: list[np.ndarray] = [np.zeros(0)] * len(streams)
-        for step in range(exp["new_tokens"]):
-            feeds = {}
-            for j, (s, case) in enumerate(zip(streams, exp["requests"], strict=True)):
-                feeds[s] = token_feed(family, tokens[j][-1] if step else exp["decoder_start_token_id"]) | (first_inputs(family, case) if step == 0 else {})
-            for j, future in enumerate(pipe.submit_steps(feeds).values()):
-                logits[j] = future.result()["logits"][0, -1]
-                tokens[j].append(int(np.argmax(logits[j])))
-        for s in streams:
-            s.close()
+        generated = generate_together(pipe, family, [first_inputs(family, case) for case in exp["requests"]])
         stats = {st.stage: st for st in pipe.stats().stages}
-    check_generated(family, list(zip(tokens, logits, strict=True)))
+    check_generated(family, generated)
     assert stats["encoder"].count == 4
     assert stats["encoder"].batch_sizes == ({4: 1} if family == "whisper" else {1: 4})
     assert stats["decoder"].count == 4 * exp["new_tokens"] and max(stats["decoder"].batch_sizes) == 4
@@ -343,24 +351,14 @@ def test_t5_requests_padded_to_one_length_batch_in_the_encoder_and_the_decoder(c
     encoder and in the decoder's cross-attention)."""
     exp = expected("t5")
     width = max(len(case["inputs"]["input_ids"][0]) for case in exp["requests"])
+    padded = []
+    for case in exp["requests"]:
+        ids = case["inputs"]["input_ids"][0]
+        pad = width - len(ids)
+        padded.append({"input_ids": np.array([ids + [0] * pad], np.int64), "attention_mask": np.array([[1] * len(ids) + [0] * pad], np.int64)})
     with load(corpus_bundles["t5", 4], micro_batches=1) as pipe:
-        streams = [pipe.stream() for _ in exp["requests"]]
-        tokens: list[list[int]] = [[] for _ in streams]
-        logits: list[np.ndarray] = [np.zeros(0)] * len(streams)
-        for step in range(exp["new_tokens"]):
-            feeds = {}
-            for j, (s, case) in enumerate(zip(streams, exp["requests"], strict=True)):
-                feeds[s] = token_feed("t5", tokens[j][-1] if step else exp["decoder_start_token_id"])
-                if step == 0:
-                    ids = case["inputs"]["input_ids"][0]
-                    pad = width - len(ids)
-                    feeds[s] |= {"input_ids": np.array([ids + [0] * pad], np.int64), "attention_mask": np.array([[1] * len(ids) + [0] * pad], np.int64)}
-            for j, future in enumerate(pipe.submit_steps(feeds).values()):
-                logits[j] = future.result()["logits"][0, -1]
-                tokens[j].append(int(np.argmax(logits[j])))
-        for s in streams:
-            s.close()
+        generated = generate_together(pipe, "t5", padded)
         stats = {st.stage: st for st in pipe.stats().stages}
-    check_generated("t5", list(zip(tokens, logits, strict=True)))
+    check_generated("t5", generated)
     assert stats["encoder"].batch_sizes == {4: 1}
     assert stats["decoder"].batch_sizes == {4: exp["new_tokens"]}

@@ -606,7 +606,7 @@ def test_streams_on_ray_batch_continuously(tmp_path: Path, ray_pids: set[int]) -
     steps waited the 200 ms: 4 delayed). Then 4 threads, each stepping a stream of its own with
     max_delay_ms a minute: every batch a whole group, none waited for the minute. Tokens equal the
     whole model alone."""
-    from tests.stateful_models import decode_in_threads, decoder_feeds, gpt_decoder, whole_generate
+    from tests.stateful_models import decode_in_threads, gpt_decoder, quiet_member, whole_generate
 
     model = gpt_decoder()
     for delay_ms in (200, 60_000):
@@ -617,16 +617,10 @@ def test_streams_on_ray_batch_continuously(tmp_path: Path, ray_pids: set[int]) -
         with load(bundle, engine="ray", micro_batches=1) as pipe:
             ray_pids.update(_actor_pids(pipe))
             if delay_ms == 200:
-                a, b = pipe.stream(), pipe.stream()
-                futures = pipe.submit_steps({a: decoder_feeds([1, 2], 0), b: decoder_feeds([4], 0)})  # prompts of 2 and 1: two batches of 1
-                futures[b].result(timeout=60)
-                tokens = [1, 2, int(np.argmax(futures[a].result(timeout=60)["logits"][0, -1]))]
-                for _ in range(4):
-                    out = a.submit(decoder_feeds(tokens, len(tokens) - 1)).result(timeout=60)
-                    tokens.append(int(np.argmax(out["logits"][0, -1])))
+                prompt, tokens = quiet_member(pipe)
                 assert pipe.streams.delayed == 1
                 assert [s.batch_sizes for s in pipe.stats().stages] == [{1: 6}] * 2
-                assert tokens[2:] == whole_generate(model, [1, 2], 5)[0]
+                assert tokens == whole_generate(model, prompt, 5)[0]
             else:
                 prompts = [[3 + k, 5, 7] for k in range(4)]  # equal lengths: the prompts batch too
                 results = decode_in_threads(pipe, prompts, [6] * 4, 0.0, opened=True)

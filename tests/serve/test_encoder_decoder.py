@@ -8,7 +8,6 @@ one without it, are refused by name."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from onnxpipe.splitter import read_pipeline_file
 from tests.models import bundle_of
 from tests.runtime.test_encoder_decoder import FAMILIES, check_generated, encdec_pipeline_file, expected, first_inputs, token_feed
 from tests.serve.process import ServerProcess
+from tests.waiting import in_threads
 
 _TYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
 
@@ -50,22 +50,7 @@ def _generate(url: str, family: str, case: dict[str, Any], sid: int) -> tuple[li
 def _in_threads(url: str, family: str, first_id: int) -> list[tuple[list[int], np.ndarray]]:
     """Each of the family's requests a sequence of its own, in a client thread of its own."""
     cases = expected(family)["requests"]
-    got: dict[int, tuple[list[int], np.ndarray]] = {}
-    errors: list[BaseException] = []
-
-    def run(j: int) -> None:
-        try:
-            got[j] = _generate(url, family, cases[j], first_id + j)
-        except BaseException as e:  # reported below, with the others
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(j,)) for j in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return [got[j] for j in range(len(cases))]
+    return in_threads(lambda j: _generate(url, family, cases[j], first_id + j), len(cases))
 
 
 def test_t5_and_whisper_served_as_sequences_generate_transformers_tokens(tmp_path: Path) -> None:
