@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from onnxpipe import ConfigError, InputError
-from onnxpipe.builder import PipelineConfig
-from onnxpipe.runtime import BenchReport, TensorSpec, benchmark, load
+from onnxpipe.runtime import BenchReport, benchmark, load
 from onnxpipe.runtime._feeds import StreamFeeds
 from onnxpipe.splitter import split
 from tests.cli.helpers import assert_usage_error, ok, run
 from tests.models import bundle_of, hand_wired
-from tests.stateful_models import encoder_decoder, gpt_decoder, whole_generate
+from tests.stateful_models import encoder_decoder_config, gpt_decoder, whole_generate
 
 CUT = ["layer1.out"]  # gpt_decoder() in 2 stages, as tests/runtime/test_batching.py cuts it
 
@@ -83,25 +82,8 @@ def test_streams_whose_stages_batch_step_together_in_batches(batching_bundle: Pa
     assert _calls(report) == [4, 4]
 
 
-def _encoder_decoder() -> PipelineConfig:
-    """tests/stateful_models.py's encoder_decoder() wired as test_encoder_decoder.py wires it."""
-    encoder_model, decoder_model = encoder_decoder()
-    config = PipelineConfig("encdec")
-    encoder = config.add_stage(encoder_model, "encoder", runs="first")
-    decoder = config.add_stage(decoder_model, "decoder")
-    config.add_input(TensorSpec("x", "float32", ("batch", "n"))).connect(encoder.input("x"))
-    mask = config.add_input(TensorSpec("mask", "float32", ("batch", "n")))
-    mask.connect(encoder.input("mask"))
-    mask.connect(decoder.input("mask"))
-    config.add_input(TensorSpec("tok", "float32", ("batch", 1))).connect(decoder.input("tok"))
-    encoder.output("h").connect(decoder.input("h"))
-    decoder.output("y").connect(config.add_output(TensorSpec("y", "float32", ("batch", 1))))
-    config.add_state(decoder.output("stateN"), decoder.input("state"))
-    return config
-
-
 def test_a_first_step_stage_runs_once_per_stream_fed_its_inputs_on_the_first_step_only(tmp_path: Path) -> None:
-    with load(bundle_of(_encoder_decoder(), tmp_path)) as pipe:
+    with load(bundle_of(encoder_decoder_config(), tmp_path)) as pipe:
         report = benchmark(pipe, streams=3, steps=4, dims={"n": 5})
     assert report.streams is not None and report.streams.prompt == 0  # no token ids: sample values at every step
     assert {s.stage: s.calls for s in report.stages} == {"encoder": 3, "decoder": 15}
