@@ -67,8 +67,9 @@ class StreamFeeds:
         self.new = dim_key(self.tokens, 1) if self.tokens is not None else None
         self.prompt = (prompt if prompt is not None else dims.get(self.new, PROMPT)) if self.new is not None else 0
         logits = next((t for t in spec.outputs if t.name == "logits" and t.shape is not None and len(t.shape) == 3), None)
-        #: The output whose greedy token is the next step's token, or ``None`` (no decoder: random tokens).
-        self.logits = logits.name if logits is not None and self.new is not None else None
+        #: The output whose greedy token is the next step's token, or ``None`` (no decoder, or token
+        #: ids given on the first step only, an encoder's: random tokens).
+        self.logits = logits.name if logits is not None and self.tokens is not None and self.tokens.name not in self.first_only else None
         self.notes: list[str] = []
         #: The dims keys the steps so far sized 1 because no one gave them (``defaulted_dims``), each once.
         self.defaulted: list[str] = []
@@ -88,7 +89,7 @@ class StreamFeeds:
         self.notes.extend(n for n in notes if n not in self.notes)
         defaulted = defaulted_dims(self.specs, dims)
         self.defaulted.extend(k for k in defaulted if k not in self.defaulted)
-        if step > 0 and self.logits is not None and self.tokens is not None and self.tokens.name in feeds:
+        if step > 0 and self.logits is not None and self.tokens is not None:
             feeds[self.tokens.name] = np.argmax(before[self.logits][:, -1:, :], axis=-1).astype(feeds[self.tokens.name].dtype)
         return feeds, dims_hint(defaulted)
 
