@@ -238,11 +238,7 @@ def benchmark(
         InputError: a stage fails on random inputs with dims no one gave (sized 1): names them.
     """
     stateful = bool(pipe.spec.states)
-    wrong: dict[str, object] = {"requests": requests, "inputs": inputs} if stateful else {"streams": streams, "steps": steps, "prompt": prompt}
-    given = [name for name, value in wrong.items() if value is not None]
-    if given:
-        kind = "keeps state between steps: it times streams (streams, steps, prompt)" if stateful else "keeps no state: it times single requests"
-        raise ConfigError(f"benchmark: {given[0]} does not apply, the pipeline {kind}")
+    _refuse_given({"requests": requests, "inputs": inputs} if stateful else {"streams": streams, "steps": steps, "prompt": prompt}, stateful)
     if stateful:
         return _bench_streams(pipe, _streams(pipe, streams), STEPS if steps is None else steps, PROMPT if prompt is None else prompt,
                               warmup, dims or {}, progress, caller_cores)
@@ -256,6 +252,14 @@ def benchmark(
         if not hint:
             raise
         raise InputError(f"{' '.join(str(e).split())}; {hint}") from e
+
+
+def _refuse_given(wrong: Mapping[str, object], stateful: bool) -> None:
+    """Refuse the first argument of ``wrong`` given (not ``None``): it does not apply to this pipeline."""
+    given = [name for name, value in wrong.items() if value is not None]
+    if given:
+        kind = "keeps state between steps: it times streams (streams, steps, prompt)" if stateful else "keeps no state: it times single requests"
+        raise ConfigError(f"benchmark: {given[0]} does not apply, the pipeline {kind}")
 
 
 def _sample_inputs(pipe: Pipeline, dims: Mapping[str, int]) -> tuple[Mapping[str, np.ndarray], list[str], str]:
@@ -389,20 +393,25 @@ def _bench_streams(
         seconds = time.perf_counter() - start
     finally:
         os.sched_setaffinity(0, before)
+    report = _report(pipe.stats(), [0.0] * len(pipe.spec.stages), count * (steps + 1), seconds, notes + _stream_notes(feeder, count, steps), cores)
+    every = first + later
+    return replace(report, latency_mean_ms=statistics.fmean(every) * 1e3, latency_p50_ms=_percentile(every, 50), latency_p99_ms=_percentile(every, 99),
+                   streams=StreamBench(count, steps, feeder.prompt, report.throughput, _percentile(first, 50), _percentile(first, 99),
+                                       statistics.fmean(later) * 1e3 if later else 0.0, _percentile(later, 50), _percentile(later, 99)))
+
+
+def _stream_notes(feeder: StreamFeeds, count: int, steps: int) -> list[str]:
+    """What the report says of the streams' steps."""
     if feeder.new is None:
         what = f"{steps + 1} step(s) of sample values"
     else:
         token = f"the greedy token of '{feeder.logits}' at the step before" if feeder.logits is not None else "a random token"
         what = f"a prompt of {feeder.prompt} token(s), then {steps} step(s) of one token: {token}"
-    notes += [f"{count} stream(s) stepping together, each {what}",
-              "no standalone stage times: a stage with state runs on the past its stream built, which no single request reproduces"]
+    notes = [f"{count} stream(s) stepping together, each {what}",
+             "no standalone stage times: a stage with state runs on the past its stream built, which no single request reproduces"]
     if feeder.defaulted:
         notes.append(f"dim(s) {', '.join(feeder.defaulted)} not given, using 1 (--dim NAME=N)")
-    report = _report(pipe.stats(), [0.0] * len(pipe.spec.stages), count * (steps + 1), seconds, notes, cores)
-    every = first + later
-    return replace(report, latency_mean_ms=statistics.fmean(every) * 1e3, latency_p50_ms=_percentile(every, 50), latency_p99_ms=_percentile(every, 99),
-                   streams=StreamBench(count, steps, feeder.prompt, report.throughput, _percentile(first, 50), _percentile(first, 99),
-                                       statistics.fmean(later) * 1e3 if later else 0.0, _percentile(later, 50), _percentile(later, 99)))
+    return notes
 
 
 def _round(pipe: Pipeline, feeder: StreamFeeds, count: int, steps: int, progress: Callable[[int, int], None] | None) -> tuple[list[float], list[float]]:

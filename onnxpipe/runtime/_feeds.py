@@ -17,13 +17,13 @@ Note: a stream's sample steps.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._inputs import DecoderInputs, check_dims, defaulted_dims, dim_key, dims_hint, random_inputs
-from onnxpipe.runtime._spec import PipelineSpec, TensorSpec
+from onnxpipe.runtime._spec import PipelineSpec, StateLink, TensorSpec
 from onnxpipe.runtime._stream import bind_dims
 from onnxpipe.runtime._values import spec_values
 
@@ -50,7 +50,7 @@ class StreamFeeds:
     def __init__(self, spec: PipelineSpec, dims: Mapping[str, int], prompt: int | None = None) -> None:
         self.links = spec.states
         self.inputs = spec.inputs
-        self.flags = {f.input: (f.first, tuple(d for d in spec.stage(f.stage).input(f.input).shape or () if isinstance(d, int))) for f in spec.step_flags}
+        self.flags = {f.input: (f.first, _fixed(spec.stage(f.stage).input(f.input))) for f in spec.step_flags}
         self.kept: dict[str, np.ndarray] = {}  # the states set once, of the stream running (StateLink's Note: a state set once)
         state_specs = tuple(spec.stage(link.stage).input(link.input) for link in spec.states)
         self.specs: tuple[TensorSpec, ...] = spec.inputs + state_specs
@@ -59,17 +59,15 @@ class StreamFeeds:
         self.tokens = roles.tokens
         #: Per growing state's output: the dims key of its past and the axis it grows along; the
         #: stream sizes them (a size ``dims`` gives is no past a stream has), as it does the mask's width.
-        self.pasts = {link.output: (key, link.empty_axis) for link, s in zip(spec.states, state_specs, strict=True)
-                      if link.empty_axis is not None and (key := dim_key(s, link.empty_axis)) is not None}
+        self.pasts = _pasts(spec.states, state_specs)
         width = roles.mask_width_key({})
         stream_sized = {*(key for key, _ in self.pasts.values()), *([width] if width is not None else [])}
         self.dims = {k: v for k, v in dims.items() if k not in stream_sized}
         self.new = dim_key(self.tokens, 1) if self.tokens is not None else None
         self.prompt = (prompt if prompt is not None else dims.get(self.new, PROMPT)) if self.new is not None else 0
-        logits = next((t for t in spec.outputs if t.name == "logits" and t.shape is not None and len(t.shape) == 3), None)
         #: The output whose greedy token is the next step's token, or ``None`` (no decoder, or token
         #: ids given on the first step only, an encoder's: random tokens).
-        self.logits = logits.name if logits is not None and self.tokens is not None and self.tokens.name not in self.first_only else None
+        self.logits = _logits(spec) if self.tokens is not None and self.tokens.name not in self.first_only else None
         self.notes: list[str] = []
         #: The dims keys the steps so far sized 1 because no one gave them (``defaulted_dims``), each once.
         self.defaulted: list[str] = []
@@ -118,3 +116,23 @@ class StreamFeeds:
             shape = [0 if axis == link.empty_axis else d if isinstance(d, int) else sizes.get(str(d), 1) for axis, d in enumerate(spec.shape)]
             state[link.input] = np.zeros(shape, numpy_dtype(spec.dtype))
         return {**flags, **state}
+
+
+def _fixed(spec: TensorSpec) -> tuple[int, ...]:
+    """The fixed dims of ``spec``'s shape (a step flag's shape)."""
+    return tuple(d for d in spec.shape or () if isinstance(d, int))
+
+
+def _pasts(links: Sequence[StateLink], specs: Sequence[TensorSpec]) -> dict[str, tuple[str, int]]:
+    """Per growing state's output (``links``, their inputs ``specs``): the dims key of its past and the axis it grows along."""
+    pasts = {}
+    for link, spec in zip(links, specs, strict=True):
+        key = dim_key(spec, link.empty_axis) if link.empty_axis is not None else None
+        if key is not None and link.empty_axis is not None:
+            pasts[link.output] = (key, link.empty_axis)
+    return pasts
+
+
+def _logits(spec: PipelineSpec) -> str | None:
+    """The pipeline's ``logits`` output of rank 3 (``[batch, tokens, vocab]``), if any."""
+    return next((t.name for t in spec.outputs if t.name == "logits" and t.shape is not None and len(t.shape) == 3), None)
