@@ -22,8 +22,13 @@ import numpy as np
 import onnxruntime as ort
 from onnx import GraphProto, ModelProto, TensorProto, helper, numpy_helper
 
-__all__ = ["decode_in_threads", "decoder_feeds", "decoder_session", "encoder_decoder", "encoder_decoder_whole", "generate", "gpt_decoder", "growing",
-           "merged_decoder", "recurrent", "session_generate", "whole_generate", "whole_recurrent"]
+from onnxpipe.builder import PipelineConfig
+from onnxpipe.runtime import TensorSpec
+
+__all__ = [
+    "decode_in_threads", "decoder_feeds", "decoder_session", "encoder_decoder", "encoder_decoder_config", "encoder_decoder_whole", "generate", "gpt_decoder",
+    "growing", "merged_decoder", "recurrent", "session_generate", "whole_generate", "whole_recurrent",
+]
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -371,6 +376,29 @@ def encoder_decoder() -> tuple[ModelProto, ModelProto]:
         [axes],
     )
     return tuple(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8) for g in (encoder, decoder))  # type: ignore[return-value]
+
+
+def encoder_decoder_config(max_batch: int = 1, runs: str = "first", states: bool = True) -> PipelineConfig:
+    """The pair of :func:`encoder_decoder` wired as a user would: the encoder first-step-only
+    (``runs``), the decoder with its state (or ``state`` a pipeline input without ``states``)."""
+    encoder_model, decoder_model = encoder_decoder()
+    config = PipelineConfig("encdec")
+    encoder = config.add_stage(encoder_model, "encoder", runs=runs)
+    decoder = config.add_stage(decoder_model, "decoder")
+    for stage in (encoder, decoder):
+        stage.configure(max_batch=max_batch)
+    config.add_input(TensorSpec("x", "float32", ("batch", "n"))).connect(encoder.input("x"))
+    mask = config.add_input(TensorSpec("mask", "float32", ("batch", "n")))
+    mask.connect(encoder.input("mask"))
+    mask.connect(decoder.input("mask"))
+    config.add_input(TensorSpec("tok", "float32", ("batch", 1))).connect(decoder.input("tok"))
+    encoder.output("h").connect(decoder.input("h"))
+    decoder.output("y").connect(config.add_output(TensorSpec("y", "float32", ("batch", 1))))
+    if states:
+        config.add_state(decoder.output("stateN"), decoder.input("state"))
+    else:
+        config.add_input(TensorSpec("state", "float32", ("batch", 1))).connect(decoder.input("state"))
+    return config
 
 
 def encoder_decoder_whole(x: np.ndarray, mask: np.ndarray, toks: list[np.ndarray]) -> list[np.ndarray]:

@@ -560,7 +560,18 @@ def run(
 @click.command(short_help="Measure a bundle's throughput and latency, stage by stage.")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--requests", "requests", default=200, show_default=True, type=click.IntRange(min=1), metavar="N", help="Requests to time.")
-@click.option("--warmup", "warmup", default=10, show_default=True, type=click.IntRange(min=0), metavar="W", help="Requests run first and not timed.")
+@click.option(
+    "--warmup", "warmup", default=10, show_default=True, type=click.IntRange(min=0), metavar="W",
+    help="Requests run first and not timed (with state: steps of one untimed round of the streams).",
+)
+@click.option(
+    "--streams", "streams", type=click.IntRange(min=1), metavar="S",
+    help="With state links (a decoder): streams stepping together [default: the largest max_batch of its stages, else 4].",
+)
+@click.option(
+    "--steps", "steps", type=click.IntRange(min=0), metavar="T", help="With state: one-token steps of each stream after its prompt [default: 16]."
+)
+@click.option("--prompt", "prompt", type=click.IntRange(min=1), metavar="P", help="With state: tokens of each stream's first step [default: 8].")
 @DIM
 @click.option(
     "--inputs",
@@ -600,6 +611,9 @@ def bench(
     bundle: Path,
     requests: int,
     warmup: int,
+    streams: int | None,
+    steps: int | None,
+    prompt: int | None,
     dims: Sequence[tuple[str, int]],
     input_file: Path | None,
     target: str | None,
@@ -630,6 +644,13 @@ def bench(
     the split was made for (its input_dims) with --dim over them. A stage that fails on dims no one
     gave (counted as 1) says which --dim to give.
 
+    A pipeline with state links (a decoder split with --state auto, an encoder + decoder bundle)
+    times streams instead: S streams stepping together, each a prompt of P tokens then T
+    one-token steps (the greedy token of its logits), after one untimed round: steps (tokens) per
+    second, first-step and per-token latency p50/p99, and per stage its calls, batch sizes, mean
+    time and utilization; no standalone times (a stage with state runs on its stream's past).
+    --requests and --inputs do not apply there; --streams, --steps and --prompt only there.
+
     \b
     Examples:
       onnxpipe bench model.onnxpipe
@@ -639,6 +660,7 @@ def bench(
       onnxpipe bench model.onnxpipe --caller-cores auto
       onnxpipe bench model.onnxpipe --engine ray --address auto   # stages on Ray actors: no standalone times
       onnxpipe bench model.onnxpipe --set 1:replicas=2 --set '*:affinity=none'   # try settings without rebuilding
+      onnxpipe bench decoder.onnxpipe --streams 8 --steps 32 --prompt 16   # a pipeline with state: streams of steps
     """
     where_run = _engine_args(engine, address)
     overrides = deploy_overrides(settings)
@@ -652,15 +674,19 @@ def bench(
     inputs = read_npz(input_file, "inputs file") if input_file is not None else None
     with allowing_code("bench"), load(bundle, target=target, queue_depth=queue_depth, trace=trace is not None, allow_code=allow_code, overrides=overrides,
                                       **where_run) as pipe:
-        if inputs is not None:
-            try:
-                inputs = check_inputs(pipe.spec.inputs, inputs)
-            except InputError as e:
-                raise UserError(f"inputs file '{input_file}': {e}") from e
-        with progress(requests, "requests", as_json, then="timing each stage alone") as advance:
-            report = benchmark(
-                pipe, requests, warmup=warmup, inputs=inputs, dims=dict(dims), standalone_runs=standalone_runs, progress=advance, caller_cores=cores
-            )
+        if pipe.spec.states:
+            report = _bench_streams(ctx, pipe, streams, steps, prompt, warmup, dict(dims), cores, as_json)
+        else:
+            _refuse_stream_options(ctx)
+            if inputs is not None:
+                try:
+                    inputs = check_inputs(pipe.spec.inputs, inputs)
+                except InputError as e:
+                    raise UserError(f"inputs file '{input_file}': {e}") from e
+            with progress(requests, "requests", as_json, then="timing each stage alone") as advance:
+                report = benchmark(
+                    pipe, requests, warmup=warmup, inputs=inputs, dims=dict(dims), standalone_runs=standalone_runs, progress=advance, caller_cores=cores
+                )
         _save_trace(pipe, trace)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
@@ -668,6 +694,40 @@ def bench(
     from onnxpipe.cli import _render
 
     _render.bench_report(report, warmup, [*report.notes, *_bench_notes(report, standalone_runs)], trace)
+
+
+def _bench_streams(
+    ctx: click.Context,
+    pipe: Pipeline,
+    streams: int | None,
+    steps: int | None,
+    prompt: int | None,
+    warmup: int,
+    dims: dict[str, int],
+    cores: tuple[int, ...] | Literal["auto"] | None,
+    as_json: bool,
+) -> BenchReport:
+    """``bench`` of a pipeline with state: its streams (Note: benchmarking streams, ``runtime/_bench.py``)."""
+    from onnxpipe.cli._progress import step_progress
+    from onnxpipe.runtime import benchmark
+
+    wrong = given(ctx, "requests", "input_file")
+    if wrong:
+        raise click.UsageError(f"{wrong[0]}: this pipeline keeps state between steps ({len(pipe.spec.states)} state link(s)), so bench times streams of "
+                               "steps, not single requests: give --streams S, --steps T, --prompt P")
+    if streams is not None and streams > pipe.max_streams:
+        raise click.UsageError(f"--streams: at most {pipe.max_streams} (the pipeline's max_streams), got {streams}")
+    with step_progress(as_json) as advance:
+        return benchmark(pipe, warmup=warmup, dims=dims, caller_cores=cores, streams=streams, steps=steps, prompt=prompt,
+                         progress=lambda done, total: advance("steps", done, total))
+
+
+def _refuse_stream_options(ctx: click.Context) -> None:
+    """``--streams``, ``--steps``, ``--prompt`` on a pipeline without state: a usage error."""
+    wrong = given(ctx, "streams", "steps", "prompt")
+    if wrong:
+        raise click.UsageError(f"{wrong[0]}: only for a pipeline with state links (bench times streams there); this one keeps no state: "
+                               "--requests N sets the requests timed")
 
 
 def _parse_caller_cores(value: str | None) -> tuple[int, ...] | Literal["auto"] | None:
@@ -687,7 +747,10 @@ _TINY_MS = 1.0  # below this a stage's time is mostly the pipeline's own per-req
 
 
 def _bench_notes(report: BenchReport, standalone_runs: int) -> list[str]:
-    """What the numbers suggest: stages slowed down by sharing cores, or stages too small to judge."""
+    """What the numbers suggest: stages slowed down by sharing cores, or stages too small to judge
+    (nothing for streams: their stages are not timed alone)."""
+    if report.streams is not None:
+        return []
     if not standalone_runs:
         return ["stages were not timed alone (--standalone-runs 0): no ideal throughput or efficiency"]
     if max(s.standalone_ms for s in report.stages) < _TINY_MS:

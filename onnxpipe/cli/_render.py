@@ -29,6 +29,7 @@ from onnxpipe.runtime import (
     StageSettings,
     StageSpec,
     StateLink,
+    StreamBench,
     TensorSpec,
     code_entries,
 )
@@ -438,27 +439,44 @@ def bench_report(report: BenchReport, warmup: int, notes: Iterable[str], trace: 
     """Throughput and latency against the ideal, then one row per stage: alone and in the pipeline."""
     console = _console()
     measured = report.ideal_throughput is not None and report.efficiency is not None
-    _line(console, f"{report.requests} request(s) in {report.seconds:.2f} s after {warmup} warm-up request(s)")
-    ideal = f" (ideal {report.ideal_throughput:.1f} req/s: efficiency {report.efficiency:.0%})" if measured else ""
-    _line(console, f"throughput: {report.throughput:.1f} req/s{ideal}")
-    _line(console, f"latency:    mean {report.latency_mean_ms:.2f} ms, p50 {report.latency_p50_ms:.2f} ms, p99 {report.latency_p99_ms:.2f} ms")
+    if report.streams is not None:
+        _stream_lines(console, report.streams, report.seconds, warmup)
+    else:
+        _line(console, f"{report.requests} request(s) in {report.seconds:.2f} s after {warmup} warm-up request(s)")
+        ideal = f" (ideal {report.ideal_throughput:.1f} req/s: efficiency {report.efficiency:.0%})" if measured else ""
+        _line(console, f"throughput: {report.throughput:.1f} req/s{ideal}")
+        _line(console, f"latency:    mean {report.latency_mean_ms:.2f} ms, p50 {report.latency_p50_ms:.2f} ms, p99 {report.latency_p99_ms:.2f} ms")
     if report.caller_cores is not None:
         _line(console, f"the thread feeding the pipeline ran on core(s) {', '.join(map(str, report.caller_cores))}")
     if report.resident_bytes is not None:
         _line(console, f"memory:     {human_bytes(report.resident_bytes)} resident in this process (the pipeline and all else it holds)")
     table = Table(title="stages")
     batching = any(s.batch_sizes for s in report.stages)
-    for column in ("stage", "replicas", "threads", "cores", "alone ms", "in pipeline ms", *(("batch mean", "max") if batching else ()), "utilization", ""):
+    streams = report.streams is not None
+    timing = ("calls",) if streams else ("alone ms",)  # stages with state are not timed alone
+    for column in ("stage", "replicas", "threads", "cores", *timing, "in pipeline ms", *(("batch mean", "max") if batching else ()), "utilization", ""):
         table.add_column(column, justify="left" if column in ("stage", "") else "right")
     for s in report.stages:
         mark = Text("bottleneck", style="bold yellow") if s.stage == report.bottleneck else Text("")
         batch = (f"{s.batch_mean:.2f}", str(max(s.batch_sizes, default=1))) if batching else ()
         cores = ",".join(map(str, s.affinity)) if s.affinity is not None else "any"
-        table.add_row(Text(s.stage), str(s.replicas), str(s.intra_op_threads), cores, _ms(s.standalone_ms) if measured else "-", _ms(s.pipeline_mean_ms),
+        alone = str(s.calls) if streams else _ms(s.standalone_ms) if measured else "-"
+        table.add_row(Text(s.stage), str(s.replicas), str(s.intra_op_threads), cores, alone, _ms(s.pipeline_mean_ms),
                       *batch, f"{s.utilization:.0%}", mark)
     _table(console, table)
     _notes(console, notes)
     _timeline(console, trace)
+
+
+def _stream_lines(console: Console, streams: StreamBench, seconds: float, warmup: int) -> None:
+    """The head of ``bench``'s report on a pipeline with state: its streams' steps."""
+    tokens = "tokens/s" if streams.prompt else "steps/s"
+    each = f"a prompt of {streams.prompt} token(s) then {streams.steps} one-token step(s)" if streams.prompt else f"{streams.steps + 1} step(s)"
+    warm = f"after a warm-up round of {min(warmup, streams.steps)} step(s)" if warmup else "without warm-up"
+    _line(console, f"{streams.streams} stream(s) stepping together, each {each}, in {seconds:.2f} s {warm}")
+    _line(console, f"throughput: {streams.steps_per_s:.1f} {tokens} (steps of all streams per second)")
+    _line(console, f"first step: p50 {streams.first_step_p50_ms:.2f} ms, p99 {streams.first_step_p99_ms:.2f} ms")
+    _line(console, f"per step:   mean {streams.step_mean_ms:.2f} ms, p50 {streams.step_p50_ms:.2f} ms, p99 {streams.step_p99_ms:.2f} ms (after the first)")
 
 
 def _timeline(console: Console, trace: Path | None) -> None:

@@ -1,7 +1,7 @@
 """The runtime: the pipeline spec, bundles and the executors. Imports only stdlib, numpy and onnxruntime."""
 
 import onnxpipe.runtime._guard  # noqa: F401  first: a missing or broken onnxruntime is one error saying what to install
-from onnxpipe.runtime._bench import BenchReport, StageBench, benchmark
+from onnxpipe.runtime._bench import BenchReport, StageBench, StreamBench, benchmark
 from onnxpipe.runtime._code import check_allowed, code_entries
 from onnxpipe.runtime._diagnostics import Diagnostics, ReplicaDiagnostics, StageDiagnostics
 from onnxpipe.runtime._dtypes import DTYPES, dtype_from_onnx, dtype_from_ort, numpy_dtype
@@ -59,6 +59,7 @@ __all__ = [
     "Rounds",
     "SequentialPipeline",
     "StageBench",
+    "StreamBench",
     "StageDiagnostics",
     "StageOverrides",
     "StageSettings",

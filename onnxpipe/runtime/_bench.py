@@ -13,30 +13,53 @@ The thread that feeds the pipeline needs CPU too. On a machine where every core 
 preempts whichever stage shares its core; ``caller_cores="auto"`` pins it, for the timed requests,
 to the cores of the stage with the most slack (the fastest per replica, among pinned stages), so it
 does not slow the bottleneck. The report says where it ran.
+
+Note: benchmarking streams.
+    A pipeline with state links (a decoder split with ``states="auto"``, an encoder + decoder
+    bundle) has no single request to time: its stages keep each stream's past. So it times
+    ``streams`` streams stepping together, as a generation loop drives them: each a first (prompt)
+    step of ``prompt`` tokens, then ``steps`` one-token steps, the token the greedy one of the
+    ``logits`` at the step before (Note: a stream's sample steps, ``_feeds.py``, the same steps
+    ``verify`` runs), every stream's step of a round submitted at once (``Pipeline.submit_steps``:
+    stages that batch take them as one batch) and the round awaited before the next. One untimed
+    round of the streams (``warmup`` steps after the prompt) goes first. The report gives steps per
+    second (tokens per second for a decoder: each step yields one greedy token per stream), the
+    first step's latency and the later steps' (:class:`StreamBench`), and per stage its session
+    calls, batch sizes, mean time and utilization. Standalone times are not measured: a stage with
+    state runs on the past its stream has built, which no single request reproduces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import as_completed
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
 
 from onnxpipe._errors import ConfigError, InputError, StageError, StreamError
 from onnxpipe.runtime._engine import engine_class
+from onnxpipe.runtime._feeds import StreamFeeds
 from onnxpipe.runtime._inputs import check_inputs, defaulted_dims, dims_hint, random_inputs
 from onnxpipe.runtime._pipeline import Pipeline
 from onnxpipe.runtime._spec import Endpoint
 from onnxpipe.runtime._stage import Request
 from onnxpipe.runtime._stats import PipelineStats
+from onnxpipe.runtime._stream import Stream
 from onnxpipe.runtime._values import spec_values, split_sizes
 
-__all__ = ["BenchReport", "StageBench", "benchmark"]
+__all__ = ["BenchReport", "StageBench", "StreamBench", "benchmark"]
+
+REQUESTS = 200  # timed requests by default
+STREAMS = 4  # streams by default, for a pipeline with state whose stages do not batch (Note: benchmarking streams)
+STEPS = 16  # one-token steps after the prompt, by default
+PROMPT = 8  # the first step's tokens, by default
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,33 @@ class StageBench:
     batch_sizes: dict[int, int] = field(default_factory=dict)
     intra_op_threads: int = 1
     affinity: tuple[int, ...] | None = None
+    #: Session calls in the timed window (a call of a stage that batches runs several requests).
+    calls: int = 0
+
+
+@dataclass(frozen=True)
+class StreamBench:
+    """What :func:`benchmark` measured of a pipeline with state (Note: benchmarking streams).
+
+    Attributes:
+        streams: Streams timed together.
+        steps: One-token steps of each stream after its first (prompt) step.
+        prompt: Tokens of the first step (0: the pipeline has no token ids; every step takes sample values).
+        steps_per_s: Steps of all streams per second: tokens per second for a decoder (each
+            step yields one greedy token per stream).
+        first_step_p50_ms, first_step_p99_ms: Latency of the first step (submission to result), over streams.
+        step_mean_ms, step_p50_ms, step_p99_ms: Latency of the later steps, over streams and steps.
+    """
+
+    streams: int
+    steps: int
+    prompt: int
+    steps_per_s: float
+    first_step_p50_ms: float
+    first_step_p99_ms: float
+    step_mean_ms: float
+    step_p50_ms: float
+    step_p99_ms: float
 
 
 @dataclass(frozen=True)
@@ -61,10 +111,10 @@ class BenchReport:
     """What :func:`benchmark` measured.
 
     Attributes:
-        requests: Requests timed (after warm-up).
+        requests: Requests timed (after warm-up); for a pipeline with state, the steps of all streams.
         seconds: Wall time of those requests.
-        throughput: Requests per second.
-        latency_mean_ms, latency_p50_ms, latency_p99_ms: Submission-to-result times.
+        throughput: Requests (steps) per second.
+        latency_mean_ms, latency_p50_ms, latency_p99_ms: Submission-to-result times (of every step, for streams).
         ideal_throughput: What the slowest stage allows (``replicas / standalone time``); ``None``
             when standalone times were not measured.
         efficiency: ``throughput / ideal_throughput``, or ``None``.
@@ -73,6 +123,7 @@ class BenchReport:
         notes: Things to know (defaulted dims, ...).
         caller_cores: Cores the feeding thread was pinned to while timed, or ``None``.
         resident_bytes: The physical memory of the process the pipeline runs in (``PipelineStats.resident_bytes``), or ``None``.
+        streams: For a pipeline with state, what its streams did (:class:`StreamBench`), else ``None``.
     """
 
     requests: int
@@ -88,6 +139,7 @@ class BenchReport:
     notes: tuple[str, ...] = ()
     caller_cores: tuple[int, ...] | None = None
     resident_bytes: int | None = None
+    streams: StreamBench | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -140,7 +192,7 @@ def _standalone_ms(pipe: Pipeline, feeds: Mapping[str, np.ndarray], runs: int) -
 
 def benchmark(
     pipe: Pipeline,
-    requests: int = 200,
+    requests: int | None = None,
     *,
     warmup: int = 10,
     inputs: Mapping[str, np.ndarray] | None = None,
@@ -148,47 +200,66 @@ def benchmark(
     standalone_runs: int = 20,
     progress: Callable[[int, int], None] | None = None,
     caller_cores: Collection[int] | Literal["auto"] | None = None,
+    streams: int | None = None,
+    steps: int | None = None,
+    prompt: int | None = None,
 ) -> BenchReport:
-    """Stream ``requests`` synthetic requests through ``pipe`` and measure it against its stages.
+    """Stream ``requests`` synthetic requests through ``pipe`` and measure it against its stages;
+    for a pipeline with state, step ``streams`` streams together (Note: benchmarking streams).
 
     Args:
         pipe: A loaded pipeline.
-        requests: Requests to time.
-        warmup: Requests run first and not timed.
-        inputs: One request's inputs. Default: without ``dims``, the bundle's first reference
-            input set when it stores one (inputs of the bundle's own sizes), else random inputs
-            (Note: sample values) with the symbolic dims the split was made for (the pipeline's
-            ``input_dims`` metadata) and ``dims`` over them.
-        dims: Sizes of symbolic dims for random inputs.
+        requests: Requests to time (default 200); not for a pipeline with state.
+        warmup: Requests run first and not timed; for a pipeline with state, the steps after the
+            prompt of one untimed round of the streams (0: none).
+        inputs: One request's inputs (not for a pipeline with state). Default: without ``dims``,
+            the bundle's first reference input set when it stores one (inputs of the bundle's own
+            sizes), else random inputs (Note: sample values) with the symbolic dims the split was
+            made for (the pipeline's ``input_dims`` metadata) and ``dims`` over them.
+        dims: Sizes of symbolic dims for random inputs (for streams: those the stream does not size).
         standalone_runs: Runs per stage for its standalone time (0 skips that measurement), on the
-            pipeline's own sessions while it is idle.
-        progress: Called with (done, total) as timed requests finish.
+            pipeline's own sessions while it is idle; not measured for a pipeline with state.
+        progress: Called with (done, total) as timed requests (steps) finish.
         caller_cores: Pin this thread to these cores while the requests run (restored after);
             ``"auto"``: the cores of the pinned stage with the most slack (needs
             ``standalone_runs``; unpinned, with a note, when no stage is pinned).
+        streams: For a pipeline with state: streams stepping together (default: the largest
+            ``max_batch`` of its stages when one batches, else 4; at most ``pipe.max_streams``).
+        steps: For a pipeline with state: one-token steps of each stream after its prompt (default 16).
+        prompt: For a pipeline with state: the first step's tokens (default 8).
 
     Returns:
-        The :class:`BenchReport`.
+        The :class:`BenchReport` (with ``streams`` for a pipeline with state).
 
     Raises:
-        ConfigError: the OS refused ``caller_cores``.
+        ConfigError: the OS refused ``caller_cores``; an argument that does not fit the pipeline
+            (``requests`` or ``inputs`` for one with state, ``streams``, ``steps`` or ``prompt``
+            for one without; more streams than ``pipe.max_streams``).
         InputError: a stage fails on random inputs with dims no one gave (sized 1): names them.
-        StreamError: the pipeline keeps state between steps: it runs streams, not the requests timed here.
     """
-    states = pipe.spec.states
-    if states:  # refused before any input is made, so no dims hint blames the sizes
-        raise StreamError(f"bench times single requests, but this pipeline keeps state between steps ({len(states)} state link(s), e.g. {states[0]}): "
-                          "time its streams in Python, `with pipe.stream() as s: s.step(inputs)` (docs/streams.md)")
+    stateful = bool(pipe.spec.states)
+    _refuse_given({"requests": requests, "inputs": inputs} if stateful else {"streams": streams, "steps": steps, "prompt": prompt}, stateful)
+    if stateful:
+        return _bench_streams(pipe, _streams(pipe, streams), STEPS if steps is None else steps, PROMPT if prompt is None else prompt,
+                              warmup, dims or {}, progress, caller_cores)
     notes: list[str] = []
     hint = ""
     if inputs is None:
         inputs, notes, hint = _sample_inputs(pipe, dims or {})
     try:
-        return _benchmark(pipe, inputs, requests, warmup, standalone_runs, progress, caller_cores, notes)
+        return _benchmark(pipe, inputs, REQUESTS if requests is None else requests, warmup, standalone_runs, progress, caller_cores, notes)
     except (InputError, StageError) as e:
         if not hint:
             raise
         raise InputError(f"{' '.join(str(e).split())}; {hint}") from e
+
+
+def _refuse_given(wrong: Mapping[str, object], stateful: bool) -> None:
+    """Refuse the first argument of ``wrong`` given (not ``None``): it does not apply to this pipeline."""
+    given = [name for name, value in wrong.items() if value is not None]
+    if given:
+        kind = "keeps state between steps: it times streams (streams, steps, prompt)" if stateful else "keeps no state: it times single requests"
+        raise ConfigError(f"benchmark: {given[0]} does not apply, the pipeline {kind}")
 
 
 def _sample_inputs(pipe: Pipeline, dims: Mapping[str, int]) -> tuple[Mapping[str, np.ndarray], list[str], str]:
@@ -271,13 +342,123 @@ def _report(stats: PipelineStats, standalone: list[float], requests: int, second
         efficiency=throughput / ideal if ideal else None,
         bottleneck=stats.bottleneck,
         stages=tuple(
-            StageBench(s.stage, s.replicas, ms, s.mean_ms, s.utilization, s.batch_mean, s.batch_sizes, s.intra_op_threads, s.affinity)
+            StageBench(s.stage, s.replicas, ms, s.mean_ms, s.utilization, s.batch_mean, s.batch_sizes, s.intra_op_threads, s.affinity,
+                       sum(s.batch_sizes.values()) if s.batch_sizes else s.count)
             for s, ms in zip(stats.stages, standalone, strict=True)
         ),
         notes=tuple(notes),
         caller_cores=tuple(sorted(cores)) if cores is not None else None,
         resident_bytes=stats.resident_bytes,
     )
+
+
+def _streams(pipe: Pipeline, wanted: int | None) -> int:
+    """How many streams :func:`benchmark` steps together (Note: benchmarking streams)."""
+    if wanted is None:
+        batch = max(stage.settings.max_batch for stage in pipe.spec.stages)
+        return min(batch if batch > 1 else STREAMS, pipe.max_streams)
+    if not 1 <= wanted <= pipe.max_streams:
+        raise ConfigError(f"benchmark: streams must be 1..{pipe.max_streams} (the pipeline's max_streams), got {wanted}")
+    return wanted
+
+
+def _bench_streams(
+    pipe: Pipeline,
+    count: int,
+    steps: int,
+    prompt: int,
+    warmup: int,
+    dims: Mapping[str, int],
+    progress: Callable[[int, int], None] | None,
+    caller_cores: Collection[int] | Literal["auto"] | None,
+) -> BenchReport:
+    """:func:`benchmark` of a pipeline with state (Note: benchmarking streams)."""
+    for name, value, least in (("steps", steps, 0), ("prompt", prompt, 1), ("warmup", warmup, 0)):
+        if value < least:
+            raise ConfigError(f"benchmark: {name} must be at least {least}, got {value}")
+    sizes, notes = split_sizes(pipe.spec, dims)
+    feeder = StreamFeeds(pipe.spec, sizes, prompt)
+    cores = _caller_cores(pipe, None, caller_cores, notes) if caller_cores != "auto" else None
+    if caller_cores == "auto":
+        notes.append("the calling thread was left unpinned: choosing its cores needs the stages' standalone times, not measured for streams")
+    before = os.sched_getaffinity(0)
+    try:
+        if cores is not None:
+            _pin(cores)
+        if warmup:
+            _round(pipe, feeder, count, min(warmup, steps), None)
+        pipe.reset_stats()
+        start = time.perf_counter()
+        first, later = _round(pipe, feeder, count, steps, progress)
+        seconds = time.perf_counter() - start
+    finally:
+        os.sched_setaffinity(0, before)
+    report = _report(pipe.stats(), [0.0] * len(pipe.spec.stages), count * (steps + 1), seconds, notes + _stream_notes(feeder, count, steps), cores)
+    every = first + later
+    return replace(report, latency_mean_ms=statistics.fmean(every) * 1e3, latency_p50_ms=_percentile(every, 50), latency_p99_ms=_percentile(every, 99),
+                   streams=StreamBench(count, steps, feeder.prompt, report.throughput, _percentile(first, 50), _percentile(first, 99),
+                                       statistics.fmean(later) * 1e3 if later else 0.0, _percentile(later, 50), _percentile(later, 99)))
+
+
+def _stream_notes(feeder: StreamFeeds, count: int, steps: int) -> list[str]:
+    """What the report says of the streams' steps."""
+    if feeder.new is None:
+        what = f"{steps + 1} step(s) of sample values"
+    else:
+        token = f"the greedy token of '{feeder.logits}' at the step before" if feeder.logits is not None else "a random token"
+        what = f"a prompt of {feeder.prompt} token(s), then {steps} step(s) of one token: {token}"
+    notes = [f"{count} stream(s) stepping together, each {what}",
+             "no standalone stage times: a stage with state runs on the past its stream built, which no single request reproduces"]
+    if feeder.defaulted:
+        notes.append(f"dim(s) {', '.join(feeder.defaulted)} not given, using 1 (--dim NAME=N)")
+    return notes
+
+
+def _round(pipe: Pipeline, feeder: StreamFeeds, count: int, steps: int, progress: Callable[[int, int], None] | None) -> tuple[list[float], list[float]]:
+    """Seconds from submission to result of the first steps and of the later ones, of ``count``
+    streams stepping together through a prompt and ``steps`` steps (Note: benchmarking streams)."""
+    first: list[float] = []
+    later: list[float] = []
+    total = count * (steps + 1)
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(pipe.stream()) for _ in range(count)]
+        outputs: list[Mapping[str, np.ndarray]] = [{} for _ in opened]
+        for step in range(steps + 1):
+            feeds, hint = {}, ""
+            for k, stream in enumerate(opened):
+                feeds[stream], hint = feeder.pipeline_step(step, outputs[k], k * (steps + 1) + step)
+            outputs, seconds = _step_all(pipe, feeds, hint)
+            (first if step == 0 else later).extend(seconds)
+            if progress is not None:
+                progress(count * (step + 1), total)
+    return first, later
+
+
+def _step_all(pipe: Pipeline, feeds: Mapping[Stream, Mapping[str, np.ndarray]], hint: str) -> tuple[list[Mapping[str, np.ndarray]], list[float]]:
+    """One step of every stream, submitted at once: their outputs, and the seconds from submission
+    to each result (taken as this thread sees it finish).
+
+    Raises:
+        InputError: a step failed on sample values with dims no one gave (``hint`` says which).
+    """
+    start = time.perf_counter()
+    futures = pipe.submit_steps(feeds)
+    seconds: list[float] = []
+    try:
+        for future in as_completed(futures.values()):
+            seconds.append(time.perf_counter() - start)
+            future.result()  # the first failure, as soon as it is known
+        outputs: list[Mapping[str, np.ndarray]] = [futures[stream].result() for stream in feeds]
+    except (InputError, StageError, StreamError) as e:
+        if not hint:
+            raise
+        raise InputError(f"{' '.join(str(e).split())}; {hint}") from e
+    return outputs, seconds
+
+
+def _percentile(seconds: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of ``seconds``, in ms (0 without any)."""
+    return float(np.percentile(seconds, q)) * 1e3 if seconds else 0.0
 
 
 def _caller_cores(pipe: Pipeline, standalone_ms: list[float] | None, wanted: Collection[int] | Literal["auto"] | None, notes: list[str]) -> set[int] | None:

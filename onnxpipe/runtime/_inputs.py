@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,7 +282,11 @@ def _key(spec: TensorSpec, axis: int, d: str | None) -> str:
 
 
 def random_inputs(
-    specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0, values: Mapping[str, InputValues] | None = None
+    specs: Sequence[TensorSpec],
+    dims: Mapping[str, int] | None = None,
+    seed: int = 0,
+    values: Mapping[str, InputValues] | None = None,
+    only: Collection[str] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """Random arrays matching declared inputs, shaped by :func:`sample_shapes`.
 
@@ -300,6 +304,9 @@ def random_inputs(
         seed: The random generator's seed.
         values: What inputs' values mean, by name, over what their names say: a pipeline's
             ``spec_values(spec)`` (its metadata), or what the splitter finds in a graph.
+        only: Make these inputs only (the others still size them: a decoder's past sizes its
+            mask); default all. The random draws of the others are skipped, so their values differ
+            from those made among all.
 
     Raises:
         InputError: ``dims`` names no dynamic dim of an input, or an input's rank or dtype is unknown.
@@ -315,6 +322,8 @@ def random_inputs(
     feeds: dict[str, np.ndarray] = {}
     for spec in specs:
         shape = shapes[spec.name]
+        if only is not None and spec.name not in only:
+            continue
         if spec is roles.mask:
             feeds[spec.name] = np.ones(shape, _numpy(spec, "input"))
         elif spec is roles.positions:

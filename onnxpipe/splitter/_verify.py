@@ -15,11 +15,10 @@ Note: verifying a split with state.
     ``steps`` steps each, through the pipeline's own streams (``Pipeline.stream``: the stages keep
     the state, as on a deployment host) and through the whole model with the state fed back by
     hand (zeros first, 0 long along each state link's ``empty_axis``: an empty past). The steps are
-    a decoder's (Note: a decoder's sample inputs, in ``onnxpipe.runtime``): a prompt of 3 tokens
-    (or as many as ``dims`` gives the token ids' dim 1), then steps of one token each, the greedy
-    token of the whole model's ``logits`` at the step before; the attention mask is as wide as the
-    past and the new tokens, the positions count on from the past. A model that is no decoder
-    takes random inputs at every step. Every step's pipeline outputs are compared; the tensors
+    a decoder's, made by ``runtime/_feeds.py``'s ``StreamFeeds`` as ``benchmark`` makes them (Note:
+    a stream's sample steps): a prompt of 3 tokens (or as many as ``dims`` gives the token ids'
+    dim 1), then steps of one token each, the greedy token of the whole model's ``logits`` at the
+    step before. Every step's pipeline outputs are compared; the tensors
     crossing a boundary are not (a stream returns the pipeline's outputs only), though every one
     of them feeds the outputs of that step or a later one.
 """
@@ -49,17 +48,14 @@ from onnxpipe.runtime import (
     Pipeline,
     PipelineSpec,
     SequentialPipeline,
-    TensorSpec,
-    check_dims,
     check_inputs,
     is_bundle,
-    numpy_dtype,
     random_inputs,
     read_bundle,
 )
 from onnxpipe.runtime._compare import difference
-from onnxpipe.runtime._inputs import DecoderInputs, defaulted_dims, dim_key, dims_hint, feed_shapes
-from onnxpipe.runtime._stream import bind_dims
+from onnxpipe.runtime._feeds import StreamFeeds
+from onnxpipe.runtime._inputs import defaulted_dims, dims_hint, feed_shapes
 from onnxpipe.runtime._values import spec_values, split_sizes
 from onnxpipe.splitter._graph import load_model
 from onnxpipe.splitter._plan import SplitPlan
@@ -71,7 +67,6 @@ DEFAULT_RTOL = 1e-4
 DEFAULT_ATOL = 1e-5
 DEFAULT_STEPS = 4
 _T = TypeVar("_T")
-_PROMPT = 3  # the first step's tokens in a stream (Note: verifying a split with state)
 
 
 @dataclass
@@ -286,7 +281,7 @@ def _verify_streams(
     """:func:`verify` of a split with state (Note: verifying a split with state)."""
     if steps < 1:
         raise InputError(f"steps must be at least 1, got {steps}")
-    feeder = _StreamFeeds(spec, dims)
+    feeder = StreamFeeds(spec, dims)
     proto, model_dir = load_model(model)
     whole = _whole_session(proto, model_dir, [link.output for link in spec.states], tmp)
     names = [o.name for o in whole.get_outputs()]
@@ -325,68 +320,6 @@ def _verify_streams(
 
 def _pipeline_inputs(spec: PipelineSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {t.name: feeds[t.name] for t in spec.inputs}
-
-
-class _StreamFeeds:
-    """The random steps of a verify stream, made by :func:`random_inputs` over the pipeline's inputs
-    and its state inputs (what the whole model takes), each step sized by the one before."""
-
-    def __init__(self, spec: PipelineSpec, dims: dict[str, int]) -> None:
-        self.links = spec.states
-        self.inputs = spec.inputs
-        self.flags = {f.input: (f.first, tuple(d for d in spec.stage(f.stage).input(f.input).shape or () if isinstance(d, int))) for f in spec.step_flags}
-        self.kept: dict[str, np.ndarray] = {}  # the states set once, of the stream running (StateLink's Note: a state set once)
-        state_specs = tuple(spec.stage(link.stage).input(link.input) for link in spec.states)
-        self.specs: tuple[TensorSpec, ...] = spec.inputs + state_specs
-        roles = DecoderInputs.of(self.specs)
-        self.tokens = roles.tokens
-        #: Per growing state's output: the dims key of its past and the axis it grows along; the
-        #: stream sizes them (a size ``dims`` gives is no past a stream has), as it does the mask's width.
-        self.pasts = {link.output: (key, link.empty_axis) for link, s in zip(spec.states, state_specs, strict=True)
-                      if link.empty_axis is not None and (key := dim_key(s, link.empty_axis)) is not None}
-        width = roles.mask_width_key({})
-        stream_sized = {*(key for key, _ in self.pasts.values()), *([width] if width is not None else [])}
-        self.dims = {k: v for k, v in dims.items() if k not in stream_sized}
-        self.new = dim_key(self.tokens, 1) if self.tokens is not None else None
-        self.prompt = dims.get(self.new, _PROMPT) if self.new is not None else 0
-        logits = next((t for t in spec.outputs if t.name == "logits" and t.shape is not None and len(t.shape) == 3), None)
-        self.logits = logits.name if logits is not None and self.new is not None else None
-        self.notes: list[str] = []
-        self.values = spec_values(spec)  # Note: sample values
-        check_dims(self.specs, dims)  # a dims key no input has is refused before any step runs
-
-    def step(self, step: int, before: Mapping[str, np.ndarray], seed: int) -> tuple[dict[str, np.ndarray], str]:
-        """The inputs of step ``step`` (pipeline and state inputs: the state is replaced by
-        :meth:`state`), given the whole model's outputs at the step before, and the hint for a failure."""
-        dims = dict(self.dims)
-        for output, (key, axis) in self.pasts.items():
-            dims[key] = 0 if step == 0 else before[output].shape[axis]
-        if self.new is not None:
-            dims[self.new] = self.prompt if step == 0 else 1
-        feeds, notes = random_inputs(self.specs, dims, seed, self.values)
-        self.notes.extend(n for n in notes if n not in self.notes)
-        if step > 0 and self.logits is not None and self.tokens is not None:
-            feeds[self.tokens.name] = np.argmax(before[self.logits][:, -1:, :], axis=-1).astype(feeds[self.tokens.name].dtype)
-        return feeds, dims_hint(defaulted_dims(self.specs, dims))
-
-    def state(self, feeds: Mapping[str, np.ndarray], before: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The whole model's state inputs: the state outputs of the step before, or on the first
-        step (``before`` empty) zeros sized as the pipeline sizes them (Note: initial values, in
-        ``runtime/_spec.py``): a symbolic dim from the pipeline input naming it, the empty axis 0;
-        a state set once is the first step's output on every later step; a step flag as the
-        runtime feeds it (``StepFlag``)."""
-        flags = {name: np.full(shape, first != bool(before), np.bool_) for name, (first, shape) in self.flags.items()}
-        if before:
-            return {**flags, **{link.input: self.kept.setdefault(link.input, before[link.output]) if link.once else before[link.output] for link in self.links}}
-        self.kept = {}
-        names = frozenset(d for t in self.inputs for d in t.shape or () if isinstance(d, str))
-        sizes = {d: size for d, (size, _) in bind_dims(self.inputs, feeds, names).items()}
-        state = {}
-        for link, spec in zip(self.links, self.specs[len(self.inputs):], strict=True):
-            assert spec.shape is not None
-            shape = [0 if axis == link.empty_axis else d if isinstance(d, int) else sizes.get(str(d), 1) for axis, d in enumerate(spec.shape)]
-            state[link.input] = np.zeros(shape, numpy_dtype(spec.dtype))
-        return {**flags, **state}
 
 
 def _read_spec(folder: Path) -> PipelineSpec:

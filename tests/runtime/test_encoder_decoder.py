@@ -22,29 +22,12 @@ from onnxpipe import ConfigError, InputError
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.runtime import Endpoint, Link, Pipeline, PipelineSpec, StageSpec, TensorSpec, load
 from tests.models import bundle_of
-from tests.stateful_models import encoder_decoder, encoder_decoder_whole
+from tests.stateful_models import encoder_decoder_config, encoder_decoder_whole
 
 
 def _config(max_batch: int = 1, runs: str = "first", states: bool = True) -> PipelineConfig:
     """The pair wired as a user would: encoder first-step-only, decoder with its state."""
-    encoder_model, decoder_model = encoder_decoder()
-    config = PipelineConfig("encdec")
-    encoder = config.add_stage(encoder_model, "encoder", runs=runs)
-    decoder = config.add_stage(decoder_model, "decoder")
-    for stage in (encoder, decoder):
-        stage.configure(max_batch=max_batch)
-    config.add_input(TensorSpec("x", "float32", ("batch", "n"))).connect(encoder.input("x"))
-    mask = config.add_input(TensorSpec("mask", "float32", ("batch", "n")))
-    mask.connect(encoder.input("mask"))
-    mask.connect(decoder.input("mask"))
-    config.add_input(TensorSpec("tok", "float32", ("batch", 1))).connect(decoder.input("tok"))
-    encoder.output("h").connect(decoder.input("h"))
-    decoder.output("y").connect(config.add_output(TensorSpec("y", "float32", ("batch", 1))))
-    if states:
-        config.add_state(decoder.output("stateN"), decoder.input("state"))
-    else:
-        config.add_input(TensorSpec("state", "float32", ("batch", 1))).connect(decoder.input("state"))
-    return config
+    return encoder_decoder_config(max_batch, runs, states)
 
 
 def _stage_counts(pipe: Pipeline) -> dict[str, int]:
