@@ -157,15 +157,13 @@ class RunnerBase:
     plan: StagePlan
     #: Bytes of streams' state copied so far (Note: state bytes copied); each run's share is its ``Call.copied``.
     copied = 0
+    #: The stage runs on a stream's first step only (``StageSpec.runs``): set with ``plan``, read on every request's path.
+    _first_only = False
 
     def _compute(self, request: Request) -> tuple[Failure, ...]:
         """Run the stage for one request (see the note on the request's bag); the members of a
         batch of steps that failed and left it. Raises what the stage raised."""
         raise NotImplementedError
-
-    @property
-    def _first_only(self) -> bool:
-        return self.plan.stage.first_step_only
 
     def run(self, request: Request) -> Call:
         """Run the stage for one request (a batch of streams' steps is one) and say what happened;
@@ -215,6 +213,7 @@ class StageRunner(StateKeeper, RunnerBase):
 
     def __init__(self, plan: StagePlan, session: ort.InferenceSession) -> None:
         self.plan = plan
+        self._first_only = plan.stage.first_step_only
         self.name = plan.stage.name
         self.session = session
         self.run_options = run_options()  # onnxruntime's own line of a failed run is off: the StageError says it (_session, Note: a run's failure is said once)
@@ -549,6 +548,7 @@ class CodeRunner(RunnerBase):
     def __init__(self, plan: StagePlan, function: CodeFunction) -> None:
         assert plan.stage.code is not None
         self.plan = plan
+        self._first_only = plan.stage.first_step_only
         self.name: str = plan.stage.name
         self.function = function
         # The stage's params as the bundle gives them; each call gets a fresh copy of its own (below).
