@@ -171,18 +171,37 @@ $(GENAI_BUILDER)/.installed:
 $(LLAMAS)/24m/about.json: $(DECODERS)/.installed $(GENAI_BUILDER)/.installed benchmarks/llama_exports.py
 	$(DECODERS)/bin/python -m benchmarks.llama_exports --out $(LLAMAS) --builder-python $(GENAI_BUILDER)/bin/python
 
+# Issue 38's moonshot peer: OpenVINO GenAI's ContinuousBatchingPipeline (benchmarks/ovgenai_peer.py) on
+# an OpenVINO IR of the same weights, exported by optimum-intel (fp32, uncompressed). A third venv:
+# optimum-intel 2.2.0 wants transformers < 5.6 and huggingface-hub < 1.22. It requires torchvision,
+# which pip takes as a build that fails to import beside the CPU torch ("operator torchvision::nms
+# does not exist") and so breaks transformers' imports; nothing a text model's export runs needs it.
+OVGENAI := .venv-ovgenai
+
+$(OVGENAI)/.installed:
+	$(PYTHON) -m venv $(OVGENAI)
+	$(OVGENAI)/bin/python -m pip install --quiet --upgrade pip
+	$(OVGENAI)/bin/python -m pip install --quiet torch==2.13.0 openvino-genai==2026.4.1.0 'optimum-intel[openvino]==2.2.0'
+	$(OVGENAI)/bin/python -m pip uninstall --quiet --yes torchvision
+	touch $@
+
+# Only the openvino folders: the HF checkpoint is remade from the same seed by the decoders' venv.
+$(LLAMAS)/24m/openvino/openvino_model.xml: $(LLAMAS)/24m/about.json $(OVGENAI)/.installed
+	$(DECODERS)/bin/python -m benchmarks.llama_exports --out $(LLAMAS) --only openvino --openvino-python $(OVGENAI)/bin/python
+
 # Issue 38's rows: onnxpipe batched (one driver, a thread per stream), og.Generator (genai export) and a
-# plain session with its KV bound or fed numpy, at each context, for each Llama and export.
+# plain session with its KV bound or fed numpy, and OpenVINO GenAI's continuous batching, at each
+# context, for each Llama and export.
 # The optimum export materialises a batch of prompts' attention scores (streams x heads x context^2 per
 # layer): at 2048 it outgrows a 23 GB machine, so it runs the shorter contexts.
 CONTEXTS := 128,512,2048
 OPTIMUM_CONTEXTS := 128,512
 
-bench-decoders: $(LLAMAS)/24m/about.json
+bench-decoders: $(LLAMAS)/24m/about.json $(LLAMAS)/24m/openvino/openvino_model.xml
 	for llama in tiny 24m; do \
-		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export genai --contexts $(CONTEXTS) --streams 8,16 --rounds 3 || exit 1; \
-		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export optimum --contexts $(OPTIMUM_CONTEXTS) --streams 8,16 --rounds 3 || exit 1; \
+		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export genai --contexts $(CONTEXTS) --streams 8,16 --rounds 3 --ovgenai-python $(OVGENAI)/bin/python || exit 1; \
+		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export optimum --contexts $(OPTIMUM_CONTEXTS) --streams 8,16 --rounds 3 --ovgenai-python $(OVGENAI)/bin/python || exit 1; \
 	done
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(OPENVINO_MIXED) $(KSERVE) $(PYTRITON) $(DECODERS) $(GENAI_BUILDER) $(DEMO_OUT) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) $(OPENVINO) $(OPENVINO_MIXED) $(KSERVE) $(PYTRITON) $(DECODERS) $(GENAI_BUILDER) $(OVGENAI) $(DEMO_OUT) .pytest_cache .hypothesis

@@ -50,13 +50,18 @@ only; ``max_length`` the context + ``--tokens``); and the whole export in one pl
 session x 2 threads stepping the S streams as one batch, its KV bound with IOBinding
 (``benchmarks._kv_sessions``: on the genai export one preallocated buffer of context + tokens
 positions bound as past and present, ``GroupQueryAttention``'s shared buffer; on optimum's, presents
-bound as outputs and bound as the next step's pasts) or fed numpy in and out. Reported: decode
+bound as outputs and bound as the next step's pasts) or fed numpy in and out; and, where the Llama
+has its openvino export (``benchmarks.llama_exports --only openvino``, fp32) and
+``--ovgenai-python`` (default ``.venv-ovgenai``, which ``make bench-decoders`` makes) is there,
+OpenVINO GenAI's ``ContinuousBatchingPipeline`` (paged attention) stepping the S streams as requests
+added at once, the machine's cores as threads, in a process of that venv per round
+(``benchmarks.ovgenai_peer``; left out with a line that says why otherwise). Reported: decode
 tokens/s (the steps after every prompt's), p50 / p99 ms per token, TTFT; each row's p50 added from
-the shortest context to the longest; onnxpipe / og, onnxpipe / the bound session and thread per
-stream / one driver, paired per round; for onnxpipe's rows, per stage, the bytes of streams' state
+the shortest context to the longest; onnxpipe / og, onnxpipe / the bound session, thread per
+stream / one driver and onnxpipe / OpenVINO GenAI, paired per round; for onnxpipe's rows, per stage, the bytes of streams' state
 copied per decode step (``StageStats.bytes_copied`` over the stage's calls) beside one stream's KV
 per stage. Every row's tokens must equal the first's, and its last step's logits be within
-:data:`LOGITS_ATOL`, or the run fails.
+:data:`LOGITS_ATOL` (OpenVINO GenAI exposes none: its tokens alone), or the run fails.
 
 ``--only TEXT[,TEXT...]`` measures only the rows whose name contains one of the texts (and of one
 stream's step, a round's breakdown and the stateless requests, those whose name does).
@@ -83,6 +88,8 @@ import json
 import os
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -607,22 +614,54 @@ CONTEXT_ROWS = (
     ("og.Generator, batch S", "generator"),
     ("onnxruntime session x 2 threads, KV bound (IOBinding)", "bound"),
     ("onnxruntime session x 2 threads, numpy in / out", "numpy"),
+    ("OpenVINO GenAI, continuous batching", "ovgenai"),
 )
 #: The ratios of ``--contexts``, decode tokens/s paired per round: (name, numerator row, denominator row).
 CONTEXT_RATIOS = (
     ("onnxpipe one driver / og.Generator", CONTEXT_ROWS[0][0], CONTEXT_ROWS[2][0]),
     ("onnxpipe one driver / bound session", CONTEXT_ROWS[0][0], CONTEXT_ROWS[3][0]),
     ("thread per stream / one driver", CONTEXT_ROWS[1][0], CONTEXT_ROWS[0][0]),
+    ("onnxpipe one driver / OpenVINO GenAI", CONTEXT_ROWS[0][0], CONTEXT_ROWS[5][0]),
 )
 #: The most two rows' last-step logits may differ by (their tokens must be equal).
 LOGITS_ATOL = 1e-3
 
 
-def _runners(llama: Path, exporter: str, model: Any, bundle: Path) -> dict[str, Callable[..., dict[str, Any]]]:
+#: The Python of the venv OpenVINO GenAI's row runs in (``make bench-decoders`` makes it), unless ``--ovgenai-python`` says.
+OVGENAI_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ovgenai" / "bin" / "python"
+
+
+def _ovgenai(folder: Path, python: Path, streams: int, past: int, tokens: int, vocab: int) -> dict[str, Any]:
+    """OpenVINO GenAI's continuous batching on the openvino export ``folder``: the S prompts as
+    requests added at once, stepped until done, greedy, in a process of ``python``
+    (:mod:`benchmarks.ovgenai_peer`, the machine's cores as threads); its step times reduced as every
+    row's. It exposes no logits: :func:`_check` compares its tokens alone."""
+    request = {"model": str(folder), "prompts": [_prompt(k, past, vocab) for k in range(streams)], "tokens": tokens,
+               "threads": len(os.sched_getaffinity(0))}
+    done = subprocess.run([str(python), "-m", "benchmarks.ovgenai_peer"], input=json.dumps(request), capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    if done.returncode:
+        raise RuntimeError(f"benchmarks.ovgenai_peer ({python}) failed:\n{done.stderr[-4000:]}")
+    out = json.loads(done.stdout.splitlines()[-1])
+    decoding = sum(out["times"])
+    return {**_rates(streams, tokens, out["elapsed"], decoding, out["first"], out["times"]), "tokens": out["tokens"], "logits": np.empty(0)}
+
+
+def _ovgenai_missing(llama: Path, python: Path) -> str | None:
+    """Why OpenVINO GenAI's row cannot run on ``llama`` with ``python``, or None."""
+    if not (llama / "openvino" / "openvino_model.xml").exists():
+        return (f"no OpenVINO export {llama / 'openvino'} (make it: python -m benchmarks.llama_exports --which {llama.name} --only openvino "
+                "--openvino-python .venv-ovgenai/bin/python, or make bench-decoders)")
+    if not python.exists():
+        return f"no {python} (make it: make .venv-ovgenai/.installed, or make bench-decoders)"
+    return None
+
+
+def _runners(llama: Path, exporter: str, model: Any, bundle: Path, ovgenai_python: Path = OVGENAI_PYTHON) -> dict[str, Callable[..., dict[str, Any]]]:
     """Each ``--contexts`` row's runner, called as ``runner(streams, context, tokens, vocab)``;
     the bound session's KV is the export's: one shared buffer (genai) or presents fed back (optimum)."""
     return {"driver": partial(_driver, bundle, micro=None), "threads": partial(_threads, bundle, micro=None),
-            "generator": partial(_generator, llama / "genai"),
+            "generator": partial(_generator, llama / "genai"), "ovgenai": partial(_ovgenai, llama / "openvino", ovgenai_python),
             "bound": partial(_lockstep, model, threads=2, kv="shared" if exporter == "genai" else "fed back"),
             "numpy": partial(_lockstep, model, threads=2)}
 
@@ -636,7 +675,8 @@ def _check(results: Mapping[str, Mapping[str, Any]], context: int, streams: int)
     """Every row's tokens equal the first row's and its last step's logits are within
     :data:`LOGITS_ATOL` of them; the largest difference. Raises RuntimeError naming the rows otherwise.
     A row that ends a stream at one of its ``stops_at`` tokens (``og.Generator``) is compared up to
-    it, and its last logits only on the streams that did not end."""
+    it, and its last logits only on the streams that did not end; a row that exposes no logits
+    (OpenVINO GenAI's pipeline: empty ``logits``) by its tokens alone."""
     (first, ref), *others = results.items()
     worst = 0.0
     for name, r in others:
@@ -706,8 +746,10 @@ def _measure_contexts(rows: Mapping[str, Callable[[int, int], dict[str, Any]]], 
 
 
 def run_contexts(llama: Path, exporter: str, contexts: tuple[int, ...], streams: tuple[int, ...], tokens: int, rounds: int,
-                 only: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Issue 38's decoder rows (:data:`CONTEXT_ROWS`; ``og.Generator`` on the genai export only)
+                 only: tuple[str, ...] = (), ovgenai_python: Path = OVGENAI_PYTHON) -> dict[str, Any]:
+    """Issue 38's decoder rows (:data:`CONTEXT_ROWS`; ``og.Generator`` on the genai export only,
+    OpenVINO GenAI where the Llama has its openvino export and ``ovgenai_python`` is there, else
+    left out with a line on stderr)
     at each context and stream count, ``rounds`` interleaved rounds, every row's tokens and
     last logits checked against the first's in each (:func:`_check`)."""
     model, described, cut = _llama(llama, exporter)
@@ -715,8 +757,11 @@ def run_contexts(llama: Path, exporter: str, contexts: tuple[int, ...], streams:
         raise SystemExit(f"{llama / 'genai'} holds {described['context_length']} positions (its cos_cache), fewer than context "
                          f"{max(contexts)} + {tokens} tokens: remake the Llamas (benchmarks.llama_exports) or give shorter --contexts")
     rows = [r for r in CONTEXT_ROWS if (exporter == "genai" or r[1] != "generator") and (not only or any(t in r[0] for t in only))]
+    if any(how == "ovgenai" for _, how in rows) and (missing := _ovgenai_missing(llama, ovgenai_python)):
+        print(f"skipped {CONTEXT_ROWS[5][0]!r}: {missing}", file=sys.stderr)
+        rows = [r for r in rows if r[1] != "ovgenai"]
     with tempfile.TemporaryDirectory() as tmp:
-        runners = _runners(llama, exporter, model, _bundle(model, cut, MAX_BATCH, Path(tmp)))
+        runners = _runners(llama, exporter, model, _bundle(model, cut, MAX_BATCH, Path(tmp)), ovgenai_python)
         named = {name: partial(runners[how], tokens=tokens, vocab=described["vocab"]) for name, how in rows}
         measured, worst = _measure_contexts(named, contexts, streams, rounds)
     table = [_context_row(how, s, c, runs) for (c, s, how), runs in measured.items()]
@@ -834,6 +879,8 @@ def main() -> None:
                         help="with --llama: which export onnxpipe splits (genai: the very file og.Generator runs)")
     parser.add_argument("--contexts", metavar="N[,N...]", help="with --llama: issue 38's rows (onnxpipe batched by one driver and by a "
                         "thread per stream, og.Generator, a bound and a numpy-fed session) with prompts of each N tokens, decode tokens/s")
+    parser.add_argument("--ovgenai-python", type=Path, default=OVGENAI_PYTHON,
+                        help="with --contexts: the Python OpenVINO GenAI's row runs in (default: this checkout's .venv-ovgenai)")
     parser.add_argument("--only", metavar="TEXT[,TEXT...]",
                         help=f"measure only the rows (and of {ONE_STREAM!r}, {ROUND!r}, {STATELESS!r}) whose name contains one of the TEXTs")
     parser.add_argument("--against", metavar="REV", help="measure this checkout beside git revision REV, rounds interleaved, and print new / old "
@@ -849,7 +896,8 @@ def main() -> None:
         parser.error("--contexts needs --llama")
     streams = tuple(int(s) for s in args.streams.split(","))
     if args.contexts:
-        result = run_contexts(args.llama, args.export, tuple(int(c) for c in args.contexts.split(",")), streams, args.tokens, args.rounds, only)
+        result = run_contexts(args.llama, args.export, tuple(int(c) for c in args.contexts.split(",")), streams, args.tokens, args.rounds, only,
+                              args.ovgenai_python)
     else:
         result = run(args.layers, args.hidden, args.heads, args.past, args.tokens, args.rounds, streams, args.llama, args.export, only)
     if args.json:

@@ -116,3 +116,52 @@ def test_the_context_ratios_are_paired_by_round_and_the_step_added_is_the_longes
                                                 "median": 1.25, "min": 0.5, "max": 2.0}]
     rows = [{"how": driver, "streams": 8, "context": c, "p50_ms": ms} for c, ms in ((2048, 30.0), (128, 10.0), (512, 15.0))]
     assert _step_added(rows) == [{"how": driver, "streams": 8, "ms": 20.0}]
+
+
+def _fake_ovgenai(where: Path, figures: dict[str, object]) -> Path:
+    """A stand-in for the OpenVINO GenAI venv's Python: it prints ``figures`` as benchmarks.ovgenai_peer
+    would, and keeps the request it was given beside itself."""
+    python = where / "python"
+    python.write_text(f"#!/bin/sh\ncat > {where / 'request.json'}\necho '{json.dumps(figures)}'\n")
+    python.chmod(0o755)
+    return python
+
+
+def test_the_openvino_row_reduces_the_peers_step_times_as_every_rows_and_is_compared_by_its_tokens(tmp_path: Path) -> None:
+    """Its decode tokens/s are the steps after every prompt's first token (3 streams x 2 tokens over
+    their 0.3 s), TTFT the time to every stream's first; the request carries the prompts, the token
+    count and the cores; with no logits exposed, _check compares its tokens alone."""
+    import os
+
+    from benchmarks.batching import _check, _ovgenai, _prompt
+
+    python = _fake_ovgenai(tmp_path, {"tokens": [[5, 6, 7]] * 3, "first": [0.5], "times": [0.1, 0.2], "elapsed": 0.8})
+    row = _ovgenai(tmp_path / "openvino", python, streams=3, past=4, tokens=3, vocab=64)
+    assert row["decode_per_s"] == pytest.approx(3 * 2 / 0.3) and row["tokens_per_s"] == pytest.approx(3 * 3 / 0.8)
+    assert row["ttft_ms"] == pytest.approx(500.0) and row["p50_ms"] == pytest.approx(200.0) and len(row["logits"]) == 0
+    request = json.loads((tmp_path / "request.json").read_text())
+    assert request == {"model": str(tmp_path / "openvino"), "prompts": [_prompt(k, 4, 64) for k in range(3)], "tokens": 3,
+                       "threads": len(os.sched_getaffinity(0))}
+    ref = {"tokens": [[5, 6, 7]] * 3, "logits": np.zeros((3, 5), np.float32)}
+    assert _check({"a": ref, "ov": row}, 4, 3) == 0.0
+    with pytest.raises(RuntimeError, match="'ov' against 'a': stream 0's tokens differ: \\[5, 6, 7\\] against \\[5, 6, 8\\]"):
+        _check({"a": {**ref, "tokens": [[5, 6, 8]] * 3}, "ov": row}, 4, 3)
+
+
+def test_the_openvino_row_is_left_out_with_a_line_saying_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the Llama's openvino export, or without the venv that runs it, the row is skipped and says so."""
+    from benchmarks import batching
+
+    llama = _llama_folder(tmp_path)
+    assert "no OpenVINO export" in str(batching._ovgenai_missing(llama, Path("/bin/sh")))
+    (llama / "openvino").mkdir()
+    (llama / "openvino" / "openvino_model.xml").write_text("")
+    assert "no /nowhere/python (make it: make .venv-ovgenai/.installed" in str(batching._ovgenai_missing(llama, Path("/nowhere/python")))
+    assert batching._ovgenai_missing(llama, Path("/bin/sh")) is None
+    monkeypatch.setattr(batching, "INPUTS", set(batching.INPUTS))
+    monkeypatch.setattr(batching, "HEAD_SIZE", [0])
+    result = batching.run_contexts(llama, "optimum", (4,), (2,), tokens=3, rounds=1, only=("one driver", "OpenVINO"),
+                                   ovgenai_python=Path("/nowhere/python"))
+    assert {r["how"] for r in result["rows"]} == {"onnxpipe batched, one driver"}
+    assert "skipped 'OpenVINO GenAI, continuous batching': no /nowhere/python" in capsys.readouterr().err
