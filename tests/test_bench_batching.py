@@ -58,14 +58,14 @@ def _llama_folder(where: Path) -> Path:
 
 @pytest.mark.parametrize("exporter", ["genai", "optimum"])
 def test_the_context_rows_decode_the_same_tokens_and_report_the_bytes_copied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exporter: str) -> None:
-    """--contexts on a Llama folder (without og.Generator's row, which needs onnxruntime-genai):
+    """--contexts on a Llama folder (without og.Generator's and OpenVINO GenAI's rows, which need their venvs):
     every row at every context, tokens checked equal, onnxpipe's bytes copied per stage."""
     from benchmarks import batching
 
     monkeypatch.setattr(batching, "INPUTS", set(batching.INPUTS))  # the genai export drops position_ids for the process
     monkeypatch.setattr(batching, "HEAD_SIZE", [0])
     result = batching.run_contexts(_llama_folder(tmp_path), exporter, (4, 8), (2,), tokens=3, rounds=1, only=("onnxpipe", "session"))
-    names = [name for name, how in batching.CONTEXT_ROWS if how != "generator"]
+    names = [name for name, how in batching.CONTEXT_ROWS if how not in ("generator", "ovgenai")]
     assert {(r["how"], r["streams"], r["context"]) for r in result["rows"]} == {(n, 2, c) for n in names for c in (4, 8)}
     assert all(r["tokens_per_s"] > 0 and r["p99_ms"] > 0 and r["ttft_ms"] > 0 for r in result["rows"])
     assert all(len(r["copied"]) == 2 and min(r["copied"]) >= 0 for r in result["rows"] if r["how"].startswith("onnxpipe"))
