@@ -657,6 +657,16 @@ def _ovgenai_missing(llama: Path, python: Path) -> str | None:
     return None
 
 
+def _runnable(rows: list[tuple[str, str]], llama: Path, exporter: str, ovgenai_python: Path) -> list[tuple[str, str]]:
+    """``rows`` less the peers that cannot run: ``og.Generator`` but on the genai export, OpenVINO
+    GenAI without its export or venv (with a line on stderr that says why)."""
+    rows = [r for r in rows if exporter == "genai" or r[1] != "generator"]
+    if any(how == "ovgenai" for _, how in rows) and (missing := _ovgenai_missing(llama, ovgenai_python)):
+        print(f"skipped {CONTEXT_ROWS[5][0]!r}: {missing}", file=sys.stderr)
+        return [r for r in rows if r[1] != "ovgenai"]
+    return rows
+
+
 def _runners(llama: Path, exporter: str, model: Any, bundle: Path, ovgenai_python: Path = OVGENAI_PYTHON) -> dict[str, Callable[..., dict[str, Any]]]:
     """Each ``--contexts`` row's runner, called as ``runner(streams, context, tokens, vocab)``;
     the bound session's KV is the export's: one shared buffer (genai) or presents fed back (optimum)."""
@@ -756,10 +766,7 @@ def run_contexts(llama: Path, exporter: str, contexts: tuple[int, ...], streams:
     if exporter == "genai" and max(contexts) + tokens > described["context_length"]:
         raise SystemExit(f"{llama / 'genai'} holds {described['context_length']} positions (its cos_cache), fewer than context "
                          f"{max(contexts)} + {tokens} tokens: remake the Llamas (benchmarks.llama_exports) or give shorter --contexts")
-    rows = [r for r in CONTEXT_ROWS if (exporter == "genai" or r[1] != "generator") and (not only or any(t in r[0] for t in only))]
-    if any(how == "ovgenai" for _, how in rows) and (missing := _ovgenai_missing(llama, ovgenai_python)):
-        print(f"skipped {CONTEXT_ROWS[5][0]!r}: {missing}", file=sys.stderr)
-        rows = [r for r in rows if r[1] != "ovgenai"]
+    rows = _runnable([r for r in CONTEXT_ROWS if not only or any(t in r[0] for t in only)], llama, exporter, ovgenai_python)
     with tempfile.TemporaryDirectory() as tmp:
         runners = _runners(llama, exporter, model, _bundle(model, cut, MAX_BATCH, Path(tmp)), ovgenai_python)
         named = {name: partial(runners[how], tokens=tokens, vocab=described["vocab"]) for name, how in rows}

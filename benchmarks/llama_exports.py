@@ -59,22 +59,27 @@ def make(out: Path, name: str, builder_python: str | None, openvino_python: str 
         tokenizer = Tokenizer(models.WordLevel(words, unk_token="t0"))
         tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
         PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(hf)
-        if "optimum" in only:
-            from optimum.exporters.onnx import main_export
-
-            main_export(str(hf), output=folder / "optimum", task="text-generation-with-past", device="cpu")
-        if "genai" in only:
-            assert builder_python is not None
-            subprocess.run([builder_python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(folder / "genai"), "-p", "fp32",
-                            "-e", "cpu", "-c", str(Path(tmp) / "cache")], check=True)
-        if "openvino" in only:
-            assert openvino_python is not None
-            subprocess.run(openvino_command(openvino_python, hf, folder / "openvino"), check=True)
+        _export(hf, folder, only, builder_python, openvino_python)
     if {"optimum", "genai"} & set(only) or not (folder / "about.json").exists():
         (folder / "about.json").write_text(json.dumps({"name": name, "parameters": params, "hidden": hidden, "layers": layers, "heads": heads,
                                                        "kv_heads": kv_heads, "intermediate": intermediate, "vocab": vocab, "positions": POSITIONS},
                                                       indent=2))
     return folder
+
+
+def _export(hf: Path, folder: Path, only: tuple[str, ...], builder_python: str | None, openvino_python: str | None) -> None:
+    """The exports ``only`` names of the checkpoint ``hf``, each in its folder under ``folder``."""
+    if "optimum" in only:
+        from optimum.exporters.onnx import main_export
+
+        main_export(str(hf), output=folder / "optimum", task="text-generation-with-past", device="cpu")
+    if "genai" in only:
+        assert builder_python is not None
+        subprocess.run([builder_python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(folder / "genai"), "-p", "fp32",
+                        "-e", "cpu", "-c", str(hf.parent / "cache")], check=True)
+    if "openvino" in only:
+        assert openvino_python is not None
+        subprocess.run(openvino_command(openvino_python, hf, folder / "openvino"), check=True)
 
 
 def openvino_command(python: str, checkpoint: Path, folder: Path) -> list[str]:
