@@ -116,3 +116,34 @@ def test_the_context_ratios_are_paired_by_round_and_the_step_added_is_the_longes
                                                 "median": 1.25, "min": 0.5, "max": 2.0}]
     rows = [{"how": driver, "streams": 8, "context": c, "p50_ms": ms} for c, ms in ((2048, 30.0), (128, 10.0), (512, 15.0))]
     assert _step_added(rows) == [{"how": driver, "streams": 8, "ms": 20.0}]
+
+
+def test_a_layout_is_written_stages_x_threads_and_other_layouts_get_rows_and_ratios_of_their_own() -> None:
+    from benchmarks.batching import CONTEXT_RATIOS, CONTEXT_ROWS, Layout, layout_rows
+
+    assert Layout.parse("2x1") == Layout() and str(Layout.parse(" 2x2:1 ")) == "2x2:1" and Layout.parse("1x2") == Layout(1, 2, None)
+    for bad in ("3x1", "2x0", "2x1:0", "2", "x1", "2x1:"):
+        with pytest.raises(ValueError, match="STAGESxTHREADS"):
+            Layout.parse(bad)
+    rows, ratios = layout_rows((Layout(), Layout(2, 2, 1)))
+    assert rows[: len(CONTEXT_ROWS)] == [(name, how, Layout()) for name, how in CONTEXT_ROWS]
+    assert rows[len(CONTEXT_ROWS):] == [("onnxpipe batched 2x2:1, one driver", "driver", Layout(2, 2, 1)),
+                                        ("onnxpipe batched 2x2:1, thread per stream", "threads", Layout(2, 2, 1))]
+    assert ratios[: len(CONTEXT_RATIOS)] == list(CONTEXT_RATIOS)
+    assert [r[0] for r in ratios[len(CONTEXT_RATIOS):]] == ["onnxpipe 2x2:1 one driver / og.Generator", "onnxpipe 2x2:1 one driver / bound session",
+                                                            "2x2:1: thread per stream / one driver"]
+
+
+def test_each_layout_runs_its_own_bundle_and_decodes_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stage x 1 thread beside the 2 x 1 pipeline: both checked against each other's tokens."""
+    from benchmarks import batching
+
+    monkeypatch.setattr(batching, "INPUTS", set(batching.INPUTS))
+    monkeypatch.setattr(batching, "HEAD_SIZE", [0])
+    result = batching.run_contexts(_llama_folder(tmp_path), "genai", (4,), (2,), tokens=3, rounds=1, only=("one driver",),
+                                   layouts=(batching.Layout(), batching.Layout(1, 1, 1)))
+    assert result["order"] == ["onnxpipe batched, one driver", "onnxpipe batched 1x1:1, one driver"]
+    assert result["model"]["layouts"] == ["2x1", "1x1:1"]
+    copied = {r["how"]: r["copied"] for r in result["rows"]}
+    assert len(copied["onnxpipe batched, one driver"]) == 2 and len(copied["onnxpipe batched 1x1:1, one driver"]) == 1
+    assert {q["ratio"] for q in result["ratios"]} == set()  # neither og nor the bound session was measured
