@@ -513,25 +513,28 @@ def _llama(llama: Path, exporter: str) -> tuple[Any, dict[str, Any], list[str]]:
 class Layout:
     """How onnxpipe's pipeline of a ``--llama`` is laid out on the cores: ``stages`` (1: the whole
     export in one stage; 2: split between its middle layers) x ``threads`` each, and
-    ``micro_batches`` (None: one per stage). Written ``STAGESxTHREADS[:MICRO]``, as ``2x1`` or
-    ``2x2:1``. One thread per stage is pinned to a core of its own where there are enough; more
-    threads are not pinned (the stages then share the cores, each using all of them when the other
-    waits), and spinning stays off (onnxpipe's default: a spinning pool steals the other stage's core)."""
+    ``micro_batches`` (None: one per stage), and whether the stages' thread pools spin.
+    Written ``STAGESxTHREADS[:MICRO][+spin]``, as ``2x1``, ``2x2:1`` or ``1x2+spin``. One thread per
+    stage is pinned to a core of its own where there are enough; more threads are not pinned (the
+    stages then share the cores, each using all of them when the other waits). Spinning is off
+    unless ``+spin`` (onnxpipe's default: a spinning pool steals the other stage's core; a pool that
+    does not spin wakes its threads through the OS at every parallel section)."""
 
     stages: int = 2
     threads: int = 1
     micro_batches: int | None = None
+    spinning: bool = False
 
     def __str__(self) -> str:
-        return f"{self.stages}x{self.threads}" + (f":{self.micro_batches}" if self.micro_batches else "")
+        return f"{self.stages}x{self.threads}" + (f":{self.micro_batches}" if self.micro_batches else "") + ("+spin" if self.spinning else "")
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        found = re.fullmatch(r"([12])x([1-9][0-9]*)(?::([1-9][0-9]*))?", text.strip())
+        found = re.fullmatch(r"([12])x([1-9][0-9]*)(?::([1-9][0-9]*))?(\+spin)?", text.strip())
         if not found:
-            raise ValueError(f"layout {text!r}: write STAGESxTHREADS[:MICRO_BATCHES], stages 1 or 2, as 2x1 or 2x2:1")
+            raise ValueError(f"layout {text!r}: write STAGESxTHREADS[:MICRO_BATCHES][+spin], stages 1 or 2, as 2x1, 2x2:1 or 1x2+spin")
         micro = found.group(3)
-        return cls(int(found.group(1)), int(found.group(2)), int(micro) if micro else None)
+        return cls(int(found.group(1)), int(found.group(2)), int(micro) if micro else None, bool(found.group(4)))
 
 
 #: onnxpipe's layout in every row but ``--layouts``' others: 2 stages x 1 thread, one micro-batch per stage.
@@ -547,7 +550,7 @@ def _bundle(model: Any, cut: list[str], batch: int, where: Path, layout: Layout 
     pin = layout.threads == 1 and len(cores) >= layout.stages
     for c, stage in enumerate(plan.config.stages):
         stage.configure(intra_op_threads=layout.threads, affinity=[cores[c]] if pin else None, max_batch=batch,
-                        max_delay_ms=DELAY_MS if batch > 1 else 0.0)
+                        max_delay_ms=DELAY_MS if batch > 1 else 0.0, spinning=layout.spinning)
     return export(build(plan.config, where / "built").path, where / "bundle")
 
 
@@ -650,10 +653,11 @@ CONTEXT_RATIOS = (
 LOGITS_ATOL = 1e-3
 
 
-def _runners(llama: Path, exporter: str, model: Any, bundle: Path) -> dict[str, Callable[..., dict[str, Any]]]:
-    """Each ``--contexts`` row's runner, called as ``runner(streams, context, tokens, vocab)``;
-    the bound session's KV is the export's: one shared buffer (genai) or presents fed back (optimum)."""
-    return {"driver": partial(_driver, bundle, micro=None), "threads": partial(_threads, bundle, micro=None),
+def _runners(llama: Path, exporter: str, model: Any, bundle: Path, micro: int | None = None) -> dict[str, Callable[..., dict[str, Any]]]:
+    """Each ``--contexts`` row's runner, called as ``runner(streams, context, tokens, vocab)``
+    (onnxpipe's on ``bundle`` in ``micro`` micro-batches; None: one per stage); the bound session's
+    KV is the export's: one shared buffer (genai) or presents fed back (optimum)."""
+    return {"driver": partial(_driver, bundle, micro=micro), "threads": partial(_threads, bundle, micro=micro),
             "generator": partial(_generator, llama / "genai"),
             "bound": partial(_lockstep, model, threads=2, kv="shared" if exporter == "genai" else "fed back"),
             "numpy": partial(_lockstep, model, threads=2)}
@@ -768,7 +772,8 @@ def run_contexts(llama: Path, exporter: str, contexts: tuple[int, ...], streams:
     with tempfile.TemporaryDirectory() as tmp:
         piped = dict.fromkeys(layout for _, how, layout in rows if how in ("driver", "threads"))
         bundles = {layout: _bundle(model, cut, MAX_BATCH, Path(tmp) / str(layout).replace(":", "-"), layout) for layout in piped}
-        runs = {name: partial(_runners(llama, exporter, model, bundles.get(layout, Path(tmp)))[how], tokens=tokens, vocab=described["vocab"])
+        runs = {name: partial(_runners(llama, exporter, model, bundles.get(layout, Path(tmp)), layout.micro_batches)[how], tokens=tokens,
+                              vocab=described["vocab"])
                 for name, how, layout in rows}
         measured, worst = _measure_contexts(runs, contexts, streams, rounds)
     table = [_context_row(how, s, c, runs) for (c, s, how), runs in measured.items()]
@@ -784,7 +789,8 @@ def _described(layout: str) -> str:
     """``layout`` (as :class:`Layout` writes it) in words."""
     got = Layout.parse(layout)
     micro = f", {got.micro_batches} micro-batch{'es' if got.micro_batches > 1 else ''}" if got.micro_batches else ""
-    return f"{got.stages} stage{'s' if got.stages > 1 else ''} x {got.threads} thread{'s' if got.threads > 1 else ''}{micro}"
+    spin = ", spinning" if got.spinning else ""
+    return f"{got.stages} stage{'s' if got.stages > 1 else ''} x {got.threads} thread{'s' if got.threads > 1 else ''}{micro}{spin}"
 
 
 def print_contexts(result: dict[str, Any]) -> None:

@@ -122,7 +122,8 @@ def test_a_layout_is_written_stages_x_threads_and_other_layouts_get_rows_and_rat
     from benchmarks.batching import CONTEXT_RATIOS, CONTEXT_ROWS, Layout, layout_rows
 
     assert Layout.parse("2x1") == Layout() and str(Layout.parse(" 2x2:1 ")) == "2x2:1" and Layout.parse("1x2") == Layout(1, 2, None)
-    for bad in ("3x1", "2x0", "2x1:0", "2", "x1", "2x1:"):
+    assert Layout.parse("1x2+spin") == Layout(1, 2, None, True) and str(Layout(2, 2, 1, True)) == "2x2:1+spin"
+    for bad in ("3x1", "2x0", "2x1:0", "2", "x1", "2x1:", "2x1+spun"):
         with pytest.raises(ValueError, match="STAGESxTHREADS"):
             Layout.parse(bad)
     rows, ratios = layout_rows((Layout(), Layout(2, 2, 1)))
@@ -135,15 +136,17 @@ def test_a_layout_is_written_stages_x_threads_and_other_layouts_get_rows_and_rat
 
 
 def test_each_layout_runs_its_own_bundle_and_decodes_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One stage x 1 thread beside the 2 x 1 pipeline: both checked against each other's tokens."""
+    """The 2 x 1 pipeline in one micro-batch beside its default (one per stage): each layout its
+    own bundle and clients, checked against each other's tokens."""
     from benchmarks import batching
 
     monkeypatch.setattr(batching, "INPUTS", set(batching.INPUTS))
     monkeypatch.setattr(batching, "HEAD_SIZE", [0])
     result = batching.run_contexts(_llama_folder(tmp_path), "genai", (4,), (2,), tokens=3, rounds=1, only=("one driver",),
-                                   layouts=(batching.Layout(), batching.Layout(1, 1, 1)))
-    assert result["order"] == ["onnxpipe batched, one driver", "onnxpipe batched 1x1:1, one driver"]
-    assert result["model"]["layouts"] == ["2x1", "1x1:1"]
-    copied = {r["how"]: r["copied"] for r in result["rows"]}
-    assert len(copied["onnxpipe batched, one driver"]) == 2 and len(copied["onnxpipe batched 1x1:1, one driver"]) == 1
+                                   layouts=(batching.Layout(), batching.Layout(1, 1, 1), batching.Layout(2, 1, 1)))
+    assert result["order"] == ["onnxpipe batched, one driver", "onnxpipe batched 1x1:1, one driver", "onnxpipe batched 2x1:1, one driver"]
+    assert result["model"]["layouts"] == ["2x1", "1x1:1", "2x1:1"]
+    batches = {r["how"]: r["batch_mean"] for r in result["rows"]}
+    assert batches == {"onnxpipe batched, one driver": [1.0, 1.0], "onnxpipe batched 1x1:1, one driver": [2.0],
+                       "onnxpipe batched 2x1:1, one driver": [2.0, 2.0]}  # a stage each; 2 micro-batches of 1 stream, or one of 2
     assert {q["ratio"] for q in result["ratios"]} == set()  # neither og nor the bound session was measured
