@@ -84,6 +84,7 @@ by round.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -515,14 +516,48 @@ def _llama(llama: Path, exporter: str) -> tuple[Any, dict[str, Any], list[str]]:
     return model, described, between_layers(model, described["layers"] // 2 - 1)
 
 
-def _bundle(model: Any, cut: list[str], batch: int, where: Path) -> Path:
-    """``model`` split at ``cut`` into 2 stages x 1 thread (pinned to a core each where there are
-    2), batching up to ``batch`` steps a call: the bundle."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How onnxpipe's pipeline of a ``--llama`` is laid out on the cores: ``stages`` (1: the whole
+    export in one stage; 2: split between its middle layers) x ``threads`` each, and
+    ``micro_batches`` (None: one per stage), and whether the stages' thread pools spin.
+    Written ``STAGESxTHREADS[:MICRO][+spin]``, as ``2x1``, ``2x2:1`` or ``1x2+spin``. One thread per
+    stage is pinned to a core of its own where there are enough; more threads are not pinned (the
+    stages then share the cores, each using all of them when the other waits). Spinning is off
+    unless ``+spin`` (onnxpipe's default: a spinning pool steals the other stage's core; a pool that
+    does not spin wakes its threads through the OS at every parallel section)."""
+
+    stages: int = 2
+    threads: int = 1
+    micro_batches: int | None = None
+    spinning: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.stages}x{self.threads}" + (f":{self.micro_batches}" if self.micro_batches else "") + ("+spin" if self.spinning else "")
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        found = re.fullmatch(r"([12])x([1-9][0-9]*)(?::([1-9][0-9]*))?(\+spin)?", text.strip())
+        if not found:
+            raise ValueError(f"layout {text!r}: write STAGESxTHREADS[:MICRO_BATCHES][+spin], stages 1 or 2, as 2x1, 2x2:1 or 1x2+spin")
+        micro = found.group(3)
+        return cls(int(found.group(1)), int(found.group(2)), int(micro) if micro else None, bool(found.group(4)))
+
+
+#: onnxpipe's layout in every row but ``--layouts``' others: 2 stages x 1 thread, one micro-batch per stage.
+PIPELINE = Layout()
+
+
+def _bundle(model: Any, cut: list[str], batch: int, where: Path, layout: Layout = PIPELINE) -> Path:
+    """``model`` split at ``cut`` into ``layout``'s stages x threads (1 thread pinned to a core
+    of its own where there are enough), batching up to ``batch`` steps a call: the bundle."""
     cores = sorted(os.sched_getaffinity(0))
-    plan = split(model, [cut], states="auto", dims={"kv_cache_dim": HEAD_SIZE[0]} if HEAD_SIZE[0] else None)
+    how: dict[str, Any] = {"cuts": [cut]} if layout.stages == 2 else {"assignment": {n.name: 0 for n in model.graph.node}}
+    plan = split(model, **how, states="auto", dims={"kv_cache_dim": HEAD_SIZE[0]} if HEAD_SIZE[0] else None)
+    pin = layout.threads == 1 and len(cores) >= layout.stages
     for c, stage in enumerate(plan.config.stages):
-        stage.configure(intra_op_threads=1, affinity=[cores[c]] if len(cores) >= 2 else None, max_batch=batch,
-                        max_delay_ms=DELAY_MS if batch > 1 else 0.0)
+        stage.configure(intra_op_threads=layout.threads, affinity=[cores[c]] if pin else None, max_batch=batch,
+                        max_delay_ms=DELAY_MS if batch > 1 else 0.0, spinning=layout.spinning)
     return export(build(plan.config, where / "built").path, where / "bundle")
 
 
@@ -657,23 +692,42 @@ def _ovgenai_missing(llama: Path, python: Path) -> str | None:
     return None
 
 
-def _runnable(rows: list[tuple[str, str]], llama: Path, exporter: str, ovgenai_python: Path) -> list[tuple[str, str]]:
+def _runnable(rows: list[tuple[str, str, Layout]], llama: Path, exporter: str, ovgenai_python: Path) -> list[tuple[str, str, Layout]]:
     """``rows`` less the peers that cannot run: ``og.Generator`` but on the genai export, OpenVINO
     GenAI without its export or venv (with a line on stderr that says why)."""
     rows = [r for r in rows if exporter == "genai" or r[1] != "generator"]
-    if any(how == "ovgenai" for _, how in rows) and (missing := _ovgenai_missing(llama, ovgenai_python)):
+    if any(r[1] == "ovgenai" for r in rows) and (missing := _ovgenai_missing(llama, ovgenai_python)):
         print(f"skipped {CONTEXT_ROWS[5][0]!r}: {missing}", file=sys.stderr)
         return [r for r in rows if r[1] != "ovgenai"]
     return rows
 
 
-def _runners(llama: Path, exporter: str, model: Any, bundle: Path, ovgenai_python: Path = OVGENAI_PYTHON) -> dict[str, Callable[..., dict[str, Any]]]:
-    """Each ``--contexts`` row's runner, called as ``runner(streams, context, tokens, vocab)``;
-    the bound session's KV is the export's: one shared buffer (genai) or presents fed back (optimum)."""
-    return {"driver": partial(_driver, bundle, micro=None), "threads": partial(_threads, bundle, micro=None),
+def _runners(llama: Path, exporter: str, model: Any, bundle: Path, micro: int | None = None,
+             ovgenai_python: Path = OVGENAI_PYTHON) -> dict[str, Callable[..., dict[str, Any]]]:
+    """Each ``--contexts`` row's runner, called as ``runner(streams, context, tokens, vocab)``
+    (onnxpipe's on ``bundle`` in ``micro`` micro-batches; None: one per stage); the bound session's
+    KV is the export's: one shared buffer (genai) or presents fed back (optimum)."""
+    return {"driver": partial(_driver, bundle, micro=micro), "threads": partial(_threads, bundle, micro=micro),
             "generator": partial(_generator, llama / "genai"), "ovgenai": partial(_ovgenai, llama / "openvino", ovgenai_python),
             "bound": partial(_lockstep, model, threads=2, kv="shared" if exporter == "genai" else "fed back"),
             "numpy": partial(_lockstep, model, threads=2)}
+
+
+def layout_rows(layouts: tuple[Layout, ...]) -> tuple[list[tuple[str, str, Layout]], list[tuple[str, str, str]]]:
+    """The ``--contexts`` rows and ratios with ``layouts``: :data:`CONTEXT_ROWS` (onnxpipe's in the
+    first layout) as (name, runner, layout), then each other layout's onnxpipe rows (one driver, a
+    thread per stream), named with it; the ratios, :data:`CONTEXT_RATIOS` and the same of each other layout."""
+    first, *others = layouts
+    rows = [(name, how, first) for name, how in CONTEXT_ROWS]
+    ratios = list(CONTEXT_RATIOS)
+    for layout in others:
+        driver, threads = f"onnxpipe batched {layout}, one driver", f"onnxpipe batched {layout}, thread per stream"
+        rows += [(driver, "driver", layout), (threads, "threads", layout)]
+        ratios += [(f"onnxpipe {layout} one driver / og.Generator", driver, CONTEXT_ROWS[2][0]),
+                   (f"onnxpipe {layout} one driver / bound session", driver, CONTEXT_ROWS[3][0]),
+                   (f"{layout}: thread per stream / one driver", threads, driver),
+                   (f"onnxpipe {layout} one driver / OpenVINO GenAI", driver, CONTEXT_ROWS[5][0])]
+    return rows, ratios
 
 
 def _until(tokens: list[int], stops: set[int]) -> list[int]:
@@ -718,10 +772,10 @@ def _context_row(how: str, streams: int, context: int, runs: list[dict[str, Any]
 
 
 def _paired(measured: Mapping[tuple[int, int, str], list[dict[str, Any]]], contexts: tuple[int, ...],
-            streams: tuple[int, ...]) -> list[dict[str, Any]]:
-    """:data:`CONTEXT_RATIOS` of decode tokens/s, round k over round k, with their spread."""
+            streams: tuple[int, ...], ratios: tuple[tuple[str, str, str], ...] | list[tuple[str, str, str]] = CONTEXT_RATIOS) -> list[dict[str, Any]]:
+    """``ratios`` (:data:`CONTEXT_RATIOS`) of decode tokens/s, round k over round k, with their spread."""
     out = []
-    for name, a, b in CONTEXT_RATIOS:
+    for name, a, b in ratios:
         for c in contexts:
             for s in streams:
                 if (c, s, a) in measured and (c, s, b) in measured:
@@ -756,38 +810,53 @@ def _measure_contexts(rows: Mapping[str, Callable[[int, int], dict[str, Any]]], 
 
 
 def run_contexts(llama: Path, exporter: str, contexts: tuple[int, ...], streams: tuple[int, ...], tokens: int, rounds: int,
-                 only: tuple[str, ...] = (), ovgenai_python: Path = OVGENAI_PYTHON) -> dict[str, Any]:
+                 only: tuple[str, ...] = (), ovgenai_python: Path = OVGENAI_PYTHON, layouts: tuple[Layout, ...] = (PIPELINE,)) -> dict[str, Any]:
     """Issue 38's decoder rows (:data:`CONTEXT_ROWS`; ``og.Generator`` on the genai export only,
     OpenVINO GenAI where the Llama has its openvino export and ``ovgenai_python`` is there, else
-    left out with a line on stderr)
-    at each context and stream count, ``rounds`` interleaved rounds, every row's tokens and
-    last logits checked against the first's in each (:func:`_check`)."""
+    left out with a line on stderr; onnxpipe's in each of ``layouts``, :func:`layout_rows`) at each
+    context and stream count, ``rounds`` interleaved rounds, every row's tokens and last logits
+    checked against the first's in each (:func:`_check`)."""
     model, described, cut = _llama(llama, exporter)
     if exporter == "genai" and max(contexts) + tokens > described["context_length"]:
         raise SystemExit(f"{llama / 'genai'} holds {described['context_length']} positions (its cos_cache), fewer than context "
                          f"{max(contexts)} + {tokens} tokens: remake the Llamas (benchmarks.llama_exports) or give shorter --contexts")
-    rows = _runnable([r for r in CONTEXT_ROWS if not only or any(t in r[0] for t in only)], llama, exporter, ovgenai_python)
+    every, ratios = layout_rows(layouts)
+    rows = _runnable([r for r in every if not only or any(t in r[0] for t in only)], llama, exporter, ovgenai_python)
     with tempfile.TemporaryDirectory() as tmp:
-        runners = _runners(llama, exporter, model, _bundle(model, cut, MAX_BATCH, Path(tmp)), ovgenai_python)
-        named = {name: partial(runners[how], tokens=tokens, vocab=described["vocab"]) for name, how in rows}
-        measured, worst = _measure_contexts(named, contexts, streams, rounds)
+        piped = dict.fromkeys(layout for _, how, layout in rows if how in ("driver", "threads"))
+        bundles = {layout: _bundle(model, cut, MAX_BATCH, Path(tmp) / str(layout).replace(":", "-"), layout) for layout in piped}
+        runs = {name: partial(_runners(llama, exporter, model, bundles.get(layout, Path(tmp)), layout.micro_batches, ovgenai_python)[how],
+                              tokens=tokens, vocab=described["vocab"])
+                for name, how, layout in rows}
+        measured, worst = _measure_contexts(runs, contexts, streams, rounds)
     table = [_context_row(how, s, c, runs) for (c, s, how), runs in measured.items()]
     layers, head = described["layers"], described["hidden"] // described["heads"]
     state = [[n * 2 * described["kv_heads"] * head * 4 * (c + tokens) for n in (layers // 2, layers - layers // 2)] for c in contexts]
-    return {"model": {**described, "contexts": list(contexts), "tokens": tokens, "cut": cut}, "cores": len(os.sched_getaffinity(0)),
-            "rounds": rounds, "rows": table, "ratios": _paired(measured, contexts, streams), "step_added_ms": _step_added(table),
+    return {"model": {**described, "contexts": list(contexts), "tokens": tokens, "cut": cut, "layouts": [str(x) for x in layouts]},
+            "cores": len(os.sched_getaffinity(0)), "rounds": rounds, "rows": table, "order": [r[0] for r in rows],
+            "ratios": _paired(measured, contexts, streams, ratios), "step_added_ms": _step_added(table),
             "logits_max_diff": worst, "state_bytes_per_stream": dict(zip(map(str, contexts), state, strict=True))}
+
+
+def _described(layout: str) -> str:
+    """``layout`` (as :class:`Layout` writes it) in words."""
+    got = Layout.parse(layout)
+    micro = f", {got.micro_batches} micro-batch{'es' if got.micro_batches > 1 else ''}" if got.micro_batches else ""
+    spin = ", spinning" if got.spinning else ""
+    return f"{got.stages} stage{'s' if got.stages > 1 else ''} x {got.threads} thread{'s' if got.threads > 1 else ''}{micro}{spin}"
 
 
 def print_contexts(result: dict[str, Any]) -> None:
     """:func:`run_contexts`' result as tables."""
     m = result["model"]
     print(f"{m['name']} Llama, {m['parameters'] / 1e6:.1f} M parameters, {m['export']} export (random weights); each stream a prompt of the "
-          f"context's tokens then {m['tokens']} greedy tokens; {result['cores']} cores; onnxpipe: 2 stages x 1 thread, max_batch {MAX_BATCH}, "
+          f"context's tokens then {m['tokens']} greedy tokens; {result['cores']} cores; onnxpipe: {_described(m['layouts'][0])}, max_batch {MAX_BATCH}, "
           f"max_delay_ms {DELAY_MS:g}; median (min-max) of {result['rounds']} interleaved rounds")
+    for other in m["layouts"][1:]:
+        print(f"onnxpipe batched {other}: {_described(other)}")
     print(f"{'how':<54} {'streams':>7} {'context':>7} {'decode tok/s':>12} {'(min-max)':>13} {'p50 ms':>7} {'p99 ms':>7} {'TTFT ms':>8}"
           "  bytes copied per decode step, per stage (batch mean)")
-    order = [name for name, _ in CONTEXT_ROWS]
+    order = result["order"]
     for r in sorted(result["rows"], key=lambda r: (r["streams"], order.index(r["how"]), r["context"])):
         copied = ", ".join(f"{b / 1e6:.2f} MB ({n})" for b, n in zip(r["copied"], r["batch_mean"], strict=True)) if "copied" in r else ""
         between = f"({r['min']:.0f}-{r['max']:.0f})"
@@ -801,7 +870,7 @@ def print_contexts(result: dict[str, Any]) -> None:
         print(f"  {a['how']:<54} {a['streams']:>2} streams  {a['ms']:+.2f} ms")
     print("decode tokens/s ratios, paired per round: median (min-max)")
     for q in result["ratios"]:
-        print(f"  {q['ratio']:<38} context {q['context']:>5}, {q['streams']:>2} streams  {q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f})")
+        print(f"  {q['ratio']:<44} context {q['context']:>5}, {q['streams']:>2} streams  {q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f})")
     print(f"tokens equal across every row; last step's logits within {result['logits_max_diff']:.1e} (allowed {LOGITS_ATOL:g})")
 
 
@@ -830,7 +899,7 @@ def against(rev: str, args: argparse.Namespace, only: tuple[str, ...]) -> dict[s
     if args.llama is not None:
         child += ["--llama", str(args.llama.resolve())]
     if args.contexts:
-        child += ["--contexts", args.contexts]
+        child += ["--contexts", args.contexts, "--layouts", args.layouts]
     with checkout(rev) as old:
         samples = interleaved("benchmarks.batching", child, old, rev, args.rounds, _figures)
     return compare(samples)
@@ -888,6 +957,9 @@ def main() -> None:
                         "thread per stream, og.Generator, a bound and a numpy-fed session) with prompts of each N tokens, decode tokens/s")
     parser.add_argument("--ovgenai-python", type=Path, default=OVGENAI_PYTHON,
                         help="with --contexts: the Python OpenVINO GenAI's row runs in (default: this checkout's .venv-ovgenai)")
+    parser.add_argument("--layouts", metavar="SxT[:M][,...]", default=str(PIPELINE),
+                        help="with --contexts: onnxpipe's layouts, STAGESxTHREADS[:MICRO_BATCHES] (stages 1 or 2), the first in the "
+                        f"rows' own names, the others in rows of their own (default {PIPELINE})")
     parser.add_argument("--only", metavar="TEXT[,TEXT...]",
                         help=f"measure only the rows (and of {ONE_STREAM!r}, {ROUND!r}, {STATELESS!r}) whose name contains one of the TEXTs")
     parser.add_argument("--against", metavar="REV", help="measure this checkout beside git revision REV, rounds interleaved, and print new / old "
@@ -903,8 +975,12 @@ def main() -> None:
         parser.error("--contexts needs --llama")
     streams = tuple(int(s) for s in args.streams.split(","))
     if args.contexts:
+        try:
+            layouts = tuple(Layout.parse(t) for t in args.layouts.split(","))
+        except ValueError as e:
+            parser.error(str(e))
         result = run_contexts(args.llama, args.export, tuple(int(c) for c in args.contexts.split(",")), streams, args.tokens, args.rounds, only,
-                              args.ovgenai_python)
+                              args.ovgenai_python, layouts)
     else:
         result = run(args.layers, args.hidden, args.heads, args.past, args.tokens, args.rounds, streams, args.llama, args.export, only)
     if args.json:

@@ -165,3 +165,37 @@ def test_the_openvino_row_is_left_out_with_a_line_saying_why(tmp_path: Path, mon
                                    ovgenai_python=Path("/nowhere/python"))
     assert {r["how"] for r in result["rows"]} == {"onnxpipe batched, one driver"}
     assert "skipped 'OpenVINO GenAI, continuous batching': no /nowhere/python" in capsys.readouterr().err
+
+
+def test_a_layout_is_written_stages_x_threads_and_other_layouts_get_rows_and_ratios_of_their_own() -> None:
+    from benchmarks.batching import CONTEXT_RATIOS, CONTEXT_ROWS, Layout, layout_rows
+
+    assert Layout.parse("2x1") == Layout() and str(Layout.parse(" 2x2:1 ")) == "2x2:1" and Layout.parse("1x2") == Layout(1, 2, None)
+    assert Layout.parse("1x2+spin") == Layout(1, 2, None, True) and str(Layout(2, 2, 1, True)) == "2x2:1+spin"
+    for bad in ("3x1", "2x0", "2x1:0", "2", "x1", "2x1:", "2x1+spun"):
+        with pytest.raises(ValueError, match="STAGESxTHREADS"):
+            Layout.parse(bad)
+    rows, ratios = layout_rows((Layout(), Layout(2, 2, 1)))
+    assert rows[: len(CONTEXT_ROWS)] == [(name, how, Layout()) for name, how in CONTEXT_ROWS]
+    assert rows[len(CONTEXT_ROWS):] == [("onnxpipe batched 2x2:1, one driver", "driver", Layout(2, 2, 1)),
+                                        ("onnxpipe batched 2x2:1, thread per stream", "threads", Layout(2, 2, 1))]
+    assert ratios[: len(CONTEXT_RATIOS)] == list(CONTEXT_RATIOS)
+    assert [r[0] for r in ratios[len(CONTEXT_RATIOS):]] == ["onnxpipe 2x2:1 one driver / og.Generator", "onnxpipe 2x2:1 one driver / bound session",
+                                                            "2x2:1: thread per stream / one driver", "onnxpipe 2x2:1 one driver / OpenVINO GenAI"]
+
+
+def test_each_layout_runs_its_own_bundle_and_decodes_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 2 x 1 pipeline in one micro-batch beside its default (one per stage): each layout its
+    own bundle and clients, checked against each other's tokens."""
+    from benchmarks import batching
+
+    monkeypatch.setattr(batching, "INPUTS", set(batching.INPUTS))
+    monkeypatch.setattr(batching, "HEAD_SIZE", [0])
+    result = batching.run_contexts(_llama_folder(tmp_path), "genai", (4,), (2,), tokens=3, rounds=1, only=("one driver",),
+                                   layouts=(batching.Layout(), batching.Layout(1, 1, 1), batching.Layout(2, 1, 1)))
+    assert result["order"] == ["onnxpipe batched, one driver", "onnxpipe batched 1x1:1, one driver", "onnxpipe batched 2x1:1, one driver"]
+    assert result["model"]["layouts"] == ["2x1", "1x1:1", "2x1:1"]
+    batches = {r["how"]: r["batch_mean"] for r in result["rows"]}
+    assert batches == {"onnxpipe batched, one driver": [1.0, 1.0], "onnxpipe batched 1x1:1, one driver": [2.0],
+                       "onnxpipe batched 2x1:1, one driver": [2.0, 2.0]}  # a stage each; 2 micro-batches of 1 stream, or one of 2
+    assert {q["ratio"] for q in result["ratios"]} == set()  # neither og nor the bound session was measured
