@@ -31,10 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
     this checkout (``onnxpipe serve`` and CLI runs, the Ray cluster's workers, notebook kernels).
     Where ``PYTHONDONTWRITEBYTECODE`` is set none of them writes what it compiles, so each one
     compiled onnxpipe from source again (tests/serve/test_lifecycle.py, which starts servers, took a
-    fifth less CPU time with the compiled files there). The
-    controller compiles the checkout's own packages once, before the workers start, into the
-    ``__pycache__`` folders any Python writes without that variable (git ignores them); every
-    process then reads them, and Python checks each against its source's size and time, so a stale
+    fifth less CPU time with the compiled files there). The controller compiles the checkout's own
+    packages once, before the workers start, into the ``__pycache__`` folders any Python writes
+    without that variable (git ignores them); every process then reads them, and Python checks each against its source's size and time, so a stale
     one is never used. Where the checkout cannot be written this does nothing."""
     if hasattr(config, "workerinput"):
         return
