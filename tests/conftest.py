@@ -33,8 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
     compiled onnxpipe from source again (tests/serve/test_lifecycle.py, which starts servers, took a
     fifth less CPU time with the compiled files there). The controller compiles the checkout's own
     packages once, before the workers start, into the ``__pycache__`` folders any Python writes
-    without that variable (git ignores them); every process then reads them, and Python checks each against its source's size and time, so a stale
-    one is never used. Where the checkout cannot be written this does nothing."""
+    without that variable (git ignores them); every process then reads them, and Python checks each
+    against its source's size and time, so a stale one is never used. Where the checkout cannot be
+    written this does nothing."""
     if hasattr(config, "workerinput"):
         return
     import compileall
