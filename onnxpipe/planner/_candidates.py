@@ -64,12 +64,15 @@ class LoadMeasure:
         rounds: Requests per second in each round.
         p50_rounds: Each round's median latency (ms, submit to result).
         p99_rounds: Each round's 99th percentile latency (ms).
+        mean_rounds: Each round's mean latency (ms): with its req/s, the requests it kept in flight
+            (Little's law, exact for the mean: N for a closed loop of N).
     """
 
     concurrency: int
     rounds: tuple[float, ...]
     p50_rounds: tuple[float, ...]
     p99_rounds: tuple[float, ...]
+    mean_rounds: tuple[float, ...] = ()
 
     @property
     def throughput(self) -> float:
@@ -89,7 +92,7 @@ class LoadMeasure:
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form: the medians and each round's figures."""
         return {"req_s": self.throughput, "p50_ms": self.p50_ms, "p99_ms": self.p99_ms, "req_s_rounds": list(self.rounds),
-                "p50_ms_rounds": list(self.p50_rounds), "p99_ms_rounds": list(self.p99_rounds)}
+                "p50_ms_rounds": list(self.p50_rounds), "p99_ms_rounds": list(self.p99_rounds), "mean_ms_rounds": list(self.mean_rounds)}
 
 
 @dataclass

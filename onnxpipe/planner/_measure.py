@@ -240,19 +240,20 @@ def _measure_loads(
         pipes = _load_finalists(stack, finalists, whole, allowed, feeds, requests, report, memory_dims, depth, notes)
         measured = [c for c in finalists if c.label in pipes]
 
-        def run(pipe: Pipeline, n: int, out: list[tuple[float, float]]) -> float:
+        def run(pipe: Pipeline, n: int, out: list[tuple[float, float, float]]) -> float:
             rate, ms = _closed_loop(pipe, feeds, n, requests)
             p50, p99 = np.percentile(ms, [50, 99])
-            out.append((float(p50), float(p99)))
+            out.append((float(p50), float(p99), statistics.fmean(ms)))
             return rate
 
         for n in concurrency:
             at_n = [c for c in measured if n == 1 or not c.spinning]  # spinning variants take part at N = 1 only (Note: spinning)
-            latencies: dict[str, list[tuple[float, float]]] = {c.label: [] for c in at_n}
+            latencies: dict[str, list[tuple[float, float, float]]] = {c.label: [] for c in at_n}
             runners = {c.label: functools.partial(run, pipes[c.label], n, latencies[c.label]) for c in at_n}
             values = interleaved_rounds(runners, rounds, functools.partial(report, f"measuring at N={n}")).values
             for c in at_n:
-                c.loads[n] = LoadMeasure(n, values[c.label], tuple(p for p, _ in latencies[c.label]), tuple(p for _, p in latencies[c.label]))
+                p50s, p99s, means = zip(*latencies[c.label], strict=True)
+                c.loads[n] = LoadMeasure(n, values[c.label], p50s, p99s, means)
     return measured
 
 
