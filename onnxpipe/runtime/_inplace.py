@@ -206,9 +206,9 @@ def arrange(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: i
     ``need`` positions long (see Note: state in place): the one that holds most of them (the
     first member's of those that hold as many), as it is when the members' rows are already
     those (the same members as the step before, or some of them in a row), else with rows moved
-    and joiners copied in, starting where its first member there stays put; or a new one. Returns it, ``start``, the
-    bytes copied, and the streams copied out of it to arrays of their own (open streams not in
-    the batch whose rows the members took).
+    and joiners copied in, from where its first member there stays put; or a new one. Returns
+    it, ``start``, the bytes copied, and the streams copied out of it to arrays of their own
+    (open streams not in the batch whose rows the members took).
 
     Args:
         streams: The members, in row order.

@@ -26,13 +26,13 @@ Note: groups, micro-batches and when a batch leaves.
 
     Members that miss a batch keep their place in the group's order: the batch is the others in
     that order, and a late member's step goes in a later batch of its group (the next, where the
-    others are in flight then: they are waited for), one step behind them (members' pasts need not
-    be equally long). So every batch of a group is its members in
-    one order, a stage keeping its state in place runs it on the rows where they are, in as many
-    runs of consecutive rows as members are missing between them, and moves nothing (``_inplace``,
-    Note: state in place). (Putting the members that missed a batch after it, as this scheduler
-    did, made each such batch move its group's rows twice: a whole past per stream moved, 17 MB a
-    stream per stage at context 2048 on the 24.7 M Llama; docs/batching.md.)
+    others are in flight then: they are waited for), one step behind them (members' pasts need
+    not be equally long). So every batch of a group is its members in one order, and a stage
+    keeping its state in place runs it on the rows where they are (a call per run of consecutive
+    rows: one more per gap the missing members leave), moving nothing (``_inplace``, Note: state
+    in place). (Putting the members that missed a batch after it, as this scheduler did, made
+    each such batch move its group's rows twice, a whole past per stream moved: 17 MB a stream
+    per stage at context 2048 on the 24.7 M Llama; docs/batching.md.)
 
     A batch holds at most one step of each stream and only steps of one shape (the scheduler's
     key: equal shapes but for the batch axis and the axes that grow with the past, and the same
