@@ -11,20 +11,33 @@ Note: state in place.
     reads each row's past up to its own length, from the attention mask's ``seqlens_k``), so a
     decode step writes one position per layer and copies nothing.
 
-    - The batch's members must own consecutive rows in the batch's order (onnxruntime takes one
-      contiguous block). When the same members step again, or some of them that are in a row
-      anywhere in the slab, nothing moves. Otherwise the members are put in rows from their first
-      one's (or from 0): members that left make the rows after them move up (only their
-      positions); an open stream not in this batch whose row is taken moves to a free row after
-      them (or, with none free, is copied out to arrays of its own); a member that joins (its
-      state from a step it ran alone, a prefill, or from another slab) is copied into its row.
-      The scheduler puts members that missed a batch after it in their group's order from then
-      on, so the next batch of all of them finds the rows as this one left them.
+    - onnxruntime takes one contiguous block of rows a call. When every member is in the slab
+      already, in rows that ascend in the batch's order, the batch runs where its rows are, one
+      call per run of consecutive rows (at most :data:`MAX_RUNS`), and nothing moves
+      (:func:`place`): the same members as the step before (one run), and a batch that some of
+      its group's members missed (the scheduler keeps a group's order, so the others' rows still
+      ascend; a run more per gap). A call more costs far less than moving rows: at context 2048
+      on the 24.7 M Llama a stream's past is 17 MB per stage, and a batch a member missed used to
+      move its group's rows twice (that member after the batch, then back: docs/batching.md).
+    - Otherwise (a member joins, the order changed, too many gaps) the members are put in
+      consecutive rows from their first one's (or from 0): members that left make the rows after
+      them move up (only their positions); an open stream not in this batch whose row is taken
+      moves to a free row after them (or, with none free, is copied out to arrays of its own); a
+      member that joins (its state from a step it ran alone, a prefill, or from another slab) is
+      copied into its row (:func:`arrange`).
     - A slab is made with room for a quarter more positions than its longest stream needs (at
-      least 256). When the batch's longest stream would outgrow ``capacity``, or more members come
-      than ``rows``, the slab is made anew, at least 1.5 times as long (rounded up to 64
-      positions) or twice the rows (at most ``max_batch``), and every member's positions copied
-      once: amortized over the steps that follow, as a growing list is.
+      least 256), and for twice the rows of the batch that makes it (at most ``max_batch``): a
+      group's prompts come in pieces (a thread per stream's arrive one by one), and its first
+      decode batch then finds room for the members whose prompts ran apart instead of making the
+      slab anew (rows never written cost no memory: the buffers are zeroed lazily by the OS).
+      When the batch's longest stream would outgrow ``capacity``, or more members come than
+      ``rows``, the slab is made anew, at least 1.5 times as long (rounded up to 64 positions) or
+      with twice the batch's rows (at most ``max_batch``), and every member's positions copied
+      once: amortized over the steps that follow, as a growing list is. A new slab's free rows
+      are split before and after its members, and a batch arranged in a slab uses the one that
+      holds most of its members, where they are: a group whose first prompt ran alone and the
+      others' together finds room before the others for the first (its order is the order its
+      members joined), one that grows by streams joining later finds it after them.
     - A step that fails after writing leaves every member's positions before its length as they
       were (the op writes only after them), and lengths move only on success: the state is
       unchanged, as a step's commit promises.
@@ -43,10 +56,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["InSlab", "Slab", "arrange", "capacity_for"]
+__all__ = ["MAX_RUNS", "InSlab", "Slab", "arrange", "capacity_for", "place"]
 
 _ALIGN = 64  # positions: a slab's capacity is a multiple of this
 _ROOM = 256  # positions a new slab has beyond what its longest stream needs, at least
+#: The most calls a batch runs in where its members' rows are (see Note: state in place); more gaps move rows.
+MAX_RUNS = 4
 
 
 def capacity_for(need: int, old: int = 0) -> int:
@@ -154,14 +169,46 @@ class InSlab:
         self.slab = slab
 
 
+def place(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: int, axes: Mapping[str, int]
+          ) -> tuple[Slab, list[tuple[int, int]], int, dict[int, dict[str, np.ndarray]]]:
+    """Where a batch runs (see Note: state in place): its slab and its runs of consecutive rows
+    in the batch's order (first row, members), where its members are when they are all in the
+    first one's slab, long enough, in rows ascending in the batch's order, in at most
+    :data:`MAX_RUNS` runs (nothing copied); else :func:`arrange`'s slab and one run. Returns the
+    slab, the runs, the bytes copied and the streams copied out (as :func:`arrange`)."""
+    first = helds[0]
+    slab = first.slab if isinstance(first, InSlab) else None
+    if slab is not None and slab.capacity >= need and all(isinstance(h, InSlab) and h.slab is slab for h in helds):
+        runs = _runs([slab.row[s] for s in streams])
+        if runs is not None and len(runs) <= MAX_RUNS:
+            return slab, runs, 0, {}
+    slab, start, copied, evicted = arrange(streams, helds, need, max_rows, axes)
+    return slab, [(start, len(streams))], copied, evicted
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]] | None:
+    """``rows`` as runs of consecutive rows (first row, count); ``None`` unless they ascend."""
+    runs = [(rows[0], 1)]
+    for row in rows[1:]:
+        first, count = runs[-1]
+        if row == first + count:
+            runs[-1] = (first, count + 1)
+        elif row > first + count:
+            runs.append((row, 1))
+        else:
+            return None
+    return runs
+
+
 def arrange(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: int, axes: Mapping[str, int]
             ) -> tuple[Slab, int, int, dict[int, dict[str, np.ndarray]]]:
     """One slab whose rows ``start..start+k-1`` hold the batch's members in order, at least
-    ``need`` positions long (see Note: state in place): the first member's, as it is when the
-    members' rows are already those (the same members as the step before, or some of them in a
-    row), else with rows moved and joiners copied in; or a new one. Returns it, ``start``, the
-    bytes copied, and the streams copied out of it to arrays of their own (open streams not in
-    the batch whose rows the members took).
+    ``need`` positions long (see Note: state in place): the one that holds most of them (the
+    first member's of those that hold as many), as it is when the members' rows are already
+    those (the same members as the step before, or some of them in a row), else with rows moved
+    and joiners copied in, from where its first member there stays put; or a new one. Returns
+    it, ``start``, the bytes copied, and the streams copied out of it to arrays of their own
+    (open streams not in the batch whose rows the members took).
 
     Args:
         streams: The members, in row order.
@@ -171,19 +218,26 @@ def arrange(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: i
         axes: Per state input, its growing axis.
     """
     k = len(streams)
-    first = helds[0]
-    slab = first.slab if isinstance(first, InSlab) else None
+    slab = _home(helds)
     if slab is None or slab.capacity < need or slab.rows < k:
         return _anew(streams, helds, need, max_rows, axes, slab)
-    start = slab.row[streams[0]]
-    if start + k > slab.rows:
-        start = 0
+    at = next(j for j, h in enumerate(helds) if isinstance(h, InSlab) and h.slab is slab)
+    start = min(max(slab.row[streams[at]] - at, 0), slab.rows - k)
     targets = {s: start + j for j, s in enumerate(streams)}
     ours = [s for s, h in zip(streams, helds, strict=True) if isinstance(h, InSlab) and h.slab is slab]
     if len(ours) == k and all(slab.row[s] == targets[s] for s in ours):
         return slab, start, 0, {}
     copied, evicted = _rearrange(slab, targets, ours, dict(zip(streams, helds, strict=True)))
     return slab, start, copied, evicted
+
+
+def _home(helds: Sequence[Any]) -> Slab | None:
+    """The slab that holds most of the members (the first met of those that hold as many), or ``None``."""
+    held: dict[int, tuple[int, Slab]] = {}
+    for h in helds:
+        if isinstance(h, InSlab):
+            held[id(h.slab)] = (held.get(id(h.slab), (0, h.slab))[0] + 1, h.slab)
+    return max(held.values(), key=lambda n: n[0])[1] if held else None
 
 
 def _rearrange(slab: Slab, targets: Mapping[int, int], ours: Sequence[int], helds: Mapping[int, Any]) -> tuple[int, dict[int, dict[str, np.ndarray]]]:
@@ -214,13 +268,14 @@ def _rearrange(slab: Slab, targets: Mapping[int, int], ours: Sequence[int], held
 
 def _anew(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: int, axes: Mapping[str, int], old: Slab | None
           ) -> tuple[Slab, int, int, dict[int, dict[str, np.ndarray]]]:
-    """A new slab for the batch, every member's positions copied in (see :func:`arrange`)."""
+    """A new slab for the batch, every member's positions copied in, its free rows split before
+    and after them (joiners may come on either side of a group's order: see :func:`arrange`)."""
     k = len(streams)
-    rows = max(k, min(max_rows, 2 * old.rows) if old is not None and old.rows < k else old.rows if old is not None else k)
+    rows = old.rows if old is not None and old.rows >= k else max(k, min(max_rows, 2 * max(k, old.rows if old is not None else 0)))
     capacity = capacity_for(need, old.capacity if old is not None and old.capacity < need else 0)
     like = next(h for h in helds if not isinstance(h, InSlab)) if any(not isinstance(h, InSlab) for h in helds) else helds[0].slab.buffers
     slab = Slab(like, axes, rows, capacity)
-    copied = 0
+    start, copied = (rows - k) // 2, 0
     for j, (s, h) in enumerate(zip(streams, helds, strict=True)):
-        copied += slab.take(s, h.slab, j) if isinstance(h, InSlab) else slab.put(s, j, h)
-    return slab, 0, copied, {}
+        copied += slab.take(s, h.slab, start + j) if isinstance(h, InSlab) else slab.put(s, start + j, h)
+    return slab, start, copied, {}

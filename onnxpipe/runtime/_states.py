@@ -15,7 +15,7 @@ import onnxruntime as ort
 from onnxpipe._errors import InputError, StageError, ort_message
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._handoff import host, session_device
-from onnxpipe.runtime._inplace import InSlab, Slab, arrange
+from onnxpipe.runtime._inplace import InSlab, Slab, arrange, place
 from onnxpipe.runtime._spec import Dim, Endpoint, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, member_rows, pad_stack, take_rows
 
@@ -292,14 +292,15 @@ class StateKeeper:
 
     def _run_in_place(self, request: Request, feeds: dict[str, Any]) -> tuple[Failure, ...]:
         """A batch of steps (one row each) on its members' rows of a slab, bound as both past and
-        present (``_inplace``, Note: state in place); as :meth:`_run_steps` otherwise."""
+        present, one call per run of consecutive rows (``_inplace``, Note: state in place); as
+        :meth:`_run_steps` otherwise."""
         batch = request.batch
         assert batch is not None
         try:
             helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
-            slab, start, copied, evicted = arrange(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes)
+            slab, runs, copied, evicted = place(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes)
             self._place(slab, batch.streams, copied, evicted)
-            results = self._run_bound(feeds, slab.view(start, len(batch)))
+            results = self._run_runs(feeds, slab, runs)
         except Exception as e:  # which member was bad is found by running each alone (nothing was committed)
             self.unbatched = f"the batched call failed: {ort_message(e)}"
             return self._replay(request)
@@ -310,6 +311,22 @@ class StateKeeper:
             request.held.append((stream, self.name, share))
         self._hand_on(request.values, results)
         return ()
+
+    def _run_runs(self, feeds: dict[str, Any], slab: Slab, runs: Sequence[tuple[int, int]]) -> list[Any]:
+        """A batch's call(s) on its runs of slab rows (first row, members; in the batch's order):
+        one call for one run; else each run's rows of the batch's inputs from the bag (the step
+        flags as they are) in a call of its own, and the outputs a later stage or the pipeline
+        reads joined again in the batch's order (the others, the states, are in the slab)."""
+        if len(runs) == 1:
+            return self._run_bound(feeds, slab.view(*runs[0]))
+        bagged = {name for name, _ in self.plan.sources}
+        parts, at = [], 0
+        for start, k in runs:
+            part = {name: value[at : at + k] if name in bagged else value for name, value in feeds.items()}
+            parts.append(self._run_bound(part, slab.view(start, k)))
+            at += k
+        handed = {i for i, _ in self._kept}
+        return [np.concatenate([p[i] for p in parts]) if i in handed else None for i in range(len(self.plan.outputs))]
 
     def _run_alone_in_place(self, request: Request) -> tuple[Failure, ...]:
         """A stream's step alone on its row of a slab (one of its own, or its group's), bound as
@@ -323,7 +340,7 @@ class StateKeeper:
         slab, start, copied, evicted = arrange([stream], [held], request.length, 1, self._lone_axes)
         self._place(slab, (stream,), copied, evicted)
         feeds = self._inputs(request, {name: request.values[key] for name, key in self.plan.sources})
-        results = self._run_bound(feeds, slab.view(start, 1))
+        results = self._run_runs(feeds, slab, [(start, 1)])
         slab.lengths[stream] = request.length
         self.states[stream] = (request.step + 1, InSlab(slab))
         request.held.append((stream, self.name, slab.nbytes() // slab.rows))

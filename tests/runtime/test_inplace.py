@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from onnxpipe.runtime import load
-from onnxpipe.runtime._inplace import InSlab, Slab, arrange, capacity_for
+from onnxpipe.runtime._inplace import MAX_RUNS, InSlab, Slab, arrange, capacity_for, place
 from onnxpipe.splitter import split
 from tests.decoder_exports import HAND_CUTS, WholeModel, decode_one_driver, model_path, prompts, step_feeds
 from tests.models import bundle_of
@@ -103,6 +103,44 @@ def test_more_members_than_rows_double_the_rows_up_to_max_batch() -> None:
     assert got.rows == 5
 
 
+def test_a_batch_some_members_missed_runs_where_their_rows_are_in_runs_and_moves_nothing() -> None:
+    slab, helds = _slab([3, 5, 4, 2, 6])
+    got, runs, copied, evicted = place([0, 2, 3], [helds[0], helds[2], helds[3]], need=6, max_rows=8, axes=AXES)
+    assert (got, runs, copied, evicted) == (slab, [(0, 1), (2, 2)], 0, {})
+    got, runs, copied, _ = place([1, 4], [helds[1], helds[4]], need=7, max_rows=8, axes=AXES)
+    assert (got, runs, copied) == (slab, [(1, 1), (4, 1)], 0)
+    assert [slab.row[s] for s in range(5)] == [0, 1, 2, 3, 4]  # nobody moved
+    assert place([0, 1, 2, 3, 4], helds, need=7, max_rows=8, axes=AXES)[1:] == ([(0, 5)], 0, {})
+
+
+def test_a_batch_in_more_runs_than_max_runs_or_out_of_order_is_arranged_in_one() -> None:
+    n = 2 * MAX_RUNS + 1
+    slab, helds = _slab([2] * n)
+    every_other = list(range(0, n, 2))  # MAX_RUNS + 1 runs
+    got, runs, copied, _ = place(every_other, [helds[s] for s in every_other], need=3, max_rows=n, axes=AXES)
+    assert got is slab and runs == [(0, len(every_other))] and copied > 0
+    assert [slab.row[s] for s in every_other] == list(range(len(every_other)))
+    slab, helds = _slab([2, 2, 2])
+    got, runs, copied, _ = place([1, 0], [helds[1], helds[0]], need=3, max_rows=3, axes=AXES)
+    assert len(runs) == 1 and copied > 0 and [slab.row[s] for s in (1, 0)] == [runs[0][0], runs[0][0] + 1]
+
+
+def test_a_slab_made_for_a_batch_leaves_rows_free_on_both_sides_for_joiners() -> None:
+    """A group whose first prompt ran alone and the others' together: its first decode batch (in
+    the order the members joined) copies in the one that ran alone and moves nobody."""
+    together = [_own(4, 2.0), _own(4, 3.0), _own(4, 4.0)]
+    slab, start, copied, _ = arrange([1, 2, 3], together, need=4, max_rows=8, axes=AXES)
+    assert (slab.rows, start) == (6, 1)  # twice the batch's rows, the free ones split
+    alone = _own(4, 1.0)
+    got, runs, copied, _ = place([0, 1, 2, 3], [alone, InSlab(slab), InSlab(slab), InSlab(slab)], need=5, max_rows=8, axes=AXES)
+    assert got is slab and runs == [(0, 4)] and copied == alone["k"].nbytes
+    later = _own(4, 5.0)  # a stream that joins the group later goes after them
+    got, runs, copied, _ = place([0, 1, 2, 3, 4], [*[InSlab(slab)] * 4, later], need=5, max_rows=8, axes=AXES)
+    assert got is slab and runs == [(0, 5)] and copied == later["k"].nbytes
+    for s in range(5):
+        assert np.array_equal(_positions(slab, s), _own(4, s + 1.0)["k"])
+
+
 # -- onnxruntime-genai's export, bound in place ------------------------------------------------
 
 NAME = "genai-llama"
@@ -168,6 +206,69 @@ def test_a_decode_step_in_place_copies_nothing_at_any_context(bundle: Path, whol
     with load(bundle) as pipe:
         assert _copied_by_decode_steps(pipe, whole.inputs, 8) == [0, 0]
         assert _copied_by_decode_steps(pipe, whole.inputs, 200) == [0, 0]
+
+
+def _position_bytes(pipe: Any) -> list[int]:
+    """Per stage, the bytes of one stream's state per position (its states' dims but batch and growing axis)."""
+    per = {s.name: 0 for s in pipe.spec.stages}
+    for link in pipe.spec.states:
+        spec = next(s for s in pipe.spec.stages if s.name == link.stage).input(link.input)
+        dims = [d for a, d in enumerate(spec.shape) if a and a != link.empty_axis]
+        per[link.stage] += int(np.prod(dims)) * np.dtype(np.float32 if spec.dtype == "float32" else spec.dtype).itemsize
+    return list(per.values())
+
+
+def _decode_rounds(pipe: Any, inputs: set[str], texts: list[list[int]], rounds: list[list[int]]) -> list[int]:
+    """Opens a stream per text; each round, the steps of the streams it names handed at once
+    (``submit_steps``: a batch of just them); each stream's tokens appended to its text. The
+    bytes each stage copied from the third round on (after the prompts and a first step)."""
+    streams = [pipe.stream() for _ in texts]
+    done = [0] * len(texts)
+    for n, members in enumerate(rounds):
+        if n == 2:
+            pipe.reset_stats()
+        futures = pipe.submit_steps({streams[k]: step_feeds(inputs, texts[k], done[k]) for k in members})
+        for k in members:
+            done[k] = len(texts[k])
+            texts[k].append(int(np.argmax(futures[streams[k]].result(timeout=60)["logits"][0, -1])))
+    copied = [s.bytes_copied for s in pipe.stats().stages]
+    for s in streams:
+        s.close()
+    return copied
+
+
+def test_batches_that_members_missed_run_where_their_rows_are_and_copy_nothing(bundle: Path, whole: WholeModel) -> None:
+    """One group of 4 in one slab; batches without a member in the middle, without two, without
+    the ends, and the late ones in the next batch one step behind the others: the group's order
+    and rows never change, so a decode step copies nothing (each stage runs a batch with gaps in
+    a call per run of rows), and every stream's tokens are the whole export's."""
+    starts = [[(5 * k + 7 * t + 1) % 200 for t in range(12)] for k in range(4)]
+    texts = [list(p) for p in starts]
+    every = [0, 1, 2, 3]
+    rounds = [every, every, [0, 2, 3], every, [0, 3], every, [1, 2], every, [0, 1, 3], every]
+    with load(bundle, micro_batches=1) as pipe:
+        copied = _decode_rounds(pipe, whole.inputs, texts, rounds)
+        sizes = pipe.stats().stages[0].batch_sizes
+    assert copied == [0, 0]
+    assert sizes.get(2, 0) == 2 and sizes.get(3, 0) == 2 and sizes.get(4, 0) == 4
+    for k, prompt in enumerate(starts):
+        count = sum(k in r for r in rounds)
+        assert texts[k][len(prompt):] == whole.generate(prompt, count)[0], f"stream {k}"
+
+
+def test_a_group_whose_first_prompt_ran_alone_copies_that_stream_in_once(bundle: Path, whole: WholeModel) -> None:
+    """Stream 0's prompt runs alone, the other three's together (a thread per stream's prompts
+    come one by one): their first decode batches copy stream 0's positions into the group's slab
+    once, and nothing else (the slab is not made anew, nobody moves)."""
+    length = 12
+    starts = [[(5 * k + 7 * t + 1) % 200 for t in range(length)] for k in range(4)]
+    texts = [list(p) for p in starts]
+    rounds = [[0], [1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+    with load(bundle, micro_batches=1) as pipe:
+        copied = _decode_rounds(pipe, whole.inputs, texts, rounds)
+        assert copied == [length * b for b in _position_bytes(pipe)]
+    for k, prompt in enumerate(starts):
+        assert texts[k][length:] == whole.generate(prompt, 4)[0], f"stream {k}"
 
 
 def test_a_member_that_fails_leaves_and_the_others_decode_the_whole_exports_tokens(bundle: Path, whole: WholeModel) -> None:

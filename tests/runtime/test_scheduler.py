@@ -263,16 +263,17 @@ def test_the_releaser_thread_ends_once_nothing_waits() -> None:
     assert sent.sent == [[(0, 0)]] and releasers() == []
 
 
-def test_members_that_missed_a_batch_go_after_it_in_the_groups_order() -> None:
-    """So the next batch of all of them has the rows the last one left (a stage keeping its state
-    in place moves nothing then)."""
+def test_members_that_missed_a_batch_keep_their_place_in_the_groups_order() -> None:
+    """So every batch of the group is its members in one order, and a stage keeping its state in
+    place runs it where their rows are (the batch a member missed too: a run of rows each side of
+    its row), moving nothing (_inplace, Note: state in place)."""
     s, sent = scheduler(micro=1)
     for stream in range(4):
         s.join(stream)
     s.offer_many([step(0, 0), step(2, 0), step(3, 0)])  # stream 1 missed it
     assert sent.sent == [[(0, 0), (2, 0), (3, 0)]]
-    assert s.group_of(0) == [0, 2, 3, 1]
+    assert s.group_of(0) == [0, 1, 2, 3]
     for stream in (0, 2, 3):
         s.done(stream)
-    s.offer_many([step(1, 0), step(0, 1), step(2, 1), step(3, 1)])
-    assert sent.sent[-1] == [(0, 1), (2, 1), (3, 1), (1, 0)]
+    s.offer_many([step(1, 0), step(0, 1), step(2, 1), step(3, 1)])  # the late one, one step behind the others
+    assert sent.sent[-1] == [(0, 1), (1, 0), (2, 1), (3, 1)]

@@ -24,16 +24,21 @@ Note: groups, micro-batches and when a batch leaves.
       as the bound of the first) ``delay`` (the stages' largest ``max_delay_ms``) after the
       oldest waiting step, or at once when that is 0.
 
-    A batch that some members missed puts them after it in the group's order from then on, so
-    the next batch of all members has the rows the last one left (a stage keeping its state in
-    place moves nothing: ``_inplace``, Note: state in place).
+    Members that miss a batch keep their place in the group's order: the batch is the others in
+    that order, and a late member's step goes in a later batch of its group (the next, where the
+    others are in flight then: they are waited for), one step behind them (members' pasts need
+    not be equally long). So every batch of a group is its members in one order, and a stage
+    keeping its state in place runs it on the rows where they are (a call per run of consecutive
+    rows: one more per gap the missing members leave), moving nothing (``_inplace``, Note: state
+    in place). (Putting the members that missed a batch after it, as this scheduler did, made
+    each such batch move its group's rows twice, a whole past per stream moved: 17 MB a stream
+    per stage at context 2048 on the 24.7 M Llama; docs/batching.md.)
 
     A batch holds at most one step of each stream and only steps of one shape (the scheduler's
     key: equal shapes but for the batch axis and the axes that grow with the past, and the same
     parameters); a stream's later steps, and steps of other shapes, leave in the batches after
-    it, in order. Its members are in the group's order (the order they joined, but for members
-    that missed a batch, which go after it from then on: above), so the same members give the
-    same rows every step.
+    it, in order. Its members are in the group's order (the order they joined), so the same
+    members give the same rows every step.
 
     The scheduler decides; it never runs anything. ``send`` (the pipeline's stream registry,
     ``_streams.StreamRegistry``) stacks a batch and submits it as one request; the registry joins
@@ -406,12 +411,9 @@ class StepScheduler:
                 else:
                     rest.append(step)
                 seen.add(step.stream)
-            batch.sort(key=lambda s: rank.get(s.stream, len(rank)))
+            batch.sort(key=lambda s: rank.get(s.stream, len(rank)))  # members that missed it keep their place (Note: groups, ...)
             batches.append(batch)
             pending = rest
-            if len(batch) > 1 and len(batch) < len(group.members):  # some members missed it: they go after it from now on
-                ran = [s.stream for s in batch]
-                group.members[:] = ran + [m for m in group.members if m not in set(ran)]
         group.waiting = []
         group.since = None
         if self.told:
