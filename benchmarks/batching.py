@@ -682,7 +682,7 @@ def _ovgenai(folder: Path, python: Path, streams: int, past: int, tokens: int, v
     return {**_rates(streams, tokens, out["elapsed"], decoding, out["first"], out["times"]), "tokens": out["tokens"], "logits": np.empty(0)}
 
 
-def _ovgenai_missing(llama: Path, python: Path) -> str | None:
+def ovgenai_missing(llama: Path, python: Path) -> str | None:
     """Why OpenVINO GenAI's row cannot run on ``llama`` with ``python``, or None."""
     if not (llama / "openvino" / "openvino_model.xml").exists():
         return (f"no OpenVINO export {llama / 'openvino'} (make it: python -m benchmarks.llama_exports --which {llama.name} --only openvino "
@@ -696,7 +696,7 @@ def _runnable(rows: list[tuple[str, str, Layout]], llama: Path, exporter: str, o
     """``rows`` less the peers that cannot run: ``og.Generator`` but on the genai export, OpenVINO
     GenAI without its export or venv (with a line on stderr that says why)."""
     rows = [r for r in rows if exporter == "genai" or r[1] != "generator"]
-    if any(r[1] == "ovgenai" for r in rows) and (missing := _ovgenai_missing(llama, ovgenai_python)):
+    if any(r[1] == "ovgenai" for r in rows) and (missing := ovgenai_missing(llama, ovgenai_python)):
         print(f"skipped {CONTEXT_ROWS[5][0]!r}: {missing}", file=sys.stderr)
         return [r for r in rows if r[1] != "ovgenai"]
     return rows

@@ -154,11 +154,11 @@ def test_the_openvino_row_is_left_out_with_a_line_saying_why(tmp_path: Path, mon
     from benchmarks import batching
 
     llama = _llama_folder(tmp_path)
-    assert "no OpenVINO export" in str(batching._ovgenai_missing(llama, Path("/bin/sh")))
+    assert "no OpenVINO export" in str(batching.ovgenai_missing(llama, Path("/bin/sh")))
     (llama / "openvino").mkdir()
     (llama / "openvino" / "openvino_model.xml").write_text("")
-    assert "no /nowhere/python (make it: make .venv-ovgenai/.installed" in str(batching._ovgenai_missing(llama, Path("/nowhere/python")))
-    assert batching._ovgenai_missing(llama, Path("/bin/sh")) is None
+    assert "no /nowhere/python (make it: make .venv-ovgenai/.installed" in str(batching.ovgenai_missing(llama, Path("/nowhere/python")))
+    assert batching.ovgenai_missing(llama, Path("/bin/sh")) is None
     monkeypatch.setattr(batching, "INPUTS", set(batching.INPUTS))
     monkeypatch.setattr(batching, "HEAD_SIZE", [0])
     result = batching.run_contexts(llama, "optimum", (4,), (2,), tokens=3, rounds=1, only=("one driver", "OpenVINO"),

@@ -18,7 +18,7 @@ from onnxpipe.runtime import TensorSpec
 from onnxpipe.runtime._dims import dim_names
 from onnxpipe.runtime._stats import resident_bytes
 
-__all__: list[str] = []
+__all__ = ["planning_dims"]
 
 
 def _named_axes(specs: Sequence[TensorSpec]) -> dict[str, set[int]]:
@@ -31,7 +31,7 @@ def _named_axes(specs: Sequence[TensorSpec]) -> dict[str, set[int]]:
     return axes
 
 
-def _planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: str) -> list[str]:
+def planning_dims(specs: Sequence[TensorSpec], dims: Mapping[str, int], model: str) -> list[str]:
     """Check that every symbolic or unknown input dim has a size (see the note on symbolic dims).
 
     A formula dim (``past_sequence_length + sequence_length``, Note: expression dims in

@@ -30,7 +30,7 @@ import numpy as np
 from onnxpipe._errors import SplitError
 from onnxpipe.builder import io_specs
 from onnxpipe.planner._candidates import PlanCandidate, _baselines, _finalists, _load_variants, _pipelines, _served_finalists
-from onnxpipe.planner._checks import _check_budget, _check_loads, _check_memory, _planning_dims
+from onnxpipe.planner._checks import _check_budget, _check_loads, _check_memory, planning_dims
 from onnxpipe.planner._measure import Progress, _configure, _measure, _measure_loads, _try_batching
 from onnxpipe.planner._report import LoadPlan, PlanResult
 from onnxpipe.planner._rules import _over_memory, choose_loads, choose_plan
@@ -107,7 +107,7 @@ def plan_pipeline(
     proto, _ = load_model(model)
     dims = sample_dims(proto, dims, infer_types(proto)[0])  # sizes the graph fixes are no dims to ask for (Note: dims the graph fixes, splitter/_sizes.py)
     specs = io_specs(proto)[0]
-    notes = _planning_dims(specs, dims, Path(model).name)
+    notes = planning_dims(specs, dims, Path(model).name)
     # every dim is given or batch-like (noted); refuses unknown dim names now, not after profiling
     feeds, _ = random_inputs(specs, dims, values=graph_values(proto))
     report = progress or (lambda step, done, total: None)

@@ -340,7 +340,7 @@ class StateKeeper:
         slab, start, copied, evicted = arrange([stream], [held], request.length, 1, self._lone_axes)
         self._place(slab, (stream,), copied, evicted)
         feeds = self._inputs(request, {name: request.values[key] for name, key in self.plan.sources})
-        results = self._run_runs(feeds, slab, [(start, 1)])
+        results = self._run_bound(feeds, slab.view(start, 1))
         slab.lengths[stream] = request.length
         self.states[stream] = (request.step + 1, InSlab(slab))
         request.held.append((stream, self.name, slab.nbytes() // slab.rows))

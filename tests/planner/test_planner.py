@@ -12,7 +12,7 @@ import pytest
 from onnxpipe import InputError, SplitError
 from onnxpipe.builder import PipelineConfig
 from onnxpipe.planner import PlanCandidate, PlanChoice, plan_pipeline
-from onnxpipe.planner._checks import _planning_dims
+from onnxpipe.planner._checks import planning_dims
 from onnxpipe.planner._rules import RULE, choose_plan
 from onnxpipe.runtime import TensorSpec, resolve_provider
 from onnxpipe.splitter import verify
@@ -198,18 +198,18 @@ def test_dims_given_or_batch_like() -> None:
     image = TensorSpec("X", "float32", ("N", 1, "H", "W"))
     unnamed = TensorSpec("Z", "float32", (None, None))
     # Given by name, or an unnamed one by INPUT.AXIS: nothing to say.
-    assert _planning_dims([image, unnamed], {"N": 4, "H": 32, "W": 100, "Z.0": 4, "Z.1": 7}, "m.onnx") == []
+    assert planning_dims([image, unnamed], {"N": 4, "H": 32, "W": 100, "Z.0": 4, "Z.1": 7}, "m.onnx") == []
     # A leading batch dim, named or not, is planned at 1 with a note.
-    notes = _planning_dims([image, unnamed], {"H": 32, "W": 100, "Z.1": 7}, "m.onnx")
+    notes = planning_dims([image, unnamed], {"H": 32, "W": 100, "Z.1": 7}, "m.onnx")
     assert notes == [
         "input 'X' dim 0 ('N') not given: planned at batch size 1; give --dim N=SIZE (dims={'N': SIZE}) to plan for larger batches",
         "input 'Z' dim 0 (unnamed) not given: planned at batch size 1; give --dim Z.0=SIZE (dims={'Z.0': SIZE}) to plan for larger batches",
     ]
     # A leading dim whose name also sizes another axis is not batch-like; a rank-1 input has no batch.
     with pytest.raises(SplitError, match=r"Not given: input 'M' dim 0 \('T'\); input 'M' dim 1 \('T'\)\. Give them: --dim T=SIZE \("):
-        _planning_dims([TensorSpec("M", "float32", ("T", "T"))], {}, "m.onnx")
+        planning_dims([TensorSpec("M", "float32", ("T", "T"))], {}, "m.onnx")
     with pytest.raises(SplitError, match=r"Not given: input 'L' dim 0 \('S'\)"):
-        _planning_dims([TensorSpec("L", "int64", ("S",))], {}, "m.onnx")
+        planning_dims([TensorSpec("L", "int64", ("S",))], {}, "m.onnx")
 
 
 def test_a_batch_dim_planned_at_one_is_noted(tmp_path: Path) -> None:

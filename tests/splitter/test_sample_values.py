@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe._errors import InputError, SplitError
 from onnxpipe.builder import build, export
-from onnxpipe.planner._checks import _planning_dims
+from onnxpipe.planner._checks import planning_dims
 from onnxpipe.runtime import INPUT_VALUES_KEY, InputValues, TensorSpec, benchmark, load, read_bundle, spec_values
 from onnxpipe.splitter import graph_values, split, verify
 
@@ -129,13 +129,13 @@ def test_bench_uses_the_bundles_reference_inputs_then_its_split_dims_else_names_
 def test_the_planner_asks_for_the_dims_a_formula_names_never_the_formula() -> None:
     specs = [TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("past", "float32", ("batch", 2, "past_seq", 4)),
              TensorSpec("attention_mask", "int64", ("batch", "past_seq + seq"))]
-    assert _planning_dims(specs, {"seq": 1, "past_seq": 3}, "gpt.onnx") == [
+    assert planning_dims(specs, {"seq": 1, "past_seq": 3}, "gpt.onnx") == [
         "input 'input_ids' dim 0 ('batch') not given: planned at batch size 1; give --dim batch=SIZE (dims={'batch': SIZE}) to plan for larger batches",
         "input 'past' dim 0 ('batch') not given: planned at batch size 1; give --dim batch=SIZE (dims={'batch': SIZE}) to plan for larger batches",
         "input 'attention_mask' dim 0 ('batch') not given: planned at batch size 1; give --dim batch=SIZE (dims={'batch': SIZE}) to plan for larger batches",
     ]
     with pytest.raises(SplitError, match=r"input 'attention_mask' dim 1 \('past_seq \+ seq'\), computed from past_seq\. Give them: --dim past_seq=SIZE \("):
-        _planning_dims(specs, {"seq": 1}, "gpt.onnx")
+        planning_dims(specs, {"seq": 1}, "gpt.onnx")
 
 
 def test_t5s_decoder_gives_finite_logits_on_sample_inputs() -> None:
