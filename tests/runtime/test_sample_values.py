@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnxpipe._errors import ConfigError, InputError
+from onnxpipe import ConfigError, InputError
 from onnxpipe.runtime import INPUT_VALUES_KEY, InputValues, PipelineSpec, TensorSpec, random_inputs, sample_shapes, spec_values
 from onnxpipe.runtime._inputs import MASK_NAMES, defaulted_dims, dims_hint
 from onnxpipe.runtime._values import format_values, is_mask_name, named_values, parse_dims, parse_values, split_sizes

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxpipe._errors import SplitError
+from onnxpipe import SplitError
 from onnxpipe.runtime import INPUT_DIMS_KEY
 from onnxpipe.splitter import profile_model, split, verify
 from onnxpipe.splitter._extract import infer_types

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxpipe._errors import InputError, SplitError
+from onnxpipe import InputError, SplitError
 from onnxpipe.builder import build, export
 from onnxpipe.planner._checks import planning_dims
 from onnxpipe.runtime import INPUT_VALUES_KEY, InputValues, TensorSpec, benchmark, load, read_bundle, spec_values
