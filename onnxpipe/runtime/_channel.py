@@ -17,17 +17,34 @@ Note: fewer wake-ups.
     request. On a machine where every core runs a stage, each wake-up preempts a stage: measured
     on 2 cores with squeezenet in 2 stages, the submitting thread's CPU per request fell from about
     90 to about 58 us.
+
+Note: no timed SimpleQueue.get.
+    CPython's ``SimpleQueue.get(timeout=t)`` (3.10-3.12) loops when it wakes and finds the queue
+    empty (another reader took the item, or the lock was already free when it started) and
+    recomputes the time left; once the deadline has passed, that is negative, and a negative
+    timeout makes the lock wait forever (``threading.Lock.acquire`` guards against this; the
+    queue does not). A batching stage's worker waiting ``max_delay_ms`` for more requests did
+    exactly that, with two replicas on one channel or a thread descheduled past its deadline:
+    ``tests/runtime/test_batching.py::test_replicas_share_the_stateless_queue_and_batch_from_it``
+    hung a fresh clone's ``make test`` with the worker in ``PyThread_acquire_lock_timed`` and the
+    last requests taken, never run, until something else was put. So a timed wait never blocks
+    in the queue: :meth:`Reader.get_more` looks, then sleeps and looks again (50 us doubling to
+    1 ms) until its deadline. It runs only while a batch waits to fill (at most ``max_delay_ms``
+    a batch); a request that comes meanwhile joins at most 1 ms after it came. Untimed gets block
+    in C as before.
 """
 
 from __future__ import annotations
 
 import queue
+import time
 from typing import Any, Generic, TypeVar
 
 __all__ = ["Channel", "Closed", "Full", "Reader"]
 
 T = TypeVar("T")
 _POISON: Any = object()
+_FIRST_PAUSE, _LONGEST_PAUSE = 5e-5, 1e-3  # seconds between looks while a batch waits for more (Note: no timed SimpleQueue.get)
 
 
 class Closed(Exception):
@@ -142,13 +159,32 @@ class Reader(Generic[T]):
         Raises:
             Closed: the channel is closed.
         """
-        if timeout > 0 and self._owed:
-            self._give_back()  # about to wait: never wait holding slots
         try:
-            item = self._items.get(timeout=timeout) if timeout > 0 else self._items.get_nowait()
+            return self._took(self._items.get_nowait())
         except queue.Empty:
-            return None
-        return self._took(item)
+            if timeout <= 0:
+                return None
+        if self._owed:
+            self._give_back()  # about to wait: never wait holding slots
+        item = self._wait(timeout)
+        return None if item is None else self._took(item)
+
+    def _wait(self, timeout: float) -> T | None:
+        """The next item if one comes within ``timeout`` seconds, else ``None`` (Note: no timed
+        SimpleQueue.get): it looks again after sleeps that double from 50 us to 1 ms."""
+        clock = time.monotonic
+        deadline = clock() + timeout
+        pause = _FIRST_PAUSE
+        while True:
+            left = deadline - clock()
+            if left <= 0:
+                return None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _LONGEST_PAUSE)
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                continue
 
     def _took(self, item: T) -> T:
         """Account for an item taken (a slot owed back), or raise :class:`Closed` on the poison."""

@@ -123,3 +123,35 @@ def test_close_wakes_every_waiter_and_returns_what_was_left() -> None:
     with pytest.raises(Closed):
         full.put(9)
     assert len(full) == 0
+
+
+def test_timed_waits_of_two_readers_on_one_channel_end_at_their_deadline_or_with_an_item() -> None:
+    """Note: no timed SimpleQueue.get: two readers waiting for more with short deadlines while a
+    producer puts now and then (one reader's wake-up finds the item taken by the other) take
+    every item, and every wait ends: none blocks until the next put."""
+    channel: Channel[int] = Channel(4)
+    taken: list[int] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def read() -> None:
+        reader = channel.reader()
+        while not done.is_set() or len(channel):
+            item = reader.get_more(0.0005)
+            if item is not None:
+                with lock:
+                    taken.append(item)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for k in range(400):
+        channel.put(k)
+        if k % 7 == 0:
+            time.sleep(0.001)  # past the readers' deadlines: they wait again with the queue empty
+    done.set()
+    for t in readers:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in readers)
+    assert sorted(taken) == list(range(400))
+    assert channel.reader().get_more(0.001) is None  # an empty channel: None at the deadline
