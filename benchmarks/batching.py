@@ -885,6 +885,9 @@ def _figures(result: dict[str, Any]) -> dict[str, float | None]:
         where = f"{r['how']}, {r['streams']} streams" + (f", context {r['context']}" if "context" in r else "")
         out[f"{where}: tokens/s"] = r["tokens_per_s"]
         out[f"{where}: p50 ms per token"] = r["p50_ms"]
+        if "context" in r:
+            out[f"{where}: p99 ms per token"] = r["p99_ms"]
+            out[f"{where}: MB copied per decode step, stages summed"] = sum(r.get("copied", ())) / 1e6
     if (o := result.get("one_stream_step")) is not None:
         out["one stream, unbatched: step ms"] = o["step_ms"]
         out["one stream, unbatched: step ms beyond its stages' compute"] = o["overhead_ms"]

@@ -51,6 +51,9 @@ class Request:
             bytes, ``_stream``).
         length: For a stream's step alone: the positions its state holds after the step (its
             attention mask's length), what a state kept in place counts (``_inplace``); 0: unknown.
+        group: For a stream's step alone that its scheduler sent: its group's streams in the
+            group's order (``Step.group``), where a stage keeping state in place puts it
+            (``_inplace``, Note: state in place); () otherwise.
     """
 
     id: int
@@ -67,6 +70,7 @@ class Request:
     claim: Callable[[], bool] | None = field(default=None, repr=False)
     held: list[tuple[int, str, int]] = field(default_factory=list, repr=False)
     length: int = 0
+    group: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.queued_at = self.queued_at or self.submitted

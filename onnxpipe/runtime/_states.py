@@ -298,7 +298,8 @@ class StateKeeper:
         assert batch is not None
         try:
             helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
-            slab, runs, copied, evicted = place(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes)
+            slab, runs, copied, evicted = place(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes,
+                                                batch.group, self._kin(batch.group, batch.streams))
             self._place(slab, batch.streams, copied, evicted)
             results = self._run_runs(feeds, slab, runs)
         except Exception as e:  # which member was bad is found by running each alone (nothing was committed)
@@ -329,15 +330,20 @@ class StateKeeper:
         return [np.concatenate([p[i] for p in parts]) if i in handed else None for i in range(len(self.plan.outputs))]
 
     def _run_alone_in_place(self, request: Request) -> tuple[Failure, ...]:
-        """A stream's step alone on its row of a slab (one of its own, or its group's), bound as
-        both past and present (``_inplace``, Note: state in place); its own arrays as before when
-        they hold more than one row."""
+        """A stream's step alone on its row of a slab (one of its own, or its group's: where the
+        scheduler tells the group, a stream's first step, its prompt, runs in the row its group's
+        batches will find it in), bound as both past and present (``_inplace``, Note: state in
+        place); its own arrays as before when they hold more than one row."""
         stream = request.stream
         assert stream is not None
         held = self._held(stream, request.step, request.dims)
         if isinstance(held, InBlock) or (isinstance(held, dict) and any(len(a) != 1 for a in held.values())):
             return self._run_alone(request)  # a block of a batch kept as it came (never, with every state shared), or rows of its own
-        slab, start, copied, evicted = arrange([stream], [held], request.length, 1, self._lone_axes)
+        if request.group and self._axes:  # its group's batches run in place: the step runs in its row of their slab (Note: state in place)
+            slab, start, copied, evicted = arrange([stream], [held], request.length, max(self.plan.stage.settings.max_batch, 1), self._axes,
+                                                   request.group, self._kin(request.group, (stream,)))
+        else:
+            slab, start, copied, evicted = arrange([stream], [held], request.length, 1, self._lone_axes)
         self._place(slab, (stream,), copied, evicted)
         feeds = self._inputs(request, {name: request.values[key] for name, key in self.plan.sources})
         results = self._run_bound(feeds, slab.view(start, 1))
@@ -346,6 +352,16 @@ class StateKeeper:
         request.held.append((stream, self.name, slab.nbytes() // slab.rows))
         self._hand_on(request.values, results)
         return ()
+
+    def _kin(self, group: Sequence[int], streams: Sequence[int]) -> dict[int, InSlab]:
+        """The streams of ``group`` but ``streams`` whose state this runner holds in a slab (where
+        ``arrange`` puts members that join their group)."""
+        kin = {}
+        for member in group:
+            entry = self.states.get(member)
+            if entry is not None and isinstance(entry[1], InSlab) and member not in streams:
+                kin[member] = entry[1]
+        return kin
 
     def _place(self, slab: Slab, streams: Sequence[int], copied: int, evicted: Mapping[int, dict[str, np.ndarray]]) -> None:
         """After :func:`~onnxpipe.runtime._inplace.arrange`: the copies counted, the streams copied

@@ -277,8 +277,8 @@ class StreamRegistry:
             raise StageError(CLOSED)
 
     def _enqueue(self, record: StreamRecord, arrays: Mapping[str, np.ndarray], step: int, future: Future[Outputs] | None = None,
-                 params: Any = None, submitted: float | None = None) -> Future[Outputs]:
-        """Hand one step (or the stream's close, ``step`` :data:`CLOSE`) to the engine, alone."""
+                 params: Any = None, submitted: float | None = None, group: tuple[int, ...] = ()) -> Future[Outputs]:
+        """Hand one step (or the stream's close, ``step`` :data:`CLOSE`) to the engine, alone (``group``: ``Request.group``)."""
         future = future or Future()
         try:
             rid = self._table.add(future)
@@ -289,7 +289,7 @@ class StreamRegistry:
         dispatch = self._dispatch
         request = Request(rid, {Endpoint(None, n): a for n, a in arrays.items()}, dispatch.params if params is None else params,
                           submitted or time.perf_counter(), done=self._done, stream=record.id, step=step, dims=record.dims,
-                          length=self._length(arrays))
+                          length=self._length(arrays), group=group)
         future.set_running_or_notify_cancel()  # a stream's steps are never withdrawn (Note: withdrawn requests, _pipeline)
         if step != CLOSE:
             self._recorder.submitted(request.submitted)
@@ -328,7 +328,7 @@ class StreamRegistry:
         submitted = tuple(s.submitted for s in steps)
         batch = StepBatch(tuple(range(first, first + len(steps))), tuple(s.stream for s in steps), tuple(s.number for s in steps),
                           tuple(s.dims for s in steps), submitted, rows, shifts, waited=time.perf_counter() - min(submitted),
-                          length=batch_length(values, self._entry_pads))
+                          length=batch_length(values, self._entry_pads), group=steps[0].group)
         request = Request(first, {Endpoint(None, k): v for k, v in values.items()}, steps[0].params, min(submitted), done=self._done, batch=batch)
         for s in steps:
             s.future.set_running_or_notify_cancel()
@@ -341,7 +341,7 @@ class StreamRegistry:
             self._fail_step(step, StageError(CLOSED))
             return
         try:
-            self._enqueue(record, step.arrays, step.number, future=step.future, params=step.params, submitted=step.submitted)
+            self._enqueue(record, step.arrays, step.number, future=step.future, params=step.params, submitted=step.submitted, group=step.group)
         except StageError as e:  # the pipeline closed meanwhile (_enqueue told the stream)
             self._scheduler.done(step.stream)  # type: ignore[union-attr]
             step.future.set_exception(e)

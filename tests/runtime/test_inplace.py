@@ -178,6 +178,36 @@ def test_streams_decoded_in_place_give_the_whole_exports_tokens(bundle: Path, wh
     assert all(max(s.batch_sizes) == 6 for s in stats.stages)
 
 
+def test_a_prompt_that_knows_its_group_runs_in_its_row_of_the_groups_slab() -> None:
+    """The scheduler tells the group (members 4, 5, 6, 7, in order): the first prompt alone makes
+    the group's slab, ``max_rows`` rows, and takes the row of its place in the order; the others'
+    prompts, alone or together, take the free rows after the members before them (or before the
+    members after them); the decode batch of all four then runs where they are, in one call."""
+    group = (4, 5, 6, 7)
+    fresh = {"k": np.zeros((1, 2, 0, 3), np.float32)}  # a stream's initial state: no positions
+    slab, start, copied, _ = arrange([5], [fresh], need=4, max_rows=8, axes=AXES, group=group)
+    assert (slab.rows, start, copied) == (8, 1, 0)
+    kin = {5: InSlab(slab)}
+    got, start, copied, _ = arrange([6, 7], [fresh, fresh], need=4, max_rows=8, axes=AXES, group=group, kin=kin)
+    assert (got, start, copied) == (slab, 2, 0)  # after stream 5, nothing copied
+    kin = {m: InSlab(slab) for m in (5, 6, 7)}
+    got, start, copied, _ = arrange([4], [_own(3, 1.0)], need=4, max_rows=8, axes=AXES, group=group, kin=kin)
+    assert (got, start, copied) == (slab, 0, _own(3, 1.0)["k"].nbytes)  # before stream 5: only its own positions copied
+    assert place(list(group), [InSlab(slab)] * 4, need=5, max_rows=8, axes=AXES, group=group)[1:] == ([(0, 4)], 0, {})
+
+
+def test_a_joiner_with_no_room_beside_its_group_or_a_slab_too_short_gets_a_slab_of_its_own() -> None:
+    group = (0, 1, 2)
+    slab, kin_helds = _slab([3, 3], rows=2)  # streams 0 and 1 fill the slab
+    kin = {0: kin_helds[0], 1: kin_helds[1]}
+    got, _, _, _ = arrange([2], [_own(2, 3.0)], need=4, max_rows=4, axes=AXES, group=group, kin=kin)
+    assert got is not slab and got.rows == 4
+    slab, kin_helds = _slab([3], rows=4, capacity=8)
+    got, _, _, _ = arrange([1], [_own(2, 2.0)], need=9, max_rows=4, axes=AXES, group=group, kin={0: kin_helds[0]})
+    assert got is not slab  # the group's slab holds 8 positions, the prompt 9
+    assert slab.row == {0: 0}
+
+
 def _copied_by_decode_steps(pipe: Any, inputs: set[str], length: int) -> list[int]:
     """Bytes each stage copied over 5 decode steps of 4 streams in lockstep, after their prompts
     of ``length`` tokens (and a first batched step, where they join) are in."""
@@ -206,16 +236,6 @@ def test_a_decode_step_in_place_copies_nothing_at_any_context(bundle: Path, whol
     with load(bundle) as pipe:
         assert _copied_by_decode_steps(pipe, whole.inputs, 8) == [0, 0]
         assert _copied_by_decode_steps(pipe, whole.inputs, 200) == [0, 0]
-
-
-def _position_bytes(pipe: Any) -> list[int]:
-    """Per stage, the bytes of one stream's state per position (its states' dims but batch and growing axis)."""
-    per = {s.name: 0 for s in pipe.spec.stages}
-    for link in pipe.spec.states:
-        spec = next(s for s in pipe.spec.stages if s.name == link.stage).input(link.input)
-        dims = [d for a, d in enumerate(spec.shape) if a and a != link.empty_axis]
-        per[link.stage] += int(np.prod(dims)) * np.dtype(np.float32 if spec.dtype == "float32" else spec.dtype).itemsize
-    return list(per.values())
 
 
 def _decode_rounds(pipe: Any, inputs: set[str], texts: list[list[int]], rounds: list[list[int]]) -> list[int]:
@@ -256,19 +276,24 @@ def test_batches_that_members_missed_run_where_their_rows_are_and_copy_nothing(b
         assert texts[k][len(prompt):] == whole.generate(prompt, count)[0], f"stream {k}"
 
 
-def test_a_group_whose_first_prompt_ran_alone_copies_that_stream_in_once(bundle: Path, whole: WholeModel) -> None:
-    """Stream 0's prompt runs alone, the other three's together (a thread per stream's prompts
-    come one by one): their first decode batches copy stream 0's positions into the group's slab
-    once, and nothing else (the slab is not made anew, nobody moves)."""
+@pytest.mark.parametrize("prompts", [[[0], [1, 2, 3]], [[0], [1], [2], [3]], [[0, 1], [2], [3]]], ids=["one-then-three", "one-by-one", "two-one-one"])
+def test_a_group_whose_prompts_came_in_pieces_copies_nothing(bundle: Path, whole: WholeModel, prompts: list[list[int]]) -> None:
+    """The group's prompts run alone or a few together (a thread per stream's come one by one):
+    the scheduler tells each stage the group, so each prompt runs in the rows after the ones
+    before it in the group's order, in one slab, and the decode batches that follow find every
+    member where it is: nothing is copied, from the third round on (the prompts after the second
+    included), and the tokens are the whole export's. (Before, the prompts that ran alone ran in
+    slabs of their own, and the first decode batch copied each of them into the group's.)"""
     length = 12
     starts = [[(5 * k + 7 * t + 1) % 200 for t in range(length)] for k in range(4)]
     texts = [list(p) for p in starts]
-    rounds = [[0], [1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+    every = [0, 1, 2, 3]
+    rounds = [*prompts, every, every, every]
     with load(bundle, micro_batches=1) as pipe:
         copied = _decode_rounds(pipe, whole.inputs, texts, rounds)
-        assert copied == [length * b for b in _position_bytes(pipe)]
+        assert copied == [0, 0]
     for k, prompt in enumerate(starts):
-        assert texts[k][length:] == whole.generate(prompt, 4)[0], f"stream {k}"
+        assert texts[k][length:] == whole.generate(prompt, sum(k in r for r in rounds))[0], f"stream {k}"
 
 
 def test_a_member_that_fails_leaves_and_the_others_decode_the_whole_exports_tokens(bundle: Path, whole: WholeModel) -> None:

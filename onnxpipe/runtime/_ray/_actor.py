@@ -31,7 +31,7 @@ __all__ = ["LAYOUT", "Values", "aligned", "entry", "inputs_of"]
 #: Values as they travel between the driver and the actors: keyed by ``(stage, tensor)``.
 Values = dict[tuple[str | None, str], Any]
 #: One request of an actor call: ``(request, params, stream, sources, lost)`` (see :meth:`_StageActor.run`).
-Item = tuple[int, int | None, tuple[int, int, dict[str, int], int] | None, Sequence[Any], Mapping[int, str] | None]
+Item = tuple[int, int | None, tuple[int, int, dict[str, int], int, tuple[int, ...]] | None, Sequence[Any], Mapping[int, str] | None]
 #: The key, among a call's values, of the layout of a batch of streams' steps those values are in
 #: (``StepBatch.describe``): see Note: batches of steps. No tensor has it (a tensor name is never empty).
 LAYOUT: tuple[str | None, str] = ("", "")
@@ -113,7 +113,7 @@ class _StageActor:
 
         ``calls`` holds one ``(request, params, stream, sources, lost)`` per request: ``params`` is the
         position in ``objects`` of its parameter snapshot (or None); ``stream`` is ``(stream, step,
-        dims, length)`` for a stream's step or close (see ``Request``), whose state the runner keeps in this
+        dims, length, group)`` for a stream's step or close (see ``Request``), whose state the runner keeps in this
         actor; ``lost``, for a batch of steps, the members whose state the driver knows died (id ->
         why: Note: batches of steps); ``sources`` are what the stage reads from, one per producer: ``("v", values)`` for the
         request's pipeline inputs sent by value, ``("o", position, index)`` for an object of
@@ -180,7 +180,7 @@ class _StageActor:
         return dataclasses.replace(call, start=call.start - self._perf_to_wall, end=call.end - self._perf_to_wall, size=call.size + len(dropped),
                                    failures=dropped + call.failures)
 
-    def _prepare(self, request: int, params: Mapping[str, Any] | None, stream: tuple[int, int, dict[str, int], int] | None,
+    def _prepare(self, request: int, params: Mapping[str, Any] | None, stream: tuple[int, int, dict[str, int], int, tuple[int, ...]] | None,
                  produced: Sequence[Values | None]) -> tuple[Request | None, Call | None]:
         """One request of a call: the :class:`Request` to run (None if it needs no run), or the record of its failure before any run."""
         if any(v is None for v in produced):  # an earlier stage failed: pass the request on untouched
@@ -196,7 +196,7 @@ class _StageActor:
         if layout is not None:
             req.batch = layout
         elif stream is not None:
-            req.stream, req.step, req.dims, req.length = stream
+            req.stream, req.step, req.dims, req.length, req.group = stream
             if self._state_gone(stream[0], stream[1]):
                 return None, self._failed(request, _RESTARTED, lost=(stream[0],))
         return req, None

@@ -228,7 +228,7 @@ class Dispatch:
                         continue  # a first-step stage a later step passed: what the stage kept stands for it
                     sources.append(("v", held) if isinstance(held, dict) else ("o", position(held[0]), held[1]))
             params = self._params_ref(request, plan)
-            stream = None if request.stream is None else (request.stream, request.step, dict(request.dims), request.length)
+            stream = None if request.stream is None else (request.stream, request.step, dict(request.dims), request.length, request.group)
             lost = self._supervisor.members_lost(i, r, request) if request.batch is not None else None
             calls.append((request.id, None if params is None else position(params), stream, sources, lost))
         refs = self._supervisor.replicas[i][r].actor.run.options(num_returns=2).remote(calls, *objects)

@@ -60,6 +60,8 @@ class StepBatch:
             mask's): member ``j``'s stream holds ``length - shifts[j]`` positions after the step
             (what a state kept in place counts, ``_stage``, Note: state in place); 0 when no
             input grows.
+        group: The members' group's streams in its order when the batch left (``Step.group``):
+            where a stage keeping state in place puts members that join (``_inplace``); () unknown.
     """
 
     ids: tuple[int, ...]
@@ -72,6 +74,7 @@ class StepBatch:
     failed: tuple[Failed, ...] = field(default=())
     waited: float = 0.0
     length: int = 0
+    group: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -95,16 +98,18 @@ class StepBatch:
             failed=self.failed + failed,
         )
 
-    def describe(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[dict[str, int], ...], tuple[int, ...], tuple[int, ...], int]:
+    def describe(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[dict[str, int], ...], tuple[int, ...], tuple[int, ...], int,
+                                tuple[int, ...]]:
         """The layout as plain tuples (what another process needs to run the batch): ids, streams,
-        steps, dims, rows, shifts, length."""
-        return self.ids, self.streams, self.steps, tuple(dict(d) for d in self.dims), self.rows, self.shifts, self.length
+        steps, dims, rows, shifts, length, group."""
+        return self.ids, self.streams, self.steps, tuple(dict(d) for d in self.dims), self.rows, self.shifts, self.length, self.group
 
     @classmethod
     def from_description(cls, described: Sequence[Any]) -> StepBatch:
         """The batch :meth:`describe` described (submission times and failures are the driver's)."""
-        ids, streams, steps, dims, rows, shifts, length = described
-        return cls(tuple(ids), tuple(streams), tuple(steps), tuple(dims), (0.0,) * len(streams), tuple(rows), tuple(shifts), length=length)
+        ids, streams, steps, dims, rows, shifts, length, group = described
+        return cls(tuple(ids), tuple(streams), tuple(steps), tuple(dims), (0.0,) * len(streams), tuple(rows), tuple(shifts), length=length,
+                   group=tuple(group))
 
 
 def bag_pads(spec: PipelineSpec) -> dict[Endpoint, tuple[int, float]]:

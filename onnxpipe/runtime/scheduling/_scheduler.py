@@ -116,6 +116,9 @@ class Step:
         key: What a batch's steps share (see Note: groups, ...).
         future: Its outputs, once it leaves the pipeline.
         submitted: ``time.perf_counter()`` when it was submitted.
+        group: Its group's members in the group's order when its batch was formed (set then): where
+            a stage keeping state in place puts a stream that joins (``_inplace``, Note: state in
+            place), so that its group's later batches find their rows in order.
     """
 
     stream: int
@@ -126,6 +129,7 @@ class Step:
     key: Hashable
     future: Future[dict[str, np.ndarray]]
     submitted: float = field(default_factory=time.perf_counter)
+    group: tuple[int, ...] = ()
 
 
 class _Group:
@@ -397,7 +401,8 @@ class StepScheduler:
     def _form(self, group: _Group) -> list[list[Step]]:
         """Every waiting step of the group, in batches: one step per stream and one key per batch,
         in row order; a stream's later steps (and steps of another key) in the batches after."""
-        rank = {s: n for n, s in enumerate(group.members)}
+        members = tuple(group.members)
+        rank = {s: n for n, s in enumerate(members)}
         batches = []
         pending = group.waiting
         while pending:
@@ -412,6 +417,8 @@ class StepScheduler:
                     rest.append(step)
                 seen.add(step.stream)
             batch.sort(key=lambda s: rank.get(s.stream, len(rank)))  # members that missed it keep their place (Note: groups, ...)
+            for step in batch:
+                step.group = members
             batches.append(batch)
             pending = rest
         group.waiting = []
