@@ -38,8 +38,9 @@ Note: state in place.
     - A slab is made with room for a quarter more positions than its longest stream needs (at
       least 256); without a group (an engine that does not tell it), for twice the rows of the
       batch that makes it (at most ``max_batch``), so that the members whose prompts ran apart
-      find room in it instead of making it anew (rows never written cost no memory: the buffers
-      are zeroed lazily by the OS).
+      find room in it instead of making it anew (rows never written cost no memory where a buffer
+      is large enough for the allocator to map it, over 32 MB at most: the OS zeroes its pages
+      lazily; a smaller one is zeroed whole).
       When the batch's longest stream would outgrow ``capacity``, or more members come than
       ``rows``, the slab is made anew, at least 1.5 times as long (rounded up to 64 positions) or
       with twice the batch's rows (at most ``max_batch``), and every member's positions copied
