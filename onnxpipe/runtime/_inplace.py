@@ -65,14 +65,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import mmap
+
 import numpy as np
 
 __all__ = ["MAX_RUNS", "InSlab", "Slab", "arrange", "capacity_for", "place"]
 
 _ALIGN = 64  # positions: a slab's capacity is a multiple of this
 _ROOM = 256  # positions a new slab has beyond what its longest stream needs, at least
+_MAPPED = 1 << 20  # bytes: a slab's buffer this large or larger is a memory map of its own (Note: slab memory)
 #: The most calls a batch runs in where its members' rows are (see Note: state in place); more gaps move rows.
 MAX_RUNS = 4
+
+
+def _zeros(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """A zeroed buffer for a slab (see Note: slab memory): over an anonymous memory map of its
+    own where it is large, else ``np.zeros``."""
+    count, dtype = int(np.prod(shape)), np.dtype(dtype)
+    if count * dtype.itemsize < _MAPPED:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype, count).reshape(shape)
 
 
 def capacity_for(need: int, old: int = 0) -> int:
@@ -99,7 +111,7 @@ class Slab:
         for name, value in like.items():
             shape = list(value.shape)
             shape[0], shape[self.axes[name]] = rows, capacity
-            self.buffers[name] = np.zeros(shape, value.dtype)
+            self.buffers[name] = _zeros(shape, value.dtype)
         self.row: dict[int, int] = {}  # stream -> its row
         self.lengths: dict[int, int] = {}  # stream -> positions it holds
 
