@@ -887,6 +887,7 @@ def _figures(result: dict[str, Any]) -> dict[str, float | None]:
         out[f"{where}: p50 ms per token"] = r["p50_ms"]
         if "context" in r:
             out[f"{where}: p99 ms per token"] = r["p99_ms"]
+            out[f"{where}: TTFT ms"] = r["ttft_ms"]
             out[f"{where}: MB copied per decode step, stages summed"] = sum(r.get("copied", ())) / 1e6
     if (o := result.get("one_stream_step")) is not None:
         out["one stream, unbatched: step ms"] = o["step_ms"]

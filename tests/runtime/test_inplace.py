@@ -9,6 +9,7 @@ fails, on threads and on Ray), and a decode step copies nothing, however long th
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,24 @@ def test_streams_decoded_in_place_give_the_whole_exports_tokens(bundle: Path, wh
         assert all(np.all(np.isfinite(a)) for a in got[k][1])
         np.testing.assert_allclose(np.stack(got[k][1]), np.stack(logits), atol=1e-4)
     assert all(max(s.batch_sizes) == 6 for s in stats.stages)
+
+
+def test_a_large_slabs_buffers_are_memory_maps_of_zeros_and_a_small_ones_are_not() -> None:
+    """Note: slab memory: a buffer of 1 MB or more is an anonymous map (pages zeroed when first
+    written), a smaller one ``np.zeros``; both hold zeros, take writes and give their bytes."""
+    like = {"k": np.zeros((1, 4, 0, 64), np.float32), "v": np.zeros((1, 4, 0, 64), np.float16)}
+    big = Slab(like, {"k": 2, "v": 2}, rows=16, capacity=512)  # k: 8 MB, v: 4 MB
+    small = Slab(like, {"k": 2, "v": 2}, rows=2, capacity=64)  # 128 KB, 64 KB
+    for slab, mapped in ((big, True), (small, False)):
+        for name, buffer in slab.buffers.items():
+            assert buffer.dtype == like[name].dtype and buffer.shape == (slab.rows, 4, slab.capacity, 64)
+            owner = buffer
+            while isinstance(owner, np.ndarray) and owner.base is not None:
+                owner = owner.base
+            assert isinstance(owner, mmap.mmap) is mapped, name
+            assert not buffer.any()
+        slab.put(7, 1, {"k": np.ones((1, 4, 3, 64), np.float32), "v": np.ones((1, 4, 3, 64), np.float16)})
+        assert slab.own(7)["k"].sum() == 4 * 3 * 64 and slab.nbytes() == sum(b.nbytes for b in slab.buffers.values())
 
 
 def test_a_prompt_that_knows_its_group_runs_in_its_row_of_the_groups_slab() -> None:
