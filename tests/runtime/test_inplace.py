@@ -188,9 +188,9 @@ def test_a_large_slabs_buffers_are_memory_maps_of_zeros_and_a_small_ones_are_not
     for slab, mapped in ((big, True), (small, False)):
         for name, buffer in slab.buffers.items():
             assert buffer.dtype == like[name].dtype and buffer.shape == (slab.rows, 4, slab.capacity, 64)
-            owner = buffer
-            while isinstance(owner, np.ndarray) and owner.base is not None:
-                owner = owner.base
+            owner: Any = buffer
+            while isinstance(owner, np.ndarray | memoryview):  # np.frombuffer's base is a memoryview of the map
+                owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
             assert isinstance(owner, mmap.mmap) is mapped, name
             assert not buffer.any()
         slab.put(7, 1, {"k": np.ones((1, 4, 3, 64), np.float32), "v": np.ones((1, 4, 3, 64), np.float16)})
