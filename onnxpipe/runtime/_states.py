@@ -298,8 +298,9 @@ class StateKeeper:
         assert batch is not None
         try:
             helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
+            joining = not any(isinstance(h, InSlab) for h in helds)  # only then does placing look at the group's other members
             slab, runs, copied, evicted = place(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes,
-                                                batch.group, self._kin(batch.group, batch.streams))
+                                                batch.group, self._kin(batch.group, batch.streams) if joining else None)
             self._place(slab, batch.streams, copied, evicted)
             results = self._run_runs(feeds, slab, runs)
         except Exception as e:  # which member was bad is found by running each alone (nothing was committed)
