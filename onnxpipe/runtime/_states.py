@@ -341,8 +341,9 @@ class StateKeeper:
         if isinstance(held, InBlock) or (isinstance(held, dict) and any(len(a) != 1 for a in held.values())):
             return self._run_alone(request)  # a block of a batch kept as it came (never, with every state shared), or rows of its own
         if request.group and self._axes:  # its group's batches run in place: the step runs in its row of their slab (Note: state in place)
+            kin = None if isinstance(held, InSlab) else self._kin(request.group, (stream,))  # a stream in a slab stays where it is
             slab, start, copied, evicted = arrange([stream], [held], request.length, max(self.plan.stage.settings.max_batch, 1), self._axes,
-                                                   request.group, self._kin(request.group, (stream,)))
+                                                   request.group, kin)
         else:
             slab, start, copied, evicted = arrange([stream], [held], request.length, 1, self._lone_axes)
         self._place(slab, (stream,), copied, evicted)
