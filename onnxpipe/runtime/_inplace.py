@@ -124,6 +124,9 @@ class Slab:
             self.buffers[name] = _zeros(shape, value.dtype)
         self.row: dict[int, int] = {}  # stream -> its row
         self.lengths: dict[int, int] = {}  # stream -> positions it holds
+        #: (first row, rows) -> what the runner keeping this slab binds those rows' states with
+        #: (its IOBinding and the views: made once, while the buffers last; ``StateKeeper._run_bound``).
+        self.bound: dict[tuple[int, int], Any] = {}
 
     @property
     def rows(self) -> int:
