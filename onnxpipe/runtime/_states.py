@@ -302,10 +302,10 @@ class StateKeeper:
         try:
             helds = [self._held(s, n, d) for s, n, d in zip(batch.streams, batch.steps, batch.dims, strict=True)]
             joining = not any(isinstance(h, InSlab) for h in helds)  # only then does placing look at the group's other members
-            slab, runs, copied, evicted = place(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1), self._axes,
-                                                batch.group, self._kin(batch.group, batch.streams) if joining else None)
+            slab, runs, order, copied, evicted = place(batch.streams, helds, batch.length, max(self.plan.stage.settings.max_batch, 1),
+                                                       self._axes, batch.group, self._kin(batch.group, batch.streams) if joining else None)
             self._place(slab, batch.streams, copied, evicted)
-            results = self._run_runs(feeds, slab, runs)
+            results = self._run_runs(feeds, slab, runs, order)
         except Exception as e:  # which member was bad is found by running each alone (nothing was committed)
             self.unbatched = f"the batched call failed: {ort_message(e)}"
             return self._replay(request)
@@ -317,21 +317,27 @@ class StateKeeper:
         self._hand_on(request.values, results)
         return ()
 
-    def _run_runs(self, feeds: dict[str, Any], slab: Slab, runs: Sequence[tuple[int, int]]) -> list[Any]:
-        """A batch's call(s) on its runs of slab rows (first row, members; in the batch's order):
-        one call for one run; else each run's rows of the batch's inputs from the bag (the step
-        flags as they are) in a call of its own, and the outputs a later stage or the pipeline
-        reads joined again in the batch's order (the others, the states, are in the slab)."""
-        if len(runs) == 1:
-            return self._run_bound(feeds, slab, *runs[0])
+    def _run_runs(self, feeds: dict[str, Any], slab: Slab, runs: Sequence[tuple[int, int]], order: Sequence[int] | None = None) -> list[Any]:
+        """A batch's call(s) on its runs of slab rows (first row, members; in row order): one call
+        for one run; else each run's rows of the batch's inputs from the bag (the step flags as
+        they are) in a call of its own, and the outputs a later stage or the pipeline reads joined
+        again (the others, the states, are in the slab). ``order`` (:func:`place`): the batch's
+        members by row, where that is not the batch's order; their inputs from the bag are taken
+        in it and those outputs put back in the batch's (a few rows of small tensors, where moving
+        the members' rows would copy their whole past)."""
         bagged = {name for name, _ in self.plan.sources}
+        if order is not None:
+            feeds = {name: value[order] if name in bagged else value for name, value in feeds.items()}
+        elif len(runs) == 1:
+            return self._run_bound(feeds, slab, *runs[0])
         parts, at = [], 0
         for start, k in runs:
-            part = {name: value[at : at + k] if name in bagged else value for name, value in feeds.items()}
+            part = {name: value[at : at + k] if name in bagged else value for name, value in feeds.items()} if len(runs) > 1 else feeds
             parts.append(self._run_bound(part, slab, start, k))
             at += k
+        back = np.argsort(order) if order is not None else slice(None)
         handed = {i for i, _ in self._kept}
-        return [np.concatenate([p[i] for p in parts]) if i in handed else None for i in range(len(self.plan.outputs))]
+        return [np.concatenate([p[i] for p in parts])[back] if i in handed else None for i in range(len(self.plan.outputs))]
 
     def _run_alone_in_place(self, request: Request) -> tuple[Failure, ...]:
         """A stream's step alone on its row of a slab (one of its own, or its group's: where the

@@ -115,24 +115,39 @@ def test_more_members_than_rows_double_the_rows_up_to_max_batch() -> None:
 
 def test_a_batch_some_members_missed_runs_where_their_rows_are_in_runs_and_moves_nothing() -> None:
     slab, helds = _slab([3, 5, 4, 2, 6])
-    got, runs, copied, evicted = place([0, 2, 3], [helds[0], helds[2], helds[3]], need=6, max_rows=8, axes=AXES)
-    assert (got, runs, copied, evicted) == (slab, [(0, 1), (2, 2)], 0, {})
-    got, runs, copied, _ = place([1, 4], [helds[1], helds[4]], need=7, max_rows=8, axes=AXES)
-    assert (got, runs, copied) == (slab, [(1, 1), (4, 1)], 0)
+    got, runs, order, copied, evicted = place([0, 2, 3], [helds[0], helds[2], helds[3]], need=6, max_rows=8, axes=AXES)
+    assert (got, runs, order, copied, evicted) == (slab, [(0, 1), (2, 2)], None, 0, {})
+    got, runs, order, copied, _ = place([1, 4], [helds[1], helds[4]], need=7, max_rows=8, axes=AXES)
+    assert (got, runs, order, copied) == (slab, [(1, 1), (4, 1)], None, 0)
     assert [slab.row[s] for s in range(5)] == [0, 1, 2, 3, 4]  # nobody moved
-    assert place([0, 1, 2, 3, 4], helds, need=7, max_rows=8, axes=AXES)[1:] == ([(0, 5)], 0, {})
+    assert place([0, 1, 2, 3, 4], helds, need=7, max_rows=8, axes=AXES)[1:] == ([(0, 5)], None, 0, {})
 
 
-def test_a_batch_in_more_runs_than_max_runs_or_out_of_order_is_arranged_in_one() -> None:
+def test_a_batch_out_of_its_rows_order_runs_where_they_are_in_row_order() -> None:
+    """Members whose rows do not ascend in the batch's order (a gathered group's, below) run where
+    they are, in row order: nothing moves, and the order says which member each row is."""
+    slab, helds = _slab([2, 3, 4, 5])
+    got, runs, order, copied, evicted = place([2, 0, 3, 1], [helds[2], helds[0], helds[3], helds[1]], need=6, max_rows=8, axes=AXES)
+    assert (got, runs, order, copied, evicted) == (slab, [(0, 4)], [1, 3, 0, 2], 0, {})
+    assert [slab.row[s] for s in range(4)] == [0, 1, 2, 3]
+
+
+def test_a_batch_in_more_runs_than_max_runs_is_gathered_by_swapping_rows_with_open_streams() -> None:
+    """9 streams in 9 rows, a batch of every other one (MAX_RUNS + 1 runs): the 5 rows that hold
+    most members already (0-4) take the 2 outside (streams 6 and 8 swap rows with streams 1 and 3,
+    4 rows copied); nobody is copied out, and every stream keeps its positions."""
     n = 2 * MAX_RUNS + 1
-    slab, helds = _slab([2] * n)
-    every_other = list(range(0, n, 2))  # MAX_RUNS + 1 runs
-    got, runs, copied, _ = place(every_other, [helds[s] for s in every_other], need=3, max_rows=n, axes=AXES)
-    assert got is slab and runs == [(0, len(every_other))] and copied > 0
-    assert [slab.row[s] for s in every_other] == list(range(len(every_other)))
-    slab, helds = _slab([2, 2, 2])
-    got, runs, copied, _ = place([1, 0], [helds[1], helds[0]], need=3, max_rows=3, axes=AXES)
-    assert len(runs) == 1 and copied > 0 and [slab.row[s] for s in (1, 0)] == [runs[0][0], runs[0][0] + 1]
+    slab, helds = _slab([s + 1 for s in range(n)])
+    before = {s: _positions(slab, s) for s in range(n)}
+    every_other = list(range(0, n, 2))
+    got, runs, order, copied, evicted = place(every_other, [helds[s] for s in every_other], need=n + 1, max_rows=n, axes=AXES)
+    assert (got, runs, evicted) == (slab, [(0, 5)], {})
+    assert [slab.row[s] for s in every_other] == [0, 2, 4, 1, 3] and (slab.row[1], slab.row[3]) == (6, 8)
+    assert order == [0, 3, 1, 4, 2]  # the batch's members by row
+    longest = max(slab.lengths[s] for s in (1, 3, 6, 8))
+    assert copied == 4 * longest * 2 * 3 * 4  # 4 rows of 2 heads x 3 dims float32, up to the longest moved
+    for s in range(n):
+        assert np.array_equal(_positions(slab, s), before[s]), f"stream {s}"
 
 
 def test_a_slab_made_for_a_batch_leaves_rows_free_on_both_sides_for_joiners() -> None:
@@ -142,10 +157,10 @@ def test_a_slab_made_for_a_batch_leaves_rows_free_on_both_sides_for_joiners() ->
     slab, start, copied, _ = arrange([1, 2, 3], together, need=4, max_rows=8, axes=AXES)
     assert (slab.rows, start) == (6, 1)  # twice the batch's rows, the free ones split
     alone = _own(4, 1.0)
-    got, runs, copied, _ = place([0, 1, 2, 3], [alone, InSlab(slab), InSlab(slab), InSlab(slab)], need=5, max_rows=8, axes=AXES)
+    got, runs, _, copied, _ = place([0, 1, 2, 3], [alone, InSlab(slab), InSlab(slab), InSlab(slab)], need=5, max_rows=8, axes=AXES)
     assert got is slab and runs == [(0, 4)] and copied == alone["k"].nbytes
     later = _own(4, 5.0)  # a stream that joins the group later goes after them
-    got, runs, copied, _ = place([0, 1, 2, 3, 4], [*[InSlab(slab)] * 4, later], need=5, max_rows=8, axes=AXES)
+    got, runs, _, copied, _ = place([0, 1, 2, 3, 4], [*[InSlab(slab)] * 4, later], need=5, max_rows=8, axes=AXES)
     assert got is slab and runs == [(0, 5)] and copied == later["k"].nbytes
     for s in range(5):
         assert np.array_equal(_positions(slab, s), _own(4, s + 1.0)["k"])
@@ -221,7 +236,7 @@ def test_a_prompt_that_knows_its_group_runs_in_its_row_of_the_groups_slab() -> N
     kin = {m: InSlab(slab) for m in (5, 6, 7)}
     got, start, copied, _ = arrange([4], [_own(3, 1.0)], need=4, max_rows=8, axes=AXES, group=group, kin=kin)
     assert (got, start, copied) == (slab, 0, _own(3, 1.0)["k"].nbytes)  # before stream 5: only its own positions copied
-    assert place(list(group), [InSlab(slab)] * 4, need=5, max_rows=8, axes=AXES, group=group)[1:] == ([(0, 4)], 0, {})
+    assert place(list(group), [InSlab(slab)] * 4, need=5, max_rows=8, axes=AXES, group=group)[1:] == ([(0, 4)], None, 0, {})
 
 
 def test_a_joiner_with_no_room_beside_its_group_or_a_slab_too_short_gets_a_slab_of_its_own() -> None:
@@ -266,14 +281,15 @@ def test_a_decode_step_in_place_copies_nothing_at_any_context(bundle: Path, whol
         assert _copied_by_decode_steps(pipe, whole.inputs, 200) == [0, 0]
 
 
-def _decode_rounds(pipe: Any, inputs: set[str], texts: list[list[int]], rounds: list[list[int]]) -> list[int]:
+def _decode_rounds(pipe: Any, inputs: set[str], texts: list[list[int]], rounds: list[list[int]], counted_from: int = 2) -> list[int]:
     """Opens a stream per text; each round, the steps of the streams it names handed at once
     (``submit_steps``: a batch of just them); each stream's tokens appended to its text. The
-    bytes each stage copied from the third round on (after the prompts and a first step)."""
+    bytes each stage copied from round ``counted_from`` on (by default the third: after the
+    prompts and a first step)."""
     streams = [pipe.stream() for _ in texts]
     done = [0] * len(texts)
     for n, members in enumerate(rounds):
-        if n == 2:
+        if n == counted_from:
             pipe.reset_stats()
         futures = pipe.submit_steps({streams[k]: step_feeds(inputs, texts[k], done[k]) for k in members})
         for k in members:
@@ -302,6 +318,28 @@ def test_batches_that_members_missed_run_where_their_rows_are_and_copy_nothing(b
     for k, prompt in enumerate(starts):
         count = sum(k in r for r in rounds)
         assert texts[k][len(prompt):] == whole.generate(prompt, count)[0], f"stream {k}"
+
+
+def test_a_batch_gathered_from_many_gaps_leaves_the_batches_after_it_copying_nothing(tmp_path: Path, whole: WholeModel) -> None:
+    """A group of 10 in one slab; a batch of every other member (5 runs, more than MAX_RUNS) is
+    gathered into 5 rows by swapping 2 members with 2 open streams; then the whole group (its rows
+    no longer in its order) and the other half run where their rows are, in row order, copying
+    nothing (before, each re-ordered the rows: the whole past of most members copied twice), and
+    every stream's tokens are the whole export's."""
+    plan = split(str(model_path(NAME)), [HAND_CUTS[NAME]], states="auto")
+    for stage in plan.config.stages:
+        stage.configure(max_batch=10, max_delay_ms=60_000)
+    starts = [[(5 * k + 7 * t + 1) % 200 for t in range(12)] for k in range(10)]
+    texts = [list(p) for p in starts]
+    every = list(range(10))
+    rounds = [every, every, [0, 2, 4, 6, 8], every, [1, 3, 5, 7, 9], every, every]
+    with load(bundle_of(plan, tmp_path), micro_batches=1) as pipe:
+        copied = _decode_rounds(pipe, whole.inputs, texts, rounds, counted_from=3)
+        sizes = pipe.stats().stages[0].batch_sizes
+    assert copied == [0, 0]
+    assert sizes == {10: 3, 5: 1}  # counted from the 4th round: the whole group thrice, the other half once
+    for k, prompt in enumerate(starts):
+        assert texts[k][len(prompt):] == whole.generate(prompt, sum(k in r for r in rounds))[0], f"stream {k}"
 
 
 @pytest.mark.parametrize("prompts", [[[0], [1, 2, 3]], [[0], [1], [2], [3]], [[0, 1], [2], [3]]], ids=["one-then-three", "one-by-one", "two-one-one"])
