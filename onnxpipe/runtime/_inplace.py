@@ -12,19 +12,25 @@ Note: state in place.
     decode step writes one position per layer and copies nothing.
 
     - onnxruntime takes one contiguous block of rows a call. When every member is in the slab
-      already, in rows that ascend in the batch's order, the batch runs where its rows are, one
-      call per run of consecutive rows (at most :data:`MAX_RUNS`), and nothing moves
-      (:func:`place`): the same members as the step before (one run), and a batch that some of
-      its group's members missed (the scheduler keeps a group's order, so the others' rows still
-      ascend; a run more per gap). A call more costs far less than moving rows: at context 2048
-      on the 24.7 M Llama a stream's past is 17 MB per stage, and a batch a member missed used to
-      move its group's rows twice (that member after the batch, then back: docs/batching.md).
-    - Otherwise (a member joins, the order changed, too many gaps) the members are put in
-      consecutive rows from their first one's (or from 0): members that left make the rows after
-      them move up (only their positions); an open stream not in this batch whose row is taken
-      moves to a free row after them (or, with none free, is copied out to arrays of its own); a
-      member that joins (its state from a step it ran alone, a prefill, or from another slab) is
-      copied into its row (:func:`arrange`).
+      already, the batch runs where its rows are, in row order, one call per run of consecutive
+      rows (at most :data:`MAX_RUNS`), and nothing moves (:func:`place`): the same members as
+      the step before (one run), and a batch that some of its group's members missed (a run more
+      per gap). Rows that are not in the batch's order cost nothing either: the members' inputs
+      from the bag are taken in row order and the outputs a later stage reads put back in the
+      batch's (a few rows of small tensors). A call more, or a few rows of inputs reordered,
+      costs far less than moving rows: at context 2048 on the 24.7 M Llama a stream's past is
+      17 MB per stage, and a batch a member missed used to move its group's rows twice (that
+      member after the batch, then back: docs/batching.md).
+    - A batch in more runs than that (a group of 16 with a few members late, whose rows are
+      scattered) is gathered (:func:`_gather`): the block of its size that holds most members
+      already takes the others, each swapping rows with the open stream in its way; nobody else
+      moves, and the whole group's next batch runs where its rows are, in row order.
+    - Otherwise (a member joins, or its slab is too short) the members are put in consecutive
+      rows from their first one's (or from 0): members that left make the rows after them move up
+      (only their positions); an open stream not in this batch whose row is taken moves to a free
+      row after them (or, with none free, is copied out to arrays of its own); a member that joins
+      (its state from a step it ran alone, a prefill, or from another slab) is copied into its
+      row (:func:`arrange`).
     - A group's prompts come in pieces (a thread per stream's arrive one by one; a driver's first
       leaves alone while the first stage is free). The scheduler tells each batch and each lone
       step its group's members in order (``StepBatch.group``, ``Request.group``), so a member
