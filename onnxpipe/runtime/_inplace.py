@@ -253,8 +253,8 @@ def _gather(slab: Slab, streams: Sequence[int]) -> int:
     runs in row order: :func:`place`). A thread per stream's batch that some members missed in
     more than :data:`MAX_RUNS` runs (16 streams in one group, a few late) moved every member after
     the first gap, then again to restore the order at the next whole batch: 2 x 221 MB per stage
-    at context 2048 on the 24.7 M Llama; gathered, 3-4 members and as many open streams swap rows,
-    and the whole batch after runs where they are."""
+    at context 2048 on the 24.7 M Llama; gathered, 3 rows (52 MB), and the whole batch after runs
+    where they are."""
     k, mine = len(streams), {slab.row[s] for s in streams}
     start = max(range(slab.rows - k + 1), key=lambda a: sum(a <= r < a + k for r in mine))
     holes = [r for r in range(start, start + k) if r not in mine]

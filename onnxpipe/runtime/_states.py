@@ -120,6 +120,7 @@ class StateKeeper:
     _lone_axes: dict[str, int]
     _axes: dict[str, int]
     _made_apart: tuple[str, ...]
+    _stacked: tuple[str, ...]
     _kept_in: tuple[str, ...]
     _holds: bool
     _later_sources: tuple[tuple[str, Endpoint], ...]
@@ -325,14 +326,14 @@ class StateKeeper:
         members by row, where that is not the batch's order; their inputs from the bag are taken
         in it and those outputs put back in the batch's (a few rows of small tensors, where moving
         the members' rows would copy their whole past)."""
-        bagged = {name for name, _ in self.plan.sources}
-        if order is not None:
-            feeds = {name: value[order] if name in bagged else value for name, value in feeds.items()}
-        elif len(runs) == 1:
+        if order is None and len(runs) == 1:
             return self._run_bound(feeds, slab, *runs[0])
+        stacked = self._stacked
+        if order is not None:
+            feeds = {name: value[order] if name in stacked else value for name, value in feeds.items()}
         parts, at = [], 0
         for start, k in runs:
-            part = {name: value[at : at + k] if name in bagged else value for name, value in feeds.items()} if len(runs) > 1 else feeds
+            part = feeds if len(runs) == 1 else {name: value[at : at + k] if name in stacked else value for name, value in feeds.items()}
             parts.append(self._run_bound(part, slab, start, k))
             at += k
         back = np.argsort(order) if order is not None else slice(None)
