@@ -226,23 +226,24 @@ def place(streams: Sequence[int], helds: Sequence[Any], need: int, max_rows: int
     first = helds[0]
     slab = first.slab if isinstance(first, InSlab) else None
     if slab is not None and slab.capacity >= need and all(isinstance(h, InSlab) and h.slab is slab for h in helds):
-        rows = [slab.row[s] for s in streams]
-        runs = _runs(sorted(rows))
-        copied = 0
+        order, ascending = _by_row([slab.row[s] for s in streams])
+        runs, copied = _runs(ascending), 0
         if len(runs) > MAX_RUNS:
             copied = _gather(slab, streams)
-            rows = [slab.row[s] for s in streams]
-            runs = _runs(sorted(rows))
-        return slab, runs, _by_row(rows), copied, {}
+            order, ascending = _by_row([slab.row[s] for s in streams])
+            runs = _runs(ascending)
+        return slab, runs, order, copied, {}
     slab, start, copied, evicted = arrange(streams, helds, need, max_rows, axes, group, kin)
     return slab, [(start, len(streams))], None, copied, evicted
 
 
-def _by_row(rows: Sequence[int]) -> list[int] | None:
-    """``None`` when ``rows`` ascend; else the indices of ``rows`` in ascending order of row."""
+def _by_row(rows: Sequence[int]) -> tuple[list[int] | None, Sequence[int]]:
+    """The order of ``rows`` (``None`` when they ascend; else their indices in ascending order of
+    row) and the rows in that order."""
     if all(a < b for a, b in pairwise(rows)):
-        return None
-    return sorted(range(len(rows)), key=rows.__getitem__)
+        return None, rows
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    return order, [rows[j] for j in order]
 
 
 def _gather(slab: Slab, streams: Sequence[int]) -> int:

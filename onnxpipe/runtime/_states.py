@@ -336,9 +336,11 @@ class StateKeeper:
             part = feeds if len(runs) == 1 else {name: value[at : at + k] if name in stacked else value for name, value in feeds.items()}
             parts.append(self._run_bound(part, slab, start, k))
             at += k
-        back = np.argsort(order) if order is not None else slice(None)
         handed = {i for i, _ in self._kept}
-        return [np.concatenate([p[i] for p in parts])[back] if i in handed else None for i in range(len(self.plan.outputs))]
+        outputs = range(len(self.plan.outputs))
+        joined: list[Any] = parts[0] if len(parts) == 1 else [np.concatenate([p[i] for p in parts]) if i in handed else None for i in outputs]
+        back = np.argsort(order) if order is not None else slice(None)
+        return [joined[i][back] if i in handed else None for i in outputs]
 
     def _run_alone_in_place(self, request: Request) -> tuple[Failure, ...]:
         """A stream's step alone on its row of a slab (one of its own, or its group's: where the
