@@ -47,7 +47,9 @@ With ``--llama FOLDER --contexts 128,512,2048`` (issue 38) the rows are others, 
 count, in one interleaved run (:data:`CONTEXT_ROWS`): onnxpipe batched (2 stages x 1 thread, as
 above) by one driver and by a thread per stream; ``og.Generator`` at batch S (``--export genai``
 only; ``max_length`` the context + ``--tokens``); and the whole export in one plain onnxruntime
-session x 2 threads stepping the S streams as one batch, its KV bound with IOBinding
+session x 2 threads (onnxruntime's defaults: its idle threads spin, as they do in a plain session;
+before 2026-12-04 they did not, which made it 1.1-1.2x slower) stepping the S streams as one batch,
+its KV bound with IOBinding
 (``benchmarks._kv_sessions``: on the genai export one preallocated buffer of context + tokens
 positions bound as past and present, ``GroupQueryAttention``'s shared buffer; on optimum's, presents
 bound as outputs and bound as the next step's pasts) or fed numpy in and out; and, where the Llama
@@ -444,10 +446,11 @@ def _og_model(folder: Path) -> Any:
 CACHES = {"numpy": NumpyKV, "shared": SharedKV, "fed back": FedBackKV}
 
 
-def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, threads: int = 1, kv: str = "numpy") -> dict[str, Any]:
+def _lockstep(model: Any, streams: int, past: int, tokens: int, vocab: int, threads: int = 1, kv: str = "numpy",
+              spinning: bool = False) -> dict[str, Any]:
     """The whole model in one session x ``threads`` stepping the S streams as one batch, its KV
-    cache kept as ``kv`` says (:data:`CACHES`)."""
-    session = decoder_session(model, threads)
+    cache kept as ``kv`` says (:data:`CACHES`), its idle threads spinning with ``spinning``."""
+    session = decoder_session(model, threads, spinning)
     head = next(i.shape[3] for i in session.get_inputs() if i.name.startswith(PAST))
     head = head if isinstance(head, int) else HEAD_SIZE[0]
 
@@ -706,11 +709,12 @@ def _runners(llama: Path, exporter: str, model: Any, bundle: Path, micro: int | 
              ovgenai_python: Path = OVGENAI_PYTHON) -> dict[str, Callable[..., dict[str, Any]]]:
     """Each ``--contexts`` row's runner, called as ``runner(streams, context, tokens, vocab)``
     (onnxpipe's on ``bundle`` in ``micro`` micro-batches; None: one per stage); the bound session's
-    KV is the export's: one shared buffer (genai) or presents fed back (optimum)."""
+    KV is the export's: one shared buffer (genai) or presents fed back (optimum); the plain
+    sessions run with onnxruntime's defaults, their idle threads spinning (see the module's docstring)."""
     return {"driver": partial(_driver, bundle, micro=micro), "threads": partial(_threads, bundle, micro=micro),
             "generator": partial(_generator, llama / "genai"), "ovgenai": partial(_ovgenai, llama / "openvino", ovgenai_python),
-            "bound": partial(_lockstep, model, threads=2, kv="shared" if exporter == "genai" else "fed back"),
-            "numpy": partial(_lockstep, model, threads=2)}
+            "bound": partial(_lockstep, model, threads=2, kv="shared" if exporter == "genai" else "fed back", spinning=True),
+            "numpy": partial(_lockstep, model, threads=2, spinning=True)}
 
 
 def layout_rows(layouts: tuple[Layout, ...]) -> tuple[list[tuple[str, str, Layout]], list[tuple[str, str, str]]]:
@@ -851,7 +855,8 @@ def print_contexts(result: dict[str, Any]) -> None:
     m = result["model"]
     print(f"{m['name']} Llama, {m['parameters'] / 1e6:.1f} M parameters, {m['export']} export (random weights); each stream a prompt of the "
           f"context's tokens then {m['tokens']} greedy tokens; {result['cores']} cores; onnxpipe: {_described(m['layouts'][0])}, max_batch {MAX_BATCH}, "
-          f"max_delay_ms {DELAY_MS:g}; median (min-max) of {result['rounds']} interleaved rounds")
+          f"max_delay_ms {DELAY_MS:g}; plain sessions: onnxruntime's defaults (idle threads spin); "
+          f"median (min-max) of {result['rounds']} interleaved rounds")
     for other in m["layouts"][1:]:
         print(f"onnxpipe batched {other}: {_described(other)}")
     print(f"{'how':<54} {'streams':>7} {'context':>7} {'decode tok/s':>12} {'(min-max)':>13} {'p50 ms':>7} {'p99 ms':>7} {'TTFT ms':>8}"

@@ -275,11 +275,12 @@ def generate(step: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]
     return tokens[len(prompt):], logits
 
 
-def decoder_session(model: ModelProto, threads: int = 1) -> ort.InferenceSession:
-    """The whole model in one onnxruntime session with ``threads`` intra-op threads."""
+def decoder_session(model: ModelProto, threads: int = 1, spinning: bool = False) -> ort.InferenceSession:
+    """The whole model in one onnxruntime session with ``threads`` intra-op threads (whose pool
+    spins between parallel sections with ``spinning``, onnxruntime's default; else it does not)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
