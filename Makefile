@@ -191,8 +191,9 @@ $(LLAMAS)/24m/openvino/openvino_model.xml: $(LLAMAS)/24m/about.json $(OVGENAI)/.
 
 # Issue 38's rows: onnxpipe batched (one driver, a thread per stream), og.Generator (genai export) and a
 # plain session with its KV bound or fed numpy, and OpenVINO GenAI's continuous batching, at each
-# context, for each Llama and export; on the genai export onnxpipe's rows in two layouts too (2 stages
-# x 1 thread pinned, and 2 x 2 threads in one micro-batch: docs/batching.md, --layouts).
+# context, for each Llama and export; on the genai export onnxpipe's rows in three layouts (2 stages
+# x 1 thread pinned, 1 stage x 2 threads spinning, and 2 x 2 threads in one micro-batch: docs/batching.md,
+# --layouts). The plain sessions run with onnxruntime's defaults (their idle threads spin).
 # The optimum export materialises a batch of prompts' attention scores (streams x heads x context^2 per
 # layer): at 2048 it outgrows a 23 GB machine, so it runs the shorter contexts.
 CONTEXTS := 128,512,2048
@@ -200,7 +201,7 @@ OPTIMUM_CONTEXTS := 128,512
 
 bench-decoders: $(LLAMAS)/24m/about.json $(LLAMAS)/24m/openvino/openvino_model.xml
 	for llama in tiny 24m; do \
-		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export genai --contexts $(CONTEXTS) --streams 8,16 --rounds 3 --layouts 2x1,2x2:1 --ovgenai-python $(OVGENAI)/bin/python || exit 1; \
+		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export genai --contexts $(CONTEXTS) --streams 8,16 --rounds 3 --layouts 2x1,1x2+spin,2x2:1 --ovgenai-python $(OVGENAI)/bin/python || exit 1; \
 		$(DECODERS)/bin/python -m benchmarks.batching --llama $(LLAMAS)/$$llama --export optimum --contexts $(OPTIMUM_CONTEXTS) --streams 8,16 --rounds 3 --ovgenai-python $(OVGENAI)/bin/python || exit 1; \
 	done
 

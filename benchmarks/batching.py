@@ -47,10 +47,9 @@ With ``--llama FOLDER --contexts 128,512,2048`` (issue 38) the rows are others, 
 count, in one interleaved run (:data:`CONTEXT_ROWS`): onnxpipe batched (2 stages x 1 thread, as
 above) by one driver and by a thread per stream; ``og.Generator`` at batch S (``--export genai``
 only; ``max_length`` the context + ``--tokens``); and the whole export in one plain onnxruntime
-session x 2 threads (onnxruntime's defaults: its idle threads spin, as they do in a plain session;
-before 2026-12-04 they did not, which made it 1.1-1.2x slower) stepping the S streams as one batch,
-its KV bound with IOBinding
-(``benchmarks._kv_sessions``: on the genai export one preallocated buffer of context + tokens
+session x 2 threads with onnxruntime's defaults (its idle threads spin; before 2026-12-04 they did
+not, which made it 1.09-1.22x slower on the 24.7 M Llama) stepping the S streams as one batch, its
+KV bound with IOBinding (``benchmarks._kv_sessions``: on the genai export one preallocated buffer of context + tokens
 positions bound as past and present, ``GroupQueryAttention``'s shared buffer; on optimum's, presents
 bound as outputs and bound as the next step's pasts) or fed numpy in and out; and, where the Llama
 has its openvino export (``benchmarks.llama_exports --only openvino``, fp32) and
