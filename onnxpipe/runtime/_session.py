@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnxruntime as ort
 
 from onnxpipe._errors import BundleError, ConfigError, ort_message
@@ -55,6 +56,7 @@ from onnxpipe.runtime._spec import StageSpec
 __all__ = [
     "RECORDS_PLACEMENT",
     "Placement",
+    "bound_outputs",
     "check_available",
     "load_optimization",
     "make_session",
@@ -301,3 +303,19 @@ def run_options() -> ort.RunOptions:
     options.log_severity_level = _FATAL_ONLY
     options.add_run_config_entry(*_GRAPH_ID)
     return options
+
+
+def bound_outputs(binding: ort.IOBinding, first: int) -> list[np.ndarray]:
+    """The outputs of the run ``binding`` was bound for, from the ``first`` on, as numpy (on the
+    host: views of onnxruntime's buffers, no copy).
+
+    Read from the binding's own vector of values (``IOBinding._iobinding``, onnxruntime's since
+    1.4; the public ``get_outputs`` where a version lacks it): ``get_outputs`` wraps every output in
+    a Python ``OrtValue`` first, the outputs bound in place too, 98 us a call in a stage of the
+    24.7 M Llama (17 outputs, the 16 caches bound in place among them) against 2 us for the vector.
+    """
+    vector = getattr(binding, "_iobinding", None)
+    if vector is None:
+        return [v.numpy() for v in binding.get_outputs()[first:]]
+    values = vector.get_outputs()
+    return [values[i].numpy() for i in range(first, len(values))]

@@ -16,6 +16,7 @@ from onnxpipe._errors import InputError, StageError, ort_message
 from onnxpipe.runtime._dtypes import numpy_dtype
 from onnxpipe.runtime._handoff import host, session_device
 from onnxpipe.runtime._inplace import InSlab, Slab, arrange, place
+from onnxpipe.runtime._session import bound_outputs
 from onnxpipe.runtime._spec import Dim, Endpoint, StateLink
 from onnxpipe.runtime.scheduling import StepBatch, member_rows, pad_stack, take_rows
 
@@ -429,5 +430,5 @@ class StateKeeper:
             binding.bind_output(name, "cpu")  # bound again each call: a new output (the last one's is handed on); it keeps its place
         self.session.run_with_iobinding(binding, self.run_options)
         made = dict(states)
-        made.update(zip(rest, (v.numpy() for v in binding.get_outputs()[len(states):]), strict=True))
+        made.update(zip(rest, bound_outputs(binding, len(states)), strict=True))
         return [made[o] for o in self.plan.outputs]

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 
 from onnxpipe.runtime import load
 from onnxpipe.runtime._inplace import MAX_RUNS, InSlab, Slab, arrange, capacity_for, place
-from onnxpipe.runtime._session import run_options
+from onnxpipe.runtime._session import bound_outputs, run_options
 from onnxpipe.splitter import split
 from tests.decoder_exports import HAND_CUTS, WholeModel, decode_one_driver, model_path, prompts, step_feeds
 from tests.models import bundle_of
@@ -55,6 +57,30 @@ def test_a_stages_run_options_say_the_graph_id_a_bound_run_reads() -> None:
     options = run_options()
     assert options.get_run_config_entry("gpu_graph_id") == "0"  # onnxruntime's default, set: reading it raises nothing
     assert options.log_severity_level == 4
+
+
+def test_a_bound_runs_outputs_are_read_from_the_first_asked_on_as_onnxruntime_gives_them() -> None:
+    # A stage keeping state in place reads only the outputs after its states (bound in place);
+    # read through the binding's vector, not a Python OrtValue made for every output.
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    nodes = [helper.make_node("Identity", ["x"], ["kept"]), helper.make_node("Neg", ["x"], ["neg"]), helper.make_node("Exp", ["x"], ["exp"])]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in ("kept", "neg", "exp")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])], outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    binding.bind_cpu_input("x", x)
+    kept = ort.OrtValue.ortvalue_from_numpy(np.zeros_like(x))
+    binding.bind_ortvalue_output("kept", kept)
+    for name in ("neg", "exp"):
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding, run_options())
+    want = [v.numpy() for v in binding.get_outputs()]
+    assert np.array_equal(want[0], x) and np.array_equal(kept.numpy(), x)
+    for first in range(4):
+        got = bound_outputs(binding, first)
+        assert len(got) == 3 - first and all(np.array_equal(g, w) for g, w in zip(got, want[first:], strict=True))
+    assert np.array_equal(bound_outputs(binding, 1)[0], -x) and np.allclose(bound_outputs(binding, 2)[0], np.exp(x))
 
 
 def test_members_in_a_row_anywhere_in_the_slab_run_where_they_are() -> None:
